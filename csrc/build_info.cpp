@@ -1,0 +1,22 @@
+#include "build_info.h"
+
+#include "build_config.h"
+
+#include <ATen/Parallel.h>
+#include <torch/version.h>
+
+namespace dino_opt {
+
+std::map<std::string, std::string> build_info() {
+  return {
+      {"torch_version_built", TORCH_VERSION},
+      {"cuda_compiled", DINO_OPT_WITH_CUDA ? "yes" : "no"},
+      {"cuda_archs", DINO_OPT_CUDA_ARCHS},
+      {"cxx_compiler", DINO_OPT_CXX_COMPILER},
+      {"cuda_compiler", DINO_OPT_CUDA_COMPILER},
+      {"openmp", DINO_OPT_OPENMP},
+      {"parallel_info", at::get_parallel_info()},
+  };
+}
+
+}  // namespace dino_opt

@@ -1,0 +1,40 @@
+"""dino_opt: fast, memory-lean and robust DINO self-supervised training.
+
+The hot paths are a C++/CUDA core registered as PyTorch operators
+(``torch.ops.dino_opt.*``); this package is the thin Python API over them.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the native core)
+
+from . import _C, ops  # noqa: F401  (_C loads the core library, which registers the ops)
+from .ema import EMATeacher, cosine_scheduler, update_teacher
+
+__version__ = "0.1.0"
+
+__all__ = ["EMATeacher", "build_info", "cosine_scheduler", "update_teacher", "__version__"]
+
+
+def build_info() -> dict:
+    """How the native core was built, and what this process sees at run time.
+
+    Keys: ``version``, ``torch_version`` (running), ``torch_version_built``,
+    ``cuda_compiled`` (bool), ``cuda_archs`` (list of ints), ``cxx_compiler``,
+    ``cuda_compiler``, ``openmp`` (the OpenMP spec date, empty if none),
+    ``parallel_info`` (ATen's threading report), ``cuda_available``,
+    ``device_name``.
+    """
+    native = _C.build_info()
+    archs = [int(a) for a in native["cuda_archs"].split(";") if a]
+    return {
+        "version": __version__,
+        "torch_version": torch.__version__,
+        "torch_version_built": native["torch_version_built"],
+        "cuda_compiled": native["cuda_compiled"] == "yes",
+        "cuda_archs": archs,
+        "cxx_compiler": native["cxx_compiler"],
+        "cuda_compiler": native["cuda_compiler"],
+        "openmp": native["openmp"],
+        "parallel_info": native["parallel_info"],
+        "cuda_available": torch.cuda.is_available(),
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
