@@ -1,9 +1,9 @@
 #include "build_info.h"
 
-#include "build_config.h"
-
 #include <ATen/Parallel.h>
 #include <torch/version.h>
+
+#include "build_config.h"
 
 namespace dino_opt {
 

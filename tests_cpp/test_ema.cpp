@@ -41,12 +41,12 @@ void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::stri
       << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
 }
 
-const std::vector<at::ScalarType> kFloatTypes = {at::kDouble, at::kFloat, at::kBFloat16,
-                                                 at::kHalf};
+const std::vector<at::ScalarType> kFloatTypes = {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf};
 
 TEST(EmaCpu, MatchesScalarLoopForEveryDtypePairAndSize) {
   at::manual_seed(0);
-  const std::vector<int64_t> sizes = {0, 1, 2, 3, 7, 15, 16, 17, 31, 33, 1000, 32768, 32769, 100003};
+  const std::vector<int64_t> sizes = {0,  1,  2,  3,    7,     15,    16,
+                                      17, 31, 33, 1000, 32768, 32769, 100003};
   for (auto tt : kFloatTypes) {
     for (auto st : kFloatTypes) {
       std::vector<at::Tensor> teacher, student, want;
@@ -126,8 +126,11 @@ void expect_error(const std::function<void()>& call, const std::string& fragment
 
 TEST(EmaCpu, ClearErrors) {
   at::Tensor a = at::zeros({4}), b = at::zeros({4});
-  expect_error([&] { dino_opt::ema_update_({a, a}, {b}, 0.9); },
-               "teacher has 2 tensors but student has 1");
+  expect_error(
+      [&] {
+        dino_opt::ema_update_({a, a}, {b}, 0.9);
+      },
+      "teacher has 2 tensors but student has 1");
   expect_error([&] { dino_opt::ema_update_({a}, {b}, 1.5); }, "momentum must be in [0, 1]");
   expect_error([&] { dino_opt::ema_update_({a}, {b}, -0.1); }, "momentum must be in [0, 1]");
   expect_error([&] { dino_opt::ema_update_({a}, {b}, std::nan("")); },
@@ -138,9 +141,8 @@ TEST(EmaCpu, ClearErrors) {
                "teacher[0] has dtype Long");
   expect_error([&] { dino_opt::ema_update_({a}, {at::zeros({4}, at::kInt)}, 0.9); },
                "student[0] has dtype Int");
-  expect_error(
-      [&] { dino_opt::ema_update_({at::zeros({4}).requires_grad_()}, {b}, 0.9); },
-      "teacher[0] requires grad");
+  expect_error([&] { dino_opt::ema_update_({at::zeros({4}).requires_grad_()}, {b}, 0.9); },
+               "teacher[0] requires grad");
   expect_error([&] { dino_opt::ema_update_({at::zeros({1}).expand({4})}, {b}, 0.9); },
                "overlapping memory");
 }

@@ -30,8 +30,8 @@ using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 template <typename T, typename S>
 inline __attribute__((always_inline)) void ema_span(T* __restrict t, const S* __restrict s,
-                                                     int64_t n, opmath_t<T> keep,
-                                                     opmath_t<T> mix_in) {
+                                                    int64_t n, opmath_t<T> keep,
+                                                    opmath_t<T> mix_in) {
   using acc_t = opmath_t<T>;
   for (int64_t i = 0; i < n; ++i) {
     t[i] = static_cast<T>(static_cast<acc_t>(t[i]) * keep + static_cast<acc_t>(s[i]) * mix_in);
@@ -41,13 +41,15 @@ inline __attribute__((always_inline)) void ema_span(T* __restrict t, const S* __
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DINO_OPT_ISA_CLONES 1
 template <typename T, typename S>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void ema_span_avx512(
-    T* t, const S* s, int64_t n, opmath_t<T> keep, opmath_t<T> mix_in) {
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void ema_span_avx512(T* t, const S* s,
+                                                                               int64_t n,
+                                                                               opmath_t<T> keep,
+                                                                               opmath_t<T> mix_in) {
   ema_span(t, s, n, keep, mix_in);
 }
 template <typename T, typename S>
 __attribute__((target("avx2,f16c"))) void ema_span_avx2(T* t, const S* s, int64_t n,
-                                                         opmath_t<T> keep, opmath_t<T> mix_in) {
+                                                        opmath_t<T> keep, opmath_t<T> mix_in) {
   ema_span(t, s, n, keep, mix_in);
 }
 #endif
@@ -74,8 +76,8 @@ void ema_group(const std::vector<FlatPair>& pairs, ema_detail::Coefficients c) {
   const acc_t k = static_cast<acc_t>(c.keep);
   const acc_t w = static_cast<acc_t>(c.mix_in);
   at::parallel_for(0, first_chunk.back(), 1, [&](int64_t begin, int64_t end) {
-    size_t p = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) -
-               first_chunk.begin() - 1;
+    size_t p =
+        std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) - first_chunk.begin() - 1;
     for (int64_t c = begin; c < end; ++c) {
       while (c >= first_chunk[p + 1]) ++p;
       const int64_t offset = (c - first_chunk[p]) * kChunk;
@@ -94,9 +96,8 @@ void ema_update_cpu(at::TensorList teacher, at::TensorList student, double momen
       [&](at::ScalarType tt, at::ScalarType st, const std::vector<FlatPair>& pairs) {
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tt, "ema_update_cpu", [&] {
           using teacher_t = scalar_t;
-          AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "ema_update_cpu", [&] {
-            ema_group<teacher_t, scalar_t>(pairs, c);
-          });
+          AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "ema_update_cpu",
+                                          [&] { ema_group<teacher_t, scalar_t>(pairs, c); });
         });
       });
 }

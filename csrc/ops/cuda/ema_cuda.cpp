@@ -13,11 +13,16 @@ namespace {
 
 cuda::FloatKind float_kind(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return cuda::FloatKind::kDouble;
-    case at::kFloat: return cuda::FloatKind::kFloat;
-    case at::kBFloat16: return cuda::FloatKind::kBFloat16;
-    case at::kHalf: return cuda::FloatKind::kHalf;
-    default: TORCH_CHECK(false, "ema_update_: unsupported dtype ", t);
+    case at::kDouble:
+      return cuda::FloatKind::kDouble;
+    case at::kFloat:
+      return cuda::FloatKind::kFloat;
+    case at::kBFloat16:
+      return cuda::FloatKind::kBFloat16;
+    case at::kHalf:
+      return cuda::FloatKind::kHalf;
+    default:
+      TORCH_CHECK(false, "ema_update_: unsupported dtype ", t);
   }
 }
 

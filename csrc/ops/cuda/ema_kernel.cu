@@ -98,8 +98,10 @@ __global__ void __launch_bounds__(kThreads)
   int lo = 0, hi = args.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (args.first_chunk[mid] <= block) lo = mid;
-    else hi = mid - 1;
+    if (args.first_chunk[mid] <= block)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   T* __restrict__ t = static_cast<T*>(args.teacher[lo]);
   const S* __restrict__ s = static_cast<const S*>(args.student[lo]);
@@ -127,7 +129,8 @@ __global__ void __launch_bounds__(kThreads)
       if (i < vec_end) {
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          tv[u].v[k] = store_from<T>(blend(load_acc<A>(tv[u].v[k]), load_acc<A>(sv[u].v[k]), keep, mix));
+          tv[u].v[k] =
+              store_from<T>(blend(load_acc<A>(tv[u].v[k]), load_acc<A>(sv[u].v[k]), keep, mix));
         }
         *reinterpret_cast<Vec<T, V>*>(t + i) = tv[u];
       }
@@ -177,10 +180,14 @@ template <typename T>
 cudaError_t dispatch_student(FloatKind student_kind, const ema_detail::FlatPair* pairs,
                              int64_t count, ema_detail::Coefficients c, cudaStream_t stream) {
   switch (student_kind) {
-    case FloatKind::kDouble: return launch_typed<T, double>(pairs, count, c, stream);
-    case FloatKind::kFloat: return launch_typed<T, float>(pairs, count, c, stream);
-    case FloatKind::kBFloat16: return launch_typed<T, __nv_bfloat16>(pairs, count, c, stream);
-    case FloatKind::kHalf: return launch_typed<T, __half>(pairs, count, c, stream);
+    case FloatKind::kDouble:
+      return launch_typed<T, double>(pairs, count, c, stream);
+    case FloatKind::kFloat:
+      return launch_typed<T, float>(pairs, count, c, stream);
+    case FloatKind::kBFloat16:
+      return launch_typed<T, __nv_bfloat16>(pairs, count, c, stream);
+    case FloatKind::kHalf:
+      return launch_typed<T, __half>(pairs, count, c, stream);
   }
   return cudaErrorInvalidValue;
 }

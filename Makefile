@@ -1,0 +1,96 @@
+# dino_opt: setup / test / bench / gpu-check / lint.
+# `make test` is all a fresh machine needs: it runs `make setup` first.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+TORCH_SPEC  ?= torch==2.14.1 torchvision==0.29.1
+APT_PACKAGES := libopencv-core-dev libopencv-imgproc-dev libturbojpeg0-dev libgtest-dev \
+                ninja-build ccache clang-format cmake
+JOBS        ?= $(shell nproc)
+STAMPS      := $(VENV)/.stamps
+# One persistent build directory per Python and torch: rebuilds are incremental.
+BUILD_TAG    = $(shell $(PY) -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split(\"+\")[0]}')")
+BUILD_DIR    = build/$(BUILD_TAG)
+NATIVE_SRCS := CMakeLists.txt pyproject.toml $(shell find csrc tests_cpp -type f 2>/dev/null)
+CXX_FILES   := $(shell find csrc tests_cpp -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+PY_DIRS     := python tests_py bench scripts
+export CCACHE_DIR ?= $(HOME)/.cache/ccache
+export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
+
+.PHONY: apt-packages setup build test test-cpp test-py bench lint format gpu-check gpu-debs clean
+
+setup: $(STAMPS)/build
+
+# System packages: a quick dpkg query each time; apt-get only when one is missing.
+apt-packages:
+	@installed=$$(dpkg-query -W -f='$${Status}\n' $(APT_PACKAGES) 2>/dev/null | grep -c "install ok installed" || true); \
+	if [ "$$installed" -ne "$(words $(APT_PACKAGES))" ]; then \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $(APT_PACKAGES); \
+	fi
+
+$(PY): | apt-packages
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch from this machine's disk (a CUDA build, so the CUDA sources compile and link).
+$(STAMPS)/torch: | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	@touch $@
+
+# The Python dependencies pinned in pyproject.toml (runtime, test, lint, build).
+$(STAMPS)/deps: pyproject.toml $(STAMPS)/torch
+	$(PY) -m pip install -q $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + [r for v in p['optional-dependencies'].values() for r in v]))")
+	@touch $@
+
+# Editable install into the persistent build directory, with ccache; re-run
+# only when a native source changed.
+$(STAMPS)/build: $(NATIVE_SRCS) $(STAMPS)/deps | apt-packages
+	$(PY) -m pip install --no-build-isolation --no-deps -e . \
+	  -Cbuild-dir=$(BUILD_DIR) -Ccmake.define.DINO_OPT_BUILD_TESTS=ON
+	@touch $@
+
+build: setup
+
+test: setup
+	$(MAKE) --no-print-directory test-cpp test-py
+
+test-cpp:
+	ctest --test-dir $(BUILD_DIR) --output-on-failure
+
+test-py:
+	$(PY) -m pytest tests_py
+
+bench: setup
+	$(PY) bench/bench_ema.py
+
+lint: setup
+	clang-format --dry-run -Werror $(CXX_FILES)
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
+
+format: setup
+	clang-format -i $(CXX_FILES)
+	$(VENV)/bin/ruff check --fix $(PY_DIRS)
+	$(VENV)/bin/ruff format $(PY_DIRS)
+
+# On an offline GPU machine that has torch, nvcc, cmake, scikit-build-core and
+# pytest but no apt: build, run the CUDA tests and GPU benchmarks, write a
+# report into REPORT_DIR. Run `make gpu-debs` here first and carry third_party/debs.
+gpu-check:
+	REPORT_DIR="$(or $(REPORT_DIR),build/gpu-report)" bash scripts/gpu_check.sh
+
+# Debian packages whose headers the GPU machine lacks, for gpu-check to unpack.
+GPU_DEBS := libopencv-core406 libopencv-core-dev libopencv-imgproc406 libopencv-imgproc-dev \
+            libtbb12 libturbojpeg0 libturbojpeg0-dev libgtest-dev
+gpu-debs:
+	mkdir -p third_party/debs
+	cd third_party/debs && apt-get download $(GPU_DEBS)
+
+clean:
+	rm -rf build $(STAMPS)/build
