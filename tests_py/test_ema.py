@@ -116,6 +116,20 @@ def test_momentum_endpoints_and_empty_lists(gen):
     torch.ops.dino_opt.ema_update_([], [], 0.5)
 
 
+def test_update_bumps_the_teacher_version_so_autograd_sees_it():
+    teacher, student = torch.zeros(4), torch.ones(4)
+    before = teacher._version
+    ema_update_([teacher], [student], 0.5)
+    assert teacher._version > before
+    # A value saved for backward and then updated must not be used silently.
+    weight = torch.ones(4, requires_grad=True)
+    saved = torch.zeros(4)
+    loss = (weight * saved).sum()
+    ema_update_([saved], [student], 0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_non_finite_student_values_propagate():
     t = torch.zeros(4)
     s = torch.tensor([1.0, float("nan"), float("inf"), -1.0])

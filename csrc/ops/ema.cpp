@@ -2,6 +2,7 @@
 #include "ops/ema.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -26,6 +27,25 @@ void ema_update_without_kernel(at::TensorList teacher, at::TensorList student, d
 
 TORCH_LIBRARY_IMPL(dino_opt, CompositeExplicitAutograd, m) {
   m.impl("ema_update_", &ema_update_without_kernel);
+}
+
+// As for native in-place ops: bump the version counters of the mutated
+// teacher tensors, so that autograd refuses a backward through values that
+// were saved before this update instead of computing with the new ones.
+void ema_update_ad_inplace_or_view(c10::DispatchKeySet keys, at::TensorList teacher,
+                                   at::TensorList student, double momentum) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("dino_opt::ema_update_", "")
+                       .typed<void(at::TensorList, at::TensorList, double)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(keys & c10::after_ADInplaceOrView_keyset, teacher, student, momentum);
+  }
+  for (const at::Tensor& t : teacher) t.unsafeGetTensorImpl()->bump_version();
+}
+
+TORCH_LIBRARY_IMPL(dino_opt, ADInplaceOrView, m) {
+  m.impl("ema_update_", &ema_update_ad_inplace_or_view);
 }
 
 void ema_update_(at::TensorList teacher, at::TensorList student, double momentum) {

@@ -73,11 +73,11 @@ __device__ __forceinline__ double blend(double t, double s, double keep, double 
 // Vector width in elements: 16-byte accesses for the teacher, which is both
 // read and written.
 template <typename T>
-constexpr int vec_width() {
+__host__ __device__ constexpr int vec_width() {
   return 16 / static_cast<int>(sizeof(T));
 }
 template <typename T>
-constexpr int chunk_elems() {
+__host__ __device__ constexpr int chunk_elems() {
   return kThreads * vec_width<T>() * kUnroll;
 }
 
