@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on an offline GPU machine that has torch, nvcc, cmake,
 # scikit-build-core and pytest but no apt, build dino_opt against that torch,
-# run the C++ tests, the Python tests (the `cuda`-marked ones run there) and
-# the GPU benchmarks, and write a JSON report into REPORT_DIR.
+# run the C++ tests, the `cuda`-marked Python tests, the other Python tests and
+# the GPU benchmarks, and write into REPORT_DIR: gpu_check.json (summary),
+# gpu_check.log (every step's output) and bench_*.json.
 # System headers the machine lacks come from .deb files in third_party/debs
 # (`make gpu-debs` on a machine with apt), unpacked into .gpu-prefix.
 set -uo pipefail
@@ -21,26 +22,29 @@ fi
 
 tag=$($PY -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split(\"+\")[0]}')")
 build_dir=build/gpu-$tag
-steps_file=$REPORT_DIR/steps.tsv
-: >"$steps_file"
+scratch=$build_dir/gpu-check
+rm -rf "$scratch" && mkdir -p "$scratch"
+log=$REPORT_DIR/gpu_check.log
+: >"$log"
 
-# step NAME COMMAND...: runs the command, logs to REPORT_DIR/NAME.log, records rc and seconds.
+# step NAME COMMAND...: runs the command, appends its output to the log,
+# records its exit status and duration.
 step() {
   local name=$1; shift
   local t0=$SECONDS
-  echo "== $name: $*"
-  "$@" 2>&1 | tee "$REPORT_DIR/$name.log"
+  echo "== $name: $*" | tee -a "$log"
+  "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >>"$steps_file"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >>"$scratch/steps.tsv"
   return "$rc"
 }
 
-step build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install --no-build-isolation \
-  --no-deps -e . -Cbuild-dir="$build_dir" -Ccmake.define.DINO_OPT_BUILD_TESTS=ON || built=no
-if [ "${built:-yes}" = yes ]; then
+if step build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install --no-build-isolation \
+  --no-deps -e . -Cbuild-dir="$build_dir" -Ccmake.define.DINO_OPT_BUILD_TESTS=ON; then
   step ctest ctest --test-dir "$build_dir" --output-on-failure
-  step pytest $PY -m pytest tests_py -ra --junitxml="$REPORT_DIR/pytest.xml"
+  step pytest_cuda $PY -m pytest tests_py -m cuda -ra --junitxml="$scratch/pytest_cuda.xml"
+  step pytest_rest $PY -m pytest tests_py -m "not cuda" -ra --junitxml="$scratch/pytest_rest.xml"
   step bench_ema $PY bench/bench_ema.py --json "$REPORT_DIR/bench_ema.json"
 fi
 
-$PY scripts/gpu_report.py "$REPORT_DIR"
+$PY scripts/gpu_report.py "$scratch" "$REPORT_DIR"
