@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <map>
+#include <string>
 #include <utility>
 
 namespace dino_opt {
@@ -55,12 +56,20 @@ void ema_update_(at::TensorList teacher, at::TensorList student, double momentum
   op.call(teacher, student, momentum);
 }
 
+FloatIndex float_index(at::ScalarType dtype, const char* op, const char* what) {
+  switch (dtype) {
+    case at::kDouble: return kF64;
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default:
+      TORCH_CHECK(false, op, ": ", what, " has dtype ", dtype,
+                  "; expected float64, float32, bfloat16 or float16");
+  }
+}
+
 namespace ema_detail {
 namespace {
-
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kDouble || t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
 
 // Dense tensors with equal strides occupy [data_ptr, data_ptr + numel) in the
 // same element order, so they can be updated as flat spans.
@@ -89,10 +98,8 @@ void check_args(at::TensorList teacher, at::TensorList student, double momentum,
                 " but student[", i, "] is on ", s.device());
     TORCH_CHECK(t.device() == teacher[0].device(), "ema_update_: teacher[", i, "] is on ",
                 t.device(), " but teacher[0] is on ", teacher[0].device());
-    TORCH_CHECK(is_supported_float(t.scalar_type()), "ema_update_: teacher[", i, "] has dtype ",
-                t.scalar_type(), "; expected float64, float32, bfloat16 or float16");
-    TORCH_CHECK(is_supported_float(s.scalar_type()), "ema_update_: student[", i, "] has dtype ",
-                s.scalar_type(), "; expected float64, float32, bfloat16 or float16");
+    float_index(t.scalar_type(), "ema_update_", ("teacher[" + std::to_string(i) + "]").c_str());
+    float_index(s.scalar_type(), "ema_update_", ("student[" + std::to_string(i) + "]").c_str());
     TORCH_CHECK(t.sizes() == s.sizes(), "ema_update_: teacher[", i, "] has shape ", t.sizes(),
                 " but student[", i, "] has shape ", s.sizes());
     TORCH_CHECK(!t.requires_grad(), "ema_update_: teacher[", i,

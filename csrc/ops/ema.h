@@ -5,13 +5,17 @@
 #include <functional>
 #include <vector>
 
-#include "ops/ema_types.h"
+#include "ops/kernel_types.h"
 
 namespace dino_opt {
 
 // Public C++ API: calls the registered operator dino_opt::ema_update_ through
 // the dispatcher, so the CPU or CUDA kernel is chosen by the tensors' device.
 void ema_update_(at::TensorList teacher, at::TensorList student, double momentum);
+
+// Index of a floating dtype (float64, float32, bfloat16, float16) for kernel
+// tables; throws naming `op` and `what` for any other dtype.
+FloatIndex float_index(at::ScalarType dtype, const char* op, const char* what);
 
 namespace ema_detail {
 

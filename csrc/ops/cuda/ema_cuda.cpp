@@ -11,21 +11,6 @@
 namespace dino_opt {
 namespace {
 
-cuda::FloatKind float_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble:
-      return cuda::FloatKind::kDouble;
-    case at::kFloat:
-      return cuda::FloatKind::kFloat;
-    case at::kBFloat16:
-      return cuda::FloatKind::kBFloat16;
-    case at::kHalf:
-      return cuda::FloatKind::kHalf;
-    default:
-      TORCH_CHECK(false, "ema_update_: unsupported dtype ", t);
-  }
-}
-
 void ema_update_cuda(at::TensorList teacher, at::TensorList student, double momentum) {
   ema_detail::check_args(teacher, student, momentum, c10::DeviceType::CUDA);
   if (teacher.empty()) return;
@@ -36,7 +21,8 @@ void ema_update_cuda(at::TensorList teacher, at::TensorList student, double mome
       teacher, student,
       [&](at::ScalarType tt, at::ScalarType st, const std::vector<ema_detail::FlatPair>& pairs) {
         C10_CUDA_CHECK(cuda::launch_ema_update(pairs.data(), static_cast<int64_t>(pairs.size()),
-                                               float_kind(tt), float_kind(st), c, stream));
+                                               float_index(tt, "ema_update_", "teacher"),
+                                               float_index(st, "ema_update_", "student"), c, stream));
       });
 }
 

@@ -177,17 +177,19 @@ cudaError_t launch_typed(const ema_detail::FlatPair* pairs, int64_t count,
 }
 
 template <typename T>
-cudaError_t dispatch_student(FloatKind student_kind, const ema_detail::FlatPair* pairs,
+cudaError_t dispatch_student(FloatIndex student_dtype, const ema_detail::FlatPair* pairs,
                              int64_t count, ema_detail::Coefficients c, cudaStream_t stream) {
-  switch (student_kind) {
-    case FloatKind::kDouble:
+  switch (student_dtype) {
+    case kF64:
       return launch_typed<T, double>(pairs, count, c, stream);
-    case FloatKind::kFloat:
+    case kF32:
       return launch_typed<T, float>(pairs, count, c, stream);
-    case FloatKind::kBFloat16:
+    case kBF16:
       return launch_typed<T, __nv_bfloat16>(pairs, count, c, stream);
-    case FloatKind::kHalf:
+    case kF16:
       return launch_typed<T, __half>(pairs, count, c, stream);
+    default:
+      break;
   }
   return cudaErrorInvalidValue;
 }
@@ -195,18 +197,20 @@ cudaError_t dispatch_student(FloatKind student_kind, const ema_detail::FlatPair*
 }  // namespace
 
 cudaError_t launch_ema_update(const ema_detail::FlatPair* pairs, int64_t count,
-                              FloatKind teacher_kind, FloatKind student_kind,
+                              FloatIndex teacher_dtype, FloatIndex student_dtype,
                               ema_detail::Coefficients coefficients, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  switch (teacher_kind) {
-    case FloatKind::kDouble:
-      return dispatch_student<double>(student_kind, pairs, count, coefficients, stream);
-    case FloatKind::kFloat:
-      return dispatch_student<float>(student_kind, pairs, count, coefficients, stream);
-    case FloatKind::kBFloat16:
-      return dispatch_student<__nv_bfloat16>(student_kind, pairs, count, coefficients, stream);
-    case FloatKind::kHalf:
-      return dispatch_student<__half>(student_kind, pairs, count, coefficients, stream);
+  switch (teacher_dtype) {
+    case kF64:
+      return dispatch_student<double>(student_dtype, pairs, count, coefficients, stream);
+    case kF32:
+      return dispatch_student<float>(student_dtype, pairs, count, coefficients, stream);
+    case kBF16:
+      return dispatch_student<__nv_bfloat16>(student_dtype, pairs, count, coefficients, stream);
+    case kF16:
+      return dispatch_student<__half>(student_dtype, pairs, count, coefficients, stream);
+    default:
+      break;
   }
   return cudaErrorInvalidValue;
 }

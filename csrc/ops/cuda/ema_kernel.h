@@ -5,11 +5,9 @@
 
 #include <cstdint>
 
-#include "ops/ema_types.h"
+#include "ops/kernel_types.h"
 
 namespace dino_opt::cuda {
-
-enum class FloatKind : int { kDouble, kFloat, kBFloat16, kHalf };
 
 // Tensors whose pointers travel in one launch's kernel arguments. 28 bytes
 // each: within the 32 KB kernel-parameter limit of CUDA >= 12.1 on sm_70+.
@@ -18,7 +16,7 @@ constexpr int kEmaTensorsPerLaunch = 1024;
 // Runs t = m*t + (1-m)*s over all pairs on `stream`: one launch for up to
 // kEmaTensorsPerLaunch tensors. Returns cudaSuccess or the launch error.
 cudaError_t launch_ema_update(const ema_detail::FlatPair* pairs, int64_t count,
-                              FloatKind teacher_kind, FloatKind student_kind,
+                              FloatIndex teacher_dtype, FloatIndex student_dtype,
                               ema_detail::Coefficients coefficients, cudaStream_t stream);
 
 }  // namespace dino_opt::cuda

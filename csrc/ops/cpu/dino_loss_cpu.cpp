@@ -1,0 +1,188 @@
+// CPU kernels of dino_opt::dino_loss and dino_loss_backward. Work is split
+// into (row or sample) x (chunk of K) items for at::parallel_for; partial
+// results are combined in a fixed order, so the result does not depend on the
+// thread count. Inner loops come from the instruction-set kernel table.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ops/cpu/kernel_table.h"
+#include "ops/dino_loss.h"
+#include "ops/ema.h"
+
+namespace dino_opt {
+namespace {
+
+using dino_loss_detail::Shape;
+
+constexpr int64_t kChunk = 4096;
+
+// Inputs laid out for the kernels: contiguous rows, the center as a
+// contiguous [K] tensor of the accumulation dtype.
+struct Inputs {
+  at::Tensor student, teacher, center;
+  Shape shape;
+  int64_t n_chunks;
+  const cpu::DinoLossKernels* kernels;
+
+  const char* student_row(int64_t row, int64_t k0) const {
+    return static_cast<const char*>(student.const_data_ptr()) +
+           (row * shape.dim + k0) * student.element_size();
+  }
+  const char* teacher_row(int64_t row, int64_t k0) const {
+    return static_cast<const char*>(teacher.const_data_ptr()) +
+           (row * shape.dim + k0) * teacher.element_size();
+  }
+  const char* center_at(int64_t k0) const {
+    return static_cast<const char*>(center.const_data_ptr()) + k0 * center.element_size();
+  }
+  int64_t chunk_size(int64_t c) const { return std::min(kChunk, shape.dim - c * kChunk); }
+};
+
+Inputs prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
+               const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
+               const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
+  const Shape shape = dino_loss_detail::check_args(op, student, teacher, center, student_temp,
+                                            teacher_temp, ncrops, student_lse, teacher_lse);
+  return Inputs{student.contiguous(),
+                teacher.contiguous(),
+                center.reshape({-1}).to(dino_loss_detail::acc_dtype(student)).contiguous(),
+                shape,
+                (shape.dim + kChunk - 1) / kChunk,
+                &cpu::kernels().dino_loss[float_index(student.scalar_type(), op, "student")]};
+}
+
+// Per-sample views of one chunk: pointers to each view's row and its log-sum-exp.
+struct SampleChunk {
+  const void* teacher[dino_loss_detail::kMaxTeacherViews];
+  double lse_t[dino_loss_detail::kMaxTeacherViews];
+  std::vector<const void*> student;
+  std::vector<double> lse_s;
+  int64_t k0, n;
+
+  SampleChunk(const Inputs& in, int64_t b, int64_t c, const double* lse_student,
+              const double* lse_teacher)
+      : student(in.shape.student_views), lse_s(in.shape.student_views) {
+    const Shape& s = in.shape;
+    k0 = c * kChunk;
+    n = in.chunk_size(c);
+    for (int64_t t = 0; t < s.teacher_views; ++t) {
+      teacher[t] = in.teacher_row(t * s.batch + b, k0);
+      lse_t[t] = lse_teacher[t * s.batch + b];
+    }
+    for (int64_t v = 0; v < s.student_views; ++v) {
+      student[v] = in.student_row(v * s.batch + b, k0);
+      lse_s[v] = lse_student[v * s.batch + b];
+    }
+  }
+};
+
+std::vector<double> to_doubles(const at::Tensor& t) {
+  const at::Tensor d = t.reshape({-1}).to(at::kDouble).contiguous();
+  return std::vector<double>(d.const_data_ptr<double>(), d.const_data_ptr<double>() + d.numel());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& student_in,
+                                                            const at::Tensor& teacher_in,
+                                                            const at::Tensor& center_in,
+                                                            double student_temp,
+                                                            double teacher_temp, int64_t ncrops) {
+  const Inputs in = prepare("dino_loss", student_in, teacher_in, center_in, student_temp,
+                            teacher_temp, ncrops);
+  const Shape& s = in.shape;
+  const int64_t student_rows = s.student_views * s.batch;
+  const int64_t rows = student_rows + s.teacher_views * s.batch;
+
+  // Pass 1: log-sum-exp of every row, from per-chunk (max, sum of exp) partials.
+  std::vector<double> maxes(rows * in.n_chunks), sums(rows * in.n_chunks);
+  at::parallel_for(0, rows * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / in.n_chunks, c = item % in.n_chunks, k0 = c * kChunk;
+      const bool is_teacher = row >= student_rows;
+      in.kernels->row_stats(
+          is_teacher ? in.teacher_row(row - student_rows, k0) : in.student_row(row, k0),
+          is_teacher ? in.center_at(k0) : nullptr, in.chunk_size(c),
+          1.0 / (is_teacher ? teacher_temp : student_temp), &maxes[item], &sums[item]);
+    }
+  });
+  std::vector<double> lse(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    lse[r] = dino_loss_detail::combine_lse(&maxes[r * in.n_chunks], &sums[r * in.n_chunks], in.n_chunks);
+  }
+  const double* lse_student = lse.data();
+  const double* lse_teacher = lse.data() + student_rows;
+
+  // Pass 2: per sample and chunk, <p_t, log_softmax(student_v)> for all pairs.
+  const int64_t pairs = s.student_views * s.teacher_views;
+  std::vector<double> dots(s.batch * in.n_chunks * pairs);
+  at::parallel_for(0, s.batch * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> scratch(s.teacher_views * kChunk);  // wide enough for any acc type
+    for (int64_t item = begin; item < end; ++item) {
+      const SampleChunk sc(in, item / in.n_chunks, item % in.n_chunks, lse_student, lse_teacher);
+      in.kernels->pair_dots(sc.teacher, s.teacher_views, sc.student.data(), s.student_views,
+                            in.center_at(sc.k0), sc.n, 1.0 / student_temp, 1.0 / teacher_temp,
+                            sc.lse_t, sc.lse_s.data(), &dots[item * pairs], scratch.data());
+    }
+  });
+  double total = 0;
+  for (int64_t item = 0; item < s.batch * in.n_chunks; ++item) {
+    for (int64_t v = 0; v < s.student_views; ++v) {
+      for (int64_t t = 0; t < s.teacher_views; ++t) {
+        if (t != v) total += dots[item * pairs + v * s.teacher_views + t];
+      }
+    }
+  }
+  const at::ScalarType acc = dino_loss_detail::acc_dtype(student_in);
+  const auto options = student_in.options().dtype(at::kDouble);
+  at::Tensor loss = at::scalar_tensor(-total / static_cast<double>(s.loss_terms() * s.batch), options);
+  at::Tensor lse_all = at::from_blob(lse.data(), {rows}, options).clone();  // lse is a local
+  return {loss.to(acc), lse_all.narrow(0, 0, student_rows).to(acc),
+          lse_all.narrow(0, student_rows, rows - student_rows).to(acc)};
+}
+
+at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& student_in,
+                                  const at::Tensor& teacher_in, const at::Tensor& center_in,
+                                  const at::Tensor& student_lse, const at::Tensor& teacher_lse,
+                                  double student_temp, double teacher_temp, int64_t ncrops) {
+  const Inputs in = prepare("dino_loss_backward", student_in, teacher_in, center_in, student_temp,
+                            teacher_temp, ncrops, student_lse, teacher_lse);
+  TORCH_CHECK(grad.numel() == 1, "dino_loss_backward: grad must be a scalar, got shape ",
+              grad.sizes());
+  const Shape& s = in.shape;
+  const std::vector<double> lse_student = to_doubles(student_lse);
+  const std::vector<double> lse_teacher = to_doubles(teacher_lse);
+  const double scale = grad.item<double>() / static_cast<double>(s.loss_terms() * s.batch);
+  at::Tensor grad_student = at::empty_like(in.student);
+  char* out = static_cast<char*>(grad_student.data_ptr());
+  at::parallel_for(0, s.batch * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> scratch(s.teacher_views * kChunk);
+    std::vector<void*> grad_rows(s.student_views);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / in.n_chunks;
+      const SampleChunk sc(in, b, item % in.n_chunks, lse_student.data(), lse_teacher.data());
+      for (int64_t v = 0; v < s.student_views; ++v) {
+        grad_rows[v] = out + ((v * s.batch + b) * s.dim + sc.k0) * grad_student.element_size();
+      }
+      in.kernels->student_grad(sc.teacher, s.teacher_views, sc.student.data(), grad_rows.data(),
+                               s.student_views, in.center_at(sc.k0), sc.n, 1.0 / student_temp,
+                               1.0 / teacher_temp, sc.lse_t, sc.lse_s.data(), scale,
+                               scratch.data());
+    }
+  });
+  return grad_student;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dino_opt, CPU, m) {
+  m.impl("dino_loss", &dino_loss_cpu);
+  m.impl("dino_loss_backward", &dino_loss_backward_cpu);
+}
+
+}  // namespace dino_opt

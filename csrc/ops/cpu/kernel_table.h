@@ -1,0 +1,59 @@
+#pragma once
+// Inner loops of the CPU kernels, compiled once per instruction set (DEFAULT,
+// AVX2, AVX512: csrc/ops/cpu/vectorized/*.cpp with ATen's CPU_CAPABILITY
+// flags, so at::vec::Vectorized and its Sleef exp are the fast ones) and
+// chosen once at run time. The outer loops (parallel_for, checks) call through
+// this table from ordinary translation units.
+#include <cstdint>
+
+#include "ops/kernel_types.h"
+
+namespace dino_opt::cpu {
+
+// t[i] = keep * t[i] + mix_in * s[i] for i < n, in the teacher's accumulation type.
+using EmaSpanFn = void (*)(void* teacher, const void* student, int64_t n, double keep,
+                           double mix_in);
+
+// DINO loss inner loops over one chunk of n elements. Rows are given as raw
+// pointers of the input dtype; `center` is in the accumulation type (double for
+// float64 inputs, float otherwise) and already offset to the chunk.
+struct DinoLossKernels {
+  // max and sum(exp(x - max)) of x = (row - center) * inv_temp (center may be null).
+  void (*row_stats)(const void* row, const void* center, int64_t n, double inv_temp,
+                    double* max_out, double* sum_out);
+  // out[v * n_teacher + t] = sum_k p_t[k] * (student_v[k] * inv_ts - lse_s[v]) where
+  // p_t = exp((teacher_t - center) * inv_tt - lse_t[t]); scratch holds n_teacher * n
+  // accumulation-type values.
+  void (*pair_dots)(const void* const* teacher, int64_t n_teacher, const void* const* student,
+                    int64_t n_student, const void* center, int64_t n, double inv_ts,
+                    double inv_tt, const double* lse_t, const double* lse_s, double* out,
+                    void* scratch);
+  // grad_v[k] = scale * inv_ts * (w_v * exp(student_v[k] * inv_ts - lse_s[v])
+  //                               - sum_{t != v} p_t[k]),  w_v = n_teacher - (v < n_teacher).
+  void (*student_grad)(const void* const* teacher, int64_t n_teacher, const void* const* student,
+                       void* const* grad, int64_t n_student, const void* center, int64_t n,
+                       double inv_ts, double inv_tt, const double* lse_t, const double* lse_s,
+                       double scale, void* scratch);
+};
+
+struct KernelTable {
+  const char* isa;
+  EmaSpanFn ema_span[kNumFloat][kNumFloat];  // [teacher][student]
+  DinoLossKernels dino_loss[kNumFloat];      // by input dtype
+};
+
+// The table for the best instruction set this CPU supports.
+const KernelTable& kernels();
+
+// Filled by each instruction-set variant.
+#define DINO_OPT_DECLARE_ISA(ISA)                \
+  namespace ISA {                                \
+  void fill_ema_kernels(KernelTable& table);     \
+  void fill_dino_loss_kernels(KernelTable& table); \
+  }
+DINO_OPT_DECLARE_ISA(DEFAULT)
+DINO_OPT_DECLARE_ISA(AVX2)
+DINO_OPT_DECLARE_ISA(AVX512)
+#undef DINO_OPT_DECLARE_ISA
+
+}  // namespace dino_opt::cpu

@@ -1,0 +1,52 @@
+#pragma once
+// Shared by the per-instruction-set kernel files: scalar types, the
+// accumulation type and vector load/store in it. Compiled with ATen's
+// CPU_CAPABILITY macros, so Vectorized<> is the variant of this build.
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <type_traits>
+
+#include "ops/cpu/kernel_table.h"
+
+namespace dino_opt::cpu::CPU_CAPABILITY {
+
+using at::vec::Vectorized;
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Vectorized<acc_t<T>>::size() consecutive elements of p, widened.
+template <typename T>
+inline Vectorized<acc_t<T>> load_acc(const T* p) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    return Vectorized<T>::loadu(p);
+  } else {
+    Vectorized<float> out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+// Stores Vectorized<acc_t<T>>::size() elements, rounded to T.
+template <typename T>
+inline void store_acc(T* p, const Vectorized<acc_t<T>>& v) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, Vectorized<float>::size());
+  }
+}
+
+// Calls f.template operator()<T>() with T the type of a FloatIndex.
+template <typename F>
+inline void for_each_float_type(F&& f) {
+  f.template operator()<double>(kF64);
+  f.template operator()<float>(kF32);
+  f.template operator()<c10::BFloat16>(kBF16);
+  f.template operator()<c10::Half>(kF16);
+}
+
+}  // namespace dino_opt::cpu::CPU_CAPABILITY

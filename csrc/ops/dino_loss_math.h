@@ -1,0 +1,46 @@
+#pragma once
+// The DINO loss bookkeeping shared by the CPU and CUDA kernels (host and
+// device): view counts, per-view weights and the log-sum-exp of chunk
+// partials. Free of torch headers.
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define DINO_OPT_HD __host__ __device__
+#else
+#define DINO_OPT_HD
+#endif
+
+namespace dino_opt::dino_loss_detail {
+
+// Rows are view-major: row v * batch + b is view v of sample b. Teacher view t
+// is paired with every student view except view t.
+struct Shape {
+  int64_t student_views;  // S (ncrops)
+  int64_t teacher_views;  // T
+  int64_t batch;          // B
+  int64_t dim;            // K
+
+  // Number of (teacher view, student view) pairs: S*T - T.
+  DINO_OPT_HD int64_t loss_terms() const { return teacher_views * (student_views - 1); }
+  // Teacher views paired with student view v.
+  DINO_OPT_HD int64_t teacher_weight(int64_t v) const {
+    return teacher_views - (v < teacher_views ? 1 : 0);
+  }
+};
+
+// At most this many teacher views (DINO uses 2): per-thread state is sized by it.
+constexpr int64_t kMaxTeacherViews = 8;
+
+// log(sum_i sums[i] * exp(maxes[i])) from partials (max_i, sum_i) of chunks,
+// each sum_i = sum over the chunk of exp(x - max_i). NaN and inf propagate.
+template <typename A>
+DINO_OPT_HD inline A combine_lse(const A* maxes, const A* sums, int64_t count) {
+  A m = maxes[0];
+  for (int64_t i = 1; i < count; ++i) m = (maxes[i] > m || maxes[i] != maxes[i]) ? maxes[i] : m;
+  A s = 0;
+  for (int64_t i = 0; i < count; ++i) s += sums[i] * exp(maxes[i] - m);
+  return m + log(s);
+}
+
+}  // namespace dino_opt::dino_loss_detail
