@@ -8,10 +8,20 @@ import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, ops  # noqa: F401  (_C loads the core library, which registers the ops)
 from .ema import EMATeacher, cosine_scheduler, update_teacher
+from .loss import DINOLoss, NonFiniteLossError, dino_loss
 
 __version__ = "0.1.0"
 
-__all__ = ["EMATeacher", "build_info", "cosine_scheduler", "update_teacher", "__version__"]
+__all__ = [
+    "DINOLoss",
+    "EMATeacher",
+    "NonFiniteLossError",
+    "build_info",
+    "cosine_scheduler",
+    "dino_loss",
+    "update_teacher",
+    "__version__",
+]
 
 
 def build_info() -> dict:

@@ -138,12 +138,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& s
       }
     }
   }
-  const at::ScalarType acc = dino_loss_detail::acc_dtype(student_in);
-  const auto options = student_in.options().dtype(at::kDouble);
-  at::Tensor loss = at::scalar_tensor(-total / static_cast<double>(s.loss_terms() * s.batch), options);
-  at::Tensor lse_all = at::from_blob(lse.data(), {rows}, options).clone();  // lse is a local
-  return {loss.to(acc), lse_all.narrow(0, 0, student_rows).to(acc),
-          lse_all.narrow(0, student_rows, rows - student_rows).to(acc)};
+  const auto options = student_in.options().dtype(dino_loss_detail::acc_dtype(student_in));
+  // Copies (from_blob over the local vector), and two separate tensors: outputs must not alias.
+  auto lse_tensor = [&](int64_t begin, int64_t count) {
+    return at::from_blob(lse.data() + begin, {count}, at::kDouble).to(options, false, true);
+  };
+  return {at::scalar_tensor(-total / static_cast<double>(s.loss_terms() * s.batch), options),
+          lse_tensor(0, student_rows), lse_tensor(student_rows, rows - student_rows)};
 }
 
 at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& student_in,

@@ -1,0 +1,372 @@
+"""The fused DINO loss against the paper's double loop (tests_py/reference.py):
+value, gradient and center, on fresh random inputs; operator checks,
+torch.compile, distributed equivalence, and CUDA against CPU."""
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import dino_opt
+import pytest
+import torch
+from dino_opt import DINOLoss, NonFiniteLossError, dino_loss
+from reference import center_update_reference, dino_loss_reference
+
+TOLERANCE = {  # (relative on the loss, relative to max |grad| on the gradient)
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-2,
+    torch.float16: 1e-2,
+}
+
+# Every value of each axis appears; K and batch are paired to keep the sizes
+# CI-friendly (the largest is 12 views x 3 samples x 65536).
+VIEWS = [(2, 1), (2, 2), (4, 1), (4, 2), (6, 2), (10, 1), (10, 2), (12, 2)]
+SIZES = [(1, 3), (7, 64), (4096, 3), (65536, 1), (65536, 3), (7, 1)]
+CASES = [
+    (s, t, k, b)
+    for (s, t), (k, b) in itertools.product(VIEWS, SIZES)
+    if s * b * k <= 12 * 3 * 65536
+]
+
+
+def make_inputs(ncrops, views, dim, batch, dtype, gen, scale=1.0, device="cpu"):
+    def randn(*shape):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    student = randn(ncrops * batch, dim)
+    teacher = randn(views * batch, dim)
+    center = 0.1 * torch.randn(1, dim, generator=gen, dtype=torch.float64).float()
+    return student.to(device), teacher.to(device), center.to(device)
+
+
+def check_against_reference(student, teacher, center, ncrops, dtype, st=0.1, tt=0.04):
+    """Our loss and gradient (in `dtype`) vs the double loop in float64 on the same values."""
+    s = student.detach().clone().requires_grad_()
+    loss = dino_loss(s, teacher, center, st, tt, ncrops)
+    loss.backward()
+    s64 = student.detach().double().requires_grad_()
+    ref = dino_loss_reference(s64, teacher.double(), center.double(), st, tt, ncrops)
+    ref.backward()
+    tol = TOLERANCE[dtype]
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    # Relative, with a floor of 1: a loss near 0 (student and teacher agree) has
+    # the absolute rounding error of terms of order log K.
+    assert abs(loss.item() - ref.item()) <= tol * max(abs(ref.item()), 1.0), (
+        loss.item(),
+        ref.item(),
+    )
+    assert s.grad.dtype == dtype
+    scale = s64.grad.abs().max().item()
+    err = (s.grad.double() - s64.grad).abs().max().item()
+    assert err <= tol * max(scale, 1e-12), f"grad error {err} vs scale {scale}"
+
+
+@pytest.mark.parametrize("ncrops, views, dim, batch", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_matches_reference(ncrops, views, dim, batch, dtype, gen):
+    student, teacher, center = make_inputs(ncrops, views, dim, batch, dtype, gen)
+    check_against_reference(student, teacher, center, ncrops, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "ncrops, views, dim, batch", [(10, 2, 4096, 3), (2, 1, 65536, 1), (12, 2, 7, 64)]
+)
+def test_half_precision_inputs(ncrops, views, dim, batch, dtype, gen):
+    student, teacher, center = make_inputs(ncrops, views, dim, batch, dtype, gen)
+    check_against_reference(student, teacher, center, ncrops, dtype)
+
+
+def test_large_logits_and_sharp_teacher_are_stable(gen):
+    # Logits of magnitude 1e4 with teacher temperature 0.04: exp would overflow
+    # without max subtraction.
+    student, teacher, center = make_inputs(10, 2, 4096, 3, torch.float32, gen, scale=1e4)
+    loss = dino_loss(student, teacher, center, 0.1, 0.04, 10)
+    ref = dino_loss_reference(student.double(), teacher.double(), center.double(), 0.1, 0.04, 10)
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+def test_result_does_not_depend_on_thread_count(gen):
+    student, teacher, center = make_inputs(10, 2, 65536, 2, torch.float32, gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.dino_opt.dino_loss(student, teacher, center, 0.1, 0.04, 10)
+        torch.set_num_threads(max(2, threads))
+        many = torch.ops.dino_opt.dino_loss(student, teacher, center, 0.1, 0.04, 10)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
+
+
+def test_non_contiguous_inputs_and_1d_center(gen):
+    student, teacher, center = make_inputs(4, 2, 33, 3, torch.float64, gen)
+    loss = dino_loss(
+        student.t().contiguous().t(), teacher[:, :].t().contiguous().t(), center[0], 0.1, 0.04, 4
+    )
+    ref = dino_loss_reference(student, teacher, center, 0.1, 0.04, 4)
+    assert abs(loss.item() - ref.item()) <= 1e-10 * abs(ref.item())
+
+
+def test_non_finite_inputs_are_not_hidden(gen):
+    student, teacher, center = make_inputs(4, 2, 16, 2, torch.float32, gen)
+    student[3, 5] = float("nan")
+    assert torch.isnan(dino_loss(student, teacher, center, 0.1, 0.04, 4))
+    teacher[1, 2] = float("inf")
+    assert not torch.isfinite(
+        dino_loss(
+            teacher=teacher,
+            student=student.nan_to_num(),
+            center=center,
+            student_temp=0.1,
+            teacher_temp=0.04,
+            ncrops=4,
+        )
+    )
+    loss_fn = DINOLoss(16, 4, 0.04, 0.04, 0, 1, check_finite=True)
+    with pytest.raises(NonFiniteLossError, match="student_output: 1, teacher_output: 1"):
+        loss_fn(student, teacher, 0)
+
+
+@pytest.mark.parametrize(
+    "student_shape, teacher_shape, center_shape, kwargs, message",
+    [
+        ((8, 16), (4, 15), (16,), {}, "student has out_dim 16 but teacher has out_dim 15"),
+        (
+            (9, 16),
+            (4, 16),
+            (16,),
+            {},
+            "student has 9 rows, which is not a positive multiple of ncrops=4",
+        ),
+        (
+            (8, 16),
+            (5, 16),
+            (16,),
+            {},
+            "teacher has 5 rows, which is not a positive multiple of the batch size 2",
+        ),
+        ((8, 16), (10, 16), (16,), {}, "teacher has 5 views but the student only 4"),
+        ((8, 16), (4, 16), (15,), {}, r"center must have shape \[16\] or \[1, 16\], got \[15\]"),
+        ((8, 16), (4, 16), (2, 16), {}, r"center must have shape"),
+        ((8, 16), (4, 16), (16,), {"student_temp": 0.0}, "student_temp must be positive"),
+        ((8, 16), (4, 16), (16,), {"teacher_temp": -1.0}, "teacher_temp must be positive"),
+        ((8, 16), (4, 16), (16,), {"ncrops": 1}, "ncrops .* must be at least 2"),
+        ((8,), (4, 16), (16,), {}, r"student must be 2-D"),
+    ],
+)
+def test_clear_errors(student_shape, teacher_shape, center_shape, kwargs, message):
+    args = {"student_temp": 0.1, "teacher_temp": 0.04, "ncrops": 4, **kwargs}
+    with pytest.raises(RuntimeError, match=message):
+        dino_loss(
+            torch.randn(student_shape),
+            torch.randn(teacher_shape),
+            torch.zeros(center_shape),
+            **args,
+        )
+
+
+def test_dtype_errors():
+    with pytest.raises(
+        RuntimeError, match="teacher has dtype BFloat16 but student has dtype Float"
+    ):
+        dino_loss(torch.randn(8, 4), torch.randn(4, 4).bfloat16(), torch.zeros(4), 0.1, 0.04, 4)
+    with pytest.raises(RuntimeError, match="student has dtype Long"):
+        dino_loss(
+            torch.zeros(8, 4, dtype=torch.long),
+            torch.zeros(4, 4, dtype=torch.long),
+            torch.zeros(4),
+            0.1,
+            0.04,
+            4,
+        )
+    with pytest.raises(RuntimeError, match="center has dtype Int"):
+        dino_loss(
+            torch.randn(8, 4), torch.randn(4, 4), torch.zeros(4, dtype=torch.int32), 0.1, 0.04, 4
+        )
+
+
+def test_opcheck_and_gradcheck(gen):
+    student, teacher, center = make_inputs(4, 2, 5, 3, torch.float64, gen)
+    student.requires_grad_()
+    args = (student, teacher, center, 0.1, 0.04, 4)
+    torch.library.opcheck(torch.ops.dino_opt.dino_loss.default, args)
+    loss, slse, tlse = torch.ops.dino_opt.dino_loss(*args)
+    torch.library.opcheck(
+        torch.ops.dino_opt.dino_loss_backward.default,
+        (
+            torch.tensor(1.0, dtype=torch.float64),
+            student.detach(),
+            teacher,
+            center,
+            slse,
+            tlse,
+            0.1,
+            0.04,
+            4,
+        ),
+    )
+    torch.autograd.gradcheck(lambda s: dino_loss(s, teacher, center, 0.1, 0.04, 4), (student,))
+    torch.autograd.gradgradcheck  # noqa: B018  (second order is not supported, by design)
+
+
+def test_torch_compile_fullgraph_step(gen):
+    head = torch.nn.Linear(16, 32)
+    loss_fn = DINOLoss(32, 4, 0.04, 0.04, 0, 3)
+
+    @torch.compile(fullgraph=True)
+    def step(x, teacher_out):
+        return loss_fn(head(x), teacher_out, 1)
+
+    x = torch.randn(4 * 3, 16, generator=gen)
+    teacher_out = torch.randn(2 * 3, 32, generator=gen)
+    eager_head = torch.nn.Linear(16, 32)
+    eager_head.load_state_dict(head.state_dict())
+    eager_loss = dino_loss_reference(eager_head(x), teacher_out, torch.zeros(1, 32), 0.1, 0.04, 4)
+    eager_loss.backward()
+    loss = step(x, teacher_out)
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad, eager_head.weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        loss_fn.center, center_update_reference(torch.zeros(1, 32), teacher_out, 0.9)
+    )
+
+
+# ----------------------------------------------------------------- DINOLoss
+
+
+def test_dino_loss_module_follows_the_original_for_ten_steps(gen):
+    out_dim, ncrops, nepochs = 64, 6, 10
+    ours = DINOLoss(out_dim, ncrops, 0.04, 0.07, 5, nepochs)
+    schedule = torch.cat(
+        [
+            torch.linspace(0.04, 0.07, 5, dtype=torch.float64),
+            torch.full((5,), 0.07, dtype=torch.float64),
+        ]
+    )
+    assert torch.allclose(torch.from_numpy(ours.teacher_temp_schedule), schedule)
+    center = torch.zeros(1, out_dim)
+    for epoch in range(10):
+        student, teacher, _ = make_inputs(ncrops, 2, out_dim, 5, torch.float32, gen)
+        loss = ours(student, teacher, epoch)
+        ref = dino_loss_reference(
+            student.double(), teacher.double(), center.double(), 0.1, schedule[epoch].item(), ncrops
+        )
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+        center = center_update_reference(center, teacher, 0.9)
+        torch.testing.assert_close(ours.center, center, rtol=1e-6, atol=1e-7)
+    state = ours.state_dict()
+    assert torch.equal(state["center"], ours.center)
+    restored = DINOLoss(out_dim, ncrops, 0.04, 0.07, 5, nepochs)
+    restored.load_state_dict(state)
+    assert torch.equal(restored.center, ours.center)
+
+
+def test_dino_loss_module_arguments():
+    with pytest.raises(
+        IndexError, match="epoch 3 is outside the teacher temperature schedule of 3 epochs"
+    ):
+        DINOLoss(8, 4, 0.04, 0.07, 2, 3)(torch.randn(8, 8), torch.randn(4, 8), 3)
+    with pytest.raises(ValueError, match="warmup_teacher_temp_epochs=5 must be in"):
+        DINOLoss(8, 4, 0.04, 0.07, 5, 3)
+    # Mixed precision: a bfloat16 student with a float32 teacher is promoted, not refused.
+    loss = DINOLoss(8, 4, 0.04, 0.07, 0, 3)(torch.randn(8, 8).bfloat16(), torch.randn(4, 8), 0)
+    assert loss.dtype == torch.float32
+
+
+def test_distributed_two_ranks_equal_one_process_over_the_whole_batch(tmp_path, gen):
+    ncrops, views, batch, out_dim, steps = 4, 2, 6, 32, 4
+    students = [torch.randn(ncrops * batch, out_dim, generator=gen) for _ in range(steps)]
+    teachers = [torch.randn(views * batch, out_dim, generator=gen) for _ in range(steps)]
+    data = tmp_path / "data.pt"
+    torch.save(
+        dict(
+            ncrops=ncrops,
+            teacher_views=views,
+            batch=batch,
+            out_dim=out_dim,
+            students=students,
+            teachers=teachers,
+        ),
+        data,
+    )
+    worker = Path(__file__).with_name("dist_loss_worker.py")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(worker),
+                str(rank),
+                "2",
+                str(tmp_path / "init"),
+                str(data),
+                str(tmp_path / f"out{rank}.pt"),
+            ],
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-2000:]
+    single = DINOLoss(out_dim, ncrops, 0.04, 0.07, 2, 5)
+    expected = [
+        single(s, t, epoch=i % 5).item()
+        for i, (s, t) in enumerate(zip(students, teachers, strict=True))
+    ]
+    outs = [torch.load(tmp_path / f"out{rank}.pt") for rank in range(2)]
+    for step in range(steps):
+        # Each rank's loss is the mean over its samples; equal shards average to the global loss.
+        mean = (outs[0]["losses"][step] + outs[1]["losses"][step]) / 2
+        assert mean == pytest.approx(expected[step], rel=1e-5)
+    for out in outs:
+        torch.testing.assert_close(out["center"], single.center, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str
+)
+@pytest.mark.parametrize("dim", [65536, 65537, 7])
+def test_cuda_matches_cpu(dtype, dim, gen):
+    student, teacher, center = make_inputs(10, 2, dim, 5, dtype, gen)
+    cpu = torch.ops.dino_opt.dino_loss(student, teacher, center, 0.1, 0.04, 10)
+    gpu = torch.ops.dino_opt.dino_loss(student.cuda(), teacher.cuda(), center.cuda(), 0.1, 0.04, 10)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-4)
+    for c, g in zip(cpu, gpu, strict=True):
+        assert g.device.type == "cuda" and g.dtype == c.dtype
+        torch.testing.assert_close(g.cpu(), c, rtol=tol, atol=tol)
+    grad = torch.tensor(0.7, dtype=cpu[0].dtype)
+    g_cpu = torch.ops.dino_opt.dino_loss_backward(
+        grad, student, teacher, center, cpu[1], cpu[2], 0.1, 0.04, 10
+    )
+    g_gpu = torch.ops.dino_opt.dino_loss_backward(
+        grad.cuda(), student.cuda(), teacher.cuda(), center.cuda(), gpu[1], gpu[2], 0.1, 0.04, 10
+    )
+    scale = g_cpu.double().abs().max().item()
+    grad_tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
+    assert (g_gpu.cpu().double() - g_cpu.double()).abs().max().item() <= grad_tol * scale
+
+
+@pytest.mark.cuda
+def test_cuda_module_compile_and_errors(gen):
+    loss_fn = DINOLoss(4096, 10, 0.04, 0.07, 2, 5).cuda()
+    student, teacher, _ = make_inputs(10, 2, 4096, 8, torch.float32, gen, device="cuda")
+    student.requires_grad_()
+    step = torch.compile(lambda s, t: loss_fn(s, t, 1), fullgraph=True)
+    loss = step(student, teacher)
+    loss.backward()
+    check_against_reference(
+        student.cpu(), teacher.cpu(), torch.zeros(1, 4096), 10, torch.float32, tt=0.055
+    )
+    assert student.grad is not None and torch.isfinite(student.grad).all()
+    with pytest.raises(RuntimeError, match="must be on one device"):
+        dino_loss(student, teacher.cpu(), torch.zeros(4096, device="cuda"), 0.1, 0.04, 10)
+    assert dino_opt.build_info()["cuda_available"]
