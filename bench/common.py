@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -118,3 +119,37 @@ def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {path}")
+
+
+def ensure_host_memory_is_measurable() -> None:
+    """Re-executes this script with glibc's mmap threshold pinned at 64 KiB, so
+    that large CPU tensors are mmap'ed and returned on free and the resident
+    set size follows live memory (glibc otherwise raises the threshold and
+    keeps freed blocks in its heap)."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def _proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak memory that ``fn()`` allocates above what is live before it: the
+    CUDA caching allocator's peak on a GPU; on the CPU the resident set's
+    high-water mark (reset through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _proc_status_kib("VmRSS")
+    fn()
+    return (_proc_status_kib("VmHWM") - base) * 1024
