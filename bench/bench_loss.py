@@ -28,9 +28,9 @@ from common import (  # noqa: E402
     RESULTS_DIR,
     copy_bandwidth_gbps,
     device_slug,
-    ensure_host_memory_is_measurable,
     machine,
     peak_extra_bytes,
+    pin_host_mmap_threshold,
     print_table,
     time_ms,
     write_json,
@@ -65,32 +65,49 @@ def run_variant(name, inputs, ncrops, device, dtype):
     return step
 
 
-def bench_config(ncrops, batch, dim, dtype, device, warmup, repeats, bandwidth):
-    views = 2
+def make_inputs(ncrops, batch, dim, dtype, device):
     # Two input sets, rotated so that caches do not hold the previous call's data.
     inputs = []
     for _ in range(2):
         student = torch.randn(ncrops * batch, dim, device=device).to(dtype).requires_grad_()
-        teacher = torch.randn(views * batch, dim, device=device).to(dtype)
+        teacher = torch.randn(2 * batch, dim, device=device).to(dtype)
         center = 0.1 * torch.randn(1, dim, device=device)
         inputs.append((student, teacher, center))
-    row = {
-        "ncrops": ncrops,
-        "teacher_views": views,
-        "batch": batch,
-        "dim": dim,
-        "dtype": str(dtype),
-    }
-    for name in VARIANTS:
-        step = run_variant(name, inputs, ncrops, device, dtype)
-        row[f"{name}_ms"] = time_ms(step, device, warmup=warmup, repeats=repeats)
-        for s, _, _ in inputs:
-            s.grad = None
-        row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
-    elem = torch.empty((), dtype=dtype).element_size()
-    floor_bytes = (2 * (ncrops + views) + ncrops) * batch * dim * elem
-    row["floor_ms"] = floor_bytes / (bandwidth * 1e9) * 1e3 if device.type == "cuda" else None
-    return row
+    return inputs
+
+
+def measure(configs, args, device, on_gpu, repeats, bandwidth):
+    """All timings first, then all memory peaks (pinning glibc's mmap threshold
+    for the CPU peaks would change allocation costs under the timings)."""
+    results = []
+    for ncrops, dtype in configs:
+        inputs = make_inputs(ncrops, args.batch, args.dim, dtype, device)
+        row = {
+            "ncrops": ncrops,
+            "teacher_views": 2,
+            "batch": args.batch,
+            "dim": args.dim,
+            "dtype": str(dtype),
+        }
+        for name in VARIANTS:
+            step = run_variant(name, inputs, ncrops, device, dtype)
+            row[f"{name}_ms"] = time_ms(step, device, warmup=5 if on_gpu else 1, repeats=repeats)
+        elem = torch.empty((), dtype=dtype).element_size()
+        floor_bytes = (2 * (ncrops + 2) + ncrops) * args.batch * args.dim * elem
+        row["floor_ms"] = floor_bytes / (bandwidth * 1e9) * 1e3 if on_gpu else None
+        results.append(row)
+    if not on_gpu:
+        pin_host_mmap_threshold()
+    for row, (ncrops, dtype) in zip(results, configs, strict=True):
+        inputs = make_inputs(ncrops, args.batch, args.dim, dtype, device)
+        for name in VARIANTS:
+            step = run_variant(name, inputs, ncrops, device, dtype)
+            step(0)  # warm: lazily created state is not counted
+            inputs[0][0].grad = None
+            row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
+            inputs[0][0].grad = None
+        print(row, flush=True)
+    return results
 
 
 def main() -> None:
@@ -104,27 +121,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cpu":
-        ensure_host_memory_is_measurable()
     on_gpu = device.type == "cuda"
     repeats = args.repeats or (20 if on_gpu else 5)
     bandwidth = copy_bandwidth_gbps(device)
-    results = []
-    for ncrops in (10, 12):
-        for dtype in (torch.float32, torch.bfloat16):
-            results.append(
-                bench_config(
-                    ncrops,
-                    args.batch,
-                    args.dim,
-                    dtype,
-                    device,
-                    warmup=5 if on_gpu else 1,
-                    repeats=repeats,
-                    bandwidth=bandwidth,
-                )
-            )
-            print(results[-1], flush=True)
+    configs = [(ncrops, dtype) for ncrops in (10, 12) for dtype in (torch.float32, torch.bfloat16)]
+    results = measure(configs, args, device, on_gpu, repeats, bandwidth)
 
     rows = []
     for r in results:

@@ -4,11 +4,11 @@ the JSON file every bench script writes."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -121,14 +121,14 @@ def write_json(path: Path, payload: dict) -> None:
     print(f"\nwrote {path}")
 
 
-def ensure_host_memory_is_measurable() -> None:
-    """Re-executes this script with glibc's mmap threshold pinned at 64 KiB, so
-    that large CPU tensors are mmap'ed and returned on free and the resident
-    set size follows live memory (glibc otherwise raises the threshold and
-    keeps freed blocks in its heap)."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+def pin_host_mmap_threshold() -> None:
+    """Makes glibc mmap every block of 64 KiB or more and return it on free, so
+    that the resident set size follows live CPU memory (by default glibc raises
+    the threshold as blocks are freed and keeps them in its heap). Call it after
+    the timings: it changes allocation costs."""
+    M_MMAP_THRESHOLD = -3
+    if ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
 
 
 def _proc_status_kib(field: str) -> int:
@@ -141,7 +141,8 @@ def _proc_status_kib(field: str) -> int:
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak memory that ``fn()`` allocates above what is live before it: the
     CUDA caching allocator's peak on a GPU; on the CPU the resident set's
-    high-water mark (reset through /proc/self/clear_refs)."""
+    high-water mark (reset through /proc/self/clear_refs; see
+    :func:`pin_host_mmap_threshold`)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -149,6 +150,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages would hide new allocations
     Path("/proc/self/clear_refs").write_text("5")
     base = _proc_status_kib("VmRSS")
     fn()

@@ -4,6 +4,7 @@
 #include <torch/version.h>
 
 #include "build_config.h"
+#include "ops/cpu/kernel_table.h"
 
 namespace dino_opt {
 
@@ -16,6 +17,7 @@ std::map<std::string, std::string> build_info() {
       {"cuda_compiler", DINO_OPT_CUDA_COMPILER},
       {"openmp", DINO_OPT_OPENMP},
       {"parallel_info", at::get_parallel_info()},
+      {"cpu_kernels", cpu::kernels().isa},
   };
 }
 

@@ -30,7 +30,8 @@ def build_info() -> dict:
     Keys: ``version``, ``torch_version`` (running), ``torch_version_built``,
     ``cuda_compiled`` (bool), ``cuda_archs`` (list of ints), ``cxx_compiler``,
     ``cuda_compiler``, ``openmp`` (the OpenMP spec date, empty if none),
-    ``parallel_info`` (ATen's threading report), ``cuda_available``,
+    ``parallel_info`` (ATen's threading report), ``cpu_kernels`` (the
+    instruction set of the CPU kernels chosen at run time), ``cuda_available``,
     ``device_name``.
     """
     native = _C.build_info()
@@ -45,6 +46,7 @@ def build_info() -> dict:
         "cuda_compiler": native["cuda_compiler"],
         "openmp": native["openmp"],
         "parallel_info": native["parallel_info"],
+        "cpu_kernels": native["cpu_kernels"],
         "cuda_available": torch.cuda.is_available(),
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }

@@ -40,7 +40,7 @@ void row_stats(const void* row_, const void* center_, int64_t n, double inv_temp
     m = (x > m || std::isnan(x)) ? x : m;
   }
   V vsum(A(0));
-  for (int64_t i = 0; i < vn; i += V::size()) vsum = vsum + (value_v(i) - V(m)).exp();
+  for (int64_t i = 0; i < vn; i += V::size()) vsum = vsum + exp_nonpositive(value_v(i) - V(m));
   A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, vsum);
   for (int64_t i = vn; i < n; ++i) s += std::exp(value(i) - m);
   *max_out = m;
@@ -59,7 +59,7 @@ void teacher_probs(const void* const* teacher, int64_t n_teacher, const acc_t<T>
     A* p = probs + t * n;
     const A lse = static_cast<A>(lse_t[t]);
     for (int64_t i = 0; i < vn; i += V::size()) {
-      ((load_acc(row + i) - V::loadu(center + i)) * V(inv_tt) - V(lse)).exp().store(p + i);
+      exp_nonpositive((load_acc(row + i) - V::loadu(center + i)) * V(inv_tt) - V(lse)).store(p + i);
     }
     for (int64_t i = vn; i < n; ++i) {
       p[i] = std::exp((static_cast<A>(row[i]) - center[i]) * inv_tt - lse);
@@ -120,7 +120,7 @@ void student_grad(const void* const* teacher, int64_t n_teacher, const void* con
       for (int64_t t = 0; t < n_teacher; ++t) {
         if (t != v) targets = targets + V::loadu(probs + t * n + i);
       }
-      const V q = (load_acc(row + i) * V(inv) - V(lse)).exp();
+      const V q = exp_nonpositive(load_acc(row + i) * V(inv) - V(lse));
       store_acc(out + i, (V(weight) * q - targets) * V(g));
     }
     for (int64_t i = vn; i < n; ++i) {

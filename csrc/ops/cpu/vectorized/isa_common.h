@@ -40,6 +40,19 @@ inline void store_acc(T* p, const Vectorized<acc_t<T>>& v) {
   }
 }
 
+// exp for arguments <= 0 (x - max, u - lse): float uses ATen's inline
+// polynomial (about 20 ulp, much cheaper than the Sleef call), which clamps its
+// input and so would turn NaN into a number; NaN is put back so that it
+// propagates. float64 keeps the 1-ulp exp.
+template <typename A>
+inline Vectorized<A> exp_nonpositive(const Vectorized<A>& x) {
+  if constexpr (std::is_same_v<A, float>) {
+    return Vectorized<float>::blendv(x.exp_u20(), x, x.isnan());
+  } else {
+    return x.exp();
+  }
+}
+
 // Calls f.template operator()<T>() with T the type of a FloatIndex.
 template <typename F>
 inline void for_each_float_type(F&& f) {
