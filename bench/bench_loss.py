@@ -10,16 +10,22 @@ above the inputs during forward + backward (the student gradient included).
 Floor (GPU): forward and backward must each read the logits once and the
 backward writes the gradient: (2 * (S + T) + S) * B * K * bytes over the
 measured copy bandwidth. bf16 baselines run under autocast, as DINO runs them.
+On the CPU, PyTorch's allocator is told to use transparent huge pages
+(THP_MEM_ALLOC_ENABLE=1, unless set otherwise): every variant allocates
+hundreds of MiB per step, and without it page faults dominate and vary.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch's CPU allocator
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests_py"))
@@ -91,7 +97,7 @@ def measure(configs, args, device, on_gpu, repeats, bandwidth):
         }
         for name in VARIANTS:
             step = run_variant(name, inputs, ncrops, device, dtype)
-            row[f"{name}_ms"] = time_ms(step, device, warmup=5 if on_gpu else 1, repeats=repeats)
+            row[f"{name}_ms"] = time_ms(step, device, warmup=5 if on_gpu else 2, repeats=repeats)
         elem = torch.empty((), dtype=dtype).element_size()
         floor_bytes = (2 * (ncrops + 2) + ncrops) * args.batch * args.dim * elem
         row["floor_ms"] = floor_bytes / (bandwidth * 1e9) * 1e3 if on_gpu else None

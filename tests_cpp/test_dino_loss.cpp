@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ops/dino_loss.h"
+#include "test_util.h"
 
 namespace {
 
@@ -73,9 +74,9 @@ void expect_matches(int64_t S, int64_t T, int64_t B, int64_t K, at::ScalarType d
                            " B=" + std::to_string(B) + " K=" + std::to_string(K) + " " +
                            c10::toString(dtype);
   EXPECT_NEAR(loss.item<double>(), ref.loss, tol * std::max(1.0, std::abs(ref.loss))) << what;
-  const at::Tensor grad = dino_opt::dino_loss_backward(at::scalar_tensor(1.0, loss.options()),
-                                                       student, teacher, center, student_lse,
-                                                       teacher_lse, 0.1, 0.04, S);
+  const at::Tensor grad =
+      dino_opt::dino_loss_backward(at::scalar_tensor(1.0, loss.options()), student, teacher, center,
+                                   student_lse, teacher_lse, 0.1, 0.04, S);
   ASSERT_EQ(grad.scalar_type(), dtype) << what;
   const at::Tensor g = grad.to(at::kDouble).contiguous();
   double scale = 0, err = 0;
@@ -101,34 +102,38 @@ TEST(DinoLossCpu, MatchesScalarLoopInFloat32AndBFloat16) {
   expect_matches(6, 2, 2, 1000, at::kHalf, 1e-2);
 }
 
-void expect_error(const std::function<void()>& call, const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "expected an error containing: " << fragment;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-        << "message was: " << e.what();
-  }
-}
+using dino_opt::testing::expect_error;
 
 TEST(DinoLossCpu, ClearErrors) {
   const at::Tensor s = at::randn({8, 16}), t = at::randn({4, 16}), c = at::zeros({16});
   auto call = [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, double ts,
                  double tt, int64_t n) { dino_opt::dino_loss(a, b, cc, ts, tt, n); };
-  expect_error([&] { call(s, at::randn({4, 15}), c, 0.1, 0.04, 4); },
-               "student has out_dim 16 but teacher has out_dim 15");
-  expect_error([&] { call(at::randn({9, 16}), t, c, 0.1, 0.04, 4); },
-               "not a positive multiple of ncrops=4");
-  expect_error([&] { call(s, at::randn({10, 16}), c, 0.1, 0.04, 4); },
-               "teacher has 5 views but the student only 4");
+  expect_error(
+      [&] {
+        call(s, at::randn({4, 15}), c, 0.1, 0.04, 4);
+      },
+      "student has out_dim 16 but teacher has out_dim 15");
+  expect_error(
+      [&] {
+        call(at::randn({9, 16}), t, c, 0.1, 0.04, 4);
+      },
+      "not a positive multiple of ncrops=4");
+  expect_error(
+      [&] {
+        call(s, at::randn({10, 16}), c, 0.1, 0.04, 4);
+      },
+      "teacher has 5 views but the student only 4");
   expect_error([&] { call(s, t, at::zeros({15}), 0.1, 0.04, 4); }, "center must have shape [16]");
   expect_error([&] { call(s, t, c, 0.0, 0.04, 4); }, "student_temp must be positive");
   expect_error([&] { call(s, t, c, 0.1, std::nan(""), 4); }, "teacher_temp must be positive");
   expect_error([&] { call(s, t.to(at::kHalf), c, 0.1, 0.04, 4); },
                "teacher has dtype Half but student has dtype Float");
   expect_error([&] { call(s, t, c, 0.1, 0.04, 1); }, "must be at least 2");
-  expect_error([&] { call(at::randn({18, 4}), at::randn({18, 4}), at::zeros({4}), 0.1, 0.04, 18); },
-               "at most 8 teacher views");
+  expect_error(
+      [&] {
+        call(at::randn({18, 4}), at::randn({18, 4}), at::zeros({4}), 0.1, 0.04, 18);
+      },
+      "at most 8 teacher views");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ops/ema.h"
+#include "test_util.h"
 
 namespace {
 
@@ -114,15 +115,7 @@ TEST(EmaCpu, MomentumEndpoints) {
 
 TEST(EmaCpu, EmptyListsAreFine) { EXPECT_NO_THROW(dino_opt::ema_update_({}, {}, 0.996)); }
 
-void expect_error(const std::function<void()>& call, const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "expected an error containing: " << fragment;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-        << "message was: " << e.what();
-  }
-}
+using dino_opt::testing::expect_error;
 
 TEST(EmaCpu, ClearErrors) {
   at::Tensor a = at::zeros({4}), b = at::zeros({4});

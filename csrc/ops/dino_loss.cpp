@@ -21,15 +21,15 @@ TORCH_LIBRARY_FRAGMENT(dino_opt, m) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss(const at::Tensor& student,
-                                                        const at::Tensor& teacher,
-                                                        const at::Tensor& center,
-                                                        double student_temp, double teacher_temp,
-                                                        int64_t ncrops) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("dino_opt::dino_loss", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                           double, int64_t)>();
+                                                         const at::Tensor& teacher,
+                                                         const at::Tensor& center,
+                                                         double student_temp, double teacher_temp,
+                                                         int64_t ncrops) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dino_opt::dino_loss", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t)>();
   return op.call(student, teacher, center, student_temp, teacher_temp, ncrops);
 }
 
@@ -53,8 +53,8 @@ at::ScalarType acc_dtype(const at::Tensor& student) {
 }
 
 Shape check_args(const char* op, const at::Tensor& student, const at::Tensor& teacher,
-                 const at::Tensor& center, double student_temp, double teacher_temp,
-                 int64_t ncrops, const at::Tensor& student_lse, const at::Tensor& teacher_lse) {
+                 const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
+                 const at::Tensor& student_lse, const at::Tensor& teacher_lse) {
   TORCH_CHECK(student.dim() == 2, op, ": student must be 2-D [ncrops * batch, out_dim], got shape ",
               student.sizes());
   TORCH_CHECK(teacher.dim() == 2, op, ": teacher must be 2-D [teacher_views * batch, out_dim], ",
@@ -64,15 +64,16 @@ Shape check_args(const char* op, const at::Tensor& student, const at::Tensor& te
               teacher.sizes(), ")");
   const int64_t dim = student.size(1);
   TORCH_CHECK(dim >= 1, op, ": out_dim must be at least 1, got shape ", student.sizes());
-  TORCH_CHECK(center.numel() == dim && (center.dim() == 1 || (center.dim() == 2 && center.size(0) == 1)),
-              op, ": center must have shape [", dim, "] or [1, ", dim, "], got ", center.sizes());
+  TORCH_CHECK(
+      center.numel() == dim && (center.dim() == 1 || (center.dim() == 2 && center.size(0) == 1)),
+      op, ": center must have shape [", dim, "] or [1, ", dim, "], got ", center.sizes());
   TORCH_CHECK(ncrops >= 2, op, ": ncrops (student views) must be at least 2, got ", ncrops);
   TORCH_CHECK(student.size(0) > 0 && student.size(0) % ncrops == 0, op, ": student has ",
               student.size(0), " rows, which is not a positive multiple of ncrops=", ncrops);
   const int64_t batch = student.size(0) / ncrops;
   TORCH_CHECK(teacher.size(0) > 0 && teacher.size(0) % batch == 0, op, ": teacher has ",
-              teacher.size(0), " rows, which is not a positive multiple of the batch size ",
-              batch, " (student rows ", student.size(0), " / ncrops ", ncrops, ")");
+              teacher.size(0), " rows, which is not a positive multiple of the batch size ", batch,
+              " (student rows ", student.size(0), " / ncrops ", ncrops, ")");
   const int64_t teacher_views = teacher.size(0) / batch;
   TORCH_CHECK(teacher_views <= ncrops, op, ": teacher has ", teacher_views,
               " views but the student only ", ncrops,
@@ -92,15 +93,16 @@ Shape check_args(const char* op, const at::Tensor& student, const at::Tensor& te
               teacher.device(), " and ", center.device());
   const Shape shape{ncrops, teacher_views, batch, dim};
   if (student_lse.defined()) {
-    TORCH_CHECK(student_lse.numel() == ncrops * batch && teacher_lse.numel() == teacher_views * batch,
-                op, ": student_lse/teacher_lse must have ", ncrops * batch, "/",
-                teacher_views * batch, " elements, got ", student_lse.sizes(), "/",
-                teacher_lse.sizes());
+    TORCH_CHECK(
+        student_lse.numel() == ncrops * batch && teacher_lse.numel() == teacher_views * batch, op,
+        ": student_lse/teacher_lse must have ", ncrops * batch, "/", teacher_views * batch,
+        " elements, got ", student_lse.sizes(), "/", teacher_lse.sizes());
     TORCH_CHECK(student_lse.scalar_type() == acc_dtype(student) &&
                     teacher_lse.scalar_type() == acc_dtype(student),
                 op, ": student_lse/teacher_lse must have dtype ", acc_dtype(student));
-    TORCH_CHECK(student_lse.device() == student.device() && teacher_lse.device() == student.device(),
-                op, ": student_lse/teacher_lse must be on ", student.device());
+    TORCH_CHECK(
+        student_lse.device() == student.device() && teacher_lse.device() == student.device(), op,
+        ": student_lse/teacher_lse must be on ", student.device());
   }
   return shape;
 }

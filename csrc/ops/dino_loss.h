@@ -14,10 +14,10 @@ namespace dino_opt {
 // the scalar loss, the log-sum-exp of student/student_temp per student row and
 // of (teacher - center)/teacher_temp per teacher row, both kept for backward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss(const at::Tensor& student,
-                                                        const at::Tensor& teacher,
-                                                        const at::Tensor& center,
-                                                        double student_temp, double teacher_temp,
-                                                        int64_t ncrops);
+                                                         const at::Tensor& teacher,
+                                                         const at::Tensor& center,
+                                                         double student_temp, double teacher_temp,
+                                                         int64_t ncrops);
 
 // Gradient of the loss w.r.t. the student logits (the teacher gets none).
 at::Tensor dino_loss_backward(const at::Tensor& grad, const at::Tensor& student,
@@ -31,9 +31,8 @@ namespace dino_loss_detail {
 // dtype or device) and returns the view layout. `lse` checks are skipped when
 // the tensors are undefined (forward).
 Shape check_args(const char* op, const at::Tensor& student, const at::Tensor& teacher,
-                 const at::Tensor& center, double student_temp, double teacher_temp,
-                 int64_t ncrops, const at::Tensor& student_lse = {},
-                 const at::Tensor& teacher_lse = {});
+                 const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
+                 const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {});
 
 // Accumulation dtype of the kernels: float64 for float64 inputs, else float32.
 at::ScalarType acc_dtype(const at::Tensor& student);

@@ -49,7 +49,7 @@ Inputs prepare(const char* op, const at::Tensor& student, const at::Tensor& teac
                const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
                const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
   const Shape shape = dino_loss_detail::check_args(op, student, teacher, center, student_temp,
-                                            teacher_temp, ncrops, student_lse, teacher_lse);
+                                                   teacher_temp, ncrops, student_lse, teacher_lse);
   return Inputs{student.contiguous(),
                 teacher.contiguous(),
                 center.reshape({-1}).to(dino_loss_detail::acc_dtype(student)).contiguous(),
@@ -89,12 +89,12 @@ std::vector<double> to_doubles(const at::Tensor& t) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& student_in,
-                                                            const at::Tensor& teacher_in,
-                                                            const at::Tensor& center_in,
-                                                            double student_temp,
-                                                            double teacher_temp, int64_t ncrops) {
-  const Inputs in = prepare("dino_loss", student_in, teacher_in, center_in, student_temp,
-                            teacher_temp, ncrops);
+                                                             const at::Tensor& teacher_in,
+                                                             const at::Tensor& center_in,
+                                                             double student_temp,
+                                                             double teacher_temp, int64_t ncrops) {
+  const Inputs in =
+      prepare("dino_loss", student_in, teacher_in, center_in, student_temp, teacher_temp, ncrops);
   const Shape& s = in.shape;
   const int64_t student_rows = s.student_views * s.batch;
   const int64_t rows = student_rows + s.teacher_views * s.batch;
@@ -113,7 +113,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& s
   });
   std::vector<double> lse(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    lse[r] = dino_loss_detail::combine_lse(&maxes[r * in.n_chunks], &sums[r * in.n_chunks], in.n_chunks);
+    lse[r] =
+        dino_loss_detail::combine_lse(&maxes[r * in.n_chunks], &sums[r * in.n_chunks], in.n_chunks);
   }
   const double* lse_student = lse.data();
   const double* lse_teacher = lse.data() + student_rows;

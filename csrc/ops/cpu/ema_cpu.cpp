@@ -28,8 +28,8 @@ void ema_group(cpu::EmaSpanFn span, int64_t teacher_size, int64_t student_size,
     first_chunk[i + 1] = first_chunk[i] + (pairs[i].numel + kChunk - 1) / kChunk;
   }
   at::parallel_for(0, first_chunk.back(), 1, [&](int64_t begin, int64_t end) {
-    size_t p = std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) -
-               first_chunk.begin() - 1;
+    size_t p =
+        std::upper_bound(first_chunk.begin(), first_chunk.end(), begin) - first_chunk.begin() - 1;
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       while (chunk >= first_chunk[p + 1]) ++p;
       const int64_t offset = (chunk - first_chunk[p]) * kChunk;

@@ -25,9 +25,8 @@ struct DinoLossKernels {
   // p_t = exp((teacher_t - center) * inv_tt - lse_t[t]); scratch holds n_teacher * n
   // accumulation-type values.
   void (*pair_dots)(const void* const* teacher, int64_t n_teacher, const void* const* student,
-                    int64_t n_student, const void* center, int64_t n, double inv_ts,
-                    double inv_tt, const double* lse_t, const double* lse_s, double* out,
-                    void* scratch);
+                    int64_t n_student, const void* center, int64_t n, double inv_ts, double inv_tt,
+                    const double* lse_t, const double* lse_s, double* out, void* scratch);
   // grad_v[k] = scale * inv_ts * (w_v * exp(student_v[k] * inv_ts - lse_s[v])
   //                               - sum_{t != v} p_t[k]),  w_v = n_teacher - (v < n_teacher).
   void (*student_grad)(const void* const* teacher, int64_t n_teacher, const void* const* student,
@@ -46,9 +45,9 @@ struct KernelTable {
 const KernelTable& kernels();
 
 // Filled by each instruction-set variant.
-#define DINO_OPT_DECLARE_ISA(ISA)                \
-  namespace ISA {                                \
-  void fill_ema_kernels(KernelTable& table);     \
+#define DINO_OPT_DECLARE_ISA(ISA)                  \
+  namespace ISA {                                  \
+  void fill_ema_kernels(KernelTable& table);       \
   void fill_dino_loss_kernels(KernelTable& table); \
   }
 DINO_OPT_DECLARE_ISA(DEFAULT)

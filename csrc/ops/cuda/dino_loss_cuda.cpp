@@ -21,13 +21,14 @@ struct Prepared {
 };
 
 Prepared prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
-                 const at::Tensor& center, double student_temp, double teacher_temp,
-                 int64_t ncrops, const at::Tensor& student_lse = {},
-                 const at::Tensor& teacher_lse = {}) {
+                 const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
+                 const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
   const dino_loss_detail::Shape shape = dino_loss_detail::check_args(
       op, student, teacher, center, student_temp, teacher_temp, ncrops, student_lse, teacher_lse);
-  Prepared p{student.contiguous(), teacher.contiguous(),
-             center.reshape({-1}).to(dino_loss_detail::acc_dtype(student)).contiguous(), {}};
+  Prepared p{student.contiguous(),
+             teacher.contiguous(),
+             center.reshape({-1}).to(dino_loss_detail::acc_dtype(student)).contiguous(),
+             {}};
   p.args = cuda::DinoLossArgs{float_index(student.scalar_type(), op, "student"),
                               p.student.const_data_ptr(),
                               p.teacher.const_data_ptr(),
@@ -39,10 +40,10 @@ Prepared prepare(const char* op, const at::Tensor& student, const at::Tensor& te
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cuda(const at::Tensor& student,
-                                                             const at::Tensor& teacher,
-                                                             const at::Tensor& center,
-                                                             double student_temp,
-                                                             double teacher_temp, int64_t ncrops) {
+                                                              const at::Tensor& teacher,
+                                                              const at::Tensor& center,
+                                                              double student_temp,
+                                                              double teacher_temp, int64_t ncrops) {
   const c10::cuda::CUDAGuard guard(student.device());
   const Prepared p =
       prepare("dino_loss", student, teacher, center, student_temp, teacher_temp, ncrops);

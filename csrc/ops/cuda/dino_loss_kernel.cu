@@ -9,14 +9,12 @@
 // Floor (forward + backward, no [S*B, K] tensor kept): the logits read twice
 // and the gradient written once; these passes read them three times.
 // Partial results are combined in a fixed order: the result is deterministic.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <type_traits>
 
 #include "ops/cuda/dino_loss_kernel.h"
+#include "ops/cuda/float_types.cuh"
 
 namespace dino_opt::cuda {
 namespace {
@@ -31,31 +29,6 @@ constexpr int kStatsChunk = kThreads * kStatsPerThread;
 constexpr int kPairPerThread = 4;  // elements of each row per thread in passes 2 and 3
 constexpr int kPairChunk = kThreads * kPairPerThread;
 
-template <typename T>
-struct Acc {
-  using type = float;
-};
-template <>
-struct Acc<double> {
-  using type = double;
-};
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T, typename A>
-__device__ __forceinline__ T from_acc(A v) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(v);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16_rn(v);
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
 __device__ __forceinline__ float exp_acc(float v) { return expf(v); }
 __device__ __forceinline__ double exp_acc(double v) { return exp(v); }
 
@@ -64,11 +37,6 @@ template <typename A>
 __device__ __forceinline__ A nan_max(A a, A b) {
   return (a != a || a > b) ? a : b;
 }
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
 
 // Elements [base, base + N) of `row` widened to A; positions at or past `dim`
 // are reported invalid. One aligned vector load when the whole run is inside
@@ -80,14 +48,14 @@ __device__ __forceinline__ void load_run(const T* row, int64_t base, int64_t dim
     const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(row + base);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      out[j] = static_cast<A>(to_acc(v.v[j]));
+      out[j] = load_acc<A>(v.v[j]);
       valid[j] = true;
     }
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       valid[j] = base + j < dim;
-      out[j] = valid[j] ? static_cast<A>(to_acc(row[base + j])) : A(0);
+      out[j] = valid[j] ? load_acc<A>(row[base + j]) : A(0);
     }
   }
 }
@@ -97,12 +65,12 @@ __device__ __forceinline__ void store_run(T* row, int64_t base, int64_t dim, con
   if (base + N <= dim && reinterpret_cast<uintptr_t>(row + base) % sizeof(Vec<T, N>) == 0) {
     Vec<T, N> v;
 #pragma unroll
-    for (int j = 0; j < N; ++j) v.v[j] = from_acc<T>(in[j]);
+    for (int j = 0; j < N; ++j) v.v[j] = store_from<T>(in[j]);
     *reinterpret_cast<Vec<T, N>*>(row + base) = v;
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      if (base + j < dim) row[base + j] = from_acc<T>(in[j]);
+      if (base + j < dim) row[base + j] = store_from<T>(in[j]);
     }
   }
 }
@@ -110,7 +78,8 @@ __device__ __forceinline__ void store_run(T* row, int64_t base, int64_t dim, con
 template <typename A, typename Op>
 __device__ __forceinline__ A warp_reduce(A v, Op op) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
@@ -180,13 +149,15 @@ __global__ void __launch_bounds__(kThreads)
     x[j] *= inv;
     if (valid[j]) m = nan_max(m, x[j]);
   }
-  m = block_reduce(m, [](A p, A q) { return nan_max(p, q); }, neg_inf, smem);
+  m = block_reduce(
+      m, [](A p, A q) { return nan_max(p, q); }, neg_inf, smem);
   A z = 0;
 #pragma unroll
   for (int j = 0; j < kStatsPerThread; ++j) {
     if (valid[j]) z += exp_acc(x[j] - m);
   }
-  z = block_reduce(z, [](A p, A q) { return p + q; }, A(0), smem);
+  z = block_reduce(
+      z, [](A p, A q) { return p + q; }, A(0), smem);
   if (threadIdx.x == 0) {
     out_max[item] = m;
     out_sum[item] = z;
@@ -199,8 +170,8 @@ __global__ void combine_lse_kernel(Shape s, int64_t n_chunks, const A* maxes, co
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t student_rows = s.student_views * s.batch;
   if (row >= student_rows + s.teacher_views * s.batch) return;
-  const A lse = dino_loss_detail::combine_lse(maxes + row * n_chunks, sums + row * n_chunks,
-                                              n_chunks);
+  const A lse =
+      dino_loss_detail::combine_lse(maxes + row * n_chunks, sums + row * n_chunks, n_chunks);
   if (row < student_rows) {
     student_lse[row] = lse;
   } else {
@@ -262,7 +233,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t v = (i / s.teacher_views) % s.student_views;
     if (t != v) total += static_cast<double>(dots[i]);
   }
-  total = block_reduce(total, [](double p, double q) { return p + q; }, 0.0, smem);
+  total = block_reduce(
+      total, [](double p, double q) { return p + q; }, 0.0, smem);
   if (threadIdx.x == 0) {
     *loss = static_cast<A>(-total / static_cast<double>(s.loss_terms() * s.batch));
   }
@@ -284,8 +256,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row = v * s.batch + b;
     A x[kPairPerThread];
     bool valid[kPairPerThread];
-    load_run<kPairPerThread>(static_cast<const T*>(a.student) + row * s.dim, base, s.dim, x,
-                             valid);
+    load_run<kPairPerThread>(static_cast<const T*>(a.student) + row * s.dim, base, s.dim, x, valid);
     const A lse = student_lse[row];
     const A weight = static_cast<A>(s.teacher_weight(v));
     A g[kPairPerThread];
@@ -308,7 +279,7 @@ int64_t pair_chunks(const Shape& s) { return (s.dim + kPairChunk - 1) / kPairChu
 template <typename T>
 cudaError_t forward_typed(const DinoLossArgs& a, void* stats_max, void* stats_sum, void* dots,
                           void* student_lse, void* teacher_lse, void* loss, cudaStream_t stream) {
-  using A = typename Acc<T>::type;
+  using A = acc_t<T>;
   const Shape& s = a.shape;
   const int64_t rows = (s.student_views + s.teacher_views) * s.batch;
   const int64_t n_stats = stats_chunks(s);
@@ -321,16 +292,15 @@ cudaError_t forward_typed(const DinoLossArgs& a, void* stats_max, void* stats_su
   pair_dots_kernel<T, A><<<s.batch * n_pairs, kThreads, 0, stream>>>(
       a, n_pairs, static_cast<const A*>(student_lse), static_cast<const A*>(teacher_lse),
       static_cast<A*>(dots));
-  loss_kernel<A><<<1, kThreads, 0, stream>>>(s, n_pairs, static_cast<const A*>(dots),
-                                             static_cast<A*>(loss));
+  loss_kernel<A>
+      <<<1, kThreads, 0, stream>>>(s, n_pairs, static_cast<const A*>(dots), static_cast<A*>(loss));
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t backward_typed(const DinoLossArgs& a, const void* student_lse,
-                           const void* teacher_lse, const void* grad_loss, void* grad,
-                           cudaStream_t stream) {
-  using A = typename Acc<T>::type;
+cudaError_t backward_typed(const DinoLossArgs& a, const void* student_lse, const void* teacher_lse,
+                           const void* grad_loss, void* grad, cudaStream_t stream) {
+  using A = acc_t<T>;
   const int64_t n_pairs = pair_chunks(a.shape);
   student_grad_kernel<T, A><<<a.shape.batch * n_pairs, kThreads, 0, stream>>>(
       a, n_pairs, static_cast<const A*>(student_lse), static_cast<const A*>(teacher_lse),
@@ -359,8 +329,8 @@ cudaError_t launch_dino_loss_forward(const DinoLossArgs& a, void* stats_max, voi
       return forward_typed<float>(a, stats_max, stats_sum, dots, student_lse, teacher_lse, loss,
                                   stream);
     case kBF16:
-      return forward_typed<__nv_bfloat16>(a, stats_max, stats_sum, dots, student_lse,
-                                          teacher_lse, loss, stream);
+      return forward_typed<__nv_bfloat16>(a, stats_max, stats_sum, dots, student_lse, teacher_lse,
+                                          loss, stream);
     case kF16:
       return forward_typed<__half>(a, stats_max, stats_sum, dots, student_lse, teacher_lse, loss,
                                    stream);

@@ -12,10 +12,10 @@
 namespace dino_opt::cuda {
 
 struct DinoLossArgs {
-  FloatIndex dtype;         // of student and teacher
-  const void* student;      // [S*B, K] contiguous
-  const void* teacher;      // [T*B, K] contiguous
-  const void* center;       // [K] of A
+  FloatIndex dtype;     // of student and teacher
+  const void* student;  // [S*B, K] contiguous
+  const void* teacher;  // [T*B, K] contiguous
+  const void* center;   // [K] of A
   dino_loss_detail::Shape shape;
   double inv_student_temp;
   double inv_teacher_temp;

@@ -22,7 +22,8 @@ void ema_update_cuda(at::TensorList teacher, at::TensorList student, double mome
       [&](at::ScalarType tt, at::ScalarType st, const std::vector<ema_detail::FlatPair>& pairs) {
         C10_CUDA_CHECK(cuda::launch_ema_update(pairs.data(), static_cast<int64_t>(pairs.size()),
                                                float_index(tt, "ema_update_", "teacher"),
-                                               float_index(st, "ema_update_", "student"), c, stream));
+                                               float_index(st, "ema_update_", "student"), c,
+                                               stream));
       });
 }
 

@@ -5,14 +5,12 @@
 // Layout of a launch: the tensors' pointers and sizes are passed by value in
 // the kernel arguments (no metadata copy); each block owns one chunk of one
 // tensor and finds it by binary search over the per-tensor chunk offsets.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "ops/cuda/ema_kernel.h"
+#include "ops/cuda/float_types.cuh"
 
 namespace dino_opt::cuda {
 namespace {
@@ -28,38 +26,6 @@ struct EmaLaunchArgs {
   int32_t count;
 };
 static_assert(sizeof(EmaLaunchArgs) + 64 <= 32764, "kernel arguments exceed 32 KB");
-
-template <typename T>
-struct Op {
-  using acc = float;
-};
-template <>
-struct Op<double> {
-  using acc = double;
-};
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ double to_float(double v) { return v; }
-
-// Widening (or, for a float64 student of a float32 teacher, round-to-nearest)
-// conversion to the accumulation type A, as static_cast does on the CPU.
-template <typename A, typename X>
-__device__ __forceinline__ A load_acc(X v) {
-  return static_cast<A>(to_float(v));
-}
-
-template <typename T, typename A>
-__device__ __forceinline__ T store_from(A v) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __float2half_rn(v);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16_rn(v);
-  } else {
-    return static_cast<T>(v);
-  }
-}
 
 // m*t + w*s with two explicit roundings and no fused multiply-add: the CPU
 // kernel evaluates the same expression with contraction disabled.
@@ -81,16 +47,10 @@ __host__ __device__ constexpr int chunk_elems() {
   return kThreads * vec_width<T>() * kUnroll;
 }
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
 template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
-    ema_multi_tensor_kernel(const EmaLaunchArgs args, typename Op<T>::acc keep,
-                            typename Op<T>::acc mix) {
-  using A = typename Op<T>::acc;
+    ema_multi_tensor_kernel(const EmaLaunchArgs args, acc_t<T> keep, acc_t<T> mix) {
+  using A = acc_t<T>;
   constexpr int V = vec_width<T>();
   constexpr int CHUNK = chunk_elems<T>();
   const int32_t block = static_cast<int32_t>(blockIdx.x);
@@ -148,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename S>
 cudaError_t launch_typed(const ema_detail::FlatPair* pairs, int64_t count,
                          ema_detail::Coefficients c, cudaStream_t stream) {
-  using acc_t = typename Op<T>::acc;
+  using acc_t = acc_t<T>;
   constexpr int64_t CHUNK = chunk_elems<T>();
   EmaLaunchArgs args;
   int64_t next = 0;

@@ -49,8 +49,8 @@ void row_stats(const void* row_, const void* center_, int64_t n, double inv_temp
 
 // p_t[k] = exp((teacher_t[k] - center[k]) * inv_tt - lse_t[t]) into scratch [T][n].
 template <typename T>
-void teacher_probs(const void* const* teacher, int64_t n_teacher, const acc_t<T>* center,
-                   int64_t n, acc_t<T> inv_tt, const double* lse_t, acc_t<T>* probs) {
+void teacher_probs(const void* const* teacher, int64_t n_teacher, const acc_t<T>* center, int64_t n,
+                   acc_t<T> inv_tt, const double* lse_t, acc_t<T>* probs) {
   using A = acc_t<T>;
   using V = Vectorized<A>;
   const int64_t vn = n - n % V::size();
@@ -74,8 +74,8 @@ void pair_dots(const void* const* teacher, int64_t n_teacher, const void* const*
   using A = acc_t<T>;
   using V = Vectorized<A>;
   A* probs = static_cast<A*>(scratch);
-  teacher_probs<T>(teacher, n_teacher, static_cast<const A*>(center_), n,
-                   static_cast<A>(inv_tt), lse_t, probs);
+  teacher_probs<T>(teacher, n_teacher, static_cast<const A*>(center_), n, static_cast<A>(inv_tt),
+                   lse_t, probs);
   const int64_t vn = n - n % V::size();
   const A inv = static_cast<A>(inv_ts);
   for (int64_t v = 0; v < n_student; ++v) {
@@ -85,7 +85,8 @@ void pair_dots(const void* const* teacher, int64_t n_teacher, const void* const*
     for (int64_t t = 0; t < n_teacher; ++t) acc[t] = V(A(0));
     for (int64_t i = 0; i < vn; i += V::size()) {
       const V log_q = load_acc(row + i) * V(inv) - V(lse);  // student log-softmax
-      for (int64_t t = 0; t < n_teacher; ++t) acc[t] = at::vec::fmadd(V::loadu(probs + t * n + i), log_q, acc[t]);
+      for (int64_t t = 0; t < n_teacher; ++t)
+        acc[t] = at::vec::fmadd(V::loadu(probs + t * n + i), log_q, acc[t]);
     }
     for (int64_t t = 0; t < n_teacher; ++t) {
       A total = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc[t]);
@@ -105,8 +106,8 @@ void student_grad(const void* const* teacher, int64_t n_teacher, const void* con
   using A = acc_t<T>;
   using V = Vectorized<A>;
   A* probs = static_cast<A*>(scratch);
-  teacher_probs<T>(teacher, n_teacher, static_cast<const A*>(center_), n,
-                   static_cast<A>(inv_tt), lse_t, probs);
+  teacher_probs<T>(teacher, n_teacher, static_cast<const A*>(center_), n, static_cast<A>(inv_tt),
+                   lse_t, probs);
   const int64_t vn = n - n % V::size();
   const A inv = static_cast<A>(inv_ts);
   const A g = static_cast<A>(scale * inv_ts);
