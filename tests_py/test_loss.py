@@ -266,6 +266,17 @@ def test_dino_loss_module_follows_the_original_for_ten_steps(gen):
     assert torch.equal(restored.center, ours.center)
 
 
+def test_loading_a_checkpoint_drops_a_pending_center_update(gen):
+    loss_fn = DINOLoss(8, 4, 0.04, 0.04, 0, 3)
+    saved = {"center": torch.full((1, 8), 0.5)}
+    student, teacher, _ = make_inputs(4, 2, 8, 2, torch.float32, gen)
+    loss_fn(student, teacher, 0)
+    loss_fn._pending_center = (torch.ones(8), 1, None)  # as if an all-reduce were in flight
+    loss_fn.load_state_dict(saved)
+    loss_fn.apply_center_update()
+    assert torch.equal(loss_fn.center, saved["center"])
+
+
 def test_dino_loss_module_arguments():
     with pytest.raises(
         IndexError, match="epoch 3 is outside the teacher temperature schedule of 3 epochs"

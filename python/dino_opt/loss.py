@@ -146,3 +146,11 @@ class DINOLoss(nn.Module):
     def state_dict(self, *args, **kwargs):
         self.apply_center_update()
         return super().state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A loaded center replaces the current one: an update still pending
+        # from the last step must not be applied on top of it.
+        if self._pending_center is not None and self._pending_center[2] is not None:
+            self._pending_center[2].wait()
+        self._pending_center = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
