@@ -1,10 +1,95 @@
 // The one Python extension module, dino_opt._C. Operators register themselves
 // when the core library loads; this module binds the plain C++ classes.
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "build_info.h"
+#include "memory/memory_tracker.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using namespace dino_opt::memory;
+
+py::dict to_dict(const HostMemory& h) {
+  py::dict d;
+  d["rss"] = h.rss;
+  d["peak_rss"] = h.peak_rss;
+  d["total"] = h.total;
+  d["available"] = h.available;
+  return d;
+}
+
+py::object to_dict(const std::optional<AllocatorMemory>& a) {
+  if (!a) return py::none();
+  py::dict d;
+  d["allocated"] = a->allocated;
+  d["reserved"] = a->reserved;
+  d["active"] = a->active;
+  d["peak_allocated"] = a->peak_allocated;
+  d["peak_reserved"] = a->peak_reserved;
+  d["peak_active"] = a->peak_active;
+  d["alloc_retries"] = a->alloc_retries;
+  d["ooms"] = a->ooms;
+  return std::move(d);
+}
+
+py::object to_dict(const std::optional<DeviceMemory>& m) {
+  if (!m) return py::none();
+  py::dict d;
+  d["total"] = m->total;
+  d["used"] = m->used;
+  d["free"] = m->free;
+  return std::move(d);
+}
+
+py::dict to_dict(const MemorySample& s) {
+  py::dict d;
+  d["time"] = s.time;
+  d["host"] = to_dict(s.host);
+  d["allocator"] = to_dict(s.allocator);
+  d["device"] = to_dict(s.device);
+  return d;
+}
+
+py::dict to_dict(const StepPeaks& p) {
+  py::dict d;
+  d["step"] = p.step;
+  d["seconds"] = p.seconds;
+  d["host_peak_rss"] = p.host_peak_rss;
+  d["device_peak_allocated"] = p.device_peak_allocated;
+  d["device_peak_reserved"] = p.device_peak_reserved;
+  return d;
+}
+
+template <typename T>
+py::list to_list(const std::vector<T>& items) {
+  py::list out;
+  for (const T& item : items) out.append(to_dict(item));
+  return out;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dino_opt native core";
   m.def("build_info", &dino_opt::build_info, "How the native core was built");
+
+  m.def(
+      "read_host_memory", [] { return to_dict(read_host_memory()); },
+      "Process RSS and peak RSS, system total and available memory (bytes), from /proc");
+  m.def("nvml_status", &nvml_status, "Why NVML is unusable ('' when usable)");
+
+  py::class_<MemoryTracker>(m, "MemoryTracker")
+      .def(py::init<int, double>(), py::arg("device") = -1, py::arg("sample_period") = 0.1)
+      .def_property_readonly("device", &MemoryTracker::device)
+      .def("sample", [](const MemoryTracker& t) { return to_dict(t.sample()); })
+      .def("start_step", &MemoryTracker::start_step)
+      .def("end_step", [](MemoryTracker& t) { return to_dict(t.end_step()); })
+      .def("steps", [](const MemoryTracker& t) { return to_list(t.steps()); })
+      .def("start_sampling", &MemoryTracker::start_sampling)
+      .def("stop_sampling", &MemoryTracker::stop_sampling, py::call_guard<py::gil_scoped_release>())
+      .def("sampling", &MemoryTracker::sampling)
+      .def("timeline", [](const MemoryTracker& t) { return to_list(t.timeline()); });
 }

@@ -1,0 +1,60 @@
+// The native memory tracker: /proc readings, per-step host peaks, the
+// sampling thread's start and stop.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "memory/memory_tracker.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace dino_opt::memory;
+
+TEST(Memory, HostReadingsAreSane) {
+  const HostMemory h = read_host_memory();
+  EXPECT_GT(h.rss, 0);
+  EXPECT_GE(h.peak_rss, h.rss);
+  EXPECT_GT(h.total, 0);
+  EXPECT_GT(h.available, 0);
+  EXPECT_LE(h.available, h.total);
+}
+
+TEST(Memory, StepPeakSeesATemporaryBuffer) {
+  MemoryTracker tracker(-1, 0.1);
+  tracker.start_step();
+  const int64_t base = read_host_memory().rss;
+  {
+    std::vector<char> buffer(200 << 20);
+    std::memset(buffer.data(), 1, buffer.size());  // make it resident
+  }
+  const StepPeaks peaks = tracker.end_step();
+  EXPECT_GT(peaks.host_peak_rss - base, int64_t{180} << 20);
+  EXPECT_FALSE(peaks.device_peak_allocated.has_value());
+  EXPECT_EQ(tracker.steps().size(), 1u);
+}
+
+TEST(Memory, SamplingThreadStartsAndStops) {
+  MemoryTracker tracker(-1, 0.01);
+  tracker.start_sampling();
+  EXPECT_TRUE(tracker.sampling());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  tracker.stop_sampling();
+  EXPECT_FALSE(tracker.sampling());
+  const size_t n = tracker.timeline().size();
+  EXPECT_GE(n, 3u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(tracker.timeline().size(), n);
+}
+
+TEST(Memory, BadArguments) {
+  dino_opt::testing::expect_error([] { MemoryTracker(-1, 0.0); }, "sample_period must be");
+  dino_opt::testing::expect_error([] { MemoryTracker(-2, 0.1); }, "device must be");
+  MemoryTracker tracker;
+  dino_opt::testing::expect_error([&] { tracker.end_step(); }, "without start_step");
+}
+
+}  // namespace

@@ -1,0 +1,105 @@
+"""The memory tracker on the CPU (host memory, steps, sampling thread, the
+lesson's keys) and, marked `cuda`, against torch's allocator counters."""
+
+import time
+
+import pytest
+import torch
+from dino_opt import _C
+from dino_opt.memory import GB, MemoryTracker, VRAMProfiler, memory_snapshot
+
+BIG = 256 * 2**20  # above glibc's largest mmap threshold: freed memory goes back to the OS
+
+
+def big_tensor():
+    return torch.ones(BIG // 4)  # touched, so resident
+
+
+def test_host_rss_rises_with_a_large_tensor_and_falls_when_it_is_freed():
+    before = _C.read_host_memory()["rss"]
+    x = big_tensor()
+    during = _C.read_host_memory()["rss"]
+    del x
+    after = _C.read_host_memory()["rss"]
+    assert during - before > 0.9 * BIG
+    assert during - after > 0.9 * BIG
+
+
+def test_step_peaks_see_a_temporary_allocation():
+    tracker = MemoryTracker("cpu")
+    tracker.start_step()
+    base = _C.read_host_memory()["rss"]
+    x = big_tensor()
+    del x
+    peaks = tracker.end_step()
+    assert peaks["host_peak_rss"] - base > 0.9 * BIG
+    assert peaks["device_peak_allocated"] is None
+    assert peaks["seconds"] >= 0 and peaks["step"] == 0
+    assert tracker.summary()["steps"] == 1
+    with pytest.raises(RuntimeError, match=r"end_step\(\) without start_step\(\)"):
+        tracker.end_step()
+
+
+def test_lesson_keys_on_the_cpu():
+    stats = MemoryTracker("cpu").get_memory_stats()
+    assert 0 < stats["system_memory_percent"] < 100
+    assert 0 < stats["system_memory_available_gb"] <= stats["system_memory_total_gb"]
+    assert stats["host_rss_gb"] > 0
+    assert not any(k.startswith("gpu_") for k in stats)
+
+
+def test_sampling_thread_records_a_timeline_and_stops():
+    with MemoryTracker("cpu", sample_period=0.02, sampling=True) as tracker:
+        assert tracker.sampling
+        time.sleep(0.3)
+    assert not tracker.sampling
+    samples = tracker.timeline()
+    assert len(samples) >= 5
+    assert all(b["time"] > a["time"] for a, b in zip(samples, samples[1:], strict=False))
+    assert samples[0]["host"]["rss"] > 0 and samples[0]["allocator"] is None
+    time.sleep(0.1)
+    assert len(tracker.timeline()) == len(samples), "the thread kept sampling after stop"
+    summary = tracker.summary()
+    assert summary["samples"] == len(samples) and summary["timeline_host_rss_max_gb"] > 0
+    tracker.start_sampling()  # can be restarted
+    tracker.close()
+
+
+def test_bad_arguments_and_cpu_only_features():
+    with pytest.raises(RuntimeError, match="sample_period must be a positive number"):
+        MemoryTracker("cpu", sample_period=0)
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        MemoryTracker("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="VRAMProfiler needs a CUDA device"):
+            VRAMProfiler()
+        with pytest.raises(RuntimeError, match="memory_snapshot needs a CUDA device"):
+            with memory_snapshot("unused.pickle"):
+                pass
+
+
+@pytest.mark.cuda
+def test_cuda_allocator_peaks_match_torch(tmp_path):
+    tracker = MemoryTracker("cuda:0")
+    torch.cuda.synchronize()
+    tracker.start_step()
+    torch.cuda.reset_peak_memory_stats()
+    x = torch.empty(64 * 2**20, device="cuda")
+    y = x * 2
+    del x, y
+    torch.cuda.synchronize()
+    peaks = tracker.end_step()
+    assert peaks["device_peak_allocated"] == torch.cuda.max_memory_allocated()
+    assert peaks["device_peak_reserved"] == torch.cuda.max_memory_reserved()
+    stats = tracker.get_memory_stats()
+    assert stats["gpu_memory_current_gb"] == pytest.approx(torch.cuda.memory_allocated() / GB)
+    assert stats["gpu_memory_reserved_gb"] == pytest.approx(torch.cuda.memory_reserved() / GB)
+    assert 0 <= stats["gpu_memory_utilization"] <= 1
+    assert stats["gpu_memory_total_gb"] == pytest.approx(
+        torch.cuda.get_device_properties(0).total_memory / GB, rel=0.05
+    )
+    profile = VRAMProfiler(0).profile_training_step(lambda: torch.ones(2**26, device="cuda").sum())
+    assert profile["peak_allocated"] >= 2**26 * 4 / GB
+    with memory_snapshot(tmp_path / "snap.pickle"):
+        torch.ones(1000, device="cuda")
+    assert (tmp_path / "snap.pickle").stat().st_size > 0
