@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-#include "ops/ema.h"
+#include "ops/dtype.h"
 
 namespace dino_opt {
 

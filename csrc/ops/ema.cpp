@@ -11,6 +11,8 @@
 #include <string>
 #include <utility>
 
+#include "ops/dtype.h"
+
 namespace dino_opt {
 
 TORCH_LIBRARY_FRAGMENT(dino_opt, m) {
@@ -54,22 +56,6 @@ void ema_update_(at::TensorList teacher, at::TensorList student, double momentum
                        .findSchemaOrThrow("dino_opt::ema_update_", "")
                        .typed<void(at::TensorList, at::TensorList, double)>();
   op.call(teacher, student, momentum);
-}
-
-FloatIndex float_index(at::ScalarType dtype, const char* op, const char* what) {
-  switch (dtype) {
-    case at::kDouble:
-      return kF64;
-    case at::kFloat:
-      return kF32;
-    case at::kBFloat16:
-      return kBF16;
-    case at::kHalf:
-      return kF16;
-    default:
-      TORCH_CHECK(false, op, ": ", what, " has dtype ", dtype,
-                  "; expected float64, float32, bfloat16 or float16");
-  }
 }
 
 namespace ema_detail {

@@ -13,10 +13,6 @@ namespace dino_opt {
 // the dispatcher, so the CPU or CUDA kernel is chosen by the tensors' device.
 void ema_update_(at::TensorList teacher, at::TensorList student, double momentum);
 
-// Index of a floating dtype (float64, float32, bfloat16, float16) for kernel
-// tables; throws naming `op` and `what` for any other dtype.
-FloatIndex float_index(at::ScalarType dtype, const char* op, const char* what);
-
 namespace ema_detail {
 
 Coefficients coefficients(double momentum);

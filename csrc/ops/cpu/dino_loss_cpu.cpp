@@ -14,7 +14,7 @@
 
 #include "ops/cpu/kernel_table.h"
 #include "ops/dino_loss.h"
-#include "ops/ema.h"
+#include "ops/dtype.h"
 
 namespace dino_opt {
 namespace {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ops/cpu/kernel_table.h"
+#include "ops/dtype.h"
 #include "ops/ema.h"
 
 namespace dino_opt {

@@ -10,7 +10,7 @@
 
 #include "ops/cuda/dino_loss_kernel.h"
 #include "ops/dino_loss.h"
-#include "ops/ema.h"
+#include "ops/dtype.h"
 
 namespace dino_opt {
 namespace {

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "ops/cuda/ema_kernel.h"
+#include "ops/dtype.h"
 #include "ops/ema.h"
 
 namespace dino_opt {
