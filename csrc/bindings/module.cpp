@@ -5,6 +5,7 @@
 
 #include "build_info.h"
 #include "memory/memory_tracker.h"
+#include "profiler/profiler.h"
 
 namespace py = pybind11;
 
@@ -63,6 +64,41 @@ py::dict to_dict(const StepPeaks& p) {
   return d;
 }
 
+namespace prof = dino_opt::profiler;
+
+py::dict to_dict(const prof::Range& r) {
+  py::dict d;
+  d["name"] = r.name;
+  d["step"] = r.step;
+  d["depth"] = r.depth;
+  d["thread"] = r.thread;
+  d["host_ms"] = (r.host_end - r.host_start) / 1e3;
+  d["host_start_us"] = r.host_start;
+  d["device_ms"] = r.device_ms;
+  return d;
+}
+
+py::dict to_dict(const prof::Step& s) {
+  py::dict d;
+  d["step"] = s.index;
+  d["host_ms"] = (s.host_end - s.host_start) / 1e3;
+  d["samples"] = s.samples;
+  d["device_idle_ms"] = s.device_idle_ms;
+  return d;
+}
+
+py::dict to_dict(const prof::Stats& s) {
+  py::dict d;
+  d["count"] = s.count;
+  d["total"] = s.total;
+  d["mean"] = s.mean;
+  d["median"] = s.median;
+  d["p95"] = s.p95;
+  d["min"] = s.min;
+  d["max"] = s.max;
+  return d;
+}
+
 template <typename T>
 py::list to_list(const std::vector<T>& items) {
   py::list out;
@@ -92,4 +128,49 @@ PYBIND11_MODULE(_C, m) {
       .def("stop_sampling", &MemoryTracker::stop_sampling, py::call_guard<py::gil_scoped_release>())
       .def("sampling", &MemoryTracker::sampling)
       .def("timeline", [](const MemoryTracker& t) { return to_list(t.timeline()); });
+
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  py::class_<prof::Profiler>(m, "Profiler")
+      .def(py::init<int>(), py::arg("device") = -1)
+      .def_property_readonly("device", &prof::Profiler::device)
+      .def("push", &prof::Profiler::push, py::arg("name"))
+      .def("pop", &prof::Profiler::pop)
+      .def("step", &prof::Profiler::step, py::arg("samples") = 0)
+      .def("current_step", &prof::Profiler::current_step)
+      .def("synchronizations", &prof::Profiler::synchronizations)
+      .def("ranges",
+           [](prof::Profiler& p) {
+             auto ranges = [&] {
+               py::gil_scoped_release release;
+               return p.ranges();
+             }();
+             return to_list(ranges);
+           })
+      .def("steps",
+           [](prof::Profiler& p) {
+             auto steps = [&] {
+               py::gil_scoped_release release;
+               return p.steps();
+             }();
+             return to_list(steps);
+           })
+      .def("stats",
+           [](prof::Profiler& p) {
+             auto stats = [&] {
+               py::gil_scoped_release release;
+               return p.stats();
+             }();
+             py::dict out;
+             for (const auto& [name, s] : stats) {
+               py::dict d;
+               d["host"] = to_dict(s.host);
+               d["device"] = s.device.count ? py::object(to_dict(s.device)) : py::none();
+               d["share_of_step"] = s.share_of_step;
+               out[py::str(name)] = d;
+             }
+             return out;
+           })
+      .def("throughput", &prof::Profiler::throughput, release_gil())
+      .def("chrome_trace", &prof::Profiler::chrome_trace, release_gil())
+      .def("clear", &prof::Profiler::clear, release_gil());
 }

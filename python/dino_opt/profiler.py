@@ -1,0 +1,344 @@
+"""Profiling over the native core: named ranges timed on the host (steady
+clock) and on the GPU (CUDA events on the current stream, resolved later, so a
+range adds no synchronisation), NVTX ranges for Nsight Systems, per-step
+aggregation, throughput, the GPU's idle time between steps, a Chrome trace and
+the lesson's plots.
+
+The lesson's ``DINOProfiler`` timed GPU work with ``time.time()`` and no
+synchronisation, which measures how long the launches took, not the work;
+here a range's ``device`` time is the GPU time between its two events."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import _C
+
+__all__ = ["DINOProfiler", "PerformanceMonitor", "PerformanceProfiler", "Profiler"]
+
+log = logging.getLogger(__name__)
+
+
+def _device_index(device) -> int:
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else -1
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type == "cpu":
+        return -1
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"Profiler: device must be cpu or an available cuda device, got {device}")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class Profiler:
+    """Named ranges and steps (the native profiler).
+
+    ``with profiler.range("forward"): ...`` or ``@profiler.profile("loss")``;
+    ``profiler.step(batch_size)`` at each step's end. Reading results
+    (``ranges()``, ``stats()``, ``steps()``, ``chrome_trace()``) waits for the
+    GPU work recorded so far: do it at logging intervals, not every step.
+    """
+
+    def __init__(self, device=None) -> None:
+        self._native = _C.Profiler(_device_index(device))
+
+    @property
+    def device(self) -> torch.device:
+        index = self._native.device
+        return torch.device("cpu") if index < 0 else torch.device("cuda", index)
+
+    @contextlib.contextmanager
+    def range(self, name: str) -> Iterator[None]:
+        self._native.push(name)
+        try:
+            yield
+        finally:
+            self._native.pop()
+
+    def profile(self, name: str | None = None) -> Callable:
+        """Decorator: every call of the function is a range (its name by default)."""
+
+        def wrap(fn):
+            label = name or fn.__qualname__
+
+            @functools.wraps(fn)
+            def inner(*args, **kwargs):
+                with self.range(label):
+                    return fn(*args, **kwargs)
+
+            return inner
+
+        return wrap
+
+    def step(self, samples: int = 0) -> None:
+        self._native.step(samples)
+
+    def ranges(self) -> list[dict]:
+        return self._native.ranges()
+
+    def steps(self) -> list[dict]:
+        return self._native.steps()
+
+    def stats(self) -> dict:
+        """Per name: ``host`` and ``device`` (None without GPU timing) statistics
+        in ms (count, total, mean, median, p95, min, max) and ``share_of_step``."""
+        return self._native.stats()
+
+    def throughput(self) -> float:
+        """Samples per second over the finished steps."""
+        return self._native.throughput()
+
+    def synchronizations(self) -> int:
+        """Device synchronisations the profiler has made (only when results are read)."""
+        return self._native.synchronizations()
+
+    def export_chrome_trace(self, path) -> Path:
+        """Writes a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing)."""
+        path = Path(path)
+        path.write_text(self._native.chrome_trace())
+        return path
+
+    def clear(self) -> None:
+        self._native.clear()
+
+
+class DINOProfiler:
+    """The lesson's profiler, correct on GPUs.
+
+    ``profile_block(name)`` times a block (device time on a GPU, host time
+    otherwise) and records the change of allocated memory (MB) across it;
+    ``profile_training_step(model, crops, loss_fn, optimizer)`` runs and times
+    the lesson's seven blocks of a DINO step; ``get_summary_stats()``,
+    ``plot_performance_analysis()`` and ``export_profile_data(path)`` as in the
+    lesson, plus ``export_chrome_trace(path)``.
+    """
+
+    def __init__(self, device=None, track_memory: bool | None = None) -> None:
+        self.profiler = Profiler(device)
+        self._gpu = self.profiler.device.type == "cuda"
+        # Allocator counters are read on the host for free; on the CPU the
+        # resident set is read from /proc (tens of microseconds): off by default.
+        self.track_memory = self._gpu if track_memory is None else track_memory
+        self._memory: dict[str, list[float]] = defaultdict(list)
+
+    def _allocated(self) -> int:
+        if self._gpu:
+            return torch.cuda.memory_allocated(self.profiler.device)
+        return _C.read_host_memory()["rss"]
+
+    @contextlib.contextmanager
+    def profile_block(self, name: str) -> Iterator[None]:
+        before = self._allocated() if self.track_memory else 0
+        with self.profiler.range(name):
+            yield
+        if self.track_memory:
+            self._memory[name].append((self._allocated() - before) / 2**20)
+
+    @property
+    def timings(self) -> dict[str, list[float]]:
+        """Seconds per call and name: GPU time when timed on a GPU, else host time."""
+        out: dict[str, list[float]] = defaultdict(list)
+        for r in self.profiler.ranges():
+            ms = r["device_ms"] if r["device_ms"] is not None else r["host_ms"]
+            out[r["name"]].append(ms / 1e3)
+        return dict(out)
+
+    @property
+    def memory_usage(self) -> dict[str, list[float]]:
+        return dict(self._memory)
+
+    def profile_training_step(self, model, crops, loss_fn, optimizer) -> dict[str, float]:
+        """One DINO step in the lesson's blocks (``model`` has ``student``,
+        ``teacher`` and ``update_teacher()``; ``loss_fn(student_outputs,
+        teacher_outputs)``). Returns this step's time per block (seconds, keys
+        ``<block>_time``), which waits for the step's GPU work."""
+        with self.profile_block("data_movement"):
+            crops = [c.to(self.profiler.device, non_blocking=True) for c in crops]
+        with self.profile_block("student_forward"):
+            student_outputs = [model.student(c) for c in crops]
+        with self.profile_block("teacher_forward"), torch.no_grad():
+            teacher_outputs = [model.teacher(c) for c in crops]
+        with self.profile_block("loss_computation"):
+            loss = loss_fn(student_outputs, teacher_outputs)
+        with self.profile_block("backward_pass"):
+            loss.backward()
+        with self.profile_block("optimizer_step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        with self.profile_block("teacher_update"):
+            model.update_teacher()
+        step = self.profiler._native.current_step()
+        self.profiler.step(int(crops[0].shape[0]) if crops else 0)
+        latest = {}
+        for r in self.profiler.ranges():
+            if r["step"] == step:
+                ms = r["device_ms"] if r["device_ms"] is not None else r["host_ms"]
+                latest[f"{r['name']}_time"] = ms / 1e3
+        return latest
+
+    def get_summary_stats(self) -> dict[str, dict[str, float]]:
+        """Per block, in seconds: the lesson's mean/std/min/max/total_time and
+        count, plus median_time, p95_time, host_mean_time and share_of_step."""
+        native = self.profiler.stats()
+        stats = {}
+        for name, times in self.timings.items():
+            t = np.asarray(times)
+            stats[name] = {
+                "mean_time": float(t.mean()),
+                "std_time": float(t.std()),
+                "min_time": float(t.min()),
+                "max_time": float(t.max()),
+                "total_time": float(t.sum()),
+                "count": int(t.size),
+                "median_time": float(np.median(t)),
+                "p95_time": float(np.percentile(t, 95)),
+                "host_mean_time": native[name]["host"]["mean"] / 1e3,
+                "share_of_step": native[name]["share_of_step"],
+            }
+        return stats
+
+    def plot_performance_analysis(self, path=None):
+        """The lesson's 2x2 figure: time per block, memory per block, time over
+        steps, and consistency (1 / (1 + coefficient of variation)). Saved to
+        ``path`` (PNG) when given; returns the matplotlib figure."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        timings = self.timings
+        names = list(timings)
+        fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+        fig.suptitle("DINO training performance" + (" (GPU time)" if self._gpu else " (host time)"))
+        axes[0, 0].bar(names, [np.mean(timings[n]) * 1e3 for n in names])
+        axes[0, 0].set_title("Mean time per block")
+        axes[0, 0].set_ylabel("ms")
+        memory = self.memory_usage
+        axes[0, 1].bar(list(memory), [np.mean(v) for v in memory.values()])
+        axes[0, 1].set_title("Mean memory change per block")
+        axes[0, 1].set_ylabel("MB")
+        for name in names:
+            axes[1, 0].plot(np.asarray(timings[name]) * 1e3, label=name)
+        axes[1, 0].set_title("Time per call")
+        axes[1, 0].set_xlabel("call")
+        axes[1, 0].set_ylabel("ms")
+        if names:
+            axes[1, 0].legend(fontsize=8)
+        consistency = [
+            1 / (1 + np.std(timings[n]) / np.mean(timings[n])) if np.mean(timings[n]) > 0 else 1.0
+            for n in names
+        ]
+        axes[1, 1].bar(names, consistency)
+        axes[1, 1].set_title("Consistency (higher is steadier)")
+        axes[1, 1].set_ylim(0, 1)
+        for ax in (axes[0, 0], axes[0, 1], axes[1, 1]):
+            ax.tick_params(axis="x", rotation=45)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
+
+    def export_profile_data(self, filename) -> Path:
+        """JSON with the lesson's ``timings``, ``memory_usage`` and
+        ``summary_stats``, plus ``steps`` and ``throughput`` (samples/s)."""
+        path = Path(filename)
+        data = {
+            "timings": self.timings,
+            "memory_usage": self.memory_usage,
+            "summary_stats": self.get_summary_stats(),
+            "steps": self.profiler.steps(),
+            "throughput": self.profiler.throughput(),
+        }
+        path.write_text(json.dumps(data, indent=2))
+        return path
+
+    def export_chrome_trace(self, path) -> Path:
+        return self.profiler.export_chrome_trace(path)
+
+
+class PerformanceMonitor:
+    """Flags throughput degradation (the lesson's rule: the mean of the last
+    ``window`` values below ``threshold`` x the mean of the first ``window``).
+
+    ``log_performance(throughput, memory_usage)`` returns an alert dict when
+    degraded (and logs a warning), else None; alerts are kept in ``alerts``.
+    """
+
+    def __init__(self, window: int = 10, threshold: float = 0.8, min_history: int = 100) -> None:
+        if window < 1 or not 0 < threshold <= 1 or min_history < 2 * window:
+            raise ValueError(
+                "PerformanceMonitor: need window >= 1, 0 < threshold <= 1 and "
+                f"min_history >= 2 * window, got {window}, {threshold}, {min_history}"
+            )
+        self.window, self.threshold, self.min_history = window, threshold, min_history
+        self.throughput_history: list[float] = []
+        self.memory_history: list[float] = []
+        self.alerts: list[dict] = []
+
+    def log_performance(self, throughput: float, memory_usage: float) -> dict | None:
+        self.throughput_history.append(float(throughput))
+        self.memory_history.append(float(memory_usage))
+        if len(self.throughput_history) <= self.min_history:
+            return None
+        recent = float(np.mean(self.throughput_history[-self.window :]))
+        baseline = float(np.mean(self.throughput_history[: self.window]))
+        if recent >= self.threshold * baseline:
+            return None
+        alert = {
+            "step": len(self.throughput_history) - 1,
+            "recent_throughput": recent,
+            "baseline_throughput": baseline,
+            "ratio": recent / baseline,
+            "memory_usage": float(memory_usage),
+        }
+        self.alerts.append(alert)
+        log.warning(
+            "throughput degraded to %.0f%% of the baseline (%.1f vs %.1f)",
+            100 * alert["ratio"],
+            recent,
+            baseline,
+        )
+        return alert
+
+
+class PerformanceProfiler:
+    """The distributed-training guide's profiler (``profile(name)``,
+    ``record_gpu_memory()``, ``print_summary()``) over the same native core."""
+
+    def __init__(self, device=None) -> None:
+        self.profiler = Profiler(device)
+        self.gpu_memory: list[float] = []
+
+    def profile(self, name: str):
+        return self.profiler.range(name)
+
+    def record_gpu_memory(self) -> None:
+        """Appends the allocated GPU memory (GiB); nothing without a GPU."""
+        if self.profiler.device.type == "cuda":
+            self.gpu_memory.append(torch.cuda.memory_allocated(self.profiler.device) / 2**30)
+
+    def summary(self) -> dict:
+        return self.profiler.stats()
+
+    def print_summary(self) -> None:
+        stats = self.summary()
+        total = sum(s["host"]["total"] for s in stats.values()) or 1.0
+        print(f"{'range':<24}{'calls':>7}{'mean ms':>10}{'p95 ms':>10}{'gpu ms':>10}{'share':>8}")
+        for name, s in sorted(stats.items(), key=lambda kv: -kv[1]["host"]["total"]):
+            host, device = s["host"], s["device"]
+            share = s["share_of_step"] or host["total"] / total
+            gpu = f"{device['mean']:10.3f}" if device else f"{'-':>10}"
+            print(
+                f"{name:<24}{host['count']:>7}{host['mean']:>10.3f}{host['p95']:>10.3f}{gpu}{share:>8.1%}"
+            )
+        if self.gpu_memory:
+            print(f"GPU memory allocated: max {max(self.gpu_memory):.2f} GiB")
