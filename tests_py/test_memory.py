@@ -48,7 +48,7 @@ def test_lesson_keys_on_the_cpu():
     assert not any(k.startswith("gpu_") for k in stats)
 
 
-def test_sampling_thread_records_a_timeline_and_stops():
+def test_sampling_thread_records_a_timeline_and_stops(tmp_path):
     with MemoryTracker("cpu", sample_period=0.02, sampling=True) as tracker:
         assert tracker.sampling
         time.sleep(0.3)
@@ -61,6 +61,9 @@ def test_sampling_thread_records_a_timeline_and_stops():
     assert len(tracker.timeline()) == len(samples), "the thread kept sampling after stop"
     summary = tracker.summary()
     assert summary["samples"] == len(samples) and summary["timeline_host_rss_max_gb"] > 0
+    png = tmp_path / "timeline.png"
+    tracker.plot_timeline(png)
+    assert png.stat().st_size > 5_000
     tracker.start_sampling()  # can be restarted
     tracker.close()
 

@@ -188,3 +188,25 @@ def test_cuda_device_time_of_a_known_kernel_and_no_hidden_syncs():
     assert all(d is not None and d > 5 for d in device)
     assert np.median(host) < np.median(device), "launches return before the kernel ends"
     assert p.synchronizations() > 0  # reading waited, as documented
+
+
+class StepModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 2)
+
+    def training_step(self, batch):
+        return self.net(batch).pow(2).mean()
+
+
+@pytest.mark.parametrize("handler", ["chrome", "tensorboard"])
+def test_training_profiler_writes_traces(tmp_path, handler):
+    from dino_opt.profiler import TrainingProfiler
+
+    model = StepModel()
+    profiler = TrainingProfiler(tmp_path, wait=1, warmup=1, active=2, handler=handler)
+    prof = profiler.profile_training(model, [torch.randn(4, 8) for _ in range(10)])
+    assert prof.key_averages()  # something was recorded
+    assert any(tmp_path.iterdir()), "no trace written"
+    with pytest.raises(ValueError, match="handler must be"):
+        TrainingProfiler(tmp_path, handler="csv")

@@ -153,6 +153,38 @@ class MemoryTracker:
                 out["timeline_gpu_reserved_max_gb"] = max(reserved) / GB
         return out
 
+    def plot_timeline(self, path=None):
+        """Host RSS and, with a GPU, the allocator's allocated and reserved
+        memory and the device's used memory over the sampled timeline (GiB),
+        with the step boundaries; saved to ``path`` (PNG) when given. Returns
+        the matplotlib figure."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        samples = self.timeline()
+        if not samples:
+            raise RuntimeError(
+                "MemoryTracker.plot_timeline: no samples; call start_sampling() first"
+            )
+        t = [s["time"] for s in samples]
+        fig, ax = plt.subplots(figsize=(10, 4))
+        ax.plot(t, [s["host"]["rss"] / GB for s in samples], label="host RSS")
+        if samples[0]["allocator"] is not None:
+            ax.plot(t, [s["allocator"]["allocated"] / GB for s in samples], label="GPU allocated")
+            ax.plot(t, [s["allocator"]["reserved"] / GB for s in samples], label="GPU reserved")
+        if samples[0]["device"] is not None:
+            ax.plot(t, [s["device"]["used"] / GB for s in samples], label="GPU used (device)")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("GiB")
+        ax.set_title("Memory over time")
+        ax.legend()
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
+
     def close(self) -> None:
         self.stop_sampling()
 

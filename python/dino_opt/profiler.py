@@ -23,7 +23,13 @@ import torch
 
 from . import _C
 
-__all__ = ["DINOProfiler", "PerformanceMonitor", "PerformanceProfiler", "Profiler"]
+__all__ = [
+    "DINOProfiler",
+    "PerformanceMonitor",
+    "PerformanceProfiler",
+    "Profiler",
+    "TrainingProfiler",
+]
 
 log = logging.getLogger(__name__)
 
@@ -342,3 +348,73 @@ class PerformanceProfiler:
             )
         if self.gpu_memory:
             print(f"GPU memory allocated: max {max(self.gpu_memory):.2f} GiB")
+
+
+class TrainingProfiler:
+    """``torch.profiler`` over a few training steps, with a schedule (skip
+    ``wait`` steps, warm up ``warmup``, record ``active``) and a trace handler:
+    ``"tensorboard"`` (view with TensorBoard's profiler plugin) or ``"chrome"``
+    (one trace file per cycle, for Perfetto / chrome://tracing), in ``log_dir``.
+    The kernel-level view, for when the ranges of :class:`Profiler` point at a
+    block worth opening up."""
+
+    def __init__(
+        self,
+        log_dir="./logs",
+        wait: int = 2,
+        warmup: int = 2,
+        active: int = 6,
+        repeat: int = 1,
+        handler: str = "tensorboard",
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+    ) -> None:
+        if handler not in ("tensorboard", "chrome"):
+            raise ValueError(
+                f"TrainingProfiler: handler must be 'tensorboard' or 'chrome', got {handler!r}"
+            )
+        self.log_dir = Path(log_dir)
+        self.schedule = torch.profiler.schedule(
+            wait=wait, warmup=warmup, active=active, repeat=repeat
+        )
+        self.handler = handler
+        self.options = dict(
+            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack
+        )
+        self.steps_needed = (wait + warmup + active) * max(repeat, 1)
+
+    def _on_trace_ready(self):
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.handler == "tensorboard":
+            return torch.profiler.tensorboard_trace_handler(str(self.log_dir))
+        return lambda prof: prof.export_chrome_trace(
+            str(self.log_dir / f"trace_step{prof.step_num}.json")
+        )
+
+    def profile_training(self, model, dataloader, steps: int | None = None, step_fn=None):
+        """Runs ``step_fn(batch)`` (default: ``model.training_step(batch).backward()``,
+        as in the seed material) for ``steps`` batches (default: what the schedule
+        needs) under the profiler; returns the ``torch.profiler.profile`` object
+        (``prof.key_averages().table(...)`` summarises it)."""
+        if step_fn is None:
+
+            def step_fn(batch):
+                model.training_step(batch).backward()
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        steps = self.steps_needed if steps is None else steps
+        with torch.profiler.profile(
+            activities=activities,
+            schedule=self.schedule,
+            on_trace_ready=self._on_trace_ready(),
+            **self.options,
+        ) as prof:
+            for i, batch in enumerate(dataloader):
+                if i >= steps:
+                    break
+                step_fn(batch)
+                prof.step()
+        return prof
