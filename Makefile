@@ -69,6 +69,7 @@ test-py:
 bench: setup
 	$(PY) bench/bench_ema.py
 	$(PY) bench/bench_loss.py
+	$(PY) bench/bench_profiler.py
 
 lint: setup
 	clang-format --dry-run -Werror $(CXX_FILES)

@@ -46,6 +46,7 @@ if step build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install --no-
   step pytest_rest $PY -m pytest tests_py -m "not cuda" -ra --junitxml="$scratch/pytest_rest.xml"
   step bench_ema $PY bench/bench_ema.py --json "$REPORT_DIR/bench_ema.json"
   step bench_loss $PY bench/bench_loss.py --json "$REPORT_DIR/bench_loss.json"
+  step bench_profiler $PY bench/bench_profiler.py --json "$REPORT_DIR/bench_profiler.json"
 fi
 
 $PY scripts/gpu_report.py "$scratch" "$REPORT_DIR"

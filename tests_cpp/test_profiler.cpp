@@ -30,9 +30,10 @@ TEST(Profiler, NestingAndSteps) {
   Profiler p;
   for (int i = 0; i < 2; ++i) {
     p.push("outer");
-    p.push("inner");
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    p.pop();
+    {
+      const ScopedRange inner(p, "inner");
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
     p.pop();
     p.step(8);
   }

@@ -84,4 +84,18 @@ class Profiler {
   const int device_;
 };
 
+// A range for the lifetime of a C++ scope: `ScopedRange r(profiler, "forward");`.
+class ScopedRange {
+ public:
+  ScopedRange(Profiler& profiler, const std::string& name) : profiler_(profiler) {
+    profiler_.push(name);
+  }
+  ~ScopedRange() { profiler_.pop(); }
+  ScopedRange(const ScopedRange&) = delete;
+  ScopedRange& operator=(const ScopedRange&) = delete;
+
+ private:
+  Profiler& profiler_;
+};
+
 }  // namespace dino_opt::profiler

@@ -155,9 +155,8 @@ class MemoryTracker:
 
     def plot_timeline(self, path=None):
         """Host RSS and, with a GPU, the allocator's allocated and reserved
-        memory and the device's used memory over the sampled timeline (GiB),
-        with the step boundaries; saved to ``path`` (PNG) when given. Returns
-        the matplotlib figure."""
+        memory and the device's used memory over the sampled timeline (GiB);
+        saved to ``path`` (PNG) when given. Returns the matplotlib figure."""
         import matplotlib
 
         matplotlib.use("Agg", force=False)

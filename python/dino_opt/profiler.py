@@ -229,9 +229,13 @@ class DINOProfiler:
         axes[0, 0].set_title("Mean time per block")
         axes[0, 0].set_ylabel("ms")
         memory = self.memory_usage
-        axes[0, 1].bar(list(memory), [np.mean(v) for v in memory.values()])
         axes[0, 1].set_title("Mean memory change per block")
-        axes[0, 1].set_ylabel("MB")
+        if memory:
+            axes[0, 1].bar(list(memory), [np.mean(v) for v in memory.values()])
+            axes[0, 1].set_ylabel("MB")
+        else:
+            axes[0, 1].text(0.5, 0.5, "not tracked (track_memory=False)", ha="center", va="center")
+            axes[0, 1].set_axis_off()
         for name in names:
             axes[1, 0].plot(np.asarray(timings[name]) * 1e3, label=name)
         axes[1, 0].set_title("Time per call")
