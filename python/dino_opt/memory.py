@@ -26,16 +26,16 @@ def nvml_status() -> str:
 
 
 def _device_index(device) -> int:
-    """CUDA device index for the native tracker, or -1 for host memory only."""
+    """CUDA device index for the native tracker and profiler, or -1 for the host only."""
     if device is None:
         return torch.cuda.current_device() if torch.cuda.is_available() else -1
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if device.type == "cpu":
         return -1
     if device.type != "cuda":
-        raise ValueError(f"MemoryTracker: device must be cpu or cuda, got {device}")
+        raise ValueError(f"device must be cpu or cuda, got {device}")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"MemoryTracker: device {device} requested but CUDA is not available")
+        raise RuntimeError(f"device {device} requested but CUDA is not available")
     return device.index if device.index is not None else torch.cuda.current_device()
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import _C
+from .memory import _device_index
 
 __all__ = [
     "DINOProfiler",
@@ -32,17 +33,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _device_index(device) -> int:
-    if device is None:
-        return torch.cuda.current_device() if torch.cuda.is_available() else -1
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type == "cpu":
-        return -1
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"Profiler: device must be cpu or an available cuda device, got {device}")
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class Profiler:
