@@ -99,6 +99,13 @@ py::dict to_dict(const prof::Stats& s) {
   return d;
 }
 
+// Calls f() with the GIL released (it may wait for the device), returning its result.
+template <typename F>
+auto without_gil(F&& f) {
+  py::gil_scoped_release release;
+  return f();
+}
+
 template <typename T>
 py::list to_list(const std::vector<T>& items) {
   py::list out;
@@ -139,27 +146,12 @@ PYBIND11_MODULE(_C, m) {
       .def("current_step", &prof::Profiler::current_step)
       .def("synchronizations", &prof::Profiler::synchronizations)
       .def("ranges",
-           [](prof::Profiler& p) {
-             auto ranges = [&] {
-               py::gil_scoped_release release;
-               return p.ranges();
-             }();
-             return to_list(ranges);
-           })
+           [](prof::Profiler& p) { return to_list(without_gil([&] { return p.ranges(); })); })
       .def("steps",
-           [](prof::Profiler& p) {
-             auto steps = [&] {
-               py::gil_scoped_release release;
-               return p.steps();
-             }();
-             return to_list(steps);
-           })
+           [](prof::Profiler& p) { return to_list(without_gil([&] { return p.steps(); })); })
       .def("stats",
            [](prof::Profiler& p) {
-             auto stats = [&] {
-               py::gil_scoped_release release;
-               return p.stats();
-             }();
+             const auto stats = without_gil([&] { return p.stats(); });
              py::dict out;
              for (const auto& [name, s] : stats) {
                py::dict d;
