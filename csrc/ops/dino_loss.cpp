@@ -107,5 +107,14 @@ Shape check_args(const char* op, const at::Tensor& student, const at::Tensor& te
   return shape;
 }
 
+Inputs prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
+               const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
+               const at::Tensor& student_lse, const at::Tensor& teacher_lse) {
+  const Shape shape = check_args(op, student, teacher, center, student_temp, teacher_temp, ncrops,
+                                 student_lse, teacher_lse);
+  return Inputs{student.contiguous(), teacher.contiguous(),
+                center.reshape({-1}).to(acc_dtype(student)).contiguous(), shape};
+}
+
 }  // namespace dino_loss_detail
 }  // namespace dino_opt

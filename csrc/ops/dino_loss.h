@@ -37,5 +37,15 @@ Shape check_args(const char* op, const at::Tensor& student, const at::Tensor& te
 // Accumulation dtype of the kernels: float64 for float64 inputs, else float32.
 at::ScalarType acc_dtype(const at::Tensor& student);
 
+// The arguments as every kernel takes them, after check_args: contiguous rows
+// and the center as a contiguous [K] tensor of the accumulation dtype.
+struct Inputs {
+  at::Tensor student, teacher, center;
+  Shape shape;
+};
+Inputs prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
+               const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
+               const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {});
+
 }  // namespace dino_loss_detail
 }  // namespace dino_opt

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "ops/cpu/kernel_table.h"
@@ -48,13 +49,13 @@ struct Inputs {
 Inputs prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
                const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
                const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
-  const Shape shape = dino_loss_detail::check_args(op, student, teacher, center, student_temp,
-                                                   teacher_temp, ncrops, student_lse, teacher_lse);
-  return Inputs{student.contiguous(),
-                teacher.contiguous(),
-                center.reshape({-1}).to(dino_loss_detail::acc_dtype(student)).contiguous(),
-                shape,
-                (shape.dim + kChunk - 1) / kChunk,
+  dino_loss_detail::Inputs in = dino_loss_detail::prepare(
+      op, student, teacher, center, student_temp, teacher_temp, ncrops, student_lse, teacher_lse);
+  return Inputs{std::move(in.student),
+                std::move(in.teacher),
+                std::move(in.center),
+                in.shape,
+                (in.shape.dim + kChunk - 1) / kChunk,
                 &cpu::kernels().dino_loss[float_index(student.scalar_type(), op, "student")]};
 }
 

@@ -16,24 +16,21 @@ namespace dino_opt {
 namespace {
 
 struct Prepared {
-  at::Tensor student, teacher, center;
+  dino_loss_detail::Inputs in;
   cuda::DinoLossArgs args;
 };
 
 Prepared prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
                  const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
                  const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
-  const dino_loss_detail::Shape shape = dino_loss_detail::check_args(
-      op, student, teacher, center, student_temp, teacher_temp, ncrops, student_lse, teacher_lse);
-  Prepared p{student.contiguous(),
-             teacher.contiguous(),
-             center.reshape({-1}).to(dino_loss_detail::acc_dtype(student)).contiguous(),
+  Prepared p{dino_loss_detail::prepare(op, student, teacher, center, student_temp, teacher_temp,
+                                       ncrops, student_lse, teacher_lse),
              {}};
   p.args = cuda::DinoLossArgs{float_index(student.scalar_type(), op, "student"),
-                              p.student.const_data_ptr(),
-                              p.teacher.const_data_ptr(),
-                              p.center.const_data_ptr(),
-                              shape,
+                              p.in.student.const_data_ptr(),
+                              p.in.teacher.const_data_ptr(),
+                              p.in.center.const_data_ptr(),
+                              p.in.shape,
                               1.0 / student_temp,
                               1.0 / teacher_temp};
   return p;
@@ -76,7 +73,7 @@ at::Tensor dino_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& stu
               " but student is on ", student.device());
   const at::Tensor grad_acc = grad.to(dino_loss_detail::acc_dtype(student)).contiguous();
   const at::Tensor slse = student_lse.contiguous(), tlse = teacher_lse.contiguous();
-  at::Tensor grad_student = at::empty_like(p.student);
+  at::Tensor grad_student = at::empty_like(p.in.student);
   C10_CUDA_CHECK(cuda::launch_dino_loss_backward(
       p.args, slse.const_data_ptr(), tlse.const_data_ptr(), grad_acc.const_data_ptr(),
       grad_student.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()));
