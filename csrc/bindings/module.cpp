@@ -144,9 +144,14 @@ PYBIND11_MODULE(_C, m) {
       .def("pop", &prof::Profiler::pop)
       .def("step", &prof::Profiler::step, py::arg("samples") = 0)
       .def("current_step", &prof::Profiler::current_step)
+      .def("range_count", &prof::Profiler::range_count)
       .def("synchronizations", &prof::Profiler::synchronizations)
-      .def("ranges",
-           [](prof::Profiler& p) { return to_list(without_gil([&] { return p.ranges(); })); })
+      .def(
+          "ranges",
+          [](prof::Profiler& p, size_t first) {
+            return to_list(without_gil([&] { return p.ranges(first); }));
+          },
+          py::arg("first") = 0)
       .def("steps",
            [](prof::Profiler& p) { return to_list(without_gil([&] { return p.steps(); })); })
       .def("stats",

@@ -276,12 +276,11 @@ void Profiler::step(int64_t samples) {
   impl_->step_start = now;
 }
 
-std::vector<Range> Profiler::ranges() {
+std::vector<Range> Profiler::ranges(size_t first) {
   const std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->resolve(/*wait=*/true);
   std::vector<Range> out;
-  out.reserve(impl_->finished.size());
-  for (const auto& f : impl_->finished) out.push_back(f.range);
+  for (size_t i = first; i < impl_->finished.size(); ++i) out.push_back(impl_->finished[i].range);
   return out;
 }
 
@@ -364,6 +363,11 @@ void Profiler::clear() {
 int64_t Profiler::current_step() const {
   const std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->step_index;
+}
+
+size_t Profiler::range_count() const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->finished.size();
 }
 
 int64_t Profiler::synchronizations() const {

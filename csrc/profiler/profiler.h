@@ -54,9 +54,10 @@ class Profiler {
   // size) feeds the throughput.
   void step(int64_t samples = 0);
 
-  // All finished ranges and steps, with device times resolved; waits for the
-  // device events recorded so far (call it off the hot path).
-  std::vector<Range> ranges();
+  // Finished ranges from index `first` on (in order of finishing) and all
+  // steps, with device times resolved; waits for the device events recorded
+  // so far (call it off the hot path).
+  std::vector<Range> ranges(size_t first = 0);
   std::vector<Step> steps();
   // Per name: host and device statistics (ms) and share of the step time.
   struct NameStats {
@@ -73,6 +74,8 @@ class Profiler {
   void clear();
 
   int64_t current_step() const;
+  // Number of finished ranges held (clear() empties them).
+  size_t range_count() const;
   int device() const { return device_; }
   // Number of device synchronisations the profiler has made (tests check that
   // push/pop make none).

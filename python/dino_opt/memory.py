@@ -157,10 +157,7 @@ class MemoryTracker:
         """Host RSS and, with a GPU, the allocator's allocated and reserved
         memory and the device's used memory over the sampled timeline (GiB);
         saved to ``path`` (PNG) when given. Returns the matplotlib figure."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
         samples = self.timeline()
         if not samples:
@@ -168,7 +165,8 @@ class MemoryTracker:
                 "MemoryTracker.plot_timeline: no samples; call start_sampling() first"
             )
         t = [s["time"] for s in samples]
-        fig, ax = plt.subplots(figsize=(10, 4))
+        fig = Figure(figsize=(10, 4))
+        ax = fig.subplots()
         ax.plot(t, [s["host"]["rss"] / GB for s in samples], label="host RSS")
         if samples[0]["allocator"] is not None:
             ax.plot(t, [s["allocator"]["allocated"] / GB for s in samples], label="GPU allocated")

@@ -78,8 +78,9 @@ class Profiler:
     def step(self, samples: int = 0) -> None:
         self._native.step(samples)
 
-    def ranges(self) -> list[dict]:
-        return self._native.ranges()
+    def ranges(self, first: int = 0) -> list[dict]:
+        """Finished ranges, from the ``first``-th on, in the order they finished."""
+        return self._native.ranges(first)
 
     def steps(self) -> list[dict]:
         return self._native.steps()
@@ -107,6 +108,11 @@ class Profiler:
         self._native.clear()
 
 
+def _seconds(r: dict) -> float:
+    """A range's time: GPU time when it was timed on a GPU, else host time."""
+    return (r["device_ms"] if r["device_ms"] is not None else r["host_ms"]) / 1e3
+
+
 class DINOProfiler:
     """The lesson's profiler, correct on GPUs.
 
@@ -125,6 +131,7 @@ class DINOProfiler:
         # resident set is read from /proc (tens of microseconds): off by default.
         self.track_memory = self._gpu if track_memory is None else track_memory
         self._memory: dict[str, list[float]] = defaultdict(list)
+        self._ranges_read = 0  # ranges already returned by profile_training_step
 
     def _allocated(self) -> int:
         if self._gpu:
@@ -144,8 +151,7 @@ class DINOProfiler:
         """Seconds per call and name: GPU time when timed on a GPU, else host time."""
         out: dict[str, list[float]] = defaultdict(list)
         for r in self.profiler.ranges():
-            ms = r["device_ms"] if r["device_ms"] is not None else r["host_ms"]
-            out[r["name"]].append(ms / 1e3)
+            out[r["name"]].append(_seconds(r))
         return dict(out)
 
     @property
@@ -174,19 +180,23 @@ class DINOProfiler:
             model.update_teacher()
         step = self.profiler._native.current_step()
         self.profiler.step(int(crops[0].shape[0]) if crops else 0)
-        latest = {}
-        for r in self.profiler.ranges():
-            if r["step"] == step:
-                ms = r["device_ms"] if r["device_ms"] is not None else r["host_ms"]
-                latest[f"{r['name']}_time"] = ms / 1e3
-        return latest
+        # Only the ranges finished since the last call: reading all of them
+        # each step would cost O(steps) per step.
+        if self._ranges_read > self.profiler._native.range_count():  # cleared meanwhile
+            self._ranges_read = 0
+        new = self.profiler.ranges(self._ranges_read)
+        self._ranges_read += len(new)
+        return {f"{r['name']}_time": _seconds(r) for r in new if r["step"] == step}
 
     def get_summary_stats(self) -> dict[str, dict[str, float]]:
         """Per block, in seconds: the lesson's mean/std/min/max/total_time and
         count, plus median_time, p95_time, host_mean_time and share_of_step."""
+        return self._summary(self.timings)
+
+    def _summary(self, timings: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         native = self.profiler.stats()
         stats = {}
-        for name, times in self.timings.items():
+        for name, times in timings.items():
             t = np.asarray(times)
             stats[name] = {
                 "mean_time": float(t.mean()),
@@ -206,14 +216,12 @@ class DINOProfiler:
         """The lesson's 2x2 figure: time per block, memory per block, time over
         steps, and consistency (1 / (1 + coefficient of variation)). Saved to
         ``path`` (PNG) when given; returns the matplotlib figure."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
         timings = self.timings
         names = list(timings)
-        fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+        fig = Figure(figsize=(15, 10))
+        axes = fig.subplots(2, 2)
         fig.suptitle("DINO training performance" + (" (GPU time)" if self._gpu else " (host time)"))
         axes[0, 0].bar(names, [np.mean(timings[n]) * 1e3 for n in names])
         axes[0, 0].set_title("Mean time per block")
@@ -251,10 +259,11 @@ class DINOProfiler:
         """JSON with the lesson's ``timings``, ``memory_usage`` and
         ``summary_stats``, plus ``steps`` and ``throughput`` (samples/s)."""
         path = Path(filename)
+        timings = self.timings
         data = {
-            "timings": self.timings,
+            "timings": timings,
             "memory_usage": self.memory_usage,
-            "summary_stats": self.get_summary_stats(),
+            "summary_stats": self._summary(timings),
             "steps": self.profiler.steps(),
             "throughput": self.profiler.throughput(),
         }
