@@ -8,14 +8,14 @@ PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.14.1 torchvision==0.29.1
-APT_PACKAGES := libopencv-core-dev libopencv-imgproc-dev libturbojpeg0-dev libgtest-dev \
-                ninja-build ccache clang-format cmake
+APT_PACKAGES := libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev libturbojpeg0-dev \
+                libgtest-dev ninja-build ccache clang-format cmake clang-14 libfuzzer-14-dev
 JOBS        ?= $(shell nproc)
 STAMPS      := $(VENV)/.stamps
 # One persistent build directory per Python and torch: rebuilds are incremental.
 BUILD_TAG    = $(shell $(PY) -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split(\"+\")[0]}')")
 BUILD_DIR    = build/$(BUILD_TAG)
-NATIVE_SRCS := CMakeLists.txt pyproject.toml $(shell find csrc tests_cpp -type f 2>/dev/null)
+NATIVE_SRCS := CMakeLists.txt pyproject.toml $(shell find csrc tests_cpp cmake -type f 2>/dev/null)
 CXX_FILES   := $(shell find csrc tests_cpp -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 PY_DIRS     := python tests_py bench scripts
 export CCACHE_DIR ?= $(HOME)/.cache/ccache

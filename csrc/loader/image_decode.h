@@ -1,0 +1,64 @@
+#pragma once
+// Reading and decoding image files into RGB: JPEG through TurboJPEG (with
+// DCT-domain downscaling by 1/2, 1/4, 1/8), other formats through OpenCV
+// imgcodecs when the build found it. Grayscale, CMYK and alpha become RGB.
+// Every failure is an ImageError whose message names the cause; callers add
+// the path. Free of torch headers (the fuzz target links it without torch).
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loader/image.h"
+
+namespace dino_opt::loader {
+
+class ImageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp, kBmp, kTiff };
+const char* format_name(ImageFormat format);
+
+struct DecodeOptions {
+  // Images with more pixels are refused from their header, before any pixel
+  // buffer is allocated (Pillow's default decompression-bomb limit).
+  int64_t max_pixels = 178956970;
+};
+
+// What the header says. width/height are those of the full-size image.
+struct ImageHeader {
+  ImageFormat format = ImageFormat::kUnknown;
+  int width = 0;
+  int height = 0;
+};
+
+// The whole file. Throws ImageError for a missing, unreadable, non-regular or
+// empty file.
+std::vector<uint8_t> read_file(const std::string& path);
+
+// Format and size from the first bytes, without decoding pixels. Throws
+// ImageError for unknown content, a corrupt header, a zero side, more than
+// options.max_pixels pixels, or a non-JPEG format when imgcodecs is missing.
+ImageHeader probe_image(const uint8_t* data, size_t size, const DecodeOptions& options = {});
+
+// The DCT scale denominators TurboJPEG can decode at (1, 2, 4, 8), and the
+// size a `width` x `height` JPEG decodes to at 1/denom.
+std::pair<int, int> jpeg_scaled_size(int width, int height, int denom);
+
+// Decodes to RGB. `scale_denom` (1, 2, 4 or 8) shrinks a JPEG in the DCT
+// domain (size as jpeg_scaled_size); other formats ignore it and decode at
+// full size. Throws ImageError for corrupt or truncated data.
+Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom = 1,
+                   const DecodeOptions& options = {});
+
+// Baseline JPEG, 4:2:0 chroma, `quality` in [1, 100].
+std::vector<uint8_t> encode_jpeg(const ImageView& image, int quality);
+
+// True when the build has OpenCV imgcodecs (PNG, WebP, BMP, TIFF).
+bool other_formats_available();
+
+}  // namespace dino_opt::loader

@@ -1,0 +1,1 @@
+// Implemented on branch loader-photometric.
