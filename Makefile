@@ -16,12 +16,12 @@ STAMPS      := $(VENV)/.stamps
 BUILD_TAG    = $(shell $(PY) -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split(\"+\")[0]}')")
 BUILD_DIR    = build/$(BUILD_TAG)
 NATIVE_SRCS := CMakeLists.txt pyproject.toml $(shell find csrc tests_cpp cmake -type f 2>/dev/null)
-CXX_FILES   := $(shell find csrc tests_cpp -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+CXX_FILES   := $(shell find csrc tests_cpp fuzz -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 PY_DIRS     := python tests_py bench scripts
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py bench lint format gpu-check gpu-debs clean
+.PHONY: apt-packages setup build test test-cpp test-py fuzz bench lint format gpu-check gpu-debs clean
 
 setup: $(STAMPS)/build
 
@@ -58,13 +58,25 @@ $(STAMPS)/build: $(NATIVE_SRCS) $(STAMPS)/deps | apt-packages
 build: setup
 
 test: setup
-	$(MAKE) --no-print-directory test-cpp test-py
+	$(MAKE) --no-print-directory test-cpp test-py fuzz
 
 test-cpp:
 	ctest --test-dir $(BUILD_DIR) --output-on-failure
 
 test-py:
 	$(PY) -m pytest tests_py
+
+# The loader's image pipeline under libFuzzer + ASan/UBSan for FUZZ_SECONDS,
+# from a seed corpus of every format; findings are written to build/fuzz.
+FUZZ_DIR     := build/fuzz
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	CXX=clang++-14 cmake -S fuzz -B $(FUZZ_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build $(FUZZ_DIR)
+	$(PY) scripts/fuzz_corpus.py $(FUZZ_DIR)/seeds
+	mkdir -p $(FUZZ_DIR)/corpus
+	cd $(FUZZ_DIR) && ./fuzz_multicrop -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
+	  -rss_limit_mb=2048 -print_final_stats=1 corpus seeds
 
 bench: setup
 	$(PY) bench/bench_ema.py

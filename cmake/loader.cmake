@@ -16,13 +16,17 @@ find_library(OPENCV_IMGCODECS_LIBRARY opencv_imgcodecs) # optional: PNG, WebP, B
 set(DINO_OPT_LOADER_DIR "${CMAKE_CURRENT_LIST_DIR}/../csrc/loader")
 add_library(dino_opt_loader_core STATIC
     ${DINO_OPT_LOADER_DIR}/image_decode.cpp
-    ${DINO_OPT_LOADER_DIR}/photometric.cpp)
+    ${DINO_OPT_LOADER_DIR}/photometric.cpp
+    ${DINO_OPT_LOADER_DIR}/crop_sampling.cpp
+    ${DINO_OPT_LOADER_DIR}/resample.cpp
+    ${DINO_OPT_LOADER_DIR}/multicrop_pipeline.cpp
+    ${DINO_OPT_LOADER_DIR}/prepare.cpp)
 set_target_properties(dino_opt_loader_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(dino_opt_loader_core PUBLIC "${DINO_OPT_LOADER_DIR}/.."
                            PRIVATE "${TURBOJPEG_INCLUDE_DIR}" "${OPENCV_INCLUDE_DIR}")
 target_link_libraries(dino_opt_loader_core PUBLIC "${TURBOJPEG_LIBRARY}" "${OPENCV_IMGPROC_LIBRARY}"
                       "${OPENCV_CORE_LIBRARY}")
-target_compile_options(dino_opt_loader_core PRIVATE -Wall -Wextra)
+target_compile_options(dino_opt_loader_core PRIVATE -Wall -Wextra -O3)
 if(OPENCV_IMGCODECS_LIBRARY)
   target_link_libraries(dino_opt_loader_core PUBLIC "${OPENCV_IMGCODECS_LIBRARY}")
   target_compile_definitions(dino_opt_loader_core PRIVATE DINO_OPT_WITH_IMGCODECS=1)

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "bindings/bindings.h"
 #include "build_info.h"
 #include "memory/memory_tracker.h"
 #include "profiler/profiler.h"
@@ -11,6 +12,7 @@ namespace py = pybind11;
 
 namespace {
 
+using dino_opt::bindings::without_gil;
 using namespace dino_opt::memory;
 
 py::dict to_dict(const HostMemory& h) {
@@ -99,13 +101,6 @@ py::dict to_dict(const prof::Stats& s) {
   return d;
 }
 
-// Calls f() with the GIL released (it may wait for the device), returning its result.
-template <typename F>
-auto without_gil(F&& f) {
-  py::gil_scoped_release release;
-  return f();
-}
-
 template <typename T>
 py::list to_list(const std::vector<T>& items) {
   py::list out;
@@ -118,6 +113,7 @@ py::list to_list(const std::vector<T>& items) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dino_opt native core";
   m.def("build_info", &dino_opt::build_info, "How the native core was built");
+  dino_opt::bindings::bind_loader(m);
 
   m.def(
       "read_host_memory", [] { return to_dict(read_host_memory()); },

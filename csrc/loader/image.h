@@ -1,6 +1,7 @@
 #pragma once
 // Decoded images as the loader passes them between stages: 8-bit RGB,
 // interleaved (HWC), rows `stride` bytes apart. Free of torch headers.
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

@@ -1,0 +1,240 @@
+// Python bindings of the multi-crop loader (csrc/loader) and of the image
+// helpers the tests, `dino-opt prepare` and MultiCropDataset use.
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "bindings/bindings.h"
+#include "loader/crop_sampling.h"
+#include "loader/image_decode.h"
+#include "loader/multicrop_loader.h"
+#include "loader/prepare.h"
+#include "loader/resample.h"
+
+namespace py = pybind11;
+
+namespace dino_opt::bindings {
+namespace {
+
+using namespace dino_opt::loader;
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw std::invalid_argument("dtype must be float32, bfloat16 or float16, got " + name);
+}
+
+// Augmentation fields by name, so that Python can pass any subset.
+void apply_augment(AugmentConfig& c, const py::dict& overrides) {
+  for (const auto& [key, value] : overrides) {
+    const std::string k = py::cast<std::string>(key);
+    auto pair = [&](double& lo, double& hi) {
+      const auto v = py::cast<std::pair<double, double>>(value);
+      lo = v.first;
+      hi = v.second;
+    };
+    if (k == "global_size") c.global_size = py::cast<int>(value);
+    else if (k == "local_size") c.local_size = py::cast<int>(value);
+    else if (k == "n_local") c.n_local = py::cast<int>(value);
+    else if (k == "global_scale") pair(c.global_scale_lo, c.global_scale_hi);
+    else if (k == "local_scale") pair(c.local_scale_lo, c.local_scale_hi);
+    else if (k == "flip_p") c.flip_p = py::cast<double>(value);
+    else if (k == "jitter_p") c.jitter_p = py::cast<double>(value);
+    else if (k == "brightness") c.brightness = py::cast<double>(value);
+    else if (k == "contrast") c.contrast = py::cast<double>(value);
+    else if (k == "saturation") c.saturation = py::cast<double>(value);
+    else if (k == "hue") c.hue = py::cast<double>(value);
+    else if (k == "grayscale_p") c.grayscale_p = py::cast<double>(value);
+    else if (k == "blur_sigma") pair(c.blur_sigma_lo, c.blur_sigma_hi);
+    else if (k == "blur_p_global1") c.blur_p_global1 = py::cast<double>(value);
+    else if (k == "blur_p_global2") c.blur_p_global2 = py::cast<double>(value);
+    else if (k == "blur_p_local") c.blur_p_local = py::cast<double>(value);
+    else if (k == "solarize_p_global2") c.solarize_p_global2 = py::cast<double>(value);
+    else throw std::invalid_argument("unknown augmentation option '" + k + "'");
+  }
+}
+
+py::object to_python(std::optional<LoaderBatch> batch) {
+  if (!batch) return py::none();
+  return py::make_tuple(batch->groups, batch->params, batch->labels, batch->indices, batch->batch_index);
+}
+
+py::dict to_dict(const LoaderStats& s) {
+  py::dict d;
+  d["images"] = s.images;
+  d["batches"] = s.batches;
+  d["decode_seconds"] = s.decode_seconds;
+  d["crop_seconds"] = s.crop_seconds;
+  d["augment_seconds"] = s.augment_seconds;
+  d["wait_seconds"] = s.wait_seconds;
+  d["elapsed_seconds"] = s.elapsed_seconds;
+  d["skipped"] = s.skipped;
+  d["skipped_files"] = s.skipped_files;
+  d["num_threads"] = s.num_threads;
+  return d;
+}
+
+std::vector<uint8_t> bytes_of(const py::bytes& b) {
+  const std::string_view v = b;
+  return {v.begin(), v.end()};
+}
+
+at::Tensor to_tensor(const Image& image) {
+  at::Tensor t = at::empty({image.height, image.width, 3}, at::kByte);
+  std::memcpy(t.data_ptr(), image.pixels.data(), image.pixels.size());
+  return t;
+}
+
+ImageView view_of(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == 3 && t.scalar_type() == at::kByte && t.device().is_cpu() &&
+                  t.stride(2) == 1 && t.stride(1) == 3,
+              "expected a CPU uint8 [H, W, 3] tensor with contiguous rows, got ", t.sizes(), " ", t.scalar_type());
+  return {t.data_ptr<uint8_t>(), static_cast<int>(t.size(1)), static_cast<int>(t.size(0)), t.stride(0)};
+}
+
+}  // namespace
+
+void bind_loader(py::module_& m) {
+  py::register_exception<LoaderError>(m, "LoaderError", PyExc_RuntimeError);
+  py::register_exception<ImageError>(m, "ImageError", PyExc_ValueError);
+
+  py::class_<MultiCropLoader>(m, "MultiCropLoader")
+      .def(py::init([](std::vector<std::string> paths, std::vector<int64_t> labels, int64_t batch_size,
+                       const py::dict& augment, int num_threads, int prefetch, uint64_t seed, int rank,
+                       int world_size, bool shuffle, bool drop_last, bool pad_shards, const std::string& dtype,
+                       bool channels_last, bool photometric, bool pin_memory, bool skip_errors, int64_t max_pixels,
+                       std::vector<float> mean, std::vector<float> std, bool dct_scaling) {
+             if (labels.size() != paths.size()) {
+               throw std::invalid_argument("labels has " + std::to_string(labels.size()) + " entries for " +
+                                           std::to_string(paths.size()) + " paths");
+             }
+             if (mean.size() != 3 || std.size() != 3) throw std::invalid_argument("mean and std need 3 values");
+             std::vector<Sample> samples(paths.size());
+             for (size_t i = 0; i < paths.size(); ++i) samples[i] = {std::move(paths[i]), labels[i]};
+             LoaderOptions o;
+             o.batch_size = batch_size;
+             apply_augment(o.pipeline.augment, augment);
+             o.pipeline.photometric = photometric;
+             o.pipeline.dct_scaling = dct_scaling;
+             o.pipeline.decode.max_pixels = max_pixels;
+             for (int c = 0; c < 3; ++c) {
+               o.pipeline.normalization.mean[c] = mean[c];
+               o.pipeline.normalization.std[c] = std[c];
+             }
+             o.num_threads = num_threads;
+             o.prefetch = prefetch;
+             o.seed = seed;
+             o.rank = rank;
+             o.world_size = world_size;
+             o.shuffle = shuffle;
+             o.drop_last = drop_last;
+             o.pad_shards = pad_shards;
+             o.dtype = parse_dtype(dtype);
+             o.channels_last = channels_last;
+             o.pin_memory = pin_memory;
+             o.skip_errors = skip_errors;
+             return std::make_unique<MultiCropLoader>(std::move(samples), std::move(o));
+           }),
+           py::arg("paths"), py::arg("labels"), py::arg("batch_size"), py::arg("augment"), py::arg("num_threads"),
+           py::arg("prefetch"), py::arg("seed"), py::arg("rank"), py::arg("world_size"), py::arg("shuffle"),
+           py::arg("drop_last"), py::arg("pad_shards"), py::arg("dtype"), py::arg("channels_last"),
+           py::arg("photometric"), py::arg("pin_memory"), py::arg("skip_errors"), py::arg("max_pixels"),
+           py::arg("mean"), py::arg("std"), py::arg("dct_scaling"))
+      .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
+      .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)
+      .def_property_readonly("num_batches", &MultiCropLoader::num_batches)
+      .def("epoch_indices", &MultiCropLoader::epoch_indices, py::arg("epoch"))
+      .def("start_epoch", &MultiCropLoader::start_epoch, py::arg("epoch"), py::arg("first_batch") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("next", [](MultiCropLoader& l) { return to_python(without_gil([&] { return l.next(); })); })
+      .def("load_sample",
+           [](MultiCropLoader& l, int64_t index, int64_t epoch) {
+             return to_python(without_gil([&] { return std::optional<LoaderBatch>(l.load_sample(index, epoch)); }));
+           },
+           py::arg("index"), py::arg("epoch"))
+      .def("close", &MultiCropLoader::close, py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const MultiCropLoader& l) { return to_dict(l.stats()); });
+
+  m.def("available_cores", &available_cores, "The cores this process may run on");
+  m.def("other_formats_available", &other_formats_available,
+        "True when PNG, WebP, BMP and TIFF can be read (OpenCV imgcodecs)");
+  m.def(
+      "probe_image",
+      [](const py::bytes& data, int64_t max_pixels) {
+        const auto bytes = bytes_of(data);
+        const ImageHeader h = probe_image(bytes.data(), bytes.size(), DecodeOptions{max_pixels});
+        return py::make_tuple(format_name(h.format), h.width, h.height);
+      },
+      py::arg("data"), py::arg("max_pixels") = DecodeOptions{}.max_pixels);
+  m.def(
+      "decode_image",
+      [](const py::bytes& data, int scale_denom, int64_t max_pixels) {
+        const auto bytes = bytes_of(data);
+        py::gil_scoped_release release;
+        const DecodeOptions options{max_pixels};
+        const ImageHeader h = probe_image(bytes.data(), bytes.size(), options);
+        return to_tensor(decode_image(bytes.data(), bytes.size(), h, scale_denom, options));
+      },
+      py::arg("data"), py::arg("scale_denom") = 1, py::arg("max_pixels") = DecodeOptions{}.max_pixels,
+      "Decodes image bytes to a uint8 [H, W, 3] RGB tensor");
+  m.def(
+      "encode_jpeg",
+      [](const at::Tensor& image, int quality) {
+        const auto bytes = encode_jpeg(view_of(image), quality);
+        return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      },
+      py::arg("image"), py::arg("quality") = 90);
+  m.def(
+      "resize_crop",
+      [](const at::Tensor& image, std::tuple<double, double, double, double> box, int out_width, int out_height) {
+        const ImageView src = view_of(image);
+        const auto [x0, y0, x1, y1] = box;
+        CropBox b{x0, y0, x1, y1, 0, 0, src.width, src.height};
+        at::Tensor out = at::empty({out_height, out_width, 3}, at::kByte);
+        ResampleScratch scratch;
+        resize_crop_bicubic(src, b, out_width, out_height, out.data_ptr<uint8_t>(), out.stride(0), scratch);
+        return out;
+      },
+      py::arg("image"), py::arg("box"), py::arg("out_width"), py::arg("out_height"),
+      "PIL-equivalent bicubic resize of `box` of a uint8 [H, W, 3] image");
+  m.def(
+      "sample_crops",
+      [](uint64_t seed, int64_t count, int height, int width, const py::dict& augment) {
+        AugmentConfig config;
+        apply_augment(config, augment);
+        config.validate();
+        const int n = config.num_crops();
+        at::Tensor rects = at::empty({count, n, 4}, at::kLong);
+        at::Tensor params = at::empty({count, n, kPhotometricParamCount}, at::kFloat);
+        auto* r = rects.data_ptr<int64_t>();
+        auto* p = params.data_ptr<float>();
+        for (int64_t i = 0; i < count; ++i) {
+          Rng rng(seed, 0, static_cast<uint64_t>(i));
+          const auto plans = plan_crops(rng, height, width, config);
+          for (int c = 0; c < n; ++c) {
+            const CropRect& q = plans[c].rect;
+            int64_t* row = r + (i * n + c) * 4;
+            row[0] = q.top;
+            row[1] = q.left;
+            row[2] = q.height;
+            row[3] = q.width;
+            plans[c].params.to_floats(p + (i * n + c) * kPhotometricParamCount);
+          }
+        }
+        return py::make_tuple(rects, params);
+      },
+      py::arg("seed"), py::arg("count"), py::arg("height"), py::arg("width"), py::arg("augment") = py::dict(),
+      "Draws `count` samples' crop plans: rects [count, crops, 4] (top, left, height, width) and params");
+  m.def(
+      "reencode_image",
+      [](const std::string& src, const std::string& dst, int max_side, int quality, int64_t max_pixels) {
+        const PrepareResult r = reencode_image(src, dst, max_side, quality, DecodeOptions{max_pixels});
+        return py::make_tuple(r.width, r.height, r.bytes);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("max_side"), py::arg("quality"),
+      py::arg("max_pixels") = DecodeOptions{}.max_pixels, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace dino_opt::bindings

@@ -1,0 +1,370 @@
+#include "loader/multicrop_loader.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <numeric>
+
+namespace dino_opt::loader {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kShuffleKey = 0x53485546464c45ull;  // distinct streams for the epoch order
+constexpr uint64_t kSkipKey = 0x534b4950ull;           // and for replacement picks
+constexpr size_t kMaxSkippedListed = 100;
+
+OutputType output_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return OutputType::kFloat32;
+    case at::kBFloat16:
+      return OutputType::kBFloat16;
+    case at::kHalf:
+      return OutputType::kFloat16;
+    default:
+      throw std::invalid_argument(std::string("dtype must be float32, bfloat16 or float16, got ") +
+                                  c10::toString(dtype));
+  }
+}
+
+// Where the crops of sample `row` of a batch of `b` samples go.
+std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64_t b, const LoaderOptions& options) {
+  const AugmentConfig& config = options.pipeline.augment;
+  std::vector<CropTarget> targets(config.num_crops());
+  for (int c = 0; c < config.num_crops(); ++c) {
+    const int group = c < 2 ? 0 : 1;
+    const int64_t n = (c < 2 ? c : c - 2) * b + row;
+    const at::Tensor& t = batch.groups[group];
+    CropTarget& target = targets[c];
+    if (options.pipeline.photometric) {
+      target.out.type = output_type(options.dtype);
+      target.out.data = static_cast<char*>(t.data_ptr()) + n * t.stride(0) * t.element_size();
+      target.out.stride_c = t.stride(1);
+      target.out.stride_y = t.stride(2);
+      target.out.stride_x = t.stride(3);
+    } else {
+      target.raw = t.data_ptr<uint8_t>() + n * t.stride(0);
+      target.raw_stride = t.stride(1);
+      target.params = batch.params[group].data_ptr<float>() + n * kPhotometricParamCount;
+    }
+  }
+  return targets;
+}
+
+bool unshared(const at::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
+
+}  // namespace
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+void LoaderOptions::validate() const {
+  auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (batch_size < 1) fail("batch_size must be >= 1, got " + std::to_string(batch_size));
+  if (num_threads < 0 || num_threads > 1024) fail("num_threads must be in [0, 1024], got " + std::to_string(num_threads));
+  if (prefetch < 1 || prefetch > 64) fail("prefetch must be in [1, 64], got " + std::to_string(prefetch));
+  if (world_size < 1) fail("world_size must be >= 1, got " + std::to_string(world_size));
+  if (rank < 0 || rank >= world_size)
+    fail("rank must be in [0, world_size), got rank " + std::to_string(rank) + " of " + std::to_string(world_size));
+  if (max_skip_attempts < 1) fail("max_skip_attempts must be >= 1");
+  if (pipeline.decode.max_pixels < 1) fail("max_pixels must be >= 1");
+  if (pipeline.photometric) output_type(dtype);
+  for (int c = 0; c < 3; ++c) {
+    if (!(pipeline.normalization.std[c] != 0.0f)) fail("std must be nonzero in every channel");
+  }
+  pipeline.augment.validate();
+}
+
+struct MultiCropLoader::Slot {
+  int64_t batch = -1;
+  int64_t size = 0;
+  int64_t done = 0;
+  LoaderBatch out;
+  int64_t error_row = std::numeric_limits<int64_t>::max();
+  std::string error;
+};
+
+MultiCropLoader::MultiCropLoader(std::vector<Sample> samples, LoaderOptions options)
+    : samples_(std::move(samples)), options_(std::move(options)) {
+  options_.validate();
+  if (samples_.empty()) throw std::invalid_argument("the data set is empty: no image files");
+  const int64_t n = num_samples(), w = options_.world_size;
+  per_rank_ = options_.pad_shards ? (n + w - 1) / w : n / w;
+  if (per_rank_ == 0) {
+    throw std::invalid_argument("the data set has " + std::to_string(n) + " samples, fewer than world_size " +
+                                std::to_string(w) + ", and shards are not padded");
+  }
+  for (int i = 0; i < options_.prefetch; ++i) slots_.push_back(std::make_unique<Slot>());
+}
+
+MultiCropLoader::~MultiCropLoader() { close(); }
+
+int64_t MultiCropLoader::num_batches() const {
+  const int64_t b = options_.batch_size;
+  return options_.drop_last ? per_rank_ / b : (per_rank_ + b - 1) / b;
+}
+
+int64_t MultiCropLoader::batch_size_of(int64_t batch) const {
+  return std::min(options_.batch_size, per_rank_ - batch * options_.batch_size);
+}
+
+std::vector<int64_t> MultiCropLoader::epoch_indices(int64_t epoch) const {
+  const int64_t n = num_samples(), w = options_.world_size;
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  if (options_.shuffle) {
+    Rng rng(options_.seed, kShuffleKey, static_cast<uint64_t>(epoch));
+    for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.randint(0, i + 1)]);
+  }
+  // DistributedSampler: the shards take every world_size-th index of the
+  // permutation, padded by wrapping around (or cut) to equal length.
+  std::vector<int64_t> mine(per_rank_);
+  for (int64_t k = 0; k < per_rank_; ++k) mine[k] = order[(k * w + options_.rank) % n];
+  return mine;
+}
+
+LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
+  if (!options_.pin_memory) {
+    for (const LoaderBatch& pooled : pool_) {
+      if (pooled.labels.size(0) != b) continue;
+      bool free = unshared(pooled.labels) && unshared(pooled.indices);
+      for (const auto& t : pooled.groups) free = free && unshared(t);
+      for (const auto& t : pooled.params) free = free && unshared(t);
+      if (free) return pooled;
+    }
+  }
+  const AugmentConfig& config = options_.pipeline.augment;
+  // Pinned batches come from torch's caching host allocator, which also keeps
+  // a block from reuse until the non_blocking copies reading it have finished.
+  const auto host = at::TensorOptions().pinned_memory(options_.pin_memory);
+  LoaderBatch batch;
+  const int64_t counts[2] = {2 * b, int64_t{config.n_local} * b};
+  const int64_t sizes[2] = {config.global_size, config.local_size};
+  for (int g = 0; g < (config.n_local > 0 ? 2 : 1); ++g) {
+    if (options_.pipeline.photometric) {
+      auto opts = host.dtype(options_.dtype);
+      if (options_.channels_last) opts = opts.memory_format(at::MemoryFormat::ChannelsLast);
+      batch.groups.push_back(at::empty({counts[g], 3, sizes[g], sizes[g]}, opts));
+    } else {
+      batch.groups.push_back(at::empty({counts[g], sizes[g], sizes[g], 3}, host.dtype(at::kByte)));
+      batch.params.push_back(at::empty({counts[g], kPhotometricParamCount}, host.dtype(at::kFloat)));
+    }
+  }
+  batch.labels = at::empty({b}, host.dtype(at::kLong));
+  batch.indices = at::empty({b}, host.dtype(at::kLong));
+  if (!options_.pin_memory && pool_.size() < static_cast<size_t>(options_.prefetch) + 2) pool_.push_back(batch);
+  return batch;
+}
+
+MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, int64_t row, int64_t b,
+                                                      int64_t index, uint64_t key, int64_t epoch) const {
+  thread_local PipelineScratch scratch;
+  FillResult result;
+  const std::vector<CropTarget> targets = targets_for(batch, row, b, options_);
+  for (int attempt = 0;; ++attempt) {
+    const Sample& sample = samples_[index];
+    try {
+      auto t = Clock::now();
+      const std::vector<uint8_t> bytes = read_file(sample.path);
+      result.times.decode += std::chrono::duration<double>(Clock::now() - t).count();
+      Rng rng(options_.seed, static_cast<uint64_t>(epoch), key);
+      run_multicrop(bytes.data(), bytes.size(), rng, options_.pipeline, targets, scratch, &result.times);
+      batch.labels.data_ptr<int64_t>()[row] = sample.label;
+      batch.indices.data_ptr<int64_t>()[row] = index;
+      return result;
+    } catch (const std::exception& e) {
+      std::string message = sample.path + ": " + e.what();
+      if (!options_.skip_errors) {
+        result.error = std::move(message);
+        return result;
+      }
+      result.skipped.push_back(std::move(message));
+      if (attempt + 1 >= options_.max_skip_attempts) {
+        result.error = "on_error='skip' found no readable replacement in " +
+                       std::to_string(options_.max_skip_attempts) + " tries; last: " + result.skipped.back();
+        return result;
+      }
+      // A replacement drawn from the seed, epoch and position: the same in
+      // every run and with any number of threads.
+      index = static_cast<int64_t>(mix_keys(options_.seed ^ kSkipKey, static_cast<uint64_t>(epoch),
+                                            key * 64 + static_cast<uint64_t>(attempt)) %
+                                   static_cast<uint64_t>(num_samples()));
+    }
+  }
+}
+
+void MultiCropLoader::start_epoch(int64_t epoch, int64_t first_batch) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (closed_) throw LoaderError("the loader is closed");
+  if (first_batch < 0 || first_batch > num_batches()) {
+    throw std::invalid_argument("first batch " + std::to_string(first_batch) + " is outside the epoch's " +
+                                std::to_string(num_batches()) + " batches");
+  }
+  if (running_) elapsed_s_ += std::chrono::duration<double>(Clock::now() - started_).count();
+  running_ = false;
+  ++generation_;  // results of the old epoch still being computed are dropped
+  idle_cv_.wait(lk, [&] { return busy_ == 0; });
+  epoch_ = epoch;
+  order_ = epoch_indices(epoch);
+  consumed_ = first_batch;
+  next_task_ = first_batch * options_.batch_size;
+  end_task_ = options_.drop_last ? num_batches() * options_.batch_size : per_rank_;
+  for (auto& slot : slots_) *slot = Slot{};
+  running_ = next_task_ < end_task_;
+  started_ = Clock::now();
+  if (threads_.empty()) {
+    const int n = options_.num_threads > 0 ? options_.num_threads : available_cores();
+    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { worker_loop(); });
+  }
+  work_cv_.notify_all();
+}
+
+void MultiCropLoader::worker_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  const int64_t b = options_.batch_size;
+  for (;;) {
+    work_cv_.wait(lk, [&] {
+      return closed_ || (running_ && next_task_ < end_task_ && next_task_ / b < consumed_ + options_.prefetch);
+    });
+    if (closed_) return;
+    const int64_t task = next_task_++;
+    const int64_t batch = task / b;
+    const uint64_t generation = generation_;
+    Slot& slot = *slots_[batch % options_.prefetch];
+    if (slot.batch != batch) {
+      slot = Slot{};
+      slot.batch = batch;
+      slot.size = batch_size_of(batch);
+      try {
+        slot.out = allocate_batch(slot.size);
+      } catch (const std::exception& e) {
+        slot.error = std::string("cannot allocate the batch: ") + e.what();
+        slot.error_row = -1;
+      }
+    }
+    const bool allocated = !slot.out.groups.empty();
+    const LoaderBatch out = slot.out;  // handles, so the tensors outlive a reset of the slot
+    const int64_t size = slot.size;
+    ++busy_;
+    lk.unlock();
+
+    FillResult result;
+    const int64_t row = task - batch * b;
+    if (allocated) {
+      const uint64_t position = static_cast<uint64_t>(task) * options_.world_size + options_.rank;
+      result = fill_row(out, row, size, order_[task], position, epoch_);
+    }
+
+    lk.lock();
+    --busy_;
+    decode_s_ += result.times.decode;
+    crop_s_ += result.times.crop;
+    augment_s_ += result.times.augment;
+    if (generation == generation_) {
+      images_ += 1;
+      for (auto& s : result.skipped) {
+        ++skipped_;
+        if (skipped_files_.size() < kMaxSkippedListed) skipped_files_.push_back(std::move(s));
+      }
+      if (!result.error.empty() && row < slot.error_row) {
+        slot.error_row = row;
+        slot.error = std::move(result.error);
+      }
+      if (++slot.done == slot.size) done_cv_.notify_all();
+    }
+    if (busy_ == 0) idle_cv_.notify_all();
+  }
+}
+
+std::optional<LoaderBatch> MultiCropLoader::next() {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (closed_) throw LoaderError("the loader is closed");
+  if (!running_ || consumed_ >= num_batches()) {
+    if (running_) elapsed_s_ += std::chrono::duration<double>(Clock::now() - started_).count();
+    running_ = false;
+    return std::nullopt;
+  }
+  Slot& slot = *slots_[consumed_ % options_.prefetch];
+  const auto t0 = Clock::now();
+  done_cv_.wait(lk, [&] { return closed_ || (slot.batch == consumed_ && slot.done == slot.size); });
+  wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (closed_) throw LoaderError("the loader was closed while waiting for a batch");
+  LoaderBatch out = std::move(slot.out);
+  out.batch_index = consumed_;
+  const std::string error = std::move(slot.error);
+  slot = Slot{};
+  ++consumed_;
+  ++batches_;
+  work_cv_.notify_all();
+  lk.unlock();
+  if (!error.empty()) throw LoaderError("batch " + std::to_string(out.batch_index) + ": " + error);
+  return out;
+}
+
+void MultiCropLoader::close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    if (running_) elapsed_s_ += std::chrono::duration<double>(Clock::now() - started_).count();
+    closed_ = true;
+    running_ = false;
+  }
+  work_cv_.notify_all();
+  done_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& slot : slots_) *slot = Slot{};
+  pool_.clear();
+}
+
+LoaderStats MultiCropLoader::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  LoaderStats s;
+  s.images = images_;
+  s.batches = batches_;
+  s.decode_seconds = decode_s_;
+  s.crop_seconds = crop_s_;
+  s.augment_seconds = augment_s_;
+  s.wait_seconds = wait_s_;
+  s.elapsed_seconds = elapsed_s_ + (running_ ? std::chrono::duration<double>(Clock::now() - started_).count() : 0.0);
+  s.skipped = skipped_;
+  s.skipped_files = skipped_files_;
+  s.num_threads = static_cast<int>(threads_.size());
+  return s;
+}
+
+LoaderBatch MultiCropLoader::load_sample(int64_t index, int64_t epoch) {
+  if (index < 0 || index >= num_samples()) {
+    throw std::out_of_range("index " + std::to_string(index) + " is outside the data set of " +
+                            std::to_string(num_samples()) + " samples");
+  }
+  LoaderBatch batch;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    batch = allocate_batch(1);
+  }
+  FillResult result = fill_row(batch, 0, 1, index, static_cast<uint64_t>(index), epoch);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    images_ += 1;
+    decode_s_ += result.times.decode;
+    crop_s_ += result.times.crop;
+    augment_s_ += result.times.augment;
+    for (auto& s : result.skipped) {
+      ++skipped_;
+      if (skipped_files_.size() < kMaxSkippedListed) skipped_files_.push_back(std::move(s));
+    }
+  }
+  if (!result.error.empty()) throw LoaderError(result.error);
+  return batch;
+}
+
+}  // namespace dino_opt::loader

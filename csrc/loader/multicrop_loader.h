@@ -1,0 +1,158 @@
+#pragma once
+// The multi-crop loader: a pool of C++ threads runs the per-image pipeline
+// (multicrop_pipeline.h) and writes finished batches straight into (pinned)
+// tensors, a bounded number of batches ahead of the consumer. Output depends
+// only on (seed, epoch, sample position), never on the thread count.
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "loader/multicrop_pipeline.h"
+
+namespace dino_opt::loader {
+
+// A failed batch (on_error="raise"), or a loader used after close().
+class LoaderError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct Sample {
+  std::string path;
+  int64_t label = -1;
+};
+
+struct LoaderOptions {
+  int64_t batch_size = 64;
+  PipelineOptions pipeline;
+  int num_threads = 0;  // 0: the cores this process may run on
+  int prefetch = 4;     // batches in flight ahead of the consumer
+  uint64_t seed = 0;
+  int rank = 0;
+  int world_size = 1;
+  bool shuffle = true;
+  bool drop_last = true;    // drop this rank's last partial batch
+  bool pad_shards = true;   // DistributedSampler: pad (true) or drop (false) to equal shards
+  at::ScalarType dtype = at::kFloat;
+  bool channels_last = false;
+  bool pin_memory = false;
+  bool skip_errors = false;  // on_error="skip"
+  int max_skip_attempts = 16;
+
+  // Throws std::invalid_argument naming the option that is out of range.
+  void validate() const;
+};
+
+// One batch. With the photometric stage here: groups[0] is [2B, 3, G, G]
+// (global crop 1 of every sample, then global crop 2), groups[1] is
+// [n_local * B, 3, L, L], in `dtype`. Deferred: groups are uint8
+// [N, H, W, 3] and params[g] the [N, 13] float32 parameters of each crop.
+struct LoaderBatch {
+  std::vector<at::Tensor> groups;
+  std::vector<at::Tensor> params;
+  at::Tensor labels;   // int64 [B]
+  at::Tensor indices;  // int64 [B], data set indices (after skip replacements)
+  int64_t batch_index = 0;
+};
+
+struct LoaderStats {
+  int64_t images = 0;           // decoded and augmented since construction
+  int64_t batches = 0;          // handed to the consumer
+  double decode_seconds = 0;    // thread-seconds in read + decode
+  double crop_seconds = 0;      // thread-seconds in crop sampling + resize
+  double augment_seconds = 0;   // thread-seconds in the photometric stage
+  double wait_seconds = 0;      // consumer time blocked on an unfinished batch
+  double elapsed_seconds = 0;   // wall time the pipeline has been producing
+  int64_t skipped = 0;          // files replaced under on_error="skip"
+  std::vector<std::string> skipped_files;  // the first 100, "path: cause"
+  int num_threads = 0;
+};
+
+class MultiCropLoader {
+ public:
+  MultiCropLoader(std::vector<Sample> samples, LoaderOptions options);
+  ~MultiCropLoader();
+  MultiCropLoader(const MultiCropLoader&) = delete;
+  MultiCropLoader& operator=(const MultiCropLoader&) = delete;
+
+  int64_t num_samples() const { return static_cast<int64_t>(samples_.size()); }
+  int64_t samples_per_rank() const { return per_rank_; }
+  int64_t num_batches() const;
+  const LoaderOptions& options() const { return options_; }
+
+  // This rank's data set indices for `epoch`, in order (shuffled, sharded).
+  std::vector<int64_t> epoch_indices(int64_t epoch) const;
+
+  // Starts producing `epoch` at batch `first_batch`; abandons any batches of
+  // an unfinished epoch.
+  void start_epoch(int64_t epoch, int64_t first_batch = 0);
+  // The next batch of the current epoch, blocking; nullopt after the last.
+  // Throws LoaderError for a batch holding an unreadable file (raise mode).
+  std::optional<LoaderBatch> next();
+  // Stops and joins every thread; idempotent. next() then throws.
+  void close();
+  LoaderStats stats() const;
+
+  // Sample `index` alone, on the calling thread, through the same pipeline
+  // (a batch of one: [2, 3, G, G] and [n_local, 3, L, L], or raw + params),
+  // its random stream keyed by (seed, epoch, index); for a torch Dataset.
+  // Throws LoaderError as next() does.
+  LoaderBatch load_sample(int64_t index, int64_t epoch);
+
+ private:
+  struct Slot;
+  struct FillResult {
+    PipelineTimes times;
+    std::string error;                 // raise mode: "path: cause"
+    std::vector<std::string> skipped;  // skip mode: every file replaced
+  };
+  void worker_loop();
+  // Runs sample `index` (random stream `key`) into row `row` of a batch of `b`.
+  FillResult fill_row(const LoaderBatch& batch, int64_t row, int64_t b, int64_t index, uint64_t key,
+                      int64_t epoch) const;
+  LoaderBatch allocate_batch(int64_t size);
+  int64_t batch_size_of(int64_t batch) const;
+
+  const std::vector<Sample> samples_;
+  const LoaderOptions options_;
+  int64_t per_rank_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;  // workers: a task, or closing
+  std::condition_variable done_cv_;  // consumer: a batch finished
+  std::condition_variable idle_cv_;  // start_epoch: no task of the old epoch still running
+  bool closed_ = false;
+  bool running_ = false;
+  uint64_t generation_ = 0;
+  int64_t epoch_ = 0;
+  std::vector<int64_t> order_;  // this rank's data set indices for the epoch
+  int64_t next_task_ = 0;       // next sample position (in order_) to hand out
+  int64_t end_task_ = 0;
+  int64_t consumed_ = 0;        // next batch to hand to the consumer
+  int busy_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<LoaderBatch> pool_;  // pageable batches, reused once the consumer dropped them
+  std::vector<std::thread> threads_;
+
+  // Statistics.
+  std::atomic<int64_t> images_{0};
+  int64_t batches_ = 0;
+  double decode_s_ = 0, crop_s_ = 0, augment_s_ = 0, wait_s_ = 0, elapsed_s_ = 0;
+  std::chrono::steady_clock::time_point started_;
+  int64_t skipped_ = 0;
+  std::vector<std::string> skipped_files_;
+};
+
+// The cores this process may run on (sched_getaffinity), at least 1.
+int available_cores();
+
+}  // namespace dino_opt::loader

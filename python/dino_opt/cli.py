@@ -1,0 +1,127 @@
+"""The ``dino-opt`` command line.
+
+``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
+once at a bounded size (JPEG), keeping its folder layout, so that every epoch
+after decodes small files; the loader reads SRC or DST alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import _C
+
+__all__ = ["main", "prepare_dataset"]
+
+
+def prepare_dataset(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    max_side: int = 512,
+    quality: int = 90,
+    num_threads: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Re-encodes every image under ``src`` into ``dst`` (same relative path,
+    extension ``.jpg``), longer side at most ``max_side`` (never enlarged),
+    JPEG ``quality``. Work runs on native threads; each file is written
+    atomically, and files already prepared (``dst`` newer than ``src``) are
+    kept unless ``overwrite``. Unreadable files are listed, not fatal.
+
+    Returns ``{"written", "kept", "failed": ["path: cause", ...], "bytes_in", "bytes_out"}``.
+    """
+    from tqdm import tqdm
+
+    from .data import find_images
+
+    src_root, dst_root = Path(src), Path(dst)
+    if src_root.resolve() == dst_root.resolve():
+        raise ValueError("dst must differ from src: prepare never overwrites its input")
+    if not 1 <= int(max_side):
+        raise ValueError(f"max_side must be >= 1, got {max_side}")
+    if not 1 <= int(quality) <= 100:
+        raise ValueError(f"quality must be in [1, 100], got {quality}")
+    paths, _, _ = find_images(src_root)
+    jobs = []
+    for path in paths:
+        out = (dst_root / Path(path).relative_to(src_root)).with_suffix(".jpg")
+        jobs.append((path, out))
+    if len({out for _, out in jobs}) != len(jobs):
+        raise ValueError("two source files map to the same output (e.g. a.png and a.jpg)")
+    for out in {out.parent for _, out in jobs}:
+        out.mkdir(parents=True, exist_ok=True)
+
+    def run(job):
+        path, out = job
+        if not overwrite and out.exists() and out.stat().st_mtime >= os.stat(path).st_mtime:
+            return "kept", path, 0
+        try:
+            _, _, size = _C.reencode_image(str(path), str(out), int(max_side), int(quality))
+        except (ValueError, RuntimeError) as e:  # ImageError is a ValueError
+            return "failed", f"{e}", 0
+        return "written", path, size
+
+    result = {"written": 0, "kept": 0, "failed": [], "bytes_in": 0, "bytes_out": 0}
+    threads = num_threads or _C.available_cores()
+    with ThreadPoolExecutor(threads) as pool:
+        bar = tqdm(total=len(jobs), unit="img", disable=not progress, desc="prepare")
+        for status, what, size in pool.map(run, jobs):
+            if status == "failed":
+                result["failed"].append(what)
+            else:
+                result[status] += 1
+                if status == "written":
+                    result["bytes_in"] += os.path.getsize(what)
+                    result["bytes_out"] += size
+            bar.update()
+        bar.close()
+    return result
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    r = prepare_dataset(
+        args.src,
+        args.dst,
+        max_side=args.max_side,
+        quality=args.quality,
+        num_threads=args.threads,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    ratio = r["bytes_out"] / r["bytes_in"] if r["bytes_in"] else 0.0
+    print(
+        f"written {r['written']}, kept {r['kept']}, failed {len(r['failed'])}; "
+        f"{r['bytes_in'] / 1e6:.1f} MB -> {r['bytes_out'] / 1e6:.1f} MB ({ratio:.2f}x)"
+    )
+    for line in r["failed"]:
+        print(f"  failed: {line}", file=sys.stderr)
+    return 1 if r["failed"] else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="re-encode a data set at a bounded size")
+    p.add_argument("src", help="image folder to read (ImageFolder layout or flat)")
+    p.add_argument("dst", help="folder to write (created; the same layout)")
+    p.add_argument("--max-side", type=int, default=512, help="longer side in pixels (default 512)")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality 1-100 (default 90)")
+    p.add_argument("--threads", type=int, default=None, help="default: the cores available")
+    p.add_argument("--overwrite", action="store_true", help="redo files already prepared")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_prepare)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

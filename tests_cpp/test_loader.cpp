@@ -1,0 +1,203 @@
+// The loader's sampling, resize and thread pool (the image decoder has its own
+// file; the sampling statistics against torchvision are in tests_py).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "loader/crop_sampling.h"
+#include "loader/image_decode.h"
+#include "loader/multicrop_loader.h"
+#include "loader/resample.h"
+
+namespace {
+
+using namespace dino_opt::loader;
+namespace fs = std::filesystem;
+
+TEST(LoaderRng, StreamsDependOnEveryKey) {
+  Rng a(1, 2, 3), b(1, 2, 3), c(1, 2, 4), d(2, 2, 3);
+  const uint64_t x = a.next();
+  EXPECT_EQ(x, b.next());
+  EXPECT_NE(x, c.next());
+  EXPECT_NE(x, d.next());
+  for (int i = 0; i < 10000; ++i) {
+    const double u = a.uniform();
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    const int64_t k = a.randint(-3, 4);
+    ASSERT_GE(k, -3);
+    ASSERT_LT(k, 4);
+  }
+}
+
+TEST(LoaderSampling, CropsStayInsideTheImage) {
+  Rng rng(7, 0, 0);
+  for (auto [h, w] : {std::pair{300, 500}, std::pair{3, 10000}, std::pair{1, 1}, std::pair{1000, 2}}) {
+    for (int i = 0; i < 2000; ++i) {
+      const CropRect r = sample_resized_crop(rng, h, w, 0.05, 1.0);
+      ASSERT_GE(r.top, 0);
+      ASSERT_GE(r.left, 0);
+      ASSERT_GE(r.height, 1);
+      ASSERT_GE(r.width, 1);
+      ASSERT_LE(r.top + r.height, h);
+      ASSERT_LE(r.left + r.width, w);
+    }
+  }
+}
+
+TEST(LoaderSampling, DctScaleNeverUpsamplesACrop) {
+  AugmentConfig config;
+  Rng rng(3, 0, 0);
+  for (int i = 0; i < 500; ++i) {
+    const auto plans = plan_crops(rng, 1200, 1600, config);
+    const int denom = choose_dct_denom(plans, 1200, 1600, config);
+    const auto [w, h] = jpeg_scaled_size(1600, 1200, denom);
+    for (int c = 0; c < config.num_crops(); ++c) {
+      ASSERT_GE(plans[c].rect.width * w / 1600.0, config.crop_size(c));
+      ASSERT_GE(plans[c].rect.height * h / 1200.0, config.crop_size(c));
+    }
+  }
+  // A crop barely larger than its output allows no scaling.
+  std::vector<CropPlan> plans(config.num_crops());
+  for (auto& p : plans) p.rect = {0, 0, 1000, 1000};
+  plans[2].rect = {0, 0, 100, 100};
+  EXPECT_EQ(choose_dct_denom(plans, 1200, 1600, config), 1);
+  plans[2].rect = {0, 0, 400, 400};
+  EXPECT_EQ(choose_dct_denom(plans, 1200, 1600, config), 4);
+}
+
+TEST(LoaderSampling, ConfigErrorsNameTheField) {
+  AugmentConfig c;
+  c.local_scale_lo = 0.5;
+  c.local_scale_hi = 0.1;
+  try {
+    c.validate();
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("local_scale"), std::string::npos) << e.what();
+  }
+}
+
+Image random_image(int w, int h, uint32_t seed) {
+  Image img(w, h);
+  std::mt19937 gen(seed);
+  for (auto& p : img.pixels) p = static_cast<uint8_t>(gen());
+  return img;
+}
+
+TEST(LoaderResample, SameSizeIsACopyAndConstantStaysConstant) {
+  const Image img = random_image(40, 30, 1);
+  ResampleScratch s;
+  Image out(20, 10);
+  resize_crop_bicubic(img.view(), scaled_crop_box(5, 7, 20, 10, 1, 1, 40, 30), 20, 10, out.pixels.data(), 60, s);
+  for (int y = 0; y < 10; ++y) {
+    for (int x = 0; x < 60; ++x) ASSERT_EQ(out.row(y)[x], img.view().row(y + 7)[15 + x]);
+  }
+  Image flat(50, 50);
+  std::fill(flat.pixels.begin(), flat.pixels.end(), 173);
+  for (int size : {7, 50, 123}) {
+    Image o(size, size);
+    resize_crop_bicubic(flat.view(), scaled_crop_box(3, 2, 41, 45, 1, 1, 50, 50), size, size, o.pixels.data(),
+                        3 * size, s);
+    for (uint8_t v : o.pixels) ASSERT_EQ(v, 173);
+  }
+  std::vector<uint8_t> sink(75);
+  EXPECT_THROW(resize_crop_bicubic(flat.view(), CropBox{0, 0, 0, 10, 0, 0, 1, 10}, 5, 5, sink.data(), 15, s),
+               std::invalid_argument);
+}
+
+// A directory of small JPEGs, removed at the end of the test.
+class LoaderThreads : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("dino_opt_loader_test_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+    for (int i = 0; i < 12; ++i) {
+      const Image img = random_image(40 + 7 * i, 60 - 2 * i, i);
+      const auto jpeg = encode_jpeg(img.view(), 85);
+      const fs::path p = dir_ / ("img" + std::to_string(i) + ".jpg");
+      std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(jpeg.data()), jpeg.size());
+      samples_.push_back({p.string(), i % 3});
+    }
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  LoaderOptions small_options() const {
+    LoaderOptions o;
+    o.batch_size = 4;
+    o.pipeline.augment.global_size = 24;
+    o.pipeline.augment.local_size = 12;
+    o.pipeline.augment.n_local = 2;
+    o.num_threads = 3;
+    o.prefetch = 2;
+    return o;
+  }
+
+  fs::path dir_;
+  std::vector<Sample> samples_;
+};
+
+TEST_F(LoaderThreads, AnEpochYieldsEverySampleOnce) {
+  MultiCropLoader loader(samples_, small_options());
+  loader.start_epoch(0);
+  std::vector<int64_t> seen;
+  while (auto batch = loader.next()) {
+    ASSERT_EQ(batch->groups.size(), 2u);
+    EXPECT_EQ(batch->groups[0].sizes(), (at::IntArrayRef{8, 3, 24, 24}));
+    EXPECT_EQ(batch->groups[1].sizes(), (at::IntArrayRef{8, 3, 12, 12}));
+    for (int64_t i = 0; i < 4; ++i) seen.push_back(batch->indices[i].item<int64_t>());
+  }
+  std::sort(seen.begin(), seen.end());
+  std::vector<int64_t> all(12);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(seen, all);
+  EXPECT_EQ(loader.stats().images, 12);
+}
+
+TEST_F(LoaderThreads, CloseAndDestroyWithAFullQueueJoinPromptly) {
+  for (int consume : {0, 1}) {
+    auto loader = std::make_unique<MultiCropLoader>(samples_, small_options());
+    loader->start_epoch(0);
+    if (consume) loader->next();
+    const auto t0 = std::chrono::steady_clock::now();
+    while (loader->stats().images < 8 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    loader.reset();  // joins the workers, which wait on a full queue
+  }
+  MultiCropLoader loader(samples_, small_options());
+  loader.start_epoch(0);
+  loader.close();
+  EXPECT_THROW(loader.next(), LoaderError);
+  EXPECT_THROW(loader.start_epoch(1), LoaderError);
+  loader.close();  // idempotent
+}
+
+TEST_F(LoaderThreads, ABadFileFailsItsBatchOnly) {
+  const fs::path bad = dir_ / "bad.jpg";
+  std::ofstream(bad) << "not a jpeg";
+  samples_[5].path = bad.string();
+  LoaderOptions o = small_options();
+  o.shuffle = false;
+  MultiCropLoader loader(samples_, o);
+  loader.start_epoch(0);
+  EXPECT_TRUE(loader.next().has_value());
+  try {
+    loader.next();
+    FAIL() << "expected the second batch to fail";
+  } catch (const LoaderError& e) {
+    EXPECT_NE(std::string(e.what()).find(bad.string()), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(loader.next().has_value());
+  EXPECT_FALSE(loader.next().has_value());
+}
+
+}  // namespace
