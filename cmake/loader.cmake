@@ -23,7 +23,9 @@ add_library(dino_opt_loader_core STATIC
     ${DINO_OPT_LOADER_DIR}/prepare.cpp)
 set_target_properties(dino_opt_loader_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(dino_opt_loader_core PUBLIC "${DINO_OPT_LOADER_DIR}/.."
-                           PRIVATE "${TURBOJPEG_INCLUDE_DIR}" "${OPENCV_INCLUDE_DIR}")
+                           PRIVATE "${TURBOJPEG_INCLUDE_DIR}")
+# SYSTEM: OpenCV 4.6's headers warn under C++20 (enum arithmetic), which is not ours to fix.
+target_include_directories(dino_opt_loader_core SYSTEM PRIVATE "${OPENCV_INCLUDE_DIR}")
 target_link_libraries(dino_opt_loader_core PUBLIC "${TURBOJPEG_LIBRARY}" "${OPENCV_IMGPROC_LIBRARY}"
                       "${OPENCV_CORE_LIBRARY}")
 target_compile_options(dino_opt_loader_core PRIVATE -Wall -Wextra -O3)

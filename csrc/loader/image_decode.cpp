@@ -1,1 +1,720 @@
-// Implemented on branch loader-decode.
+// Image reading and decoding: POSIX file reads, format sniffing and header
+// parsing done here (so that size limits apply before any pixel buffer
+// exists), JPEG through TurboJPEG, the other formats through OpenCV imgcodecs.
+#include "loader/image_decode.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <turbojpeg.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <system_error>
+
+#ifndef DINO_OPT_WITH_IMGCODECS
+#define DINO_OPT_WITH_IMGCODECS 0
+#endif
+#if DINO_OPT_WITH_IMGCODECS
+#include <mutex>
+#include <opencv2/core.hpp>
+#include <opencv2/core/utils/logger.hpp>
+#include <opencv2/imgcodecs.hpp>
+#endif
+
+namespace dino_opt::loader {
+
+namespace {
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+// ------------------------------------------------------------------ file reading
+
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  ~FileDescriptor() { ::close(fd_); }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// ------------------------------------------------------------------ byte readers
+
+uint32_t be16(const uint8_t* p) { return (uint32_t{p[0]} << 8) | p[1]; }
+uint32_t be32(const uint8_t* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
+}
+uint32_t le16(const uint8_t* p) { return uint32_t{p[0]} | (uint32_t{p[1]} << 8); }
+uint32_t le24(const uint8_t* p) { return le16(p) | (uint32_t{p[2]} << 16); }
+uint32_t le32(const uint8_t* p) { return le24(p) | (uint32_t{p[3]} << 24); }
+uint64_t le64(const uint8_t* p) { return le32(p) | (uint64_t{le32(p + 4)} << 32); }
+
+// ------------------------------------------------------------------ sniffing
+
+ImageFormat sniff(const uint8_t* d, size_t n) {
+  static const uint8_t kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  if (n >= 3 && d[0] == 0xFF && d[1] == 0xD8 && d[2] == 0xFF) return ImageFormat::kJpeg;
+  if (n >= 8 && std::memcmp(d, kPng, 8) == 0) return ImageFormat::kPng;
+  if (n >= 12 && std::memcmp(d, "RIFF", 4) == 0 && std::memcmp(d + 8, "WEBP", 4) == 0) {
+    return ImageFormat::kWebp;
+  }
+  if (n >= 2 && d[0] == 'B' && d[1] == 'M') return ImageFormat::kBmp;
+  // Classic TIFF (42) and BigTIFF (43), either byte order.
+  if (n >= 4 && ((d[0] == 'I' && d[1] == 'I' && (d[2] == 42 || d[2] == 43) && d[3] == 0) ||
+                 (d[0] == 'M' && d[1] == 'M' && d[2] == 0 && (d[3] == 42 || d[3] == 43)))) {
+    return ImageFormat::kTiff;
+  }
+  return ImageFormat::kUnknown;
+}
+
+std::string first_bytes_hex(const uint8_t* d, size_t n) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n && i < 8; ++i) {
+    if (i) s += ' ';
+    s += kHex[d[i] >> 4];
+    s += kHex[d[i] & 15];
+  }
+  return s;
+}
+
+[[noreturn]] void corrupt_header(ImageFormat f, const std::string& why) {
+  throw ImageError(std::string("corrupt ") + format_name(f) + " header: " + why);
+}
+
+// ------------------------------------------------------------------ TurboJPEG
+
+// One decompressor and one compressor per thread: a tjhandle is not safe to
+// share, and creating one per image costs more than the header parse. After
+// any failure the handle is replaced: TurboJPEG 2.x returns from a failed
+// tjDecompressHeader3 without aborting the decompressor, which then misreads
+// the next, valid, file ("Bogus marker length").
+class TjHandle {
+ public:
+  explicit TjHandle(bool compress) : compress_(compress) {}
+  ~TjHandle() { reset(); }
+  TjHandle(const TjHandle&) = delete;
+  TjHandle& operator=(const TjHandle&) = delete;
+
+  tjhandle get() {
+    if (handle_ == nullptr) {
+      handle_ = compress_ ? tjInitCompress() : tjInitDecompress();
+      if (handle_ == nullptr) {
+        throw ImageError(std::string("cannot create a TurboJPEG instance: ") +
+                         tjGetErrorStr2(nullptr));
+      }
+    }
+    return handle_;
+  }
+  // The error text of the last call, then a fresh handle for the next one.
+  std::string take_error() {
+    std::string text = tjGetErrorStr2(handle_);
+    reset();
+    return text;
+  }
+  void reset() {
+    if (handle_ != nullptr) tjDestroy(handle_);
+    handle_ = nullptr;
+  }
+
+ private:
+  bool compress_;
+  tjhandle handle_ = nullptr;
+};
+
+TjHandle& decompressor() {
+  thread_local TjHandle handle(false);
+  return handle;
+}
+
+TjHandle& compressor() {
+  thread_local TjHandle handle(true);
+  return handle;
+}
+
+struct JpegInfo {
+  int width = 0;
+  int height = 0;
+  int colorspace = -1;  // TJCS_*
+};
+
+JpegInfo read_jpeg_header(const uint8_t* data, size_t size) {
+  TjHandle& tj = decompressor();
+  JpegInfo info;
+  int subsamp = -1;
+  // TurboJPEG 2.x returns -1 after a mere warning and also when it cannot
+  // name the chroma subsampling (irrelevant to a decode into packed RGB); it
+  // fills the outputs only once the header was parsed. A tables-only stream
+  // can return 0 and leave them untouched. So the outputs decide, not the code.
+  const int rc = tjDecompressHeader3(tj.get(), data, static_cast<unsigned long>(size), &info.width,
+                                     &info.height, &subsamp, &info.colorspace);
+  const bool complete = info.width >= 1 && info.height >= 1;
+  const std::string why = rc == 0 && complete ? "" : tj.take_error();
+  if (!complete) {
+    throw ImageError("truncated or corrupt JPEG header: " +
+                     (rc == 0 ? std::string("no image in the data") : why));
+  }
+  if (info.colorspace < TJCS_RGB || info.colorspace > TJCS_YCCK) {
+    throw ImageError("unsupported JPEG colour space" + (why.empty() ? "" : ": " + why));
+  }
+  return info;
+}
+
+// True when the JPEG's marker structure reaches an EOI marker, that is, the
+// file was not cut short. Marker segments are skipped by their length (an
+// EXIF thumbnail's EOI inside APP1 does not count); entropy-coded data is
+// scanned for the next marker, skipping stuffed bytes and restart markers,
+// which is how libjpeg itself resynchronises. Each step advances `pos`.
+bool jpeg_has_end_marker(const uint8_t* d, size_t n) {
+  size_t pos = 2;  // after SOI
+  while (pos + 1 < n) {
+    const void* ff = std::memchr(d + pos, 0xFF, n - pos - 1);
+    if (ff == nullptr) return false;
+    pos = static_cast<size_t>(static_cast<const uint8_t*>(ff) - d);
+    const uint8_t m = d[pos + 1];
+    if (m == 0xD9) return true;
+    if (m == 0xFF) {  // fill byte before a marker
+      pos += 1;
+    } else if (m == 0x00 || m == 0x01 || m == 0xD8 || (m >= 0xD0 && m <= 0xD7)) {
+      pos += 2;  // stuffed 0xFF, TEM, stray SOI, RSTn: no length field
+    } else {
+      if (pos + 3 >= n) return false;
+      const size_t length = be16(d + pos + 2);
+      if (length < 2) return false;
+      pos += 2 + length;
+    }
+  }
+  return false;
+}
+
+const tjscalingfactor& scaling_factor(int denom) {
+  if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
+    throw ImageError("JPEG scale denominator must be 1, 2, 4 or 8, got " + std::to_string(denom));
+  }
+  int count = 0;
+  const tjscalingfactor* factors = tjGetScalingFactors(&count);
+  for (int i = 0; factors != nullptr && i < count; ++i) {
+    if (factors[i].num == 1 && factors[i].denom == denom) return factors[i];
+  }
+  throw ImageError("this TurboJPEG cannot decode at scale 1/" + std::to_string(denom));
+}
+
+// The first warning of libjpeg's JWRN_JPEG_EOF: the decoder asked for bytes
+// past the end of the buffer (libjpeg's message table is stable since 6b).
+constexpr const char* kPrematureEnd = "Premature end of JPEG file";
+
+// Decodes into `dst` (pitch bytes per row) at the given scaled size.
+//
+// Warning policy. libjpeg reports damaged data as warnings and keeps going,
+// filling what it cannot decode. Like PIL (whose default refuses truncated
+// files, "image file is truncated"), a file that ends before the image does
+// is an error: its lower part would be grey filler. Other warnings ("Corrupt
+// JPEG data: N extraneous bytes before marker", bad Huffman codes, an unknown
+// JFIF revision) are not: PIL decodes such files without complaint, and real
+// data sets (ImageNet among them) hold a few; refusing them would stop a
+// training run on files that the reference pipeline reads.
+//
+// TurboJPEG 2.x makes this take two passes: tjGetErrorCode says "warning"
+// whenever any warning happened, even if a fatal error followed, and only the
+// first warning's text is kept. Pass 1 stops at the first warning (clean
+// files, nearly all of them, finish here). If that warning is not the
+// premature end, and the file does reach its EOI marker, pass 2 decodes
+// through the warnings; it succeeded if its error text is still that first
+// warning (a fatal error would have replaced it).
+void tj_decode(const uint8_t* data, size_t size, uint8_t* dst, int width, int pitch, int height,
+               int pixel_format) {
+  TjHandle& tj = decompressor();
+  const auto jpeg_size = static_cast<unsigned long>(size);
+  const int flags = TJFLAG_LIMITSCANS;  // refuse progressive files with > 500 scans (CPU DoS)
+  if (tjDecompress2(tj.get(), data, jpeg_size, dst, width, pitch, height, pixel_format,
+                    flags | TJFLAG_STOPONWARNING) == 0) {
+    return;
+  }
+  const bool warning = tjGetErrorCode(tj.get()) == TJERR_WARNING;
+  const std::string first = tj.take_error();
+  if (!warning) throw ImageError("truncated or corrupt JPEG: " + first);
+  if (first.find(kPrematureEnd) != std::string::npos || !jpeg_has_end_marker(data, size)) {
+    throw ImageError("truncated or corrupt JPEG: the data ends before the image (" + first + ")");
+  }
+  if (tjDecompress2(tj.get(), data, jpeg_size, dst, width, pitch, height, pixel_format, flags) ==
+      0) {
+    return;
+  }
+  const bool only_warnings = tjGetErrorCode(tj.get()) == TJERR_WARNING;
+  const std::string last = tj.take_error();
+  if (!only_warnings || last != first) throw ImageError("truncated or corrupt JPEG: " + last);
+}
+
+// PIL's CMYK -> RGB (Convert.c cmyk2rgb): R = (255-K) - round(C (255-K) / 255),
+// with MULDIV255's exact rounding. libjpeg hands over the samples as stored,
+// and CMYK JPEGs (Photoshop's and libjpeg's own, which PIL writes) store them
+// inverted, as PIL assumes on reading ("CMYK;I"): C = 255 - stored.
+void cmyk_to_rgb(const uint8_t* cmyk, uint8_t* rgb, size_t pixels) {
+  for (size_t i = 0; i < pixels; ++i, cmyk += 4, rgb += 3) {
+    const uint32_t nk = cmyk[3];  // 255 - K
+    for (int c = 0; c < 3; ++c) {
+      const uint32_t t = (255u - cmyk[c]) * nk + 128u;
+      const uint32_t mul = ((t >> 8) + t) >> 8;  // round(C * nk / 255), <= nk
+      rgb[c] = static_cast<uint8_t>(nk - mul);
+    }
+  }
+}
+
+Image decode_jpeg(const uint8_t* data, size_t size, const JpegInfo& info, int denom) {
+  const auto [w, h] = jpeg_scaled_size(info.width, info.height, denom);
+  Image out(w, h);
+  if (info.colorspace == TJCS_CMYK || info.colorspace == TJCS_YCCK) {
+    // libjpeg converts YCCK to CMYK itself; CMYK to RGB is left to us.
+    std::vector<uint8_t> cmyk(static_cast<size_t>(w) * h * 4);
+    tj_decode(data, size, cmyk.data(), w, w * 4, h, TJPF_CMYK);
+    cmyk_to_rgb(cmyk.data(), out.pixels.data(), static_cast<size_t>(w) * h);
+  } else {
+    // Grayscale and RGB JPEGs convert to RGB inside libjpeg.
+    tj_decode(data, size, out.pixels.data(), w, w * 3, h, TJPF_RGB);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ other headers
+
+ImageHeader png_header(const uint8_t* d, size_t n) {
+  if (n < 24) corrupt_header(ImageFormat::kPng, "shorter than the IHDR chunk");
+  if (std::memcmp(d + 12, "IHDR", 4) != 0 || be32(d + 8) != 13) {
+    corrupt_header(ImageFormat::kPng, "the first chunk is not a 13-byte IHDR");
+  }
+  const uint32_t w = be32(d + 16), h = be32(d + 20);
+  if (w > INT32_MAX || h > INT32_MAX) corrupt_header(ImageFormat::kPng, "side above 2^31 - 1");
+  return {ImageFormat::kPng, static_cast<int>(w), static_cast<int>(h)};
+}
+
+// A file cut short is refused here rather than handed to OpenCV, for the same
+// reason as a truncated JPEG (PIL refuses both), and because libpng and
+// OpenCV 4.6 would print their failure to stderr, which OpenCV's log level
+// does not govern. PNG: the chunk chain, walked by the chunks' lengths, must
+// reach IEND (data after IEND is ignored, as by libpng).
+void check_png_complete(const uint8_t* d, size_t n) {
+  size_t pos = 8;
+  while (n - pos >= 12) {  // length, type, CRC
+    const uint64_t length = be32(d + pos);
+    if (std::memcmp(d + pos + 4, "IEND", 4) == 0) return;
+    if (length > n - pos - 12) break;
+    pos += 12 + static_cast<size_t>(length);
+  }
+  throw ImageError("truncated or corrupt PNG: the chunks end before the IEND chunk");
+}
+
+// WebP: the RIFF container's size must fit in the file.
+void check_webp_complete(const uint8_t* d, size_t n) {
+  const uint64_t riff_end = uint64_t{le32(d + 4)} + 8;
+  if (riff_end > n) {
+    throw ImageError("truncated or corrupt WebP: the RIFF container needs " +
+                     std::to_string(riff_end) + " bytes, the file has " + std::to_string(n));
+  }
+}
+
+ImageHeader webp_header(const uint8_t* d, size_t n) {
+  const ImageFormat f = ImageFormat::kWebp;
+  if (n < 21) corrupt_header(f, "no chunk after the RIFF header");
+  const uint8_t* payload = d + 20;
+  if (std::memcmp(d + 12, "VP8 ", 4) == 0) {  // lossy: key frame header
+    if (n < 30 || payload[3] != 0x9D || payload[4] != 0x01 || payload[5] != 0x2A) {
+      corrupt_header(f, "no VP8 key frame start code");
+    }
+    return {f, static_cast<int>(le16(payload + 6) & 0x3FFF),
+            static_cast<int>(le16(payload + 8) & 0x3FFF)};
+  }
+  if (std::memcmp(d + 12, "VP8L", 4) == 0) {  // lossless: 14-bit sides minus one
+    if (n < 25 || payload[0] != 0x2F) corrupt_header(f, "no VP8L signature");
+    const uint32_t bits = le32(payload + 1);
+    return {f, static_cast<int>((bits & 0x3FFF) + 1),
+            static_cast<int>(((bits >> 14) & 0x3FFF) + 1)};
+  }
+  if (std::memcmp(d + 12, "VP8X", 4) == 0) {  // extended: 24-bit canvas sides minus one
+    if (n < 30) corrupt_header(f, "VP8X chunk cut short");
+    return {f, static_cast<int>(le24(payload + 4) + 1), static_cast<int>(le24(payload + 7) + 1)};
+  }
+  corrupt_header(
+      f, "unknown first chunk '" + std::string(reinterpret_cast<const char*>(d + 12), 4) + "'");
+}
+
+ImageHeader bmp_header(const uint8_t* d, size_t n) {
+  const ImageFormat f = ImageFormat::kBmp;
+  if (n < 18) corrupt_header(f, "shorter than the file and DIB headers");
+  const uint32_t dib = le32(d + 14);
+  if (dib == 12) {  // BITMAPCOREHEADER: unsigned 16-bit sides
+    if (n < 22) corrupt_header(f, "DIB header cut short");
+    return {f, static_cast<int>(le16(d + 18)), static_cast<int>(le16(d + 20))};
+  }
+  if (dib < 16 || n < 26) corrupt_header(f, "unknown or cut DIB header");
+  // Signed 32-bit sides; a negative height means rows stored top-down.
+  const auto w = static_cast<int32_t>(le32(d + 18));
+  const auto h = static_cast<int32_t>(le32(d + 22));
+  if (w < 0 || h == INT32_MIN) corrupt_header(f, "negative width or invalid height");
+  return {f, w, h < 0 ? -h : h};
+}
+
+// BMP: uncompressed (BI_RGB, BI_BITFIELDS) pixel rows must fit in the file.
+void check_bmp_complete(const uint8_t* d, size_t n, const ImageHeader& header) {
+  const uint32_t dib = le32(d + 14);
+  if (dib < 40 || n < 34) return;  // core headers and RLE: left to the decoder
+  const uint32_t compression = le32(d + 30);
+  if (compression != 0 && compression != 3) return;
+  const uint64_t bits = le16(d + 28);
+  const uint64_t row_bytes = (static_cast<uint64_t>(header.width) * bits + 31) / 32 * 4;
+  const uint64_t end = le32(d + 10) + row_bytes * static_cast<uint64_t>(header.height);
+  if (end > n) {
+    throw ImageError("truncated or corrupt BMP: pixel rows need " + std::to_string(end) +
+                     " bytes, the file has " + std::to_string(n));
+  }
+}
+
+ImageHeader tiff_header(const uint8_t* d, size_t n) {
+  const ImageFormat f = ImageFormat::kTiff;
+  const bool little = d[0] == 'I';
+  const bool big_tiff = (little ? d[2] : d[3]) == 43;
+  auto u16 = [&](size_t at) { return little ? le16(d + at) : be16(d + at); };
+  auto u32 = [&](size_t at) { return little ? le32(d + at) : be32(d + at); };
+  auto u64 = [&](size_t at) {
+    return little ? le64(d + at) : (uint64_t{be32(d + at)} << 32) | be32(d + at + 4);
+  };
+  // First IFD: entry count, then entries of tag, type, count, value.
+  uint64_t ifd = 0, count = 0;
+  size_t entry_size = 12, count_size = 2, value_at = 8;
+  if (big_tiff) {
+    if (n < 16 || u16(4) != 8) corrupt_header(f, "BigTIFF header cut short");
+    ifd = u64(8);
+    entry_size = 20;
+    count_size = 8;
+    value_at = 12;
+  } else {
+    if (n < 8) corrupt_header(f, "header cut short");
+    ifd = u32(4);
+  }
+  if (ifd > n || n - ifd < count_size) corrupt_header(f, "first IFD outside the file");
+  count = big_tiff ? u64(ifd) : u16(ifd);
+  const uint64_t entries_at = ifd + count_size;
+  if (count > (n - entries_at) / entry_size) corrupt_header(f, "IFD runs past the end of the file");
+  uint64_t side[2] = {0, 0};  // ImageWidth (256), ImageLength (257)
+  bool found[2] = {false, false};
+  for (uint64_t i = 0; i < count; ++i) {
+    const size_t e = entries_at + i * entry_size;
+    const uint32_t tag = u16(e), type = u16(e + 2);
+    if (tag != 256 && tag != 257) continue;
+    uint64_t v = 0;
+    if (type == 3) {
+      v = u16(e + value_at);  // SHORT, left-justified in the value field
+    } else if (type == 4) {
+      v = u32(e + value_at);  // LONG
+    } else if (type == 16 && big_tiff) {
+      v = u64(e + value_at);  // LONG8
+    } else {
+      corrupt_header(f, "image size tag of type " + std::to_string(type));
+    }
+    side[tag - 256] = v;
+    found[tag - 256] = true;
+  }
+  if (!found[0] || !found[1])
+    corrupt_header(f, "no ImageWidth or ImageLength tag in the first IFD");
+  if (side[0] > INT32_MAX || side[1] > INT32_MAX) corrupt_header(f, "side above 2^31 - 1");
+  return {f, static_cast<int>(side[0]), static_cast<int>(side[1])};
+}
+
+void check_max_pixels(const DecodeOptions& options) {
+  if (options.max_pixels <= 0) {
+    throw ImageError("DecodeOptions::max_pixels must be positive, got " +
+                     std::to_string(options.max_pixels));
+  }
+}
+
+void check_size(ImageFormat f, int64_t w, int64_t h, const DecodeOptions& options) {
+  if (w <= 0 || h <= 0) {
+    throw ImageError(std::string(format_name(f)) + " image has a zero side (" + std::to_string(w) +
+                     "x" + std::to_string(h) + ")");
+  }
+  if (w * h > options.max_pixels) {
+    throw ImageError(std::string(format_name(f)) + " image is " + std::to_string(w) + "x" +
+                     std::to_string(h) + " = " + std::to_string(w * h) +
+                     " pixels, above the limit of " + std::to_string(options.max_pixels) +
+                     " (DecodeOptions::max_pixels; a decompression bomb?)");
+  }
+}
+
+// ------------------------------------------------------------------ OpenCV
+
+// probe_image, also handing out the JPEG colour space that decoding needs.
+ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options, JpegInfo* jpeg) {
+  check_max_pixels(options);
+  if (data == nullptr || size == 0) throw ImageError("no image data (0 bytes)");
+  const ImageFormat f = sniff(data, size);
+  if (f == ImageFormat::kUnknown) {
+    throw ImageError("unknown image format (first bytes: " + first_bytes_hex(data, size) + ")");
+  }
+  if (f != ImageFormat::kJpeg && !other_formats_available()) {
+    throw ImageError(std::string(format_name(f)) +
+                     " image, but this build reads JPEG only (OpenCV imgcodecs was not found "
+                     "when it was compiled)");
+  }
+  ImageHeader header;
+  switch (f) {
+    case ImageFormat::kJpeg: {
+      *jpeg = read_jpeg_header(data, size);
+      header = {f, jpeg->width, jpeg->height};
+      break;
+    }
+    case ImageFormat::kPng:
+      header = png_header(data, size);
+      break;
+    case ImageFormat::kWebp:
+      header = webp_header(data, size);
+      break;
+    case ImageFormat::kBmp:
+      header = bmp_header(data, size);
+      break;
+    default:
+      header = tiff_header(data, size);
+      break;
+  }
+  check_size(f, header.width, header.height, options);
+  if (f == ImageFormat::kPng) check_png_complete(data, size);
+  if (f == ImageFormat::kWebp) check_webp_complete(data, size);
+  if (f == ImageFormat::kBmp) check_bmp_complete(data, size, header);
+  return header;
+}
+
+#if DINO_OPT_WITH_IMGCODECS
+
+// OpenCV logs warnings about undecodable input to stderr; the caller reports
+// the failure itself, once, with the path. Process-wide, set on first use.
+void silence_opencv_logging() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cv::utils::logging::setLogLevel(cv::utils::logging::LogLevel::LOG_LEVEL_SILENT);
+  });
+}
+
+uint8_t to8(uint8_t v) { return v; }
+uint8_t to8(uint16_t v) { return static_cast<uint8_t>((v + 128u) / 257u); }  // round(v / 257)
+
+// 1 channel: gray; 2: gray + alpha; 3: BGR; 4: BGRA. Alpha is dropped, as
+// PIL's convert("RGB") does (no compositing on a background).
+template <typename T>
+void mat_to_rgb(const cv::Mat& m, Image& out) {
+  const int channels = m.channels();
+  for (int y = 0; y < m.rows; ++y) {
+    const T* src = m.ptr<T>(y);
+    uint8_t* dst = out.row(y);
+    for (int x = 0; x < m.cols; ++x, src += channels, dst += 3) {
+      if (channels <= 2) {
+        dst[0] = dst[1] = dst[2] = to8(src[0]);
+      } else {
+        dst[0] = to8(src[2]);
+        dst[1] = to8(src[1]);
+        dst[2] = to8(src[0]);
+      }
+    }
+  }
+}
+
+const char* depth_name(int depth) {
+  switch (depth) {
+    case CV_8S:
+      return "8-bit signed";
+    case CV_16S:
+      return "16-bit signed";
+    case CV_32S:
+      return "32-bit integer";
+    case CV_32F:
+      return "32-bit float";
+    case CV_64F:
+      return "64-bit float";
+    default:
+      return "non-8/16-bit";
+  }
+}
+
+Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
+                         const DecodeOptions& options) {
+  silence_opencv_logging();
+  const std::string name = format_name(f);
+  if (size > static_cast<size_t>(INT_MAX)) throw ImageError(name + " file above 2 GiB");
+  cv::Mat decoded;
+  try {
+    // imdecode only reads the buffer; IMREAD_UNCHANGED keeps 16-bit samples and
+    // alpha (converted below) and, like PIL, ignores EXIF orientation.
+    const cv::Mat raw(1, static_cast<int>(size), CV_8UC1, const_cast<uint8_t*>(data));
+    decoded = cv::imdecode(raw, cv::IMREAD_UNCHANGED);
+  } catch (const cv::Exception& e) {
+    throw ImageError("truncated or corrupt " + name + " (OpenCV: " + e.err + ")");
+  }
+  if (decoded.empty())
+    throw ImageError("truncated or corrupt " + name + " (OpenCV decoded nothing)");
+  check_size(f, decoded.cols, decoded.rows, options);
+  const int channels = decoded.channels();
+  if (channels < 1 || channels > 4) {
+    throw ImageError(name + " image with " + std::to_string(channels) + " channels");
+  }
+  Image out(decoded.cols, decoded.rows);
+  if (decoded.depth() == CV_8U) {
+    mat_to_rgb<uint8_t>(decoded, out);
+  } else if (decoded.depth() == CV_16U) {
+    mat_to_rgb<uint16_t>(decoded, out);
+  } else {
+    throw ImageError(name + " image with " + depth_name(decoded.depth()) +
+                     " samples (only 8- and 16-bit are read)");
+  }
+  return out;
+}
+
+#endif  // DINO_OPT_WITH_IMGCODECS
+
+}  // namespace
+
+// ------------------------------------------------------------------ public API
+
+const char* format_name(ImageFormat format) {
+  switch (format) {
+    case ImageFormat::kJpeg:
+      return "JPEG";
+    case ImageFormat::kPng:
+      return "PNG";
+    case ImageFormat::kWebp:
+      return "WebP";
+    case ImageFormat::kBmp:
+      return "BMP";
+    case ImageFormat::kTiff:
+      return "TIFF";
+    case ImageFormat::kUnknown:
+      break;
+  }
+  return "unknown";
+}
+
+bool other_formats_available() { return DINO_OPT_WITH_IMGCODECS != 0; }
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below
+  // as not a regular file, and regular files ignore the flag.
+  int fd = -1;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) throw ImageError("no such file (" + errno_text(err) + ")");
+    throw ImageError("cannot open: " + errno_text(err));
+  }
+  FileDescriptor file(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw ImageError("cannot stat: " + errno_text(errno));
+  if (S_ISDIR(st.st_mode)) throw ImageError("is a directory, not an image file");
+  if (!S_ISREG(st.st_mode)) throw ImageError("not a regular file (a device, FIFO or socket)");
+
+  std::vector<uint8_t> bytes;
+  try {
+    // One byte more than stat says, so that the read which sees EOF needs no
+    // resize; files that grow meanwhile (or report size 0, as in /proc) grow
+    // the buffer.
+    bytes.resize(static_cast<size_t>(st.st_size) + 1);
+    size_t got = 0;
+    for (;;) {
+      if (got == bytes.size()) bytes.resize(bytes.size() * 2);
+      const ssize_t r = ::read(fd, bytes.data() + got, bytes.size() - got);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        throw ImageError("read failed: " + errno_text(errno));
+      }
+      if (r == 0) break;
+      got += static_cast<size_t>(r);
+    }
+    bytes.resize(got);
+  } catch (const std::bad_alloc&) {
+    throw ImageError("file too large to read into memory (" + std::to_string(st.st_size) +
+                     " bytes)");
+  } catch (const std::length_error&) {
+    throw ImageError("file too large to read into memory (" + std::to_string(st.st_size) +
+                     " bytes)");
+  }
+  if (bytes.empty()) throw ImageError("empty file (0 bytes)");
+  return bytes;
+}
+
+ImageHeader probe_image(const uint8_t* data, size_t size, const DecodeOptions& options) {
+  JpegInfo unused;
+  return probe(data, size, options, &unused);
+}
+
+std::pair<int, int> jpeg_scaled_size(int width, int height, int denom) {
+  const tjscalingfactor& factor = scaling_factor(denom);
+  if (width < 0 || height < 0) {
+    throw ImageError("negative image size " + std::to_string(width) + "x" + std::to_string(height));
+  }
+  const int64_t w = width, h = height;  // TJSCALED in 64 bits: no overflow near INT_MAX
+  return {static_cast<int>(TJSCALED(w, factor)), static_cast<int>(TJSCALED(h, factor))};
+}
+
+Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom,
+                   const DecodeOptions& options) {
+  scaling_factor(scale_denom);  // validates it for every format
+  // The header is re-read from the bytes (cheap next to the decode): buffer
+  // sizes never rest on a caller's struct, and a header that belongs to other
+  // bytes is caught.
+  JpegInfo jpeg;
+  const ImageHeader actual = probe(data, size, options, &jpeg);
+  if (header.format != ImageFormat::kUnknown &&
+      (header.format != actual.format || header.width != actual.width ||
+       header.height != actual.height)) {
+    throw ImageError(std::string("the header (") + format_name(header.format) + " " +
+                     std::to_string(header.width) + "x" + std::to_string(header.height) +
+                     ") does not match the data (" + format_name(actual.format) + " " +
+                     std::to_string(actual.width) + "x" + std::to_string(actual.height) + ")");
+  }
+  try {
+    if (actual.format == ImageFormat::kJpeg) return decode_jpeg(data, size, jpeg, scale_denom);
+#if DINO_OPT_WITH_IMGCODECS
+    return decode_with_opencv(data, size, actual.format, options);
+#else
+    throw ImageError("this build reads JPEG only");  // probe_image refused already
+#endif
+  } catch (const std::bad_alloc&) {
+    throw ImageError(std::string("out of memory decoding a ") + format_name(actual.format) + " " +
+                     std::to_string(actual.width) + "x" + std::to_string(actual.height) + " image");
+  }
+}
+
+std::vector<uint8_t> encode_jpeg(const ImageView& image, int quality) {
+  if (quality < 1 || quality > 100) {
+    throw ImageError("JPEG quality must be in [1, 100], got " + std::to_string(quality));
+  }
+  if (image.data == nullptr || image.width < 1 || image.height < 1) {
+    throw ImageError("cannot encode an empty image (" + std::to_string(image.width) + "x" +
+                     std::to_string(image.height) + ")");
+  }
+  if (image.width > 65535 || image.height > 65535) {
+    throw ImageError("JPEG sides are at most 65535, got " + std::to_string(image.width) + "x" +
+                     std::to_string(image.height));
+  }
+  if (image.stride < int64_t{3} * image.width || image.stride > INT_MAX) {
+    throw ImageError("row stride " + std::to_string(image.stride) + " for width " +
+                     std::to_string(image.width) + " (need 3 * width <= stride <= 2^31 - 1)");
+  }
+  TjHandle& tj = compressor();
+  unsigned char* buffer = nullptr;
+  unsigned long size = 0;
+  // ACCURATEDCT: libjpeg's (and so PIL's) default; TurboJPEG would use the
+  // fast integer DCT below quality 96.
+  const int rc =
+      tjCompress2(tj.get(), image.data, image.width, static_cast<int>(image.stride), image.height,
+                  TJPF_RGB, &buffer, &size, TJSAMP_420, quality, TJFLAG_ACCURATEDCT);
+  const std::unique_ptr<unsigned char, void (*)(unsigned char*)> owned(buffer, tjFree);
+  if (rc != 0) throw ImageError("JPEG encoding failed: " + tj.take_error());
+  return {buffer, buffer + size};
+}
+
+}  // namespace dino_opt::loader

@@ -25,7 +25,8 @@ const char* format_name(ImageFormat format);
 
 struct DecodeOptions {
   // Images with more pixels are refused from their header, before any pixel
-  // buffer is allocated (Pillow's default decompression-bomb limit).
+  // buffer is allocated (Pillow's default decompression-bomb limit). Must be
+  // positive.
   int64_t max_pixels = 178956970;
 };
 
@@ -51,7 +52,9 @@ std::pair<int, int> jpeg_scaled_size(int width, int height, int denom);
 
 // Decodes to RGB. `scale_denom` (1, 2, 4 or 8) shrinks a JPEG in the DCT
 // domain (size as jpeg_scaled_size); other formats ignore it and decode at
-// full size. Throws ImageError for corrupt or truncated data.
+// full size. Throws ImageError for corrupt or truncated data. The header is
+// read again from `data` and must match `header` (a default ImageHeader{}
+// skips that comparison), so buffer sizes never rest on the caller's struct.
 Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom = 1,
                    const DecodeOptions& options = {});
 
