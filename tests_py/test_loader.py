@@ -77,6 +77,17 @@ def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def threads_return_to(count: int) -> bool:
+    """Whether the process is back to `count` threads within a generous
+    bound (a thread that has been joined may linger in /proc for a moment)."""
+    done = threading.Event()
+    for _ in range(1000):
+        if thread_count() <= count:
+            return True
+        done.wait(0.01)
+    return False
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -177,12 +188,13 @@ def test_photometric_rates_follow_dino():
 def test_resize_matches_pil_bicubic(box, size):
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     array = natural_image(rng, 300, 400)
-    ours = _C.resize_crop(torch.from_numpy(array), box, size[0], size[1]).numpy()
+    left, top, right, bottom = box
+    ours = _C.resize_crop(torch.from_numpy(array), top, left, bottom - top, right - left, *size)
+    ours = ours.numpy()
     ref = np.asarray(Image.fromarray(array).crop(box).resize(size, Image.BICUBIC))
     diff = np.abs(ours.astype(int) - ref.astype(int))
     print(f"mean abs diff {diff.mean():.4f}, max {diff.max()}")
-    assert diff.max() <= 1
-    assert diff.mean() < 0.01
+    assert diff.max() == 0  # the same fixed-point arithmetic as Pillow
 
 
 # ---------------------------------------------------------------- loader
@@ -491,7 +503,7 @@ def test_close_mid_epoch_joins_threads(image_folder):
     closer.start()
     closer.join(timeout=60)
     assert not closer.is_alive()
-    assert thread_count() == before
+    assert threads_return_to(before)
     with pytest.raises(LoaderError, match="closed"):
         next(it)
 
@@ -506,7 +518,7 @@ def test_dropping_a_loader_with_a_full_queue_joins_threads(image_folder):
         pass  # until the queue is full: 1 consumed + 3 prefetched batches of 2
     del it, loader
     gc.collect()
-    assert thread_count() == before
+    assert threads_return_to(before)
 
 
 def test_stats_report_throughput_and_stages(image_folder):

@@ -188,17 +188,21 @@ void bind_loader(py::module_& m) {
       py::arg("image"), py::arg("quality") = 90);
   m.def(
       "resize_crop",
-      [](const at::Tensor& image, std::tuple<double, double, double, double> box, int out_width, int out_height) {
+      [](const at::Tensor& image, int top, int left, int height, int width, int out_width, int out_height) {
         const ImageView src = view_of(image);
-        const auto [x0, y0, x1, y1] = box;
-        CropBox b{x0, y0, x1, y1, 0, 0, src.width, src.height};
+        TORCH_CHECK(top >= 0 && left >= 0 && height >= 1 && width >= 1 && top + height <= src.height &&
+                        left + width <= src.width,
+                    "crop (top ", top, ", left ", left, ", height ", height, ", width ", width,
+                    ") is outside the ", src.height, " x ", src.width, " image");
+        const CropBox box = scaled_crop_box(left, top, width, height, 1.0, 1.0, src.width, src.height);
         at::Tensor out = at::empty({out_height, out_width, 3}, at::kByte);
         ResampleScratch scratch;
-        resize_crop_bicubic(src, b, out_width, out_height, out.data_ptr<uint8_t>(), out.stride(0), scratch);
+        resize_crop_bicubic(src, box, out_width, out_height, out.data_ptr<uint8_t>(), out.stride(0), scratch);
         return out;
       },
-      py::arg("image"), py::arg("box"), py::arg("out_width"), py::arg("out_height"),
-      "PIL-equivalent bicubic resize of `box` of a uint8 [H, W, 3] image");
+      py::arg("image"), py::arg("top"), py::arg("left"), py::arg("height"), py::arg("width"), py::arg("out_width"),
+      py::arg("out_height"),
+      "torchvision's resized_crop on a PIL image (crop, then PIL bicubic resize) of a uint8 [H, W, 3] image");
   m.def(
       "sample_crops",
       [](uint64_t seed, int64_t count, int height, int width, const py::dict& augment) {
@@ -230,11 +234,12 @@ void bind_loader(py::module_& m) {
   m.def(
       "reencode_image",
       [](const std::string& src, const std::string& dst, int max_side, int quality, int64_t max_pixels) {
-        const PrepareResult r = reencode_image(src, dst, max_side, quality, DecodeOptions{max_pixels});
+        const PrepareResult r =
+            without_gil([&] { return reencode_image(src, dst, max_side, quality, DecodeOptions{max_pixels}); });
         return py::make_tuple(r.width, r.height, r.bytes);
       },
       py::arg("src"), py::arg("dst"), py::arg("max_side"), py::arg("quality"),
-      py::arg("max_pixels") = DecodeOptions{}.max_pixels, py::call_guard<py::gil_scoped_release>());
+      py::arg("max_pixels") = DecodeOptions{}.max_pixels);
 }
 
 }  // namespace dino_opt::bindings

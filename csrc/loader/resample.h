@@ -30,8 +30,10 @@ CropBox scaled_crop_box(int left, int top, int width, int height, double fx, dou
 struct ResampleScratch {
   std::vector<int32_t> weights_x, weights_y;
   std::vector<int> start_x, count_x, start_y, count_y;
-  std::vector<uint8_t> rows;    // horizontal pass output
-  std::vector<int32_t> accum;   // vertical pass accumulators
+  std::vector<uint8_t> columns;   // the source window, transposed
+  std::vector<uint8_t> filtered;  // horizontal pass output, transposed
+  std::vector<uint8_t> rows;      // horizontal pass output
+  std::vector<int32_t> accum;
 };
 
 // Resizes `box` of `src` to out_width x out_height RGB into `dst` (rows
