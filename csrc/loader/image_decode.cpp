@@ -557,6 +557,16 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
   silence_opencv_logging();
   const std::string name = format_name(f);
   if (size > static_cast<size_t>(INT_MAX)) throw ImageError(name + " file above 2 GiB");
+  // imdecode picks its decoder by signature, not by our sniff. Ours match
+  // PNG, BMP and TIFF files by their magic alone, but its WebP decoder also
+  // wants a valid VP8 header; a damaged WebP then falls through to the last
+  // decoder, GDCM (DICOM, in Debian's OpenCV), which claims any file with
+  // "DICM" at offset 128. A damaged WebP is refused instead of parsed as DICOM.
+  if (f == ImageFormat::kWebp && size >= 132 && std::memcmp(data + 128, "DICM", 4) == 0) {
+    throw ImageError(
+        "WebP file with a DICOM marker (\"DICM\" at byte 128): refused, OpenCV could decode it as "
+        "DICOM");
+  }
   cv::Mat decoded;
   try {
     // imdecode only reads the buffer; IMREAD_UNCHANGED keeps 16-bit samples and
