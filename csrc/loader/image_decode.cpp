@@ -39,7 +39,6 @@ class FileDescriptor {
   ~FileDescriptor() { ::close(fd_); }
   FileDescriptor(const FileDescriptor&) = delete;
   FileDescriptor& operator=(const FileDescriptor&) = delete;
-  int get() const { return fd_; }
 
  private:
   int fd_;
@@ -433,8 +432,9 @@ ImageHeader tiff_header(const uint8_t* d, size_t n) {
     side[tag - 256] = v;
     found[tag - 256] = true;
   }
-  if (!found[0] || !found[1])
+  if (!found[0] || !found[1]) {
     corrupt_header(f, "no ImageWidth or ImageLength tag in the first IFD");
+  }
   if (side[0] > INT32_MAX || side[1] > INT32_MAX) corrupt_header(f, "side above 2^31 - 1");
   return {f, static_cast<int>(side[0]), static_cast<int>(side[1])};
 }
@@ -459,7 +459,7 @@ void check_size(ImageFormat f, int64_t w, int64_t h, const DecodeOptions& option
   }
 }
 
-// ------------------------------------------------------------------ OpenCV
+// ------------------------------------------------------------------ probing
 
 // probe_image, also handing out the JPEG colour space that decoding needs.
 ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options, JpegInfo* jpeg) {
@@ -501,10 +501,16 @@ ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options
   return header;
 }
 
+// ------------------------------------------------------------------ OpenCV
+
 #if DINO_OPT_WITH_IMGCODECS
 
-// OpenCV logs warnings about undecodable input to stderr; the caller reports
-// the failure itself, once, with the path. Process-wide, set on first use.
+// OpenCV logs warnings about undecodable input (libtiff's among them) to
+// stderr; the caller reports the failure itself, once, with the path.
+// Process-wide, set on first use. It does not reach the lines that OpenCV
+// 4.6's imdecode writes to std::cerr when a decoder throws, nor libpng's own
+// error output; the completeness checks above keep truncated files away from
+// them.
 void silence_opencv_logging() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -512,11 +518,17 @@ void silence_opencv_logging() {
   });
 }
 
+// 16-bit samples scale to 8 bits by round(v / 257), which maps 0..65535 onto
+// 0..255 evenly. (PIL's convert("RGB") takes the high byte of 16-bit RGB and
+// clips 16-bit gray at 255, which whitens it; we keep the picture instead.)
 uint8_t to8(uint8_t v) { return v; }
-uint8_t to8(uint16_t v) { return static_cast<uint8_t>((v + 128u) / 257u); }  // round(v / 257)
+uint8_t to8(uint16_t v) { return static_cast<uint8_t>((v + 128u) / 257u); }
 
 // 1 channel: gray; 2: gray + alpha; 3: BGR; 4: BGRA. Alpha is dropped, as
-// PIL's convert("RGB") does (no compositing on a background).
+// PIL's convert("RGB") does (no compositing on a background). One exception
+// we cannot undo: OpenCV reads 8-bit RGBA TIFFs through libtiff's RGBA
+// interface, which premultiplies unassociated alpha, so their colours under
+// partial transparency come out darker than PIL's.
 template <typename T>
 void mat_to_rgb(const cv::Mat& m, Image& out) {
   const int channels = m.channels();
@@ -576,8 +588,9 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
   } catch (const cv::Exception& e) {
     throw ImageError("truncated or corrupt " + name + " (OpenCV: " + e.err + ")");
   }
-  if (decoded.empty())
+  if (decoded.empty()) {
     throw ImageError("truncated or corrupt " + name + " (OpenCV decoded nothing)");
+  }
   check_size(f, decoded.cols, decoded.rows, options);
   const int channels = decoded.channels();
   if (channels < 1 || channels > 4) {
