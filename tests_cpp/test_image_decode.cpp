@@ -794,6 +794,32 @@ TEST_F(ImageDecode, PixelLimitFromPngBmpAndWebpHeaders) {
   }
 }
 
+TEST_F(ImageDecode, ChunkSizesThatOverrunTheFileAreRefused) {
+  // A WebP chunk claiming 3.5 GB in a small file: OpenCV 4.6 would allocate
+  // the claimed size before failing; the probe refuses it first.
+  cv::Mat small(8, 8, CV_8UC3, cv::Scalar(1, 2, 3));
+  auto webp = cv_encode(".webp", small, {cv::IMWRITE_WEBP_QUALITY, 101});
+  if (webp.empty()) GTEST_SKIP() << "OpenCV has no WebP encoder here";
+  webp[16] = 0x00;
+  webp[17] = 0x00;
+  webp[18] = 0x01;
+  webp[19] = 0xD0;  // first chunk: 0xD0010000 bytes
+  expect_image_error([&] { decode(webp); }, {"WebP", "3489726464 bytes", "past the end"});
+  // A damaged WebP (VP8L version bits set) with "DICM" at byte 128 would fall
+  // through OpenCV's signature checks to its DICOM decoder: refused.
+  cv::Mat noise(24, 24, CV_8UC3);
+  cv::randu(noise, 0, 256);
+  auto dicom = cv_encode(".webp", noise, {cv::IMWRITE_WEBP_QUALITY, 101});
+  ASSERT_GT(dicom.size(), 132u);
+  dicom[24] |= 0xE0;
+  std::memcpy(&dicom[128], "DICM", 4);
+  expect_image_error([&] { decode(dicom); }, {"WebP", "DICOM"});
+  // A PNG chunk running past the end: no IEND is reachable.
+  auto png = cv_encode(".png", small);
+  png[33] = 0x7F;  // the chunk after IHDR now claims ~2 GB
+  expect_image_error([&] { decode(png); }, {"PNG", "IEND"});
+}
+
 #endif  // DINO_OPT_TEST_IMGCODECS
 
 }  // namespace

@@ -39,7 +39,6 @@ class FileDescriptor {
   ~FileDescriptor() { ::close(fd_); }
   FileDescriptor(const FileDescriptor&) = delete;
   FileDescriptor& operator=(const FileDescriptor&) = delete;
-  int get() const { return fd_; }
 
  private:
   int fd_;
@@ -310,12 +309,25 @@ void check_png_complete(const uint8_t* d, size_t n) {
   throw ImageError("truncated or corrupt PNG: the chunks end before the IEND chunk");
 }
 
-// WebP: the RIFF container's size must fit in the file.
+// WebP: the RIFF container, and every chunk in it, must fit in the file
+// (OpenCV 4.6 with libwebp allocates what a chunk size claims: a 322-byte file
+// claiming a 3.5 GB VP8 chunk took 3.5 GB before failing).
 void check_webp_complete(const uint8_t* d, size_t n) {
   const uint64_t riff_end = uint64_t{le32(d + 4)} + 8;
   if (riff_end > n) {
     throw ImageError("truncated or corrupt WebP: the RIFF container needs " +
                      std::to_string(riff_end) + " bytes, the file has " + std::to_string(n));
+  }
+  uint64_t pos = 12;
+  while (pos + 8 <= riff_end) {
+    const uint64_t size = le32(d + pos + 4);
+    const uint64_t next = pos + 8 + size + (size & 1);  // chunks are padded to even sizes
+    if (pos + 8 + size > riff_end) {
+      throw ImageError("truncated or corrupt WebP: a '" +
+                       std::string(reinterpret_cast<const char*>(d + pos), 4) + "' chunk of " +
+                       std::to_string(size) + " bytes runs past the end of the file");
+    }
+    pos = next;
   }
 }
 
@@ -420,8 +432,9 @@ ImageHeader tiff_header(const uint8_t* d, size_t n) {
     side[tag - 256] = v;
     found[tag - 256] = true;
   }
-  if (!found[0] || !found[1])
+  if (!found[0] || !found[1]) {
     corrupt_header(f, "no ImageWidth or ImageLength tag in the first IFD");
+  }
   if (side[0] > INT32_MAX || side[1] > INT32_MAX) corrupt_header(f, "side above 2^31 - 1");
   return {f, static_cast<int>(side[0]), static_cast<int>(side[1])};
 }
@@ -446,7 +459,7 @@ void check_size(ImageFormat f, int64_t w, int64_t h, const DecodeOptions& option
   }
 }
 
-// ------------------------------------------------------------------ OpenCV
+// ------------------------------------------------------------------ probing
 
 // probe_image, also handing out the JPEG colour space that decoding needs.
 ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options, JpegInfo* jpeg) {
@@ -488,10 +501,16 @@ ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options
   return header;
 }
 
+// ------------------------------------------------------------------ OpenCV
+
 #if DINO_OPT_WITH_IMGCODECS
 
-// OpenCV logs warnings about undecodable input to stderr; the caller reports
-// the failure itself, once, with the path. Process-wide, set on first use.
+// OpenCV logs warnings about undecodable input (libtiff's among them) to
+// stderr; the caller reports the failure itself, once, with the path.
+// Process-wide, set on first use. It does not reach the lines that OpenCV
+// 4.6's imdecode writes to std::cerr when a decoder throws, nor libpng's own
+// error output; the completeness checks above keep truncated files away from
+// them.
 void silence_opencv_logging() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -499,11 +518,17 @@ void silence_opencv_logging() {
   });
 }
 
+// 16-bit samples scale to 8 bits by round(v / 257), which maps 0..65535 onto
+// 0..255 evenly. (PIL's convert("RGB") takes the high byte of 16-bit RGB and
+// clips 16-bit gray at 255, which whitens it; we keep the picture instead.)
 uint8_t to8(uint8_t v) { return v; }
-uint8_t to8(uint16_t v) { return static_cast<uint8_t>((v + 128u) / 257u); }  // round(v / 257)
+uint8_t to8(uint16_t v) { return static_cast<uint8_t>((v + 128u) / 257u); }
 
 // 1 channel: gray; 2: gray + alpha; 3: BGR; 4: BGRA. Alpha is dropped, as
-// PIL's convert("RGB") does (no compositing on a background).
+// PIL's convert("RGB") does (no compositing on a background). One exception
+// we cannot undo: OpenCV reads 8-bit RGBA TIFFs through libtiff's RGBA
+// interface, which premultiplies unassociated alpha, so their colours under
+// partial transparency come out darker than PIL's.
 template <typename T>
 void mat_to_rgb(const cv::Mat& m, Image& out) {
   const int channels = m.channels();
@@ -544,6 +569,16 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
   silence_opencv_logging();
   const std::string name = format_name(f);
   if (size > static_cast<size_t>(INT_MAX)) throw ImageError(name + " file above 2 GiB");
+  // imdecode picks its decoder by signature, not by our sniff. Ours match
+  // PNG, BMP and TIFF files by their magic alone, but its WebP decoder also
+  // wants a valid VP8 header; a damaged WebP then falls through to the last
+  // decoder, GDCM (DICOM, in Debian's OpenCV), which claims any file with
+  // "DICM" at offset 128. A damaged WebP is refused instead of parsed as DICOM.
+  if (f == ImageFormat::kWebp && size >= 132 && std::memcmp(data + 128, "DICM", 4) == 0) {
+    throw ImageError(
+        "WebP file with a DICOM marker (\"DICM\" at byte 128): refused, OpenCV could decode it as "
+        "DICOM");
+  }
   cv::Mat decoded;
   try {
     // imdecode only reads the buffer; IMREAD_UNCHANGED keeps 16-bit samples and
@@ -553,8 +588,9 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
   } catch (const cv::Exception& e) {
     throw ImageError("truncated or corrupt " + name + " (OpenCV: " + e.err + ")");
   }
-  if (decoded.empty())
+  if (decoded.empty()) {
     throw ImageError("truncated or corrupt " + name + " (OpenCV decoded nothing)");
+  }
   check_size(f, decoded.cols, decoded.rows, options);
   const int channels = decoded.channels();
   if (channels < 1 || channels > 4) {
