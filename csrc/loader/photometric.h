@@ -8,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace dino_opt::loader {
 
@@ -26,13 +27,24 @@ struct PhotometricParams {
   float blur_sigma = 0.0f;                     // 0: no blur
   bool solarize = false;                       // invert values >= 128/255
 
+  // Booleans travel as 0/1; from_floats reads any nonzero value as true and
+  // an order entry that is not an integer in 0..3 as -1 (ignored when applied).
   void to_floats(float* out) const;
   static PhotometricParams from_floats(const float* in);
 };
 constexpr int kPhotometricParamCount = 13;
 
+// Why a parameter row is invalid (flags not 0/1, order not a permutation of
+// 0..3, negative or non-finite factors, hue outside [-0.5, 0.5], negative or
+// non-finite sigma), or "" when it is valid. Invalid rows are still safe to
+// apply: repeated or out-of-range order entries are skipped.
+std::string photometric_params_error(const float* row);
+
 // Blur kernel width for a sigma: 2 * ceil(3 sigma) + 1 (a true Gaussian to
-// three sigmas, like PIL's GaussianBlur), 0 for sigma <= 0.
+// three sigmas, like PIL's GaussianBlur), 0 for sigma <= 0 (or NaN); saturates
+// at the largest odd int. On a crop, the kernel is further clamped per axis to
+// 2 * (side - 1) + 1 taps, the largest that torch's reflect padding allows
+// (a sigma that large is a nearly flat blur anyway).
 int blur_kernel_size(float sigma);
 
 struct Normalization {
@@ -58,7 +70,19 @@ size_t photometric_scratch_floats(int height, int width);
 
 // Augments and normalises one h x w RGB crop (HWC uint8, rows 3 * width bytes
 // apart) into `out`. `scratch` holds photometric_scratch_floats(h, w) floats.
+//
+// Arithmetic: float32 throughout, x = u8 / 255 correctly rounded, no rounding
+// to uint8 between ops. That is more exact than PIL's pipeline (the original
+// DINO code), which rounds to uint8 after every op; it matches torchvision's
+// tensor ops on float images to float rounding (photometric_math.h). Flip is
+// applied when writing (it commutes with every op). The blur is separable
+// (vertical, then horizontal) with reflect padding, summing taps in order.
 void apply_photometric(const uint8_t* src, int height, int width, const PhotometricParams& params,
                        const Normalization& norm, const PlanarOutput& out, float* scratch);
+
+// The instruction-set variant apply_photometric runs: "avx2" or "default"
+// (chosen once from the CPU; DINO_OPT_PHOTOMETRIC_ISA=default forces the
+// baseline). Every variant computes the same bits.
+const char* photometric_isa();
 
 }  // namespace dino_opt::loader
