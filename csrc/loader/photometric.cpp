@@ -101,7 +101,7 @@ size_t photometric_scratch_floats(int height, int width) {
   if (height <= 0 || width <= 0) return 0;
   const size_t h = static_cast<size_t>(height);
   const size_t w = static_cast<size_t>(width);
-  return 3 * h * w + 3 * w + w + 9 * w + 2 * h + 2 * w;
+  return 3 * h * w + 3 * w + 9 * w + 2 * h + 2 * w;  // see Scratch in photometric_kernels.cpp
 }
 
 namespace {
