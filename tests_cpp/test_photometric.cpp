@@ -251,6 +251,43 @@ TEST(Photometric, HalfConversionsMatchC10ForEveryKindOfValue) {
       std::isnan(dino_opt::loader::f16_bits_to_float(dino_opt::loader::float_to_f16_bits(snan))));
 }
 
+// Any parameter row, however wrong (NaN, infinities, out-of-range order
+// entries, huge sigmas), is applied without writing outside the crop's output.
+TEST(Photometric, GarbageRowsStayInsideTheOutput) {
+  std::mt19937 rng(8);
+  const float specials[] = {0.f,
+                            1.f,
+                            -1.f,
+                            0.5f,
+                            3.f,
+                            4.f,
+                            7.5f,
+                            1e30f,
+                            -1e30f,
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity()};
+  std::uniform_real_distribution<float> u(-0.5f, 2.5f);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int h = 1 + static_cast<int>(rng() % 40), w = 1 + static_cast<int>(rng() % 40);
+    const auto src = random_crop(h, w, rng);
+    float row[dino_opt::loader::kPhotometricParamCount];
+    for (float& v : row) v = rng() % 3 == 0 ? specials[rng() % 11] : u(rng);
+    const size_t n = static_cast<size_t>(h) * w * 3;
+    constexpr float kCanary = 12345.0f;
+    std::vector<float> out(n + 64, kCanary);
+    std::vector<float> scratch(dino_opt::loader::photometric_scratch_floats(h, w) + 64, kCanary);
+    const bool channels_last = trial % 2 == 1;
+    PlanarOutput o{out.data(), OutputType::kFloat32, channels_last ? 1 : int64_t{h} * w,
+                   channels_last ? int64_t{3} * w : w, channels_last ? 3 : 1};
+    dino_opt::loader::apply_photometric(src.data(), h, w, PhotometricParams::from_floats(row),
+                                        Normalization{}, o, scratch.data());
+    for (size_t k = n; k < out.size(); ++k) ASSERT_EQ(out[k], kCanary) << "trial " << trial;
+    for (size_t k = scratch.size() - 64; k < scratch.size(); ++k) {
+      ASSERT_EQ(scratch[k], kCanary) << "trial " << trial;
+    }
+  }
+}
+
 #if DINO_OPT_PHOTOMETRIC_HAS_AVX2
 // The instruction-set variants compute the same bits (no contraction, same
 // operation order; only the vector width differs).

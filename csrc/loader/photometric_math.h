@@ -134,7 +134,9 @@ DINO_OPT_PHOTO_HD void hue(float& r, float& g, float& b, float f) {
 
   const float v = maxc;
   const float hh = h * 6.0f;
-  int sector = static_cast<int>(hh);  // floor: hh >= 0
+  // floor, as hh >= 0; a NaN (only from NaN factors, which the operator
+  // rejects) must not reach the conversion, whose result would be undefined.
+  int sector = hh >= 0.0f && hh <= 6.0f ? static_cast<int>(hh) : 0;
   const float frac = hh - static_cast<float>(sector);
   sector = sector >= 6 ? sector - 6 : sector;  // h may round to 1
   const float sxf = s * frac;
