@@ -82,6 +82,7 @@ bench: setup
 	$(PY) bench/bench_ema.py
 	$(PY) bench/bench_loss.py
 	$(PY) bench/bench_profiler.py
+	$(PY) bench/bench_photometric.py
 
 lint: setup
 	clang-format --dry-run -Werror $(CXX_FILES)

@@ -10,10 +10,14 @@ torch's DataLoader, with the same number of workers/threads and batch size.
 Data: a synthetic ImageNet-like set (bench/synthetic_images.py, cached under
 build/bench-data), or any ImageFolder directory with --data.
 
-Method: each case's batches are consumed as one continuous stream across
-epochs (an epoch boundary costs what it costs in training). After --warmup
-batches (worker start-up, first decodes), --repeats windows of --images images
-each are timed back to back; the median images/s is reported. On a CUDA
+Method: --repeats rounds; in each round every case in turn starts a fresh
+loader, consumes --warmup untimed batches (worker start-up, first decodes),
+then times a window of --images images, and closes the loader. Batches flow as
+one stream across epochs (an epoch boundary costs what it costs in training).
+The median over the rounds is reported. Interleaving the cases round by round,
+rather than running each case's repeats back to back, spreads any change in
+the machine's load over all cases alike; a fresh loader per window means that
+no case starts its window with batches prefetched during another's. On a CUDA
 device every case ends with its crops on the GPU (copied there if the loader
 produced host tensors) and the stream is synchronised per batch, so all cases
 deliver the same thing: a batch ready for the model. Every batch's shapes,
@@ -91,7 +95,7 @@ def check_batch(crops, labels, batch_size: int, n_classes: int, full: bool) -> N
         raise BrokenPipeline(f"bad labels: shape {tuple(labels.shape)}")
 
 
-def dataloader_stream(dataset, args) -> tuple[Iterator, Callable[[], None]]:
+def dataloader_stream(dataset, args, seed: int) -> tuple[Iterator, Callable[[], None], None]:
     """Batches of a torch DataLoader, epoch after epoch."""
     workers = args.workers
     extra = dict(persistent_workers=True, prefetch_factor=2) if workers > 0 else {}
@@ -99,7 +103,7 @@ def dataloader_stream(dataset, args) -> tuple[Iterator, Callable[[], None]]:
         dataset,
         batch_size=args.batch_size,
         shuffle=True,
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=torch.Generator().manual_seed(seed),
         num_workers=workers,
         pin_memory=torch.cuda.is_available(),
         drop_last=True,
@@ -122,7 +126,7 @@ def dataloader_stream(dataset, args) -> tuple[Iterator, Callable[[], None]]:
     return gen, close, None
 
 
-def ours_stream(root: Path, args, photometric: str, device: torch.device):
+def ours_stream(root: Path, args, seed: int, photometric: str, device: torch.device):
     """Batches of dino_opt's MultiCropLoader, epoch after epoch (set_epoch per epoch)."""
     try:
         from dino_opt.data import MultiCropLoader
@@ -135,7 +139,7 @@ def ours_stream(root: Path, args, photometric: str, device: torch.device):
         local_size=LOCAL_SIZE,
         n_local=N_LOCAL,
         num_threads=args.workers,
-        seed=args.seed,
+        seed=seed,
         shuffle=True,
         drop_last=True,
         dtype=torch.float32,
@@ -163,11 +167,11 @@ def ours_stream(root: Path, args, photometric: str, device: torch.device):
     return gen, close, loader.stats
 
 
-def run_case(case: str, make_stream, args, device: torch.device, n_classes: int) -> dict:
-    """Warm-up, then --repeats timed windows of --images images each."""
+def run_window(make_stream, args, seed: int, device: torch.device, n_classes: int) -> dict:
+    """A fresh loader: --warmup batches, then one timed window of --images images."""
     on_gpu = device.type == "cuda"
     t_start = time.perf_counter()
-    gen, close, stats_fn = make_stream()
+    gen, close, stats_fn = make_stream(seed)
 
     def consume(full: bool) -> None:
         batch = next(gen)
@@ -180,25 +184,17 @@ def run_case(case: str, make_stream, args, device: torch.device, n_classes: int)
     try:
         for i in range(args.warmup):
             consume(full=i == 0)
-        startup_s = time.perf_counter() - t_start
-        rates = []
-        for _ in range(args.repeats):
-            n, t0 = 0, time.perf_counter()
-            while n < args.images:
-                consume(full=False)
-                n += args.batch_size
-            rates.append(n / (time.perf_counter() - t0))
+        warmup_s = time.perf_counter() - t_start
+        n, t0 = 0, time.perf_counter()
+        while n < args.images:
+            consume(full=False)
+            n += args.batch_size
+        rate = n / (time.perf_counter() - t0)
         stats = stats_fn() if stats_fn is not None else None
     finally:
         close()
         gc.collect()
-    return {
-        "case": case,
-        "rates": rates,
-        "images_per_s": statistics.median(rates),
-        "warmup_s": startup_s,
-        "stats": stats,
-    }
+    return {"rate": rate, "warmup_s": warmup_s, "stats": stats}
 
 
 def dataset_info(args) -> tuple[Path, list[tuple[str, int]], dict]:
@@ -278,7 +274,7 @@ def main() -> None:
     print(
         f"data: {data['images']} images in {root}, mean {data['mean_bytes'] / 1e3:.1f} KB, "
         f"mean {data['mean_pixels'] / 1e3:.0f} kpixels; {args.workers} workers, "
-        f"batch {args.batch_size}, {args.images} images x {args.repeats} windows, {device}"
+        f"batch {args.batch_size}, {args.images} images x {args.repeats} rounds, {device}"
     )
 
     labels = dict(LABELS)
@@ -286,26 +282,36 @@ def main() -> None:
         # On the CPU the operator's CPU kernel runs in the consumer thread.
         labels["ours_op"] = "ours, photometric op (CPU kernel, consumer thread)"
     makers = {
-        "pil": lambda: dataloader_stream(PILMultiCrop(samples), args),
-        "v2": lambda: dataloader_stream(V2MultiCrop(samples), args),
-        "ours_cpu": lambda: ours_stream(root, args, "cpu", device),
-        "ours_op": lambda: ours_stream(root, args, "gpu", device),
+        "pil": lambda seed: dataloader_stream(PILMultiCrop(samples), args, seed),
+        "v2": lambda seed: dataloader_stream(V2MultiCrop(samples), args, seed),
+        "ours_cpu": lambda seed: ours_stream(root, args, seed, "cpu", device),
+        "ours_op": lambda seed: ours_stream(root, args, seed, "gpu", device),
     }
-    results, skipped = {}, {}
-    for case in cases:
-        print(f"{case}: {labels[case]} ...", flush=True)
-        try:
-            results[case] = run_case(case, makers[case], args, device, n_classes)
-        except Unavailable as e:
-            skipped[case] = str(e)
-            print(f"  skipped: {skipped[case]}")
+    windows = {case: [] for case in cases}
+    skipped = {}
+    for r in range(args.repeats):
+        print(f"round {r + 1}/{args.repeats}", flush=True)
+        for case in [c for c in cases if c not in skipped]:
+            try:
+                w = run_window(makers[case], args, args.seed + r, device, n_classes)
+            except (Unavailable, ImportError) as e:  # ImportError: a part not built yet
+                skipped[case] = f"{type(e).__name__}: {e}"
+                print(f"  {case}: skipped: {skipped[case]}")
+                continue
+            windows[case].append(w)
+            print(f"  {case}: {w['rate']:.1f} images/s (warm-up {w['warmup_s']:.1f} s)", flush=True)
+    results = {}
+    for case, ws in windows.items():
+        if case in skipped:
             continue
-        r = results[case]
-        print(
-            f"  {r['images_per_s']:.1f} images/s (windows: "
-            + ", ".join(f"{x:.1f}" for x in r["rates"])
-            + f"; warm-up {r['warmup_s']:.1f} s)"
-        )
+        rates = [w["rate"] for w in ws]
+        results[case] = {
+            "case": case,
+            "rates": rates,
+            "images_per_s": statistics.median(rates),
+            "warmup_s": [w["warmup_s"] for w in ws],
+            "stats": ws[-1]["stats"],  # of the last window's loader
+        }
 
     pil = results.get("pil", {}).get("images_per_s")
     rows = []

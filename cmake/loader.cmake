@@ -21,6 +21,28 @@ add_library(dino_opt_loader_core STATIC
     ${DINO_OPT_LOADER_DIR}/resample.cpp
     ${DINO_OPT_LOADER_DIR}/multicrop_pipeline.cpp
     ${DINO_OPT_LOADER_DIR}/prepare.cpp)
+
+# The photometric kernel, once per instruction set (photometric.cpp picks one
+# at run time). -ffp-contract=off: a*b + c rounds twice, as in the CUDA kernel
+# (-fmad=false), so that CPU and GPU augmentations are bit-identical; FMA is
+# therefore not enabled. -fno-trapping-math changes no value; it lets the
+# compiler evaluate both sides of a select (solarise, hue) and so vectorise.
+set(DINO_OPT_PHOTOMETRIC_ISAS default)
+set(DINO_OPT_PHOTOMETRIC_FLAGS_default "")
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
+  list(APPEND DINO_OPT_PHOTOMETRIC_ISAS avx2)
+  set(DINO_OPT_PHOTOMETRIC_FLAGS_avx2 -mavx2)
+endif()
+foreach(isa IN LISTS DINO_OPT_PHOTOMETRIC_ISAS)
+  add_library(dino_opt_photometric_${isa} OBJECT ${DINO_OPT_LOADER_DIR}/photometric_kernels.cpp)
+  target_include_directories(dino_opt_photometric_${isa} PRIVATE "${DINO_OPT_LOADER_DIR}/..")
+  target_compile_options(dino_opt_photometric_${isa} PRIVATE -Wall -Wextra -ffp-contract=off
+                         -fno-trapping-math ${DINO_OPT_PHOTOMETRIC_FLAGS_${isa}})
+  target_compile_definitions(dino_opt_photometric_${isa} PRIVATE
+                             DINO_OPT_PHOTOMETRIC_ISA=photometric_${isa})
+  set_target_properties(dino_opt_photometric_${isa} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  target_sources(dino_opt_loader_core PRIVATE $<TARGET_OBJECTS:dino_opt_photometric_${isa}>)
+endforeach()
 set_target_properties(dino_opt_loader_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(dino_opt_loader_core PUBLIC "${DINO_OPT_LOADER_DIR}/.."
                            PRIVATE "${TURBOJPEG_INCLUDE_DIR}")

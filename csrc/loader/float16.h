@@ -6,10 +6,11 @@
 #include <cstdint>
 #include <cstring>
 
+// static: per translation unit, as in photometric_math.h (per-ISA builds).
 #if defined(__CUDACC__)
-#define DINO_OPT_F16_HD __host__ __device__ __forceinline__
+#define DINO_OPT_F16_HD static __host__ __device__ __forceinline__
 #else
-#define DINO_OPT_F16_HD inline
+#define DINO_OPT_F16_HD static inline
 #endif
 
 namespace dino_opt::loader {

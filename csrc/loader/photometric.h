@@ -80,4 +80,9 @@ size_t photometric_scratch_floats(int height, int width);
 void apply_photometric(const uint8_t* src, int height, int width, const PhotometricParams& params,
                        const Normalization& norm, const PlanarOutput& out, float* scratch);
 
+// The instruction-set variant apply_photometric runs: "avx2" or "default"
+// (chosen once from the CPU; DINO_OPT_PHOTOMETRIC_ISA=default forces the
+// baseline). Every variant computes the same bits.
+const char* photometric_isa();
+
 }  // namespace dino_opt::loader

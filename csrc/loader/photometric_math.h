@@ -20,10 +20,12 @@
 #include <cmath>
 #include <cstdint>
 
+// static: every translation unit has its own copies, so that the per-ISA
+// builds of photometric_kernels.cpp never share an out-of-line copy.
 #if defined(__CUDACC__)
-#define DINO_OPT_PHOTO_HD __host__ __device__ __forceinline__
+#define DINO_OPT_PHOTO_HD static __host__ __device__ __forceinline__
 #else
-#define DINO_OPT_PHOTO_HD inline
+#define DINO_OPT_PHOTO_HD static inline
 #endif
 
 namespace dino_opt::loader::photometric_math {
@@ -104,9 +106,13 @@ DINO_OPT_PHOTO_HD void grayscale(float& r, float& g, float& b) {
 }
 
 // torchvision's _rgb2hsv, hue shift with remainder(h + f, 1), _hsv2rgb.
+// Written as chains of two-way selects, which compilers turn into vector
+// blends (a three-way select stays a branch in GCC 12, and so does the loop).
 DINO_OPT_PHOTO_HD void hue(float& r, float& g, float& b, float f) {
-  const float maxc = r > g ? (r > b ? r : b) : (g > b ? g : b);
-  const float minc = r < g ? (r < b ? r : b) : (g < b ? g : b);
+  float maxc = r > g ? r : g;
+  maxc = maxc > b ? maxc : b;
+  float minc = r < g ? r : g;
+  minc = minc < b ? minc : b;
   const bool flat = maxc == minc;  // grey: s = 0 and h = 0, no division by zero
   const float range = maxc - minc;
   const float s = range / (flat ? 1.0f : maxc);
@@ -115,28 +121,46 @@ DINO_OPT_PHOTO_HD void hue(float& r, float& g, float& b, float f) {
   const float gc = (maxc - g) * inv_range;
   const float bc = (maxc - b) * inv_range;
   // The sector where the maximum lies decides the formula; r wins ties, then g.
-  const float h6 = maxc == r ? bc - gc : (maxc == g ? (rc + 2.0f) - bc : (gc + 4.0f) - rc);
+  float h6 = (gc + 4.0f) - rc;
+  h6 = maxc == g ? (rc + 2.0f) - bc : h6;
+  h6 = maxc == r ? bc - gc : h6;
   // (h/6 + 1) fmod 1: the sum lies in [5/6, 11/6], so fmod is one exact subtraction.
   float h = h6 * (1.0f / 6.0f) + 1.0f;
   h = h >= 1.0f ? h - 1.0f : h;
   // remainder(h + f, 1) for h + f in [-0.5, 1.5]: Python-style, result in [0, 1].
   h = h + f;
-  h = h >= 1.0f ? h - 1.0f : (h < 0.0f ? h + 1.0f : h);
+  h = h >= 1.0f ? h - 1.0f : h;
+  h = h < 0.0f ? h + 1.0f : h;
 
   const float v = maxc;
   const float hh = h * 6.0f;
-  const int sector_raw = static_cast<int>(hh);  // floor: hh >= 0
-  const float frac = hh - static_cast<float>(sector_raw);
-  const int sector = sector_raw >= 6 ? sector_raw - 6 : sector_raw;  // h may round to 1
+  // floor, as hh >= 0; a NaN (only from NaN factors, which the operator
+  // rejects) must not reach the conversion, whose result would be undefined.
+  int sector = hh >= 0.0f && hh <= 6.0f ? static_cast<int>(hh) : 0;
+  const float frac = hh - static_cast<float>(sector);
+  sector = sector >= 6 ? sector - 6 : sector;  // h may round to 1
   const float sxf = s * frac;
   const float one_minus_s = 1.0f - s;
   const float q = clamp01((1.0f - sxf) * v);
   const float t = clamp01((sxf + one_minus_s) * v);
   const float p = clamp01(one_minus_s * v);
   // torchvision's select table: r = [v q p p t v], g = [t v v q p p], b = [p p t v v q].
-  r = (sector == 0 || sector == 5) ? v : (sector == 1 ? q : (sector == 4 ? t : p));
-  g = (sector == 1 || sector == 2) ? v : (sector == 0 ? t : (sector == 3 ? q : p));
-  b = (sector == 3 || sector == 4) ? v : (sector == 2 ? t : (sector == 5 ? q : p));
+  float ro = p, go = p, bo = p;
+  ro = sector == 0 ? v : ro;
+  ro = sector == 1 ? q : ro;
+  ro = sector == 4 ? t : ro;
+  ro = sector == 5 ? v : ro;
+  go = sector == 0 ? t : go;
+  go = sector == 1 ? v : go;
+  go = sector == 2 ? v : go;
+  go = sector == 3 ? q : go;
+  bo = sector == 2 ? t : bo;
+  bo = sector == 3 ? v : bo;
+  bo = sector == 4 ? v : bo;
+  bo = sector == 5 ? q : bo;
+  r = ro;
+  g = go;
+  b = bo;
 }
 
 DINO_OPT_PHOTO_HD float solarize(float x) { return x >= kSolarizeThreshold ? 1.0f - x : x; }

@@ -92,3 +92,79 @@ def dino_loss(
         student, teacher.detach(), center, float(student_temp), float(teacher_temp), int(ncrops)
     )
     return loss
+
+
+# ImageNet statistics, the normalisation of DINO's augmentation.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# The columns of a row of ``multicrop_photometric``'s params, in order.
+PHOTOMETRIC_PARAM_COLUMNS = (
+    "flip",
+    "jitter",
+    "brightness",
+    "contrast",
+    "saturation",
+    "hue",
+    "order0",
+    "order1",
+    "order2",
+    "order3",
+    "grayscale",
+    "blur_sigma",
+    "solarize",
+)
+
+
+@torch.library.register_fake("dino_opt::multicrop_photometric")
+def _multicrop_photometric_fake(images, params, mean, std, dtype=None, channels_last=False):
+    torch._check(images.dim() == 4 and images.shape[3] == 3, lambda: "images must be [N, H, W, 3]")
+    n, h, w, _ = images.shape
+    return torch.empty(
+        (n, 3, h, w),
+        dtype=dtype if dtype is not None else torch.float32,
+        device=images.device,
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
+    )
+
+
+def multicrop_photometric(
+    images: torch.Tensor,
+    params: torch.Tensor,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+) -> torch.Tensor:
+    """DINO's photometric augmentation and normalisation of a batch of crops,
+    each with its own parameters; the same arithmetic as the native loader.
+
+    ``images``: uint8 ``[N, H, W, 3]`` RGB crops. ``params``: float32
+    ``[N, 13]`` on the same device, one row per crop with the columns of
+    :data:`PHOTOMETRIC_PARAM_COLUMNS`: ``flip`` (0/1, horizontal), ``jitter``
+    (0/1: apply the next five), ``brightness``, ``contrast``, ``saturation``
+    (factors >= 0, 1 is the identity), ``hue`` (in [-0.5, 0.5]), ``order0..3``
+    (a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue: ColorJitter's
+    random order), ``grayscale`` (0/1), ``blur_sigma`` (0: no blur; kernel
+    ``2 * ceil(3 sigma) + 1`` taps, clamped to ``2 * (side - 1) + 1`` so that the
+    reflect padding stays inside the crop), ``solarize`` (0/1, threshold 128/255).
+
+    Semantics are torchvision's tensor ops on the float image ``x = u8 / 255``
+    (``adjust_brightness/contrast/saturation/hue``, ``rgb_to_grayscale``,
+    ``gaussian_blur`` with reflect padding, ``solarize``, then ``normalize``), in
+    float32 without rounding to uint8 between ops (more exact than the PIL
+    pipeline of the original DINO code). Returns ``[N, 3, H, W]`` of ``dtype``
+    (float32, bfloat16 or float16), in channels_last memory format when asked.
+    The CPU and CUDA kernels give the same values. The CPU kernel rejects invalid
+    parameter rows naming the row; the CUDA kernel does not read them back (no
+    synchronisation) and applies an invalid row safely, skipping bad order
+    entries. Not differentiable (the input is uint8).
+    """
+    return torch.ops.dino_opt.multicrop_photometric(
+        images,
+        params,
+        [float(m) for m in mean],
+        [float(s) for s in std],
+        dtype,
+        bool(channels_last),
+    )
