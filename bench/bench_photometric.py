@@ -4,6 +4,7 @@ parameters on tensors, on DINO's crops of one batch of 64 images (2 global
 224^2 crops and 8 local 96^2 crops per image), on the CPU and on the GPU.
 
     python bench/bench_photometric.py [--device cpu|cuda] [--json PATH] [--images N]
+                                      [--threads N]
 
 Parameters are sampled as DINO's DataAugmentationDINO does (DESIGN.md 4):
 flip 0.5, colour jitter 0.8 in random order, grayscale 0.2, blur with sigma
@@ -120,7 +121,15 @@ def main() -> None:
     )
     parser.add_argument("--images", type=int, default=64, help="images per batch (10 crops each)")
     parser.add_argument("--repeats", type=int, help="timed calls of our operator")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for both sides (torch.set_num_threads; default: torch's); "
+        "1 gives per-core figures that a busy machine does not distort",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     repeats = args.repeats or (50 if on_gpu else 10)

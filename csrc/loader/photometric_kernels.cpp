@@ -185,11 +185,14 @@ void write_interleaved(Row row, int n, const Normalization& norm,
   const float m0 = norm.mean[0], m1 = norm.mean[1], m2 = norm.mean[2];
   const float s0 = norm.std[0], s1 = norm.std[1], s2 = norm.std[2];
   if (flip) {
-    typename Store::type* __restrict last = dst + 3 * (n - 1);
+    // Reversed loads and forward stores: this form vectorises, the mirror image does not.
+    const float* __restrict r = row.r + (n - 1);
+    const float* __restrict g = row.g + (n - 1);
+    const float* __restrict b = row.b + (n - 1);
     for (int x = 0; x < n; ++x) {
-      last[-3 * x] = Store::cvt(finish<kSolarize>(row.r[x], m0, s0));
-      last[-3 * x + 1] = Store::cvt(finish<kSolarize>(row.g[x], m1, s1));
-      last[-3 * x + 2] = Store::cvt(finish<kSolarize>(row.b[x], m2, s2));
+      dst[3 * x] = Store::cvt(finish<kSolarize>(r[-x], m0, s0));
+      dst[3 * x + 1] = Store::cvt(finish<kSolarize>(g[-x], m1, s1));
+      dst[3 * x + 2] = Store::cvt(finish<kSolarize>(b[-x], m2, s2));
     }
   } else {
     for (int x = 0; x < n; ++x) {

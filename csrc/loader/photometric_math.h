@@ -134,9 +134,12 @@ DINO_OPT_PHOTO_HD void hue(float& r, float& g, float& b, float f) {
 
   const float v = maxc;
   const float hh = h * 6.0f;
-  // floor, as hh >= 0; a NaN (only from NaN factors, which the operator
-  // rejects) must not reach the conversion, whose result would be undefined.
-  int sector = hh >= 0.0f && hh <= 6.0f ? static_cast<int>(hh) : 0;
+  // floor(hh) for hh in [0, 6], counted with comparisons rather than a float
+  // -> int conversion: a NaN (only from NaN factors, which the operator
+  // rejects) gives 0 instead of undefined behaviour, and GCC vectorises this
+  // where it keeps a guarded conversion scalar.
+  int sector =
+      (hh >= 1.0f) + (hh >= 2.0f) + (hh >= 3.0f) + (hh >= 4.0f) + (hh >= 5.0f) + (hh >= 6.0f);
   const float frac = hh - static_cast<float>(sector);
   sector = sector >= 6 ? sector - 6 : sector;  // h may round to 1
   const float sxf = s * frac;
