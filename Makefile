@@ -68,6 +68,7 @@ test-py:
 
 # The loader's image pipeline under libFuzzer + ASan/UBSan for FUZZ_SECONDS,
 # from a seed corpus of every format; findings are written to build/fuzz.
+# close_fd_mask=2 hides the decoders' own stderr chatter, not sanitizer reports.
 FUZZ_DIR     := build/fuzz
 FUZZ_SECONDS ?= 60
 fuzz: setup
@@ -76,13 +77,14 @@ fuzz: setup
 	$(PY) scripts/fuzz_corpus.py $(FUZZ_DIR)/seeds
 	mkdir -p $(FUZZ_DIR)/corpus
 	cd $(FUZZ_DIR) && ./fuzz_multicrop -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
-	  -rss_limit_mb=2048 -print_final_stats=1 corpus seeds
+	  -rss_limit_mb=2048 -close_fd_mask=2 -print_final_stats=1 corpus seeds
 
 bench: setup
 	$(PY) bench/bench_ema.py
 	$(PY) bench/bench_loss.py
 	$(PY) bench/bench_profiler.py
 	$(PY) bench/bench_photometric.py
+	$(PY) bench/bench_loader.py
 
 lint: setup
 	clang-format --dry-run -Werror $(CXX_FILES)

@@ -1,13 +1,12 @@
 // The loader's sampling, resize and thread pool (the image decoder has its own
 // file; the sampling statistics against torchvision are in tests_py).
 #include <gtest/gtest.h>
-
-#include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -40,7 +39,8 @@ TEST(LoaderRng, StreamsDependOnEveryKey) {
 
 TEST(LoaderSampling, CropsStayInsideTheImage) {
   Rng rng(7, 0, 0);
-  for (auto [h, w] : {std::pair{300, 500}, std::pair{3, 10000}, std::pair{1, 1}, std::pair{1000, 2}}) {
+  for (auto [h, w] :
+       {std::pair{300, 500}, std::pair{3, 10000}, std::pair{1, 1}, std::pair{1000, 2}}) {
     for (int i = 0; i < 2000; ++i) {
       const CropRect r = sample_resized_crop(rng, h, w, 0.05, 1.0);
       ASSERT_GE(r.top, 0);
@@ -97,7 +97,8 @@ TEST(LoaderResample, SameSizeIsACopyAndConstantStaysConstant) {
   const Image img = random_image(40, 30, 1);
   ResampleScratch s;
   Image out(20, 10);
-  resize_crop_bicubic(img.view(), scaled_crop_box(5, 7, 20, 10, 1, 1, 40, 30), 20, 10, out.pixels.data(), 60, s);
+  resize_crop_bicubic(img.view(), scaled_crop_box(5, 7, 20, 10, 1, 1, 40, 30), 20, 10,
+                      out.pixels.data(), 60, s);
   for (int y = 0; y < 10; ++y) {
     for (int x = 0; x < 60; ++x) ASSERT_EQ(out.row(y)[x], img.view().row(y + 7)[15 + x]);
   }
@@ -105,13 +106,14 @@ TEST(LoaderResample, SameSizeIsACopyAndConstantStaysConstant) {
   std::fill(flat.pixels.begin(), flat.pixels.end(), 173);
   for (int size : {7, 50, 123}) {
     Image o(size, size);
-    resize_crop_bicubic(flat.view(), scaled_crop_box(3, 2, 41, 45, 1, 1, 50, 50), size, size, o.pixels.data(),
-                        3 * size, s);
+    resize_crop_bicubic(flat.view(), scaled_crop_box(3, 2, 41, 45, 1, 1, 50, 50), size, size,
+                        o.pixels.data(), 3 * size, s);
     for (uint8_t v : o.pixels) ASSERT_EQ(v, 173);
   }
   std::vector<uint8_t> sink(75);
-  EXPECT_THROW(resize_crop_bicubic(flat.view(), CropBox{0, 0, 0, 10, 0, 0, 1, 10}, 5, 5, sink.data(), 15, s),
-               std::invalid_argument);
+  EXPECT_THROW(
+      resize_crop_bicubic(flat.view(), CropBox{0, 0, 0, 10, 0, 0, 1, 10}, 5, 5, sink.data(), 15, s),
+      std::invalid_argument);
 }
 
 // A directory of small JPEGs, removed at the end of the test.
@@ -124,7 +126,8 @@ class LoaderThreads : public ::testing::Test {
       const Image img = random_image(40 + 7 * i, 60 - 2 * i, i);
       const auto jpeg = encode_jpeg(img.view(), 85);
       const fs::path p = dir_ / ("img" + std::to_string(i) + ".jpg");
-      std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(jpeg.data()), jpeg.size());
+      std::ofstream(p, std::ios::binary)
+          .write(reinterpret_cast<const char*>(jpeg.data()), jpeg.size());
       samples_.push_back({p.string(), i % 3});
     }
   }
@@ -168,7 +171,8 @@ TEST_F(LoaderThreads, CloseAndDestroyWithAFullQueueJoinPromptly) {
     loader->start_epoch(0);
     if (consume) loader->next();
     const auto t0 = std::chrono::steady_clock::now();
-    while (loader->stats().images < 8 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+    while (loader->stats().images < 8 &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     loader.reset();  // joins the workers, which wait on a full queue

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
-from PIL import Image
-
 from dino_opt import _C
 from dino_opt.data import (
     DataLoadingOptimizer,
@@ -21,6 +19,7 @@ from dino_opt.data import (
     MultiCropLoader,
     find_images,
 )
+from PIL import Image
 
 SMALL = dict(global_size=32, local_size=16, n_local=2)  # fast crops for behaviour tests
 
@@ -234,9 +233,10 @@ def test_dtype_and_memory_format(image_folder, dtype, channels_last):
 
 def test_group_by_resolution_matches_list(image_folder):
     kw = dict(num_threads=2, seed=5, **SMALL)
-    with MultiCropLoader(image_folder, 4, **kw) as a, MultiCropLoader(
-        image_folder, 4, group_by_resolution=True, **kw
-    ) as b:
+    with (
+        MultiCropLoader(image_folder, 4, **kw) as a,
+        MultiCropLoader(image_folder, 4, group_by_resolution=True, **kw) as b,
+    ):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(torch.cat(x.crops[:2]), y.crops[0])
             assert torch.equal(torch.cat(x.crops[2:]), y.crops[1])
@@ -253,9 +253,10 @@ def test_output_is_independent_of_thread_count(image_folder):
 
 def test_seed_and_epoch_change_the_batches(image_folder):
     kw = dict(num_threads=2, batch_size=6, **SMALL)
-    with MultiCropLoader(image_folder, seed=1, **kw) as x, MultiCropLoader(
-        image_folder, seed=2, **kw
-    ) as y:
+    with (
+        MultiCropLoader(image_folder, seed=1, **kw) as x,
+        MultiCropLoader(image_folder, seed=2, **kw) as y,
+    ):
         bx, by = next(iter(x)), next(iter(y))
         assert not torch.equal(bx.indices, by.indices)
         x.set_epoch(1)
@@ -265,9 +266,10 @@ def test_seed_and_epoch_change_the_batches(image_folder):
 
 def test_photometric_operator_path_matches_cpu_path(image_folder):
     kw = dict(num_threads=2, seed=7, batch_size=6, **SMALL)
-    with MultiCropLoader(image_folder, **kw) as cpu, MultiCropLoader(
-        image_folder, photometric="gpu", device="cpu", **kw
-    ) as op:
+    with (
+        MultiCropLoader(image_folder, **kw) as cpu,
+        MultiCropLoader(image_folder, photometric="gpu", device="cpu", **kw) as op,
+    ):
         for a, b in zip(cpu, op, strict=True):
             assert torch.equal(a.indices, b.indices)
             for x, y in zip(a.crops, b.crops, strict=True):
@@ -277,9 +279,10 @@ def test_photometric_operator_path_matches_cpu_path(image_folder):
 @pytest.mark.cuda
 def test_photometric_on_cuda_matches_cpu(image_folder):
     kw = dict(num_threads=2, seed=7, batch_size=6, **SMALL)
-    with MultiCropLoader(image_folder, **kw) as cpu, MultiCropLoader(
-        image_folder, photometric="gpu", **kw
-    ) as gpu:
+    with (
+        MultiCropLoader(image_folder, **kw) as cpu,
+        MultiCropLoader(image_folder, photometric="gpu", **kw) as gpu,
+    ):
         for a, b in zip(cpu, gpu, strict=True):
             for x, y in zip(a.crops, b.crops, strict=True):
                 assert y.is_cuda
@@ -291,9 +294,8 @@ def test_photometric_on_cuda_matches_cpu(image_folder):
 def test_shards_cover_the_data_set_like_distributed_sampler(image_folder, world_size, pad):
     shards = []
     for rank in range(world_size):
-        with MultiCropLoader(
-            image_folder, 2, rank=rank, world_size=world_size, pad_shards=pad, num_threads=1, **SMALL
-        ) as loader:
+        shard = dict(rank=rank, world_size=world_size, pad_shards=pad, num_threads=1)
+        with MultiCropLoader(image_folder, 2, **shard, **SMALL) as loader:
             sampler = torch.utils.data.DistributedSampler(
                 range(18), num_replicas=world_size, rank=rank, drop_last=not pad
             )
@@ -375,7 +377,15 @@ def corpus(tmp_path_factory) -> dict:
     save_jpeg(root / "one_pixel.jpg", array[:1, :1])
     save_jpeg(root / "wide.jpg", natural_image(rng, 3, 10000))
     Image.fromarray(array).convert("P").save(root / "palette.png")
-    for name in ["alpha.png", "gray16.png", "gray.jpg", "cmyk.jpg", "one_pixel.jpg", "wide.jpg", "palette.png"]:
+    for name in [
+        "alpha.png",
+        "gray16.png",
+        "gray.jpg",
+        "cmyk.jpg",
+        "one_pixel.jpg",
+        "wide.jpg",
+        "palette.png",
+    ]:
         odd[name] = root / name
     return {"bad": paths, "odd": odd, "root": root}
 
@@ -405,7 +415,8 @@ def test_bad_file_raises_naming_the_path(corpus, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["alpha.png", "gray16.png", "gray.jpg", "cmyk.jpg", "one_pixel.jpg", "wide.jpg", "palette.png"]
+    "name",
+    ["alpha.png", "gray16.png", "gray.jpg", "cmyk.jpg", "one_pixel.jpg", "wide.jpg", "palette.png"],
 )
 def test_odd_images_load(corpus, name):
     if name.endswith(".png") and not _C.other_formats_available():
@@ -426,9 +437,11 @@ def test_odd_images_load(corpus, name):
 
 def test_pixel_limit_is_configurable(image_folder):
     paths, _, _ = find_images(image_folder)
-    with MultiCropLoader(paths[:1], 1, num_threads=1, max_pixels=100, drop_last=False, **SMALL) as l:
+    with MultiCropLoader(
+        paths[:1], 1, num_threads=1, max_pixels=100, drop_last=False, **SMALL
+    ) as loader:
         with pytest.raises(LoaderError, match="pixel"):
-            next(iter(l))
+            next(iter(loader))
 
 
 def test_skip_replaces_bad_files_deterministically(corpus, image_folder):
@@ -452,9 +465,11 @@ def test_skip_replaces_bad_files_deterministically(corpus, image_folder):
 
 def test_skip_gives_up_on_a_data_set_without_readable_files(corpus):
     bad = [corpus["bad"]["empty.jpg"], corpus["bad"]["random.jpg"]]
-    with MultiCropLoader(bad, 1, num_threads=1, on_error="skip", drop_last=False, **SMALL) as l:
+    with MultiCropLoader(
+        bad, 1, num_threads=1, on_error="skip", drop_last=False, **SMALL
+    ) as loader:
         with pytest.raises(LoaderError, match="no readable replacement"):
-            next(iter(l))
+            next(iter(loader))
 
 
 def test_missing_and_empty_directories(tmp_path):
@@ -553,9 +568,10 @@ def test_dct_scaled_decoding_stays_close_to_full_decoding(tmp_path):
     rng = np.random.default_rng(0)
     paths = [save_jpeg(tmp_path / f"big{i}.jpg", natural_image(rng, 1200, 1600)) for i in range(3)]
     kw = dict(num_threads=2, seed=1, batch_size=3, n_local=2)
-    with MultiCropLoader(paths, dct_scaling=True, **kw) as fast, MultiCropLoader(
-        paths, dct_scaling=False, **kw
-    ) as exact:
+    with (
+        MultiCropLoader(paths, dct_scaling=True, **kw) as fast,
+        MultiCropLoader(paths, dct_scaling=False, **kw) as exact,
+    ):
         a, b = next(iter(fast)), next(iter(exact))
     for x, y in zip(a.crops, b.crops, strict=True):
         diff = (x - y).abs().mean().item()

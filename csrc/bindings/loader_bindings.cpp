@@ -35,30 +35,49 @@ void apply_augment(AugmentConfig& c, const py::dict& overrides) {
       lo = v.first;
       hi = v.second;
     };
-    if (k == "global_size") c.global_size = py::cast<int>(value);
-    else if (k == "local_size") c.local_size = py::cast<int>(value);
-    else if (k == "n_local") c.n_local = py::cast<int>(value);
-    else if (k == "global_scale") pair(c.global_scale_lo, c.global_scale_hi);
-    else if (k == "local_scale") pair(c.local_scale_lo, c.local_scale_hi);
-    else if (k == "flip_p") c.flip_p = py::cast<double>(value);
-    else if (k == "jitter_p") c.jitter_p = py::cast<double>(value);
-    else if (k == "brightness") c.brightness = py::cast<double>(value);
-    else if (k == "contrast") c.contrast = py::cast<double>(value);
-    else if (k == "saturation") c.saturation = py::cast<double>(value);
-    else if (k == "hue") c.hue = py::cast<double>(value);
-    else if (k == "grayscale_p") c.grayscale_p = py::cast<double>(value);
-    else if (k == "blur_sigma") pair(c.blur_sigma_lo, c.blur_sigma_hi);
-    else if (k == "blur_p_global1") c.blur_p_global1 = py::cast<double>(value);
-    else if (k == "blur_p_global2") c.blur_p_global2 = py::cast<double>(value);
-    else if (k == "blur_p_local") c.blur_p_local = py::cast<double>(value);
-    else if (k == "solarize_p_global2") c.solarize_p_global2 = py::cast<double>(value);
-    else throw std::invalid_argument("unknown augmentation option '" + k + "'");
+    if (k == "global_size")
+      c.global_size = py::cast<int>(value);
+    else if (k == "local_size")
+      c.local_size = py::cast<int>(value);
+    else if (k == "n_local")
+      c.n_local = py::cast<int>(value);
+    else if (k == "global_scale")
+      pair(c.global_scale_lo, c.global_scale_hi);
+    else if (k == "local_scale")
+      pair(c.local_scale_lo, c.local_scale_hi);
+    else if (k == "flip_p")
+      c.flip_p = py::cast<double>(value);
+    else if (k == "jitter_p")
+      c.jitter_p = py::cast<double>(value);
+    else if (k == "brightness")
+      c.brightness = py::cast<double>(value);
+    else if (k == "contrast")
+      c.contrast = py::cast<double>(value);
+    else if (k == "saturation")
+      c.saturation = py::cast<double>(value);
+    else if (k == "hue")
+      c.hue = py::cast<double>(value);
+    else if (k == "grayscale_p")
+      c.grayscale_p = py::cast<double>(value);
+    else if (k == "blur_sigma")
+      pair(c.blur_sigma_lo, c.blur_sigma_hi);
+    else if (k == "blur_p_global1")
+      c.blur_p_global1 = py::cast<double>(value);
+    else if (k == "blur_p_global2")
+      c.blur_p_global2 = py::cast<double>(value);
+    else if (k == "blur_p_local")
+      c.blur_p_local = py::cast<double>(value);
+    else if (k == "solarize_p_global2")
+      c.solarize_p_global2 = py::cast<double>(value);
+    else
+      throw std::invalid_argument("unknown augmentation option '" + k + "'");
   }
 }
 
 py::object to_python(std::optional<LoaderBatch> batch) {
   if (!batch) return py::none();
-  return py::make_tuple(batch->groups, batch->params, batch->labels, batch->indices, batch->batch_index);
+  return py::make_tuple(batch->groups, batch->params, batch->labels, batch->indices,
+                        batch->batch_index);
 }
 
 py::dict to_dict(const LoaderStats& s) {
@@ -88,10 +107,12 @@ at::Tensor to_tensor(const Image& image) {
 }
 
 ImageView view_of(const at::Tensor& t) {
-  TORCH_CHECK(t.dim() == 3 && t.size(2) == 3 && t.scalar_type() == at::kByte && t.device().is_cpu() &&
-                  t.stride(2) == 1 && t.stride(1) == 3,
-              "expected a CPU uint8 [H, W, 3] tensor with contiguous rows, got ", t.sizes(), " ", t.scalar_type());
-  return {t.data_ptr<uint8_t>(), static_cast<int>(t.size(1)), static_cast<int>(t.size(0)), t.stride(0)};
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == 3 && t.scalar_type() == at::kByte &&
+                  t.device().is_cpu() && t.stride(2) == 1 && t.stride(1) == 3,
+              "expected a CPU uint8 [H, W, 3] tensor with contiguous rows, got ", t.sizes(), " ",
+              t.scalar_type());
+  return {t.data_ptr<uint8_t>(), static_cast<int>(t.size(1)), static_cast<int>(t.size(0)),
+          t.stride(0)};
 }
 
 }  // namespace
@@ -101,18 +122,22 @@ void bind_loader(py::module_& m) {
   py::register_exception<ImageError>(m, "ImageError", PyExc_ValueError);
 
   py::class_<MultiCropLoader>(m, "MultiCropLoader")
-      .def(py::init([](std::vector<std::string> paths, std::vector<int64_t> labels, int64_t batch_size,
-                       const py::dict& augment, int num_threads, int prefetch, uint64_t seed, int rank,
-                       int world_size, bool shuffle, bool drop_last, bool pad_shards, const std::string& dtype,
-                       bool channels_last, bool photometric, bool pin_memory, bool skip_errors, int64_t max_pixels,
+      .def(py::init([](std::vector<std::string> paths, std::vector<int64_t> labels,
+                       int64_t batch_size, const py::dict& augment, int num_threads, int prefetch,
+                       uint64_t seed, int rank, int world_size, bool shuffle, bool drop_last,
+                       bool pad_shards, const std::string& dtype, bool channels_last,
+                       bool photometric, bool pin_memory, bool skip_errors, int64_t max_pixels,
                        std::vector<float> mean, std::vector<float> std, bool dct_scaling) {
              if (labels.size() != paths.size()) {
-               throw std::invalid_argument("labels has " + std::to_string(labels.size()) + " entries for " +
-                                           std::to_string(paths.size()) + " paths");
+               throw std::invalid_argument("labels has " + std::to_string(labels.size()) +
+                                           " entries for " + std::to_string(paths.size()) +
+                                           " paths");
              }
-             if (mean.size() != 3 || std.size() != 3) throw std::invalid_argument("mean and std need 3 values");
+             if (mean.size() != 3 || std.size() != 3)
+               throw std::invalid_argument("mean and std need 3 values");
              std::vector<Sample> samples(paths.size());
-             for (size_t i = 0; i < paths.size(); ++i) samples[i] = {std::move(paths[i]), labels[i]};
+             for (size_t i = 0; i < paths.size(); ++i)
+               samples[i] = {std::move(paths[i]), labels[i]};
              LoaderOptions o;
              o.batch_size = batch_size;
              apply_augment(o.pipeline.augment, augment);
@@ -137,23 +162,27 @@ void bind_loader(py::module_& m) {
              o.skip_errors = skip_errors;
              return std::make_unique<MultiCropLoader>(std::move(samples), std::move(o));
            }),
-           py::arg("paths"), py::arg("labels"), py::arg("batch_size"), py::arg("augment"), py::arg("num_threads"),
-           py::arg("prefetch"), py::arg("seed"), py::arg("rank"), py::arg("world_size"), py::arg("shuffle"),
-           py::arg("drop_last"), py::arg("pad_shards"), py::arg("dtype"), py::arg("channels_last"),
-           py::arg("photometric"), py::arg("pin_memory"), py::arg("skip_errors"), py::arg("max_pixels"),
-           py::arg("mean"), py::arg("std"), py::arg("dct_scaling"))
+           py::arg("paths"), py::arg("labels"), py::arg("batch_size"), py::arg("augment"),
+           py::arg("num_threads"), py::arg("prefetch"), py::arg("seed"), py::arg("rank"),
+           py::arg("world_size"), py::arg("shuffle"), py::arg("drop_last"), py::arg("pad_shards"),
+           py::arg("dtype"), py::arg("channels_last"), py::arg("photometric"),
+           py::arg("pin_memory"), py::arg("skip_errors"), py::arg("max_pixels"), py::arg("mean"),
+           py::arg("std"), py::arg("dct_scaling"))
       .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
       .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)
       .def_property_readonly("num_batches", &MultiCropLoader::num_batches)
       .def("epoch_indices", &MultiCropLoader::epoch_indices, py::arg("epoch"))
-      .def("start_epoch", &MultiCropLoader::start_epoch, py::arg("epoch"), py::arg("first_batch") = 0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("next", [](MultiCropLoader& l) { return to_python(without_gil([&] { return l.next(); })); })
-      .def("load_sample",
-           [](MultiCropLoader& l, int64_t index, int64_t epoch) {
-             return to_python(without_gil([&] { return std::optional<LoaderBatch>(l.load_sample(index, epoch)); }));
-           },
-           py::arg("index"), py::arg("epoch"))
+      .def("start_epoch", &MultiCropLoader::start_epoch, py::arg("epoch"),
+           py::arg("first_batch") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("next",
+           [](MultiCropLoader& l) { return to_python(without_gil([&] { return l.next(); })); })
+      .def(
+          "load_sample",
+          [](MultiCropLoader& l, int64_t index, int64_t epoch) {
+            return to_python(without_gil(
+                [&] { return std::optional<LoaderBatch>(l.load_sample(index, epoch)); }));
+          },
+          py::arg("index"), py::arg("epoch"))
       .def("close", &MultiCropLoader::close, py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const MultiCropLoader& l) { return to_dict(l.stats()); });
 
@@ -177,7 +206,8 @@ void bind_loader(py::module_& m) {
         const ImageHeader h = probe_image(bytes.data(), bytes.size(), options);
         return to_tensor(decode_image(bytes.data(), bytes.size(), h, scale_denom, options));
       },
-      py::arg("data"), py::arg("scale_denom") = 1, py::arg("max_pixels") = DecodeOptions{}.max_pixels,
+      py::arg("data"), py::arg("scale_denom") = 1,
+      py::arg("max_pixels") = DecodeOptions{}.max_pixels,
       "Decodes image bytes to a uint8 [H, W, 3] RGB tensor");
   m.def(
       "encode_jpeg",
@@ -188,21 +218,25 @@ void bind_loader(py::module_& m) {
       py::arg("image"), py::arg("quality") = 90);
   m.def(
       "resize_crop",
-      [](const at::Tensor& image, int top, int left, int height, int width, int out_width, int out_height) {
+      [](const at::Tensor& image, int top, int left, int height, int width, int out_width,
+         int out_height) {
         const ImageView src = view_of(image);
-        TORCH_CHECK(top >= 0 && left >= 0 && height >= 1 && width >= 1 && top + height <= src.height &&
-                        left + width <= src.width,
+        TORCH_CHECK(top >= 0 && left >= 0 && height >= 1 && width >= 1 &&
+                        top + height <= src.height && left + width <= src.width,
                     "crop (top ", top, ", left ", left, ", height ", height, ", width ", width,
                     ") is outside the ", src.height, " x ", src.width, " image");
-        const CropBox box = scaled_crop_box(left, top, width, height, 1.0, 1.0, src.width, src.height);
+        const CropBox box =
+            scaled_crop_box(left, top, width, height, 1.0, 1.0, src.width, src.height);
         at::Tensor out = at::empty({out_height, out_width, 3}, at::kByte);
         ResampleScratch scratch;
-        resize_crop_bicubic(src, box, out_width, out_height, out.data_ptr<uint8_t>(), out.stride(0), scratch);
+        resize_crop_bicubic(src, box, out_width, out_height, out.data_ptr<uint8_t>(), out.stride(0),
+                            scratch);
         return out;
       },
-      py::arg("image"), py::arg("top"), py::arg("left"), py::arg("height"), py::arg("width"), py::arg("out_width"),
-      py::arg("out_height"),
-      "torchvision's resized_crop on a PIL image (crop, then PIL bicubic resize) of a uint8 [H, W, 3] image");
+      py::arg("image"), py::arg("top"), py::arg("left"), py::arg("height"), py::arg("width"),
+      py::arg("out_width"), py::arg("out_height"),
+      "torchvision's resized_crop on a PIL image (crop, then PIL bicubic resize) of a uint8 [H, W, "
+      "3] image");
   m.def(
       "sample_crops",
       [](uint64_t seed, int64_t count, int height, int width, const py::dict& augment) {
@@ -229,13 +263,16 @@ void bind_loader(py::module_& m) {
         }
         return py::make_tuple(rects, params);
       },
-      py::arg("seed"), py::arg("count"), py::arg("height"), py::arg("width"), py::arg("augment") = py::dict(),
-      "Draws `count` samples' crop plans: rects [count, crops, 4] (top, left, height, width) and params");
+      py::arg("seed"), py::arg("count"), py::arg("height"), py::arg("width"),
+      py::arg("augment") = py::dict(),
+      "Draws `count` samples' crop plans: rects [count, crops, 4] (top, left, height, width) and "
+      "params");
   m.def(
       "reencode_image",
-      [](const std::string& src, const std::string& dst, int max_side, int quality, int64_t max_pixels) {
-        const PrepareResult r =
-            without_gil([&] { return reencode_image(src, dst, max_side, quality, DecodeOptions{max_pixels}); });
+      [](const std::string& src, const std::string& dst, int max_side, int quality,
+         int64_t max_pixels) {
+        const PrepareResult r = without_gil(
+            [&] { return reencode_image(src, dst, max_side, quality, DecodeOptions{max_pixels}); });
         return py::make_tuple(r.width, r.height, r.bytes);
       },
       py::arg("src"), py::arg("dst"), py::arg("max_side"), py::arg("quality"),

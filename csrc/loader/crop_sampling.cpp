@@ -95,16 +95,20 @@ CropRect sample_resized_crop(Rng& rng, int height, int width, double scale_lo, d
 void AugmentConfig::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
   auto probability = [&](double p, const char* name) {
-    if (!(p >= 0.0 && p <= 1.0)) fail(std::string(name) + " must be in [0, 1], got " + std::to_string(p));
+    if (!(p >= 0.0 && p <= 1.0))
+      fail(std::string(name) + " must be in [0, 1], got " + std::to_string(p));
   };
   auto scale = [&](double lo, double hi, const char* name) {
     if (!(lo > 0.0 && lo <= hi && hi <= 1.0))
-      fail(std::string(name) + " must satisfy 0 < lo <= hi <= 1, got (" + std::to_string(lo) + ", " +
-           std::to_string(hi) + ")");
+      fail(std::string(name) + " must satisfy 0 < lo <= hi <= 1, got (" + std::to_string(lo) +
+           ", " + std::to_string(hi) + ")");
   };
-  if (global_size < 1 || global_size > 4096) fail("global_size must be in [1, 4096], got " + std::to_string(global_size));
-  if (local_size < 1 || local_size > 4096) fail("local_size must be in [1, 4096], got " + std::to_string(local_size));
-  if (n_local < 0 || n_local > 64) fail("n_local must be in [0, 64], got " + std::to_string(n_local));
+  if (global_size < 1 || global_size > 4096)
+    fail("global_size must be in [1, 4096], got " + std::to_string(global_size));
+  if (local_size < 1 || local_size > 4096)
+    fail("local_size must be in [1, 4096], got " + std::to_string(local_size));
+  if (n_local < 0 || n_local > 64)
+    fail("n_local must be in [0, 64], got " + std::to_string(n_local));
   scale(global_scale_lo, global_scale_hi, "global_scale");
   scale(local_scale_lo, local_scale_hi, "local_scale");
   probability(flip_p, "flip_p");
@@ -114,7 +118,8 @@ void AugmentConfig::validate() const {
   probability(blur_p_global2, "blur_p_global2");
   probability(blur_p_local, "blur_p_local");
   probability(solarize_p_global2, "solarize_p_global2");
-  if (!(brightness >= 0 && contrast >= 0 && saturation >= 0)) fail("colour jitter strengths must be >= 0");
+  if (!(brightness >= 0 && contrast >= 0 && saturation >= 0))
+    fail("colour jitter strengths must be >= 0");
   if (!(hue >= 0 && hue <= 0.5)) fail("hue must be in [0, 0.5], got " + std::to_string(hue));
   if (!(blur_sigma_lo > 0 && blur_sigma_lo <= blur_sigma_hi && blur_sigma_hi <= 64))
     fail("blur sigma range must satisfy 0 < lo <= hi <= 64");
@@ -129,14 +134,18 @@ PhotometricParams sample_photometric(Rng& rng, const AugmentConfig& config, int 
     // each factor uniform in [max(0, 1 - s), 1 + s], hue in [-h, h].
     for (int i = 0; i < 4; ++i) p.order[i] = static_cast<int8_t>(i);
     for (int i = 3; i > 0; --i) std::swap(p.order[i], p.order[rng.randint(0, i + 1)]);
-    auto factor = [&](double s) { return static_cast<float>(rng.uniform(std::max(0.0, 1.0 - s), 1.0 + s)); };
+    auto factor = [&](double s) {
+      return static_cast<float>(rng.uniform(std::max(0.0, 1.0 - s), 1.0 + s));
+    };
     p.brightness = factor(config.brightness);
     p.contrast = factor(config.contrast);
     p.saturation = factor(config.saturation);
     p.hue = static_cast<float>(rng.uniform(-config.hue, config.hue));
   }
   p.grayscale = rng.bernoulli(config.grayscale_p);
-  const double blur_p = crop == 0 ? config.blur_p_global1 : crop == 1 ? config.blur_p_global2 : config.blur_p_local;
+  const double blur_p = crop == 0   ? config.blur_p_global1
+                        : crop == 1 ? config.blur_p_global2
+                                    : config.blur_p_local;
   if (rng.bernoulli(blur_p)) {
     p.blur_sigma = static_cast<float>(rng.uniform(config.blur_sigma_lo, config.blur_sigma_hi));
   }
@@ -148,14 +157,16 @@ std::vector<CropPlan> plan_crops(Rng& rng, int height, int width, const AugmentC
   std::vector<CropPlan> plans(config.num_crops());
   for (int c = 0; c < config.num_crops(); ++c) {
     const bool global = c < 2;
-    plans[c].rect = sample_resized_crop(rng, height, width, global ? config.global_scale_lo : config.local_scale_lo,
+    plans[c].rect = sample_resized_crop(rng, height, width,
+                                        global ? config.global_scale_lo : config.local_scale_lo,
                                         global ? config.global_scale_hi : config.local_scale_hi);
     plans[c].params = sample_photometric(rng, config, c);
   }
   return plans;
 }
 
-int choose_dct_denom(const std::vector<CropPlan>& plans, int height, int width, const AugmentConfig& config) {
+int choose_dct_denom(const std::vector<CropPlan>& plans, int height, int width,
+                     const AugmentConfig& config) {
   for (int denom : {8, 4, 2}) {
     const auto [w, h] = jpeg_scaled_size(width, height, denom);
     const double fx = static_cast<double>(w) / width, fy = static_cast<double>(h) / height;

@@ -31,7 +31,8 @@ OutputType output_type(at::ScalarType dtype) {
 }
 
 // Where the crops of sample `row` of a batch of `b` samples go.
-std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64_t b, const LoaderOptions& options) {
+std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64_t b,
+                                    const LoaderOptions& options) {
   const AugmentConfig& config = options.pipeline.augment;
   std::vector<CropTarget> targets(config.num_crops());
   for (int c = 0; c < config.num_crops(); ++c) {
@@ -68,11 +69,14 @@ int available_cores() {
 void LoaderOptions::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
   if (batch_size < 1) fail("batch_size must be >= 1, got " + std::to_string(batch_size));
-  if (num_threads < 0 || num_threads > 1024) fail("num_threads must be in [0, 1024], got " + std::to_string(num_threads));
-  if (prefetch < 1 || prefetch > 64) fail("prefetch must be in [1, 64], got " + std::to_string(prefetch));
+  if (num_threads < 0 || num_threads > 1024)
+    fail("num_threads must be in [0, 1024], got " + std::to_string(num_threads));
+  if (prefetch < 1 || prefetch > 64)
+    fail("prefetch must be in [1, 64], got " + std::to_string(prefetch));
   if (world_size < 1) fail("world_size must be >= 1, got " + std::to_string(world_size));
   if (rank < 0 || rank >= world_size)
-    fail("rank must be in [0, world_size), got rank " + std::to_string(rank) + " of " + std::to_string(world_size));
+    fail("rank must be in [0, world_size), got rank " + std::to_string(rank) + " of " +
+         std::to_string(world_size));
   if (max_skip_attempts < 1) fail("max_skip_attempts must be >= 1");
   if (pipeline.decode.max_pixels < 1) fail("max_pixels must be >= 1");
   if (pipeline.photometric) output_type(dtype);
@@ -98,8 +102,9 @@ MultiCropLoader::MultiCropLoader(std::vector<Sample> samples, LoaderOptions opti
   const int64_t n = num_samples(), w = options_.world_size;
   per_rank_ = options_.pad_shards ? (n + w - 1) / w : n / w;
   if (per_rank_ == 0) {
-    throw std::invalid_argument("the data set has " + std::to_string(n) + " samples, fewer than world_size " +
-                                std::to_string(w) + ", and shards are not padded");
+    throw std::invalid_argument("the data set has " + std::to_string(n) +
+                                " samples, fewer than world_size " + std::to_string(w) +
+                                ", and shards are not padded");
   }
   for (int i = 0; i < options_.prefetch; ++i) slots_.push_back(std::make_unique<Slot>());
 }
@@ -154,17 +159,20 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
       batch.groups.push_back(at::empty({counts[g], 3, sizes[g], sizes[g]}, opts));
     } else {
       batch.groups.push_back(at::empty({counts[g], sizes[g], sizes[g], 3}, host.dtype(at::kByte)));
-      batch.params.push_back(at::empty({counts[g], kPhotometricParamCount}, host.dtype(at::kFloat)));
+      batch.params.push_back(
+          at::empty({counts[g], kPhotometricParamCount}, host.dtype(at::kFloat)));
     }
   }
   batch.labels = at::empty({b}, host.dtype(at::kLong));
   batch.indices = at::empty({b}, host.dtype(at::kLong));
-  if (!options_.pin_memory && pool_.size() < static_cast<size_t>(options_.prefetch) + 2) pool_.push_back(batch);
+  if (!options_.pin_memory && pool_.size() < static_cast<size_t>(options_.prefetch) + 2)
+    pool_.push_back(batch);
   return batch;
 }
 
-MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, int64_t row, int64_t b,
-                                                      int64_t index, uint64_t key, int64_t epoch) const {
+MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, int64_t row,
+                                                      int64_t b, int64_t index, uint64_t key,
+                                                      int64_t epoch) const {
   thread_local PipelineScratch scratch;
   FillResult result;
   const std::vector<CropTarget> targets = targets_for(batch, row, b, options_);
@@ -175,7 +183,8 @@ MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, 
       const std::vector<uint8_t> bytes = read_file(sample.path);
       result.times.decode += std::chrono::duration<double>(Clock::now() - t).count();
       Rng rng(options_.seed, static_cast<uint64_t>(epoch), key);
-      run_multicrop(bytes.data(), bytes.size(), rng, options_.pipeline, targets, scratch, &result.times);
+      run_multicrop(bytes.data(), bytes.size(), rng, options_.pipeline, targets, scratch,
+                    &result.times);
       batch.labels.data_ptr<int64_t>()[row] = sample.label;
       batch.indices.data_ptr<int64_t>()[row] = index;
       return result;
@@ -188,7 +197,8 @@ MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, 
       result.skipped.push_back(std::move(message));
       if (attempt + 1 >= options_.max_skip_attempts) {
         result.error = "on_error='skip' found no readable replacement in " +
-                       std::to_string(options_.max_skip_attempts) + " tries; last: " + result.skipped.back();
+                       std::to_string(options_.max_skip_attempts) +
+                       " tries; last: " + result.skipped.back();
         return result;
       }
       // A replacement drawn from the seed, epoch and position: the same in
@@ -204,8 +214,9 @@ void MultiCropLoader::start_epoch(int64_t epoch, int64_t first_batch) {
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError("the loader is closed");
   if (first_batch < 0 || first_batch > num_batches()) {
-    throw std::invalid_argument("first batch " + std::to_string(first_batch) + " is outside the epoch's " +
-                                std::to_string(num_batches()) + " batches");
+    throw std::invalid_argument("first batch " + std::to_string(first_batch) +
+                                " is outside the epoch's " + std::to_string(num_batches()) +
+                                " batches");
   }
   if (running_) elapsed_s_ += std::chrono::duration<double>(Clock::now() - started_).count();
   running_ = false;
@@ -231,7 +242,8 @@ void MultiCropLoader::worker_loop() {
   const int64_t b = options_.batch_size;
   for (;;) {
     work_cv_.wait(lk, [&] {
-      return closed_ || (running_ && next_task_ < end_task_ && next_task_ / b < consumed_ + options_.prefetch);
+      return closed_ ||
+             (running_ && next_task_ < end_task_ && next_task_ / b < consumed_ + options_.prefetch);
     });
     if (closed_) return;
     const int64_t task = next_task_++;
@@ -334,7 +346,9 @@ LoaderStats MultiCropLoader::stats() const {
   s.crop_seconds = crop_s_;
   s.augment_seconds = augment_s_;
   s.wait_seconds = wait_s_;
-  s.elapsed_seconds = elapsed_s_ + (running_ ? std::chrono::duration<double>(Clock::now() - started_).count() : 0.0);
+  s.elapsed_seconds =
+      elapsed_s_ +
+      (running_ ? std::chrono::duration<double>(Clock::now() - started_).count() : 0.0);
   s.skipped = skipped_;
   s.skipped_files = skipped_files_;
   s.num_threads = static_cast<int>(threads_.size());

@@ -40,8 +40,8 @@ struct LoaderOptions {
   int rank = 0;
   int world_size = 1;
   bool shuffle = true;
-  bool drop_last = true;    // drop this rank's last partial batch
-  bool pad_shards = true;   // DistributedSampler: pad (true) or drop (false) to equal shards
+  bool drop_last = true;   // drop this rank's last partial batch
+  bool pad_shards = true;  // DistributedSampler: pad (true) or drop (false) to equal shards
   at::ScalarType dtype = at::kFloat;
   bool channels_last = false;
   bool pin_memory = false;
@@ -65,14 +65,14 @@ struct LoaderBatch {
 };
 
 struct LoaderStats {
-  int64_t images = 0;           // decoded and augmented since construction
-  int64_t batches = 0;          // handed to the consumer
-  double decode_seconds = 0;    // thread-seconds in read + decode
-  double crop_seconds = 0;      // thread-seconds in crop sampling + resize
-  double augment_seconds = 0;   // thread-seconds in the photometric stage
-  double wait_seconds = 0;      // consumer time blocked on an unfinished batch
-  double elapsed_seconds = 0;   // wall time the pipeline has been producing
-  int64_t skipped = 0;          // files replaced under on_error="skip"
+  int64_t images = 0;                      // decoded and augmented since construction
+  int64_t batches = 0;                     // handed to the consumer
+  double decode_seconds = 0;               // thread-seconds in read + decode
+  double crop_seconds = 0;                 // thread-seconds in crop sampling + resize
+  double augment_seconds = 0;              // thread-seconds in the photometric stage
+  double wait_seconds = 0;                 // consumer time blocked on an unfinished batch
+  double elapsed_seconds = 0;              // wall time the pipeline has been producing
+  int64_t skipped = 0;                     // files replaced under on_error="skip"
   std::vector<std::string> skipped_files;  // the first 100, "path: cause"
   int num_threads = 0;
 };
@@ -137,7 +137,7 @@ class MultiCropLoader {
   std::vector<int64_t> order_;  // this rank's data set indices for the epoch
   int64_t next_task_ = 0;       // next sample position (in order_) to hand out
   int64_t end_task_ = 0;
-  int64_t consumed_ = 0;        // next batch to hand to the consumer
+  int64_t consumed_ = 0;  // next batch to hand to the consumer
   int busy_ = 0;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<LoaderBatch> pool_;  // pageable batches, reused once the consumer dropped them

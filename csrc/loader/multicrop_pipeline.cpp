@@ -18,11 +18,12 @@ double seconds_since(Clock::time_point& t) {
 }  // namespace
 
 void run_multicrop(const uint8_t* data, size_t size, Rng& rng, const PipelineOptions& options,
-                   const std::vector<CropTarget>& targets, PipelineScratch& scratch, PipelineTimes* times) {
+                   const std::vector<CropTarget>& targets, PipelineScratch& scratch,
+                   PipelineTimes* times) {
   const AugmentConfig& config = options.augment;
   if (static_cast<int>(targets.size()) != config.num_crops()) {
-    throw std::invalid_argument("run_multicrop: " + std::to_string(targets.size()) + " targets for " +
-                                std::to_string(config.num_crops()) + " crops");
+    throw std::invalid_argument("run_multicrop: " + std::to_string(targets.size()) +
+                                " targets for " + std::to_string(config.num_crops()) + " crops");
   }
   PipelineTimes local;
   auto t = Clock::now();
@@ -55,7 +56,8 @@ void run_multicrop(const uint8_t* data, size_t size, Rng& rng, const PipelineOpt
   for (int c = 0; c < config.num_crops(); ++c) {
     const int out_size = config.crop_size(c);
     const CropRect& r = plans[c].rect;
-    const CropBox box = scaled_crop_box(r.left, r.top, r.width, r.height, fx, fy, image.width, image.height);
+    const CropBox box =
+        scaled_crop_box(r.left, r.top, r.width, r.height, fx, fy, image.width, image.height);
     const CropTarget& target = targets[c];
     if (options.photometric) {
       scratch.crop.resize(static_cast<size_t>(out_size) * out_size * 3);
@@ -63,11 +65,12 @@ void run_multicrop(const uint8_t* data, size_t size, Rng& rng, const PipelineOpt
                           scratch.resample);
       local.crop += seconds_since(t);
       scratch.photometric.resize(photometric_scratch_floats(out_size, out_size));
-      apply_photometric(scratch.crop.data(), out_size, out_size, plans[c].params, options.normalization,
-                        target.out, scratch.photometric.data());
+      apply_photometric(scratch.crop.data(), out_size, out_size, plans[c].params,
+                        options.normalization, target.out, scratch.photometric.data());
       local.augment += seconds_since(t);
     } else {
-      resize_crop_bicubic(view, box, out_size, out_size, target.raw, target.raw_stride, scratch.resample);
+      resize_crop_bicubic(view, box, out_size, out_size, target.raw, target.raw_stride,
+                          scratch.resample);
       plans[c].params.to_floats(target.params);
       local.crop += seconds_since(t);
     }

@@ -43,10 +43,11 @@ void write_atomically(const std::string& dst, const std::vector<uint8_t>& bytes)
 
 }  // namespace
 
-PrepareResult reencode_image(const std::string& src, const std::string& dst, int max_side, int quality,
-                             const DecodeOptions& options) {
+PrepareResult reencode_image(const std::string& src, const std::string& dst, int max_side,
+                             int quality, const DecodeOptions& options) {
   if (max_side < 1) throw ImageError("max_side must be >= 1, got " + std::to_string(max_side));
-  if (quality < 1 || quality > 100) throw ImageError("quality must be in [1, 100], got " + std::to_string(quality));
+  if (quality < 1 || quality > 100)
+    throw ImageError("quality must be in [1, 100], got " + std::to_string(quality));
   Image image;
   try {
     const std::vector<uint8_t> bytes = read_file(src);
@@ -72,7 +73,8 @@ PrepareResult reencode_image(const std::string& src, const std::string& dst, int
     const int h = std::max(1, static_cast<int>(std::lround(image.height * s)));
     Image small(w, h);
     ResampleScratch scratch;
-    const CropBox box = scaled_crop_box(0, 0, image.width, image.height, 1.0, 1.0, image.width, image.height);
+    const CropBox box =
+        scaled_crop_box(0, 0, image.width, image.height, 1.0, 1.0, image.width, image.height);
     resize_crop_bicubic(image.view(), box, w, h, small.pixels.data(), int64_t{3} * w, scratch);
     image = std::move(small);
   }

@@ -19,7 +19,7 @@ struct PrepareResult {
 // above max_side, then PIL's anti-aliased bicubic), encodes JPEG at `quality`
 // and writes `dst` atomically (temporary file, fsync, rename). Throws
 // ImageError naming the file.
-PrepareResult reencode_image(const std::string& src, const std::string& dst, int max_side, int quality,
-                             const DecodeOptions& options = {});
+PrepareResult reencode_image(const std::string& src, const std::string& dst, int max_side,
+                             int quality, const DecodeOptions& options = {});
 
 }  // namespace dino_opt::loader

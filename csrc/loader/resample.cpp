@@ -21,8 +21,9 @@ double bicubic(double x) {
 
 // Fixed-point filter taps of every output position along one axis: output i
 // reads count[i] inputs from start[i] with weights[i * taps ...]. Returns taps.
-int axis_coefficients(double in0, double in1, int clamp0, int clamp1, int out_size, std::vector<int32_t>& weights,
-                      std::vector<int>& start, std::vector<int>& count) {
+int axis_coefficients(double in0, double in1, int clamp0, int clamp1, int out_size,
+                      std::vector<int32_t>& weights, std::vector<int>& start,
+                      std::vector<int>& count) {
   const double scale = (in1 - in0) / out_size;
   const double filter_scale = std::max(scale, 1.0);
   const double support = kSupport * filter_scale;
@@ -48,8 +49,8 @@ int axis_coefficients(double in0, double in1, int clamp0, int clamp1, int out_si
     }
     for (int k = 0; k < n; ++k) {
       const double v = total != 0.0 ? w[k] / total : 0.0;
-      weights[static_cast<size_t>(i) * taps + k] =
-          static_cast<int32_t>(v < 0 ? -0.5 + v * (1 << kPrecisionBits) : 0.5 + v * (1 << kPrecisionBits));
+      weights[static_cast<size_t>(i) * taps + k] = static_cast<int32_t>(
+          v < 0 ? -0.5 + v * (1 << kPrecisionBits) : 0.5 + v * (1 << kPrecisionBits));
     }
     start[i] = clamp0 + std::min(first, window - 1);
     count[i] = n;
@@ -65,9 +66,11 @@ inline uint8_t clip8(int32_t acc) {
 // out[i] = clip8(sum_k w[k] * lines[k][i]) for i < length, where line k
 // starts k * line_stride bytes after `lines`. The one hot loop of both passes;
 // compiled for AVX2 too and chosen at load time.
-__attribute__((target_clones("avx2", "default"))) void filter_lines(const uint8_t* lines, int64_t line_stride,
-                                                                     const int32_t* w, int taps, int64_t length,
-                                                                     int32_t* acc, uint8_t* out) {
+__attribute__((target_clones("avx2", "default"))) void filter_lines(const uint8_t* lines,
+                                                                    int64_t line_stride,
+                                                                    const int32_t* w, int taps,
+                                                                    int64_t length, int32_t* acc,
+                                                                    uint8_t* out) {
   constexpr int32_t kHalf = 1 << (kPrecisionBits - 1);
   std::fill(acc, acc + length, kHalf);
   for (int k = 0; k < taps; ++k) {
@@ -79,7 +82,8 @@ __attribute__((target_clones("avx2", "default"))) void filter_lines(const uint8_
 }
 
 // dst[c][r] = src[r][c] for 3-byte pixels: `rows` x `cols` in, cols x rows out.
-void transpose_rgb(const uint8_t* src, int64_t src_stride, int rows, int cols, uint8_t* dst, int64_t dst_stride) {
+void transpose_rgb(const uint8_t* src, int64_t src_stride, int rows, int cols, uint8_t* dst,
+                   int64_t dst_stride) {
   constexpr int kBlock = 32;  // tiles keep both sides in cache
   for (int r0 = 0; r0 < rows; r0 += kBlock) {
     for (int c0 = 0; c0 < cols; c0 += kBlock) {
@@ -99,8 +103,8 @@ void transpose_rgb(const uint8_t* src, int64_t src_stride, int rows, int cols, u
 
 }  // namespace
 
-CropBox scaled_crop_box(int left, int top, int width, int height, double fx, double fy, int src_width,
-                        int src_height) {
+CropBox scaled_crop_box(int left, int top, int width, int height, double fx, double fy,
+                        int src_width, int src_height) {
   CropBox b;
   b.x0 = left * fx;
   b.y0 = top * fy;
@@ -113,17 +117,18 @@ CropBox scaled_crop_box(int left, int top, int width, int height, double fx, dou
   return b;
 }
 
-void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width, int out_height, uint8_t* dst,
-                         int64_t dst_stride, ResampleScratch& s) {
-  if (out_width < 1 || out_height < 1 || !(box.x1 > box.x0) || !(box.y1 > box.y0) || box.clamp_x0 < 0 ||
-      box.clamp_y0 < 0 || box.clamp_x1 > src.width || box.clamp_y1 > src.height || box.clamp_x1 <= box.clamp_x0 ||
-      box.clamp_y1 <= box.clamp_y0) {
-    throw std::invalid_argument("resize_crop_bicubic: empty crop box or output, or box outside the image");
+void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width, int out_height,
+                         uint8_t* dst, int64_t dst_stride, ResampleScratch& s) {
+  if (out_width < 1 || out_height < 1 || !(box.x1 > box.x0) || !(box.y1 > box.y0) ||
+      box.clamp_x0 < 0 || box.clamp_y0 < 0 || box.clamp_x1 > src.width ||
+      box.clamp_y1 > src.height || box.clamp_x1 <= box.clamp_x0 || box.clamp_y1 <= box.clamp_y0) {
+    throw std::invalid_argument(
+        "resize_crop_bicubic: empty crop box or output, or box outside the image");
   }
-  const int taps_x =
-      axis_coefficients(box.x0, box.x1, box.clamp_x0, box.clamp_x1, out_width, s.weights_x, s.start_x, s.count_x);
-  const int taps_y =
-      axis_coefficients(box.y0, box.y1, box.clamp_y0, box.clamp_y1, out_height, s.weights_y, s.start_y, s.count_y);
+  const int taps_x = axis_coefficients(box.x0, box.x1, box.clamp_x0, box.clamp_x1, out_width,
+                                       s.weights_x, s.start_x, s.count_x);
+  const int taps_y = axis_coefficients(box.y0, box.y1, box.clamp_y0, box.clamp_y1, out_height,
+                                       s.weights_y, s.start_y, s.count_y);
 
   // Both passes filter along contiguous memory so that they vectorise: the
   // source window is transposed to columns x rows, the horizontal pass runs
@@ -139,14 +144,15 @@ void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width
   const int64_t row_bytes = int64_t{3} * out_width;
 
   s.columns.resize(static_cast<size_t>(cols) * column_bytes);
-  transpose_rgb(src.row(row_first) + 3 * col_first, src.stride, rows, cols, s.columns.data(), column_bytes);
+  transpose_rgb(src.row(row_first) + 3 * col_first, src.stride, rows, cols, s.columns.data(),
+                column_bytes);
 
   s.accum.resize(std::max(column_bytes, row_bytes));
   s.filtered.resize(static_cast<size_t>(out_width) * column_bytes);
   for (int x = 0; x < out_width; ++x) {
     filter_lines(s.columns.data() + (s.start_x[x] - col_first) * column_bytes, column_bytes,
-                 s.weights_x.data() + static_cast<size_t>(x) * taps_x, s.count_x[x], column_bytes, s.accum.data(),
-                 s.filtered.data() + x * column_bytes);
+                 s.weights_x.data() + static_cast<size_t>(x) * taps_x, s.count_x[x], column_bytes,
+                 s.accum.data(), s.filtered.data() + x * column_bytes);
   }
 
   s.rows.resize(static_cast<size_t>(rows) * row_bytes);
@@ -154,8 +160,8 @@ void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width
 
   for (int y = 0; y < out_height; ++y) {
     filter_lines(s.rows.data() + (s.start_y[y] - row_first) * row_bytes, row_bytes,
-                 s.weights_y.data() + static_cast<size_t>(y) * taps_y, s.count_y[y], row_bytes, s.accum.data(),
-                 dst + y * dst_stride);
+                 s.weights_y.data() + static_cast<size_t>(y) * taps_y, s.count_y[y], row_bytes,
+                 s.accum.data(), dst + y * dst_stride);
   }
 }
 

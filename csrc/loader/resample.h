@@ -23,8 +23,8 @@ struct CropBox {
 // The box of an integer crop (left, top, width, height) of an image decoded at
 // `fx`, `fy` times its full size, clamped to the `src_width` x `src_height`
 // decoded image.
-CropBox scaled_crop_box(int left, int top, int width, int height, double fx, double fy, int src_width,
-                        int src_height);
+CropBox scaled_crop_box(int left, int top, int width, int height, double fx, double fy,
+                        int src_width, int src_height);
 
 // Reusable buffers, one per thread.
 struct ResampleScratch {
@@ -38,7 +38,7 @@ struct ResampleScratch {
 
 // Resizes `box` of `src` to out_width x out_height RGB into `dst` (rows
 // `dst_stride` bytes apart).
-void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width, int out_height, uint8_t* dst,
-                         int64_t dst_stride, ResampleScratch& scratch);
+void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width, int out_height,
+                         uint8_t* dst, int64_t dst_stride, ResampleScratch& scratch);
 
 }  // namespace dino_opt::loader

@@ -62,6 +62,8 @@ _AUGMENT_KEYS = (
     "solarize_p_global2",
 )
 _DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit
+# What must match for a loader state to resume this loader.
+_STATE_KEYS = ("seed", "num_samples", "batch_size", "rank", "world_size", "shuffle", "drop_last")
 
 
 class Batch(NamedTuple):
@@ -108,9 +110,7 @@ def find_images(
         if direct and not paths:
             return direct, [-1] * len(direct), []
         if not paths:
-            raise ValueError(
-                f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}"
-            )
+            raise ValueError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
         return paths, out_labels, classes
     paths = [os.fspath(p) for p in source]
     if not paths:
@@ -128,7 +128,9 @@ def _walk_images(folder: Path) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames.sort()
         found += [
-            os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)
+            os.path.join(dirpath, f)
+            for f in sorted(filenames)
+            if f.lower().endswith(IMAGE_EXTENSIONS)
         ]
     return found
 
@@ -180,7 +182,9 @@ def _native_loader(
     _check_choice("photometric", photometric, ("cpu", "gpu"))
     _check_choice("on_error", on_error, ("raise", "skip"))
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        raise ValueError(
+            f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     options = dict(augment or {})
@@ -308,7 +312,9 @@ class MultiCropLoader:
         if photometric == "gpu":
             device = torch.device(device if device is not None else "cuda")
             if device.type == "cuda" and not torch.cuda.is_available():
-                raise RuntimeError("photometric='gpu' needs CUDA; pass device='cpu' to run the operator there")
+                raise RuntimeError(
+                    "photometric='gpu' needs CUDA; pass device='cpu' to run the operator there"
+                )
         elif device is not None:
             raise ValueError("device applies to photometric='gpu' only")
         self.device = device
@@ -432,12 +438,13 @@ class MultiCropLoader:
         """Resumes at ``state``'s next unseen batch: the next ``iter()`` yields
         exactly the batches an uninterrupted run would have. Raises
         ``ValueError`` when the data set or the sharding differ."""
-        for key in ("seed", "num_samples", "batch_size", "rank", "world_size", "shuffle", "drop_last"):
+        for key in _STATE_KEYS:
             if key not in state:
                 raise ValueError(f"loader state lacks {key!r}")
-            if state[key] != getattr(self, key):
+            mine = getattr(self, key)
+            if state[key] != mine:
                 raise ValueError(
-                    f"loader state has {key}={state[key]!r} but this loader has {getattr(self, key)!r}"
+                    f"loader state has {key}={state[key]!r} but this loader has {mine!r}"
                 )
         next_batch = int(state["next_batch"])
         if not 0 <= next_batch <= len(self):
