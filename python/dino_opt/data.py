@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _C
+from .ops import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -37,8 +38,6 @@ __all__ = [
     "multicrop_collate",
 ]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 
 #: A batch that holds an unreadable file (``on_error="raise"``), or a closed loader.
@@ -397,8 +396,6 @@ class MultiCropLoader:
 
     def _finish(self, groups, params, labels, indices) -> Batch:
         if self.photometric == "gpu":
-            from .ops import multicrop_photometric
-
             non_blocking = self.pin_memory and self.device.type == "cuda"
             groups = [
                 multicrop_photometric(
