@@ -1,0 +1,279 @@
+"""The memory-optimised DINO trainer.
+
+``MemoryOptimizedDINOTrainer`` keeps the lesson's constructor
+``(model, loss_fn, optimizer, config, device)`` and its two calls,
+``train_step_optimized(crops, epoch)`` (forward and backward of one
+micro-batch) and ``optimize_step()`` (clip, step, teacher update), but:
+
+- AMP runs in bfloat16 where the device supports it (no GradScaler needed),
+  float16 with a GradScaler otherwise, or float32;
+- the teacher sees only the global crops, under ``no_grad``;
+- crop batching bounds activation memory by running forward *and backward*
+  per group of student views (the DINO loss is a sum of per-view terms once
+  the teacher's targets are fixed), with no per-crop loop and no
+  ``empty_cache()``;
+- gradient clipping is one global norm over all parameters (``foreach``
+  kernels, no host synchronisation), the last layer is frozen in the first
+  ``freeze_last_layer`` epochs, and nothing calls ``.item()`` on the hot path:
+  the returned loss is a device tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ema import EMATeacher, cosine_scheduler
+
+__all__ = [
+    "DINOModel",
+    "MemoryOptimizedDINOTrainer",
+    "Schedules",
+    "param_groups",
+    "resolve_precision",
+]
+
+
+class DINOModel(nn.Module):
+    """A student and its momentum teacher (both multi-crop wrappers).
+
+    ``update_teacher(step)`` applies the fused EMA with the momentum of
+    ``step`` from ``momentum_schedule`` (a float, a per-step sequence or a
+    callable) and returns it.
+    """
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, momentum_schedule=0.996):
+        super().__init__()
+        self.student = student
+        self.teacher = teacher
+        self._ema = EMATeacher(student, teacher, momentum_schedule)
+        self.teacher_step = 0
+
+    def update_teacher(self, step: int | None = None) -> float:
+        step = self.teacher_step if step is None else step
+        m = self._ema.update(step)
+        self.teacher_step = step + 1
+        return m
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """DINO's two groups: weight decay on weights, none on biases and norms
+    (every parameter with fewer than two dimensions)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class Schedules:
+    """Per-iteration schedules of DESIGN.md section 4 (DINO's main_dino.py)."""
+
+    lr: np.ndarray
+    weight_decay: np.ndarray
+    momentum: np.ndarray
+
+    @classmethod
+    def dino(
+        cls,
+        *,
+        base_lr: float,
+        min_lr: float,
+        weight_decay: float,
+        weight_decay_end: float,
+        momentum_teacher: float,
+        epochs: int,
+        warmup_epochs: int,
+        niter_per_epoch: int,
+    ) -> Schedules:
+        """``base_lr`` is already scaled by the global batch (lr * batch / 256)."""
+        return cls(
+            lr=cosine_scheduler(base_lr, min_lr, epochs, niter_per_epoch, warmup_epochs),
+            weight_decay=cosine_scheduler(weight_decay, weight_decay_end, epochs, niter_per_epoch),
+            momentum=cosine_scheduler(momentum_teacher, 1.0, epochs, niter_per_epoch),
+        )
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``precision`` ('auto', 'bf16', 'fp16', 'fp32'),
+    None for float32. 'auto' is bfloat16 on a GPU that supports it, float32
+    elsewhere (bfloat16 autocast on a CPU is slower than float32 for most models)."""
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    choices = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+    if precision not in choices:
+        raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
+    return choices[precision]
+
+
+def _for_loss(x: torch.Tensor) -> torch.Tensor:
+    # Half-precision outputs of autocast go to float32 for the loss; float32
+    # and float64 models keep their dtype.
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _last_layer_params(student: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in student.named_parameters() if "last_layer" in n]
+
+
+class MemoryOptimizedDINOTrainer:
+    """One DINO training step at a time, memory-lean; see the module docstring.
+
+    ``config`` (a dict) takes the lesson's keys: ``use_amp`` (default True),
+    ``gradient_checkpointing`` (False), ``crop_batch_size`` (student views per
+    forward/backward group; None or >= the number of crops: one group),
+    ``accumulation_steps`` (1), ``gradient_clip`` (3.0; 0 disables); and
+    ``precision`` ('auto'; with ``use_amp=False``, float32),
+    ``freeze_last_layer`` (epochs, 1), ``n_global`` (teacher views, 2).
+    """
+
+    def __init__(
+        self,
+        model: DINOModel,
+        loss_fn: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: dict,
+        device: torch.device,
+    ):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.config = dict(config)
+        self.device = torch.device(device)
+        use_amp = bool(self.config.get("use_amp", True))
+        precision = self.config.get("precision", "auto") if use_amp else "fp32"
+        self.amp_dtype = resolve_precision(precision, self.device)
+        self.use_amp = self.amp_dtype is not None
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if self.amp_dtype == torch.float16 else None
+        )
+        self.gradient_checkpointing = bool(self.config.get("gradient_checkpointing", False))
+        self.crop_batch_size = self.config.get("crop_batch_size")
+        self.accumulation_steps = int(self.config.get("accumulation_steps", 1))
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        self.gradient_clip = float(self.config.get("gradient_clip", 3.0))
+        self.freeze_last_layer = int(self.config.get("freeze_last_layer", 1))
+        self.n_global = int(self.config.get("n_global", 2))
+        if self.gradient_checkpointing:
+            self._enable_gradient_checkpointing()
+        self._epoch = 0
+        self._micro_steps = 0
+
+    def _enable_gradient_checkpointing(self) -> None:
+        backbone = getattr(self.model.student, "backbone", None)
+        if backbone is None or not hasattr(backbone, "set_grad_checkpointing"):
+            raise ValueError("gradient_checkpointing needs a ViT backbone (set_grad_checkpointing)")
+        backbone.set_grad_checkpointing(True)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp)
+
+    def train_step_optimized(
+        self, crops: Sequence[torch.Tensor], epoch: int
+    ) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of one micro-batch of crops (global crops
+        first). Gradients accumulate until :meth:`optimize_step`. Returns the
+        loss as a detached device tensor (no host synchronisation) and metrics
+        that are also device tensors."""
+        crops = [c.to(self.device, non_blocking=True) for c in crops]
+        self._epoch = epoch
+        scale = 1.0 / self.accumulation_steps
+        with torch.no_grad(), self._autocast():
+            teacher_out = self.model.teacher(crops[: self.n_global])
+        groups = self._view_groups(len(crops))
+        if len(groups) == 1:
+            with self._autocast():
+                student_out = self.model.student(crops)
+            loss = self.loss_fn(_for_loss(student_out), _for_loss(teacher_out), epoch)
+            self._backward(loss * scale)
+        else:
+            loss = self._grouped_backward(crops, _for_loss(teacher_out), epoch, groups, scale)
+        self._micro_steps += 1
+        return loss.detach(), {"loss": loss.detach()}
+
+    def _view_groups(self, n_views: int) -> list[range]:
+        size = self.crop_batch_size
+        if not size or size >= n_views:
+            return [range(n_views)]
+        return [range(i, min(i + size, n_views)) for i in range(0, n_views, size)]
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _grouped_backward(self, crops, teacher_out, epoch, groups, scale) -> torch.Tensor:
+        """The loss as a sum of per-view terms given fixed teacher targets:
+        each group of student views runs forward and backward on its own, so
+        only one group's activations are alive at a time."""
+        lf = self.loss_fn
+        lf.apply_center_update()
+        b = crops[0].shape[0]
+        temp = lf._teacher_temps[epoch]
+        targets = F.softmax((teacher_out - lf.center) / temp, dim=-1).chunk(self.n_global)
+        total_targets = sum(targets)
+        n_views = len(crops)
+        n_terms = self.n_global * n_views - min(self.n_global, n_views)
+        total = teacher_out.new_zeros(())
+        for group in groups:
+            with self._autocast():
+                out = _for_loss(self.model.student([crops[v] for v in group]))
+            logp = F.log_softmax(out / lf.student_temp, dim=-1)
+            group_loss = out.new_zeros(())
+            for i, v in enumerate(group):
+                p = total_targets - targets[v] if v < self.n_global else total_targets
+                group_loss = group_loss - (p * logp[i * b : (i + 1) * b]).sum(-1).mean()
+            group_loss = group_loss / n_terms
+            self._backward(group_loss * scale)
+            total = total + group_loss.detach()
+        lf.update_center(teacher_out)
+        return total
+
+    def optimize_step(self) -> bool:
+        """Unscale (fp16), freeze the last layer in the first epochs, clip the
+        global gradient norm, step the optimizer, update the teacher. Returns
+        False (and skips) until ``accumulation_steps`` micro-batches have
+        accumulated. The gradient norm is kept as a device tensor in
+        ``self.last_grad_norm``."""
+        if self._micro_steps < self.accumulation_steps:
+            return False
+        self._micro_steps = 0
+        student = self.model.student
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self._epoch < self.freeze_last_layer:
+            for p in _last_layer_params(student):
+                p.grad = None
+        params = [p for p in student.parameters() if p.grad is not None]
+        if self.gradient_clip > 0:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, self.gradient_clip, foreach=True
+            )
+        else:
+            self.last_grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in params])
+            )
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.update_teacher()
+        return True
+
+    def set_schedules(self, schedules: Schedules, iteration: int) -> None:
+        """Applies the lr and weight decay of ``iteration`` to the optimizer
+        (weight decay only to the group that has it, as DINO does)."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = float(schedules.lr[iteration])
+            if i == 0:
+                group["weight_decay"] = float(schedules.weight_decay[iteration])
