@@ -20,8 +20,14 @@ micro-batch) and ``optimize_step()`` (clip, step, teacher update), but:
 
 from __future__ import annotations
 
+import copy
+import json
+import math
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +41,9 @@ __all__ = [
     "MemoryOptimizedDINOTrainer",
     "Schedules",
     "param_groups",
+    "resolve_device",
     "resolve_precision",
+    "run_training",
 ]
 
 
@@ -277,3 +285,222 @@ class MemoryOptimizedDINOTrainer:
             group["lr"] = float(schedules.lr[iteration])
             if i == 0:
                 group["weight_decay"] = float(schedules.weight_decay[iteration])
+
+
+# ---------------------------------------------------------------- the training job
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is the current CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"hardware.device={name} but CUDA is not available")
+    return device
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict:
+    """The whole job of ``dino-opt train``: data (the built-in set when
+    ``cfg.data.root`` is None), student and teacher, the native loader, the
+    fused loss and EMA, AMP, the DINO schedules; metrics as JSONL (and
+    TensorBoard), the resolved config, a final checkpoint and, at the end,
+    k-NN top-1 of the trained teacher beside the same network at random
+    initialisation. Returns the report (also written as report.json)."""
+    from .config import save_config
+    from .data import MultiCropLoader
+    from .datasets import builtin_dataset
+    from .knn import knn_evaluate
+    from .loss import DINOLoss
+    from .memory import MemoryTracker
+    from .models import build_dino_models
+
+    device = resolve_device(cfg.hardware.device)
+    torch.manual_seed(cfg.hardware.seed)
+    out = Path(output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+
+    if cfg.data.root is None:
+        root = builtin_dataset()
+        train_root, val_root = root / "train", root / "val"
+    else:
+        train_root = Path(cfg.data.root)
+        val_root = train_root.parent / "val" if (train_root.parent / "val").is_dir() else None
+    aug = cfg.augmentation
+    augment = {
+        k: getattr(aug, k)
+        for k in (
+            "flip_p", "jitter_p", "brightness", "contrast", "saturation", "hue", "grayscale_p",
+            "blur_sigma", "blur_p_global1", "blur_p_global2", "blur_p_local", "solarize_p_global2",
+        )
+    }  # fmt: skip
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    photometric_device = device if cfg.data.photometric == "gpu" else None
+    loader = MultiCropLoader(
+        train_root,
+        cfg.data.batch_size,
+        global_size=aug.global_crop_size,
+        local_size=aug.local_crop_size,
+        n_local=aug.num_local_views,
+        global_scale=aug.global_crops_scale,
+        local_scale=aug.local_crops_scale,
+        num_threads=cfg.data.num_workers,
+        prefetch=cfg.data.prefetch,
+        seed=cfg.hardware.seed,
+        dtype=dtype[cfg.data.dtype],
+        photometric=cfg.data.photometric,
+        device=photometric_device,
+        on_error=cfg.data.on_error,
+        augment=augment,
+        pin_memory=cfg.data.pin_memory and device.type == "cuda",
+    )
+    m = cfg.model
+    student, teacher = build_dino_models(
+        m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
+        m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim,
+    )  # fmt: skip
+    random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
+    student, teacher = student.to(device), teacher.to(device)
+    s = cfg.schedule
+    iters = len(loader) // cfg.optim.accumulation_steps
+    if iters < 1:
+        raise ValueError(
+            f"the data set gives {len(loader)} batches per epoch, fewer than "
+            f"optim.accumulation_steps={cfg.optim.accumulation_steps}"
+        )
+    from .config import effective_lr
+
+    schedules = Schedules.dino(
+        base_lr=effective_lr(cfg),
+        min_lr=cfg.optim.min_lr,
+        weight_decay=cfg.optim.weight_decay,
+        weight_decay_end=cfg.optim.weight_decay_end,
+        momentum_teacher=s.momentum_teacher,
+        epochs=s.epochs,
+        warmup_epochs=s.warmup_epochs,
+        niter_per_epoch=iters,
+    )
+    model = DINOModel(student, teacher, schedules.momentum)
+    loss_fn = DINOLoss(
+        m.out_dim, 2 + aug.num_local_views, s.warmup_teacher_temp, s.teacher_temp,
+        s.warmup_teacher_temp_epochs, s.epochs, s.student_temp, s.center_momentum,
+    ).to(device)  # fmt: skip
+    fused = cfg.optim.fused if cfg.optim.fused is not None else device.type == "cuda"
+    if cfg.optim.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, fused=fused)
+    else:
+        optimizer = torch.optim.SGD(param_groups(student), lr=0.0, momentum=0.9)
+    trainer = MemoryOptimizedDINOTrainer(
+        model,
+        loss_fn,
+        optimizer,
+        {
+            "precision": cfg.hardware.precision,
+            "gradient_checkpointing": cfg.hardware.grad_checkpointing,
+            "crop_batch_size": cfg.hardware.crop_batch_size,
+            "accumulation_steps": cfg.optim.accumulation_steps,
+            "gradient_clip": cfg.optim.clip_grad,
+            "freeze_last_layer": cfg.optim.freeze_last_layer,
+        },
+        device,
+    )
+    tracker = MemoryTracker(device=device)
+    metrics_path = out / "metrics.jsonl"
+    writer = None
+    if cfg.logging.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+    from tqdm import tqdm
+
+    total = s.epochs * len(loader)
+    bar = tqdm(total=total, disable=quiet or not cfg.logging.progress, unit="batch", desc="train")
+    step = 0
+    history = []
+    started = time.perf_counter()
+    window = (started, 0)
+    with open(metrics_path, "a") as log:
+        for epoch in range(s.epochs):
+            loader.set_epoch(epoch)
+            student.train()
+            for batch in loader:
+                it = min(step // cfg.optim.accumulation_steps, len(schedules.lr) - 1)
+                trainer.set_schedules(schedules, it)
+                loss, _ = trainer.train_step_optimized(batch.crops, epoch)
+                trainer.optimize_step()
+                step += 1
+                bar.update()
+                if step % cfg.logging.log_every == 0 or step == total:
+                    value = float(loss)  # the one host sync, at logging intervals
+                    if not math.isfinite(value):
+                        raise FloatingPointError(f"loss is {value} at step {step} (epoch {epoch})")
+                    now = time.perf_counter()
+                    images = (step - window[1]) * cfg.data.batch_size
+                    row = {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": value,
+                        "lr": float(schedules.lr[it]),
+                        "weight_decay": float(schedules.weight_decay[it]),
+                        "momentum": float(schedules.momentum[it]),
+                        "images_per_second": images / max(now - window[0], 1e-9),
+                    }
+                    row.update(tracker.get_memory_stats())
+                    window = (now, step)
+                    history.append(row)
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    if writer is not None:
+                        for k, v in row.items():
+                            if k not in ("step", "epoch"):
+                                writer.add_scalar(f"train/{k}", v, step)
+                    bar.set_postfix(loss=f"{value:.3f}", lr=f"{row['lr']:.2e}",
+                                    ips=f"{row['images_per_second']:.0f}")  # fmt: skip
+    bar.close()
+    loader.close()
+    train_seconds = time.perf_counter() - started
+    _atomic_torch_save(
+        {
+            "student": student.state_dict(),
+            "teacher": teacher.state_dict(),
+            "loss": loss_fn.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": s.epochs,
+            "config": cfg.to_dict(),
+        },
+        out / "checkpoint.pth",
+    )
+    report = {
+        "epochs": s.epochs,
+        "steps": step,
+        "train_seconds": train_seconds,
+        "final_loss": history[-1]["loss"] if history else None,
+        "device": str(device),
+    }
+    if val_root is not None:
+        size = aug.global_crop_size
+        ev = cfg.eval
+        trained = knn_evaluate(
+            teacher.backbone, train_root, val_root, size, device, k=ev.knn_k,
+            temperature=ev.knn_temperature,
+        )  # fmt: skip
+        random = knn_evaluate(
+            random_teacher.backbone.to(device), train_root, val_root, size, device, k=ev.knn_k,
+            temperature=ev.knn_temperature,
+        )  # fmt: skip
+        report["knn_top1_trained"] = trained["top1"]
+        report["knn_top1_random_init"] = random["top1"]
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if writer is not None:
+        writer.close()
+    return report

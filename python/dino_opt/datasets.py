@@ -1,0 +1,464 @@
+"""The built-in data set: synthetic shapes and textures, made by the package.
+
+``builtin_dataset()`` gives a small labelled image data set that needs no
+download, so that ``dino-opt train`` runs anywhere. It is an ImageFolder tree::
+
+    <root>/manifest.json
+    <root>/train/<class>/<class>_00000.jpg ...   (train_per_class per class)
+    <root>/val/<class>/<class>_00000.jpg ...     (val_per_class per class, held out)
+
+What is in it: ten classes, six silhouettes (``circle``, ``ring``, ``triangle``,
+``square``, ``star``, ``cross``: one to three flat-coloured instances per
+image) and four textures (``stripes``, ``checkerboard``, ``dots``, ``waves``:
+one textured patch, an ellipse or the whole frame). What varies inside each
+class, independently of the class: the background (smooth 1/f noise, a linear
+gradient, or both, between two random colours), every colour, the position,
+size, rotation and aspect of each instance, the period, orientation and duty
+cycle of a texture, and additive pixel noise. So colour, position and scale
+say nothing about the class; shape and texture do: a self-supervised model has
+to become invariant to DINO's colour jitter and crops to separate them, which
+is what k-NN on its features then measures.
+
+Every image is a pure function of ``(seed, generator version, split, class,
+index)``; JPEGs (PIL, quality 90) are byte-identical for the same parameters,
+whatever the number of workers. The tree is written into a temporary
+directory beside ``root`` and renamed into place, and ``manifest.json`` records
+the parameters, so a call reuses a complete cache and regenerates it only when
+it is missing, incomplete or made with other parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+__all__ = [
+    "BUILTIN_CLASSES",
+    "BUILTIN_VERSION",
+    "builtin_dataset",
+    "default_root",
+    "render_image",
+]
+
+#: Generator version: bump it whenever the images would change, so caches regenerate.
+BUILTIN_VERSION = 1
+#: Class names, sorted, so that the index of a name is its ImageFolder label.
+BUILTIN_CLASSES = (
+    "checkerboard",
+    "circle",
+    "cross",
+    "dots",
+    "ring",
+    "square",
+    "star",
+    "stripes",
+    "triangle",
+    "waves",
+)
+_SHAPES = ("circle", "ring", "triangle", "square", "star", "cross")
+_SPLITS = ("train", "val")
+_JPEG_QUALITY = 90
+_GENERATOR = "dino_opt.builtin"
+_TASK_IMAGES = 50
+
+
+def default_root() -> Path:
+    """``$DINO_OPT_DATA`` if set, else ``~/.cache/dino_opt/builtin-v1``."""
+    env = os.environ.get("DINO_OPT_DATA")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "dino_opt" / f"builtin-v{BUILTIN_VERSION}"
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _polygon_sdf(px: np.ndarray, py: np.ndarray, vertices: np.ndarray) -> np.ndarray:
+    """Signed distance from points to a closed polygon (negative inside):
+    distance to the nearest edge, sign from the even-odd crossing rule."""
+    dist2 = np.full(px.shape, np.inf)
+    inside = np.zeros(px.shape, dtype=bool)
+    m = len(vertices)
+    for i in range(m):
+        ax, ay = vertices[i]
+        bx, by = vertices[(i + 1) % m]
+        ex, ey = bx - ax, by - ay
+        wx, wy = px - ax, py - ay
+        h = np.clip((wx * ex + wy * ey) / (ex * ex + ey * ey), 0.0, 1.0)
+        dist2 = np.minimum(dist2, (wx - ex * h) ** 2 + (wy - ey * h) ** 2)
+        crosses = (ay > py) != (by > py)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x_at = ax + ex * (py - ay) / ey
+        inside ^= crosses & (px < x_at)
+    d = np.sqrt(dist2)
+    return np.where(inside, -d, d)
+
+
+def _regular(n: int, radius: float, phase: float = math.pi / 2) -> np.ndarray:
+    a = phase + 2 * math.pi * np.arange(n) / n
+    return np.stack([radius * np.cos(a), radius * np.sin(a)], axis=1)
+
+
+def _star(points: int, outer: float, inner: float) -> np.ndarray:
+    a = math.pi / 2 + math.pi * np.arange(2 * points) / points
+    r = np.where(np.arange(2 * points) % 2 == 0, outer, inner)
+    return np.stack([r * np.cos(a), r * np.sin(a)], axis=1)
+
+
+def _cross(arm: float, half_width: float) -> np.ndarray:
+    a, w = arm, half_width
+    return np.array(
+        [(w, w), (a, w), (a, -w), (w, -w), (w, -a), (-w, -a), (-w, -w), (-a, -w), (-a, w), (-w, w)]
+        + [(-w, a), (w, a)]
+    )
+
+
+def _shape_sdf(name: str, u: np.ndarray, v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Signed distance (in units of the instance radius) to one shape in its
+    own frame; sizes are chosen so that all shapes have a similar area."""
+    if name == "circle":
+        return np.hypot(u, v) - 0.95
+    if name == "ring":
+        w = rng.uniform(0.14, 0.24)  # half thickness: the hole stays clearly visible
+        return np.abs(np.hypot(u, v) - (1.0 - w)) - w
+    if name == "triangle":
+        return _polygon_sdf(u, v, _regular(3, 1.15))
+    if name == "square":
+        return _polygon_sdf(u, v, _regular(4, 1.15, math.pi / 4))
+    if name == "star":
+        return _polygon_sdf(u, v, _star(5, 1.15, rng.uniform(0.42, 0.52)))
+    if name == "cross":
+        return _polygon_sdf(u, v, _cross(1.0, rng.uniform(0.26, 0.36)))
+    raise ValueError(f"unknown shape {name!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def _log_frequency(size: int) -> np.ndarray:
+    fy = np.fft.fftfreq(size)[:, None]
+    fx = np.fft.rfftfreq(size)[None, :]
+    f = np.hypot(fx, fy)
+    f[0, 0] = 1.0
+    return np.log(f)
+
+
+@functools.lru_cache(maxsize=8)
+def _pixel_grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32) + np.float32(0.5)  # pixel centres
+    x.flags.writeable = False
+    y.flags.writeable = False
+    return x, y
+
+
+def _smooth_noise(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A 1/f^a random field in [0, 1] (a in [1.3, 2.2]: clouds, not grain),
+    drawn directly in the frequency domain (white complex noise times the
+    power law; irfft2 keeps the Hermitian part, so the field is real)."""
+    log_f = _log_frequency(size)
+    white = rng.standard_normal((2, *log_f.shape))
+    spectrum = (white[0] + 1j * white[1]) * np.exp(-rng.uniform(1.3, 2.2) * log_f)
+    spectrum[0, 0] = 0.0
+    field = np.fft.irfft2(spectrum, s=(size, size))
+    lo, hi = field.min(), field.max()
+    return ((field - lo) / max(hi - lo, 1e-12)).astype(np.float32)
+
+
+def _background(rng: np.random.Generator, size: int, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    kind = rng.integers(3)  # 0 noise, 1 gradient, 2 both
+    if kind == 1:
+        t = np.zeros((size, size), dtype=np.float32)
+    else:
+        t = _smooth_noise(rng, size)
+    if kind >= 1:
+        a = rng.uniform(0, 2 * math.pi)
+        ramp = (math.cos(a) * x + math.sin(a) * y) / size
+        ramp = (ramp - ramp.min()) / max(ramp.max() - ramp.min(), 1e-12)
+        t = ramp if kind == 1 else 0.5 * (t + ramp)
+    c1, c2 = rng.uniform(0, 1, 3).astype(np.float32), rng.uniform(0, 1, 3).astype(np.float32)
+    return c1 + (c2 - c1) * t[..., None]
+
+
+_LUMA = np.array([0.299, 0.587, 0.114])
+
+
+def _ink(rng: np.random.Generator, background: np.ndarray) -> np.ndarray:
+    """A random colour that stands out against the background's mean colour
+    (luma or colour distance), so every instance is visible."""
+    mean = background.reshape(-1, 3).mean(0)
+    colour = rng.uniform(0, 1, 3)
+    for _ in range(32):
+        if abs((colour - mean) @ _LUMA) > 0.18 or np.linalg.norm(colour - mean) > 0.45:
+            return colour.astype(np.float32)
+        colour = rng.uniform(0, 1, 3)
+    return (1.0 - mean).astype(np.float32)  # the complement is always far enough
+
+
+def _sharpen(s: np.ndarray, period_px: float, offset: float) -> np.ndarray:
+    """Turn a periodic wave in [-1, 1] into a near-binary pattern whose edges
+    are about one pixel wide (anti-aliased at any period)."""
+    return np.clip(0.5 + (s - offset) * (period_px / (2 * math.pi)), 0.0, 1.0)
+
+
+def _texture(name: str, rng: np.random.Generator, x: np.ndarray, y: np.ndarray, size: int):
+    period = rng.uniform(0.07, 0.16) * size  # pixels
+    a = rng.uniform(0, math.pi)
+    u = math.cos(a) * x + math.sin(a) * y
+    v = -math.sin(a) * x + math.cos(a) * y
+    k = 2 * math.pi / period
+    if name == "stripes":
+        return _sharpen(np.sin(k * u), period, rng.uniform(-0.3, 0.3))
+    if name == "checkerboard":
+        return _sharpen(np.sin(k * u) * np.sin(k * v), period, 0.0)
+    if name == "waves":
+        amplitude = rng.uniform(0.35, 0.7) * period
+        wavelength = rng.uniform(2.0, 4.0) * period
+        s = np.sin(k * (u + amplitude * np.sin(2 * math.pi * v / wavelength)))
+        return _sharpen(s, period, rng.uniform(-0.3, 0.3))
+    if name == "dots":
+        du = (u / period - np.round(u / period)) * period
+        dv = (v / period - np.round(v / period)) * period
+        radius = rng.uniform(0.2, 0.34) * period
+        return np.clip(radius - np.hypot(du, dv) + 0.5, 0.0, 1.0)
+    raise ValueError(f"unknown texture {name!r}")
+
+
+def render_image(class_name: str, rng: np.random.Generator, size: int) -> np.ndarray:
+    """One ``[size, size, 3]`` uint8 image of ``class_name`` drawn with ``rng``."""
+    if class_name not in BUILTIN_CLASSES:
+        raise ValueError(f"class_name must be one of {BUILTIN_CLASSES}, got {class_name!r}")
+    x, y = _pixel_grid(size)
+    img = _background(rng, size, x, y).astype(np.float32)
+    if class_name in _SHAPES:
+        count = int(rng.integers(1, 4))
+        placed: list[tuple[float, float, float]] = []
+        for _ in range(count):
+            radius = rng.uniform(0.11, 0.27 if count == 1 else 0.2) * size
+            for _attempt in range(24):  # instances may touch, but not hide one another
+                cx, cy = rng.uniform(0.8 * radius, size - 0.8 * radius, 2)
+                if all(
+                    math.hypot(cx - qx, cy - qy) > 1.05 * (radius + qr) for qx, qy, qr in placed
+                ):
+                    break
+            else:
+                continue
+            placed.append((cx, cy, radius))
+            theta = rng.uniform(0, 2 * math.pi)
+            aspect = math.exp(rng.uniform(-0.1, 0.1))
+            # Only the instance's bounding box is drawn: every shape lies within
+            # 1.2 radii (times the aspect) of its centre.
+            reach = 1.2 * radius * max(aspect, 1 / aspect) + 2
+            y0, y1 = max(0, int(cy - reach)), min(size, int(cy + reach) + 1)
+            x0, x1 = max(0, int(cx - reach)), min(size, int(cx + reach) + 1)
+            dx, dy = x[y0:y1, x0:x1] - cx, y[y0:y1, x0:x1] - cy
+            u = (math.cos(theta) * dx + math.sin(theta) * dy) / (radius * aspect)
+            v = (-math.sin(theta) * dx + math.cos(theta) * dy) * aspect / radius
+            d_px = _shape_sdf(class_name, u, v, rng) * (radius * min(aspect, 1 / aspect))
+            alpha = np.clip(0.5 - d_px, 0.0, 1.0)[..., None]
+            box = img[y0:y1, x0:x1]
+            box += (_ink(rng, box) - box) * alpha
+    else:
+        alpha = _texture(class_name, rng, x, y, size)
+        if rng.uniform() < 0.7:  # an elliptical patch; otherwise the whole frame
+            cx, cy = rng.uniform(0.3, 0.7, 2) * size
+            ra, rb = rng.uniform(0.28, 0.5, 2) * size
+            phi = rng.uniform(0, math.pi)
+            dx, dy = x - cx, y - cy
+            pu = (math.cos(phi) * dx + math.sin(phi) * dy) / ra
+            pv = (-math.sin(phi) * dx + math.cos(phi) * dy) / rb
+            edge = (np.hypot(pu, pv) - 1.0) * min(ra, rb)
+            alpha = alpha * np.clip(0.5 - edge, 0.0, 1.0)
+        img += (_ink(rng, img) - img) * alpha[..., None]
+    sigma = rng.uniform(0.0, 0.04)
+    img += rng.standard_normal(img.shape, dtype=np.float32) * np.float32(sigma)
+    return np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8)
+
+
+# ---------------------------------------------------------------- the cache
+
+
+def _image_rng(seed: int, split: int, label: int, index: int) -> np.random.Generator:
+    # One independent stream per image: the output does not depend on the
+    # order or the process in which images are made.
+    return np.random.default_rng([BUILTIN_VERSION, seed, split, label, index])
+
+
+def _write_images(task: tuple[str, int, int, int, int, int, int]) -> int:
+    """Render and save images ``start..stop-1`` of one class of one split;
+    returns the number of files."""
+    out_dir, seed, split, label, start, stop, size = task
+    name = BUILTIN_CLASSES[label]
+    folder = Path(out_dir) / _SPLITS[split] / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(start, stop):
+        pixels = render_image(name, _image_rng(seed, split, label, index), size)
+        Image.fromarray(pixels).save(
+            folder / f"{name}_{index:05d}.jpg", "JPEG", quality=_JPEG_QUALITY
+        )
+    return stop - start
+
+
+def _manifest(seed: int, image_size: int, train_per_class: int, val_per_class: int) -> dict:
+    n = len(BUILTIN_CLASSES)
+    return {
+        "generator": _GENERATOR,
+        "version": BUILTIN_VERSION,
+        "seed": seed,
+        "image_size": image_size,
+        "jpeg_quality": _JPEG_QUALITY,
+        "train_per_class": train_per_class,
+        "val_per_class": val_per_class,
+        "counts": {"train": n * train_per_class, "val": n * val_per_class},
+        "classes": list(BUILTIN_CLASSES),
+    }
+
+
+def _read_manifest(root: Path) -> dict | None:
+    try:
+        with open(root / "manifest.json") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_complete(root: Path, manifest: dict) -> bool:
+    """The manifest matches and every class folder holds its files (a cache
+    that someone pruned by hand is remade rather than trusted)."""
+    if _read_manifest(root) != manifest:
+        return False
+    for split, per_class in (
+        ("train", manifest["train_per_class"]),
+        ("val", manifest["val_per_class"]),
+    ):
+        for name in BUILTIN_CLASSES:
+            folder = root / split / name
+            try:
+                found = sum(1 for e in os.scandir(folder) if e.name.endswith(".jpg"))
+            except OSError:
+                return False
+            if found != per_class:
+                return False
+    return True
+
+
+def _check_count(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 16))
+
+
+def _generate(tasks: Sequence[tuple], workers: int) -> None:
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            _write_images(task)
+        return
+    # fork where it exists: workers start in milliseconds and only run numpy
+    # and PIL code; elsewhere spawn (macOS, Windows), where fork is unsafe.
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+        for _ in pool.map(_write_images, tasks):
+            pass
+
+
+def builtin_dataset(
+    root: str | os.PathLike | None = None,
+    train_per_class: int = 200,
+    val_per_class: int = 50,
+    image_size: int = 112,
+    seed: int = 0,
+    num_workers: int | None = None,
+) -> Path:
+    """The built-in data set's root, generated on first use (see the module
+    docstring for what it holds).
+
+    ``root`` defaults to :func:`default_root` (``$DINO_OPT_DATA`` or
+    ``~/.cache/dino_opt/builtin-v1``); ``root / "train"`` and ``root / "val"``
+    are ImageFolder trees with one folder per name in :data:`BUILTIN_CLASSES`
+    (folder order = label). The tree is reused when its ``manifest.json``
+    matches the parameters and no file is missing; otherwise it is generated
+    again in ``num_workers`` processes (default: the usable CPUs) into a
+    temporary directory and renamed into place. An existing ``root`` that is
+    not a data set made by this function (no manifest of ours, not empty) is
+    never overwritten: that raises ``FileExistsError``.
+    """
+    train_per_class = _check_count("train_per_class", train_per_class, 1)
+    val_per_class = _check_count("val_per_class", val_per_class, 1)
+    image_size = _check_count("image_size", image_size, 16)
+    seed = _check_count("seed", seed, 0)
+    workers = (
+        _default_workers() if num_workers is None else _check_count("num_workers", num_workers, 0)
+    )
+    root = Path(root).expanduser() if root is not None else default_root()
+    manifest = _manifest(seed, image_size, train_per_class, val_per_class)
+
+    if _is_complete(root, manifest):
+        return root
+    if root.exists():
+        if not root.is_dir():
+            raise FileExistsError(f"built-in data set root {str(root)!r} is a file")
+        ours = (_read_manifest(root) or {}).get("generator") == _GENERATOR
+        if not ours and any(os.scandir(root)):
+            raise FileExistsError(
+                f"built-in data set root {str(root)!r} exists and holds other files; "
+                "choose an empty or new directory (root=..., or $DINO_OPT_DATA)"
+            )
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        # Tasks of at most _TASK_IMAGES images, so that workers stay busy to the end.
+        tasks = [
+            (str(tmp), seed, split, label, start, min(start + _TASK_IMAGES, per_class), image_size)
+            for split, per_class in enumerate((train_per_class, val_per_class))
+            for label in range(len(BUILTIN_CLASSES))
+            for start in range(0, per_class, _TASK_IMAGES)
+        ]
+        _generate(tasks, workers)
+        # The manifest is written last: a tree without one is never trusted.
+        with open(tmp / "manifest.json", "w") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _install(tmp, root, manifest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def _install(tmp: Path, root: Path, manifest: dict) -> None:
+    """Rename the finished tree onto ``root``; an old tree (ours, checked by
+    the caller) is moved aside first and removed after."""
+    old = None
+    if root.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old-", dir=root.parent))
+        os.replace(root, old / "tree")
+    try:
+        os.rename(tmp, root)
+    except OSError:
+        # Another process installed a tree in between; keep it if it is the
+        # one we were making, else the error is real.
+        if not _is_complete(root, manifest):
+            raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
