@@ -121,7 +121,7 @@ DEMO_PRESET = {
     },
     "model": {
         "backbone": "vit_tiny",
-        "patch_size": 8,
+        "patch_size": 16,
         "drop_path_rate": 0.0,
         "out_dim": 4096,
         "hidden_dim": 512,
