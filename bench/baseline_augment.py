@@ -173,41 +173,46 @@ class V2MultiCropTransform:
         ]
 
 
-class PILMultiCrop(torch.utils.data.Dataset):
-    """ImageFolder-style dataset: PIL decode + the PIL multi-crop transform."""
+class _MultiCropFolder(torch.utils.data.Dataset):
+    """(path, label) samples through a decoder and a multi-crop transform."""
+
+    transform_class: type
 
     def __init__(self, samples: Sequence[tuple[str, int]], **crop_args):
         self.samples = list(samples)
-        self.transform = PILMultiCropTransform(**crop_args)
+        self.transform = self.transform_class(**crop_args)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> tuple[list[torch.Tensor], int]:
         path, label = self.samples[i]
+        return self.transform(self.decode(path)), label
+
+
+class PILMultiCrop(_MultiCropFolder):
+    """ImageFolder-style dataset: PIL decode + the PIL multi-crop transform."""
+
+    transform_class = PILMultiCropTransform
+
+    @staticmethod
+    def decode(path: str) -> Image.Image:
         # As torchvision's ImageFolder loader: open, then convert (which decodes).
         with open(path, "rb") as f:
-            img = Image.open(f).convert("RGB")
-        return self.transform(img), label
+            return Image.open(f).convert("RGB")
 
 
-class V2MultiCrop(torch.utils.data.Dataset):
+class V2MultiCrop(_MultiCropFolder):
     """ImageFolder-style dataset: decode_jpeg (libjpeg-turbo, CPU) + the v2
     multi-crop transform on uint8 tensors."""
 
-    def __init__(self, samples: Sequence[tuple[str, int]], **crop_args):
-        self.samples = list(samples)
-        self.transform = V2MultiCropTransform(**crop_args)
+    transform_class = V2MultiCropTransform
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> tuple[list[torch.Tensor], int]:
-        path, label = self.samples[i]
+    @staticmethod
+    def decode(path: str) -> torch.Tensor:
         with open(path, "rb") as f:
             data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-        img = decode_jpeg(data, mode=ImageReadMode.RGB)
-        return self.transform(img), label
+        return decode_jpeg(data, mode=ImageReadMode.RGB)
 
 
 def collate_multicrop(
