@@ -25,6 +25,7 @@ from . import _C
 from .ops import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
 
 __all__ = [
+    "AUGMENT_KEYS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
@@ -46,7 +47,9 @@ LoaderError = _C.LoaderError
 ImageError = _C.ImageError
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_AUGMENT_KEYS = (
+#: The photometric options ``augment={...}`` takes (names as in the config's
+#: ``augmentation`` section).
+AUGMENT_KEYS = (
     "flip_p",
     "jitter_p",
     "brightness",
@@ -187,9 +190,9 @@ def _native_loader(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     options = dict(augment or {})
-    unknown = sorted(set(options) - set(_AUGMENT_KEYS))
+    unknown = sorted(set(options) - set(AUGMENT_KEYS))
     if unknown:
-        raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(_AUGMENT_KEYS)}")
+        raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(AUGMENT_KEYS)}")
     if "blur_sigma" in options:
         options["blur_sigma"] = _pair("augment['blur_sigma']", options["blur_sigma"])
     options.update(

@@ -316,8 +316,8 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
     TensorBoard), the resolved config, a final checkpoint and, at the end,
     k-NN top-1 of the trained teacher beside the same network at random
     initialisation. Returns the report (also written as report.json)."""
-    from .config import save_config
-    from .data import MultiCropLoader
+    from .config import effective_lr, save_config
+    from .data import AUGMENT_KEYS, MultiCropLoader
     from .datasets import builtin_dataset
     from .knn import knn_evaluate
     from .loss import DINOLoss
@@ -337,13 +337,7 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
         train_root = Path(cfg.data.root)
         val_root = train_root.parent / "val" if (train_root.parent / "val").is_dir() else None
     aug = cfg.augmentation
-    augment = {
-        k: getattr(aug, k)
-        for k in (
-            "flip_p", "jitter_p", "brightness", "contrast", "saturation", "hue", "grayscale_p",
-            "blur_sigma", "blur_p_global1", "blur_p_global2", "blur_p_local", "solarize_p_global2",
-        )
-    }  # fmt: skip
+    augment = {k: getattr(aug, k) for k in AUGMENT_KEYS}
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     photometric_device = device if cfg.data.photometric == "gpu" else None
     loader = MultiCropLoader(
@@ -378,8 +372,6 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
             f"the data set gives {len(loader)} batches per epoch, fewer than "
             f"optim.accumulation_steps={cfg.optim.accumulation_steps}"
         )
-    from .config import effective_lr
-
     schedules = Schedules.dino(
         base_lr=effective_lr(cfg),
         min_lr=cfg.optim.min_lr,
