@@ -210,6 +210,19 @@ MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, 
   }
 }
 
+void MultiCropLoader::record(FillResult& result, bool count_sample) {
+  decode_s_ += result.times.decode;
+  crop_s_ += result.times.crop;
+  augment_s_ += result.times.augment;
+  if (!count_sample)
+    return;  // a sample of an abandoned epoch: its time was spent, it was not delivered
+  images_ += 1;
+  for (auto& s : result.skipped) {
+    ++skipped_;
+    if (skipped_files_.size() < kMaxSkippedListed) skipped_files_.push_back(std::move(s));
+  }
+}
+
 void MultiCropLoader::start_epoch(int64_t epoch, int64_t first_batch) {
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError("the loader is closed");
@@ -276,15 +289,9 @@ void MultiCropLoader::worker_loop() {
 
     lk.lock();
     --busy_;
-    decode_s_ += result.times.decode;
-    crop_s_ += result.times.crop;
-    augment_s_ += result.times.augment;
-    if (generation == generation_) {
-      images_ += 1;
-      for (auto& s : result.skipped) {
-        ++skipped_;
-        if (skipped_files_.size() < kMaxSkippedListed) skipped_files_.push_back(std::move(s));
-      }
+    const bool current = generation == generation_;
+    record(result, current);
+    if (current) {
       if (!result.error.empty() && row < slot.error_row) {
         slot.error_row = row;
         slot.error = std::move(result.error);
@@ -368,14 +375,7 @@ LoaderBatch MultiCropLoader::load_sample(int64_t index, int64_t epoch) {
   FillResult result = fill_row(batch, 0, 1, index, static_cast<uint64_t>(index), epoch);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    images_ += 1;
-    decode_s_ += result.times.decode;
-    crop_s_ += result.times.crop;
-    augment_s_ += result.times.augment;
-    for (auto& s : result.skipped) {
-      ++skipped_;
-      if (skipped_files_.size() < kMaxSkippedListed) skipped_files_.push_back(std::move(s));
-    }
+    record(result, true);
   }
   if (!result.error.empty()) throw LoaderError(result.error);
   return batch;

@@ -116,6 +116,9 @@ class MultiCropLoader {
     std::vector<std::string> skipped;  // skip mode: every file replaced
   };
   void worker_loop();
+  // Adds a sample's stage times (always) and, when `count_sample`, the sample
+  // and its skipped files to the statistics. Called with mu_ held.
+  void record(FillResult& result, bool count_sample);
   // Runs sample `index` (random stream `key`) into row `row` of a batch of `b`.
   FillResult fill_row(const LoaderBatch& batch, int64_t row, int64_t b, int64_t index, uint64_t key,
                       int64_t epoch) const;
