@@ -286,7 +286,10 @@ def assert_matches_reference(images, params, got):
     want, before = reference_batch(images, params)
     solarized = params[:, 12].bool().view(-1, 1, 1, 1)
     near = solarized & ((before - THRESHOLD).abs() < TOL)
-    assert near.float().mean() < 1e-3, "too many values on the threshold to test"
+    # Crops left unjittered hold exactly 128/255 for about 1 value in 256 (both
+    # sides invert those, see the solarize test); the mask must never hide more
+    # than a small share of the output.
+    assert near.float().mean() < 0.02, "too many values on the threshold to test"
     diff = (got.float() - want).abs().masked_fill(near, 0)
     worst = diff.max().item()
     assert worst <= NORM_TOL, f"max |diff| {worst:.3g} > {NORM_TOL:.3g}"
