@@ -1,11 +1,18 @@
 """`dino-opt train` end to end on a tiny configuration: a few steps on a
-tiny built-in data set, then the run folder and the report."""
+tiny built-in data set, then the run folder (report, metrics, plots, t-SNE
+maps, profile) and `dino-opt knn` on its checkpoint."""
 
+import contextlib
+import io
 import json
+import time
 
 import pytest
+import torch
 from dino_opt.cli import main
 from dino_opt.datasets import builtin_dataset
+from dino_opt.profiler import Profiler
+from dino_opt.trainer import PROFILE_PHASES, _profile_summary
 
 TINY = [
     "data.batch_size=8",
@@ -25,6 +32,8 @@ TINY = [
     "hardware.device=cpu",
 ]
 
+PNG = b"\x89PNG\r\n\x1a\n"
+
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
@@ -36,10 +45,33 @@ def tiny_data(tmp_path_factory):
     )
 
 
-def test_train_writes_a_complete_run_folder(tiny_data, tmp_path, capsys):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def run(tiny_data, tmp_path_factory):
+    """One tiny training run shared by the tests: (run folder, printed output)."""
+    out = tmp_path_factory.mktemp("run") / "run"
     args = ["train", "--output-dir", str(out), "--quiet", f"data.root={tiny_data / 'train'}"]
-    assert main(args + TINY) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(args + TINY) == 0
+    return out, printed.getvalue()
+
+
+def _knn(capsys, *args):
+    capsys.readouterr()
+    assert main(["knn", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _knn_error(capsys, *args) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["knn", *args])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_train_writes_a_complete_run_folder(run):
+    out, printed = run
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 2 * (20 // 8)  # 10 classes x 2 images, batch 8, drop_last
     assert report["final_loss"] is not None and report["final_loss"] > 0
@@ -50,8 +82,91 @@ def test_train_writes_a_complete_run_folder(tiny_data, tmp_path, capsys):
     assert {"lr", "weight_decay", "momentum", "images_per_second"} <= rows[0].keys()
     assert (out / "config.yaml").exists() and (out / "checkpoint.pth").exists()
     assert any((out / "tensorboard").iterdir())
-    printed = capsys.readouterr().out
+    for name in ("training_curves.png", "tsne_random_init.png", "tsne_trained.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
     assert json.loads(printed[printed.index("{") :])["steps"] == report["steps"]
+
+
+def test_profile_json_times_each_phase(run):
+    out, _ = run
+    report = json.loads((out / "report.json").read_text())
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["clock"] == "host" and profile["steps"] == report["steps"]
+    assert set(profile["phases"]) == set(PROFILE_PHASES)
+    for name, phase in profile["phases"].items():
+        assert phase["mean"] >= 0 and phase["median"] >= 0 and phase["p90"] >= phase["median"], name
+        assert 0 <= phase["share_of_step"] <= 1, name
+    assert profile["phases"]["forward_backward"]["mean"] > 0
+    assert profile["images_per_second"] > 0
+    shares = report["profile"]
+    assert set(shares) == {*PROFILE_PHASES, "other"}
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_profile_summary_sums_ranges_per_step():
+    p = Profiler("cpu")
+    p.clear()
+    for _ in range(3):
+        for name, seconds in (("data_wait", 0.002), ("forward_backward", 0.01)):
+            with p.range(name):
+                time.sleep(seconds)
+        p.step(4)
+    with p.range("data_wait"):  # the fetch that finds the loader exhausted: no step
+        pass
+    summary = _profile_summary(p, ("data_wait", "forward_backward", "optimizer_step"))
+    assert summary["steps"] == 3
+    fb = summary["phases"]["forward_backward"]
+    assert 0.01 <= fb["median"] < 0.5 and fb["total"] == pytest.approx(3 * fb["mean"])
+    assert summary["phases"]["optimizer_step"]["total"] == 0.0
+    shares = [v["share_of_step"] for v in summary["phases"].values()]
+    assert sum(shares) + summary["other_share_of_step"] == pytest.approx(1.0)
+    assert summary["images_per_second"] == pytest.approx(
+        12 / summary["step_seconds"]["total"], rel=1e-6
+    )
+
+
+def test_knn_reproduces_the_report(run, tiny_data, capsys):
+    out, _ = run
+    report = json.loads((out / "report.json").read_text())
+    teacher = _knn(capsys, "--checkpoint", str(out / "checkpoint.pth"), "--device", "cpu")
+    assert teacher["top1"] == report["knn_top1_trained"]  # same features, same vote
+    assert teacher["which"] == "teacher" and teacher["image_size"] == 32
+    assert (teacher["n_train"], teacher["n_val"], teacher["k"]) == (20, 10, 20)
+    assert teacher["val"] == str(tiny_data / "val")
+    student = _knn(
+        capsys, "--checkpoint", str(out / "checkpoint.pth"), "--data", str(tiny_data),
+        "--which", "student", "--k", "5", "--image-size", "24", "--device", "cpu",
+    )  # fmt: skip
+    assert student["which"] == "student" and student["k"] == 5 and student["image_size"] == 24
+    assert 0 <= student["top1"] <= student["top5"] <= 100
+
+
+def test_knn_errors_name_the_path(run, tiny_data, tmp_path, capsys):
+    out, _ = run
+    ckpt = str(out / "checkpoint.pth")
+    missing = tmp_path / "nope.pth"
+    assert str(missing) in _knn_error(capsys, "--checkpoint", str(missing))
+    corrupt = tmp_path / "corrupt.pth"
+    corrupt.write_bytes(b"not a checkpoint")
+    err = _knn_error(capsys, "--checkpoint", str(corrupt))
+    assert "cannot read checkpoint" in err and str(corrupt) in err
+    partial = tmp_path / "partial.pth"
+    torch.save({"student": {}}, partial)
+    err = _knn_error(capsys, "--checkpoint", str(partial))
+    assert str(partial) in err and "'teacher'" in err and "'config'" in err
+    no_data = tmp_path / "empty"
+    no_data.mkdir()
+    assert str(no_data / "train") in _knn_error(
+        capsys, "--checkpoint", ckpt, "--data", str(no_data)
+    )
+    (no_data / "train").symlink_to(tiny_data / "train")
+    assert str(no_data / "val") in _knn_error(capsys, "--checkpoint", ckpt, "--data", str(no_data))
+    wrong = tmp_path / "wrong.pth"
+    state = torch.load(ckpt, weights_only=True)
+    state["config"]["model"]["hidden_dim"] = 48  # weights no longer fit the model
+    torch.save(state, wrong)
+    err = _knn_error(capsys, "--checkpoint", str(wrong), "--device", "cpu")
+    assert str(wrong) in err and "do not fit" in err
 
 
 def test_bad_override_names_the_key(tmp_path):

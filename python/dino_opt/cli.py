@@ -3,6 +3,8 @@
 ``dino-opt train [--config my.yaml] [key=value ...]`` trains DINO (without a
 config: the demo recipe on the built-in data set, sized for a 2-core CPU);
 ``dino-opt config --print-defaults`` prints the full default configuration.
+``dino-opt knn --checkpoint RUN/checkpoint.pth [--data ROOT]`` prints the
+k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON.
 ``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
 once at a bounded size (JPEG), keeping its folder layout, so that every epoch
 after decodes small files; the loader reads SRC or DST alike.
@@ -154,6 +156,22 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _knn(args: argparse.Namespace) -> int:
+    from .trainer import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.checkpoint,
+        data=args.data,
+        image_size=args.image_size,
+        k=args.k,
+        temperature=args.temperature,
+        device=args.device,
+        which=args.which,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +196,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--print-defaults", action="store_true", help="DINO's defaults (the default)")
     c.add_argument("--demo", action="store_true", help="the demo preset instead")
     c.set_defaults(run=_config)
+
+    k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
+    k.add_argument("--checkpoint", required=True, help="checkpoint.pth of a dino-opt train run")
+    k.add_argument(
+        "--data",
+        help="folder holding train/ and val/ (default: the data of the checkpoint's config: "
+        "the built-in data set, or data.root and its sibling val)",
+    )
+    k.add_argument(
+        "--image-size", type=int, help="evaluation crop side (default: the global crop size)"
+    )
+    k.add_argument("--k", type=int, help="neighbours (default: the config's eval.knn_k, 20)")
+    k.add_argument(
+        "--temperature",
+        type=float,
+        help="vote temperature (default: the config's eval.knn_temperature, 0.07)",
+    )
+    k.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    k.add_argument(
+        "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
+    )
+    k.set_defaults(run=_knn)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

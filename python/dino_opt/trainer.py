@@ -20,6 +20,7 @@ micro-batch) and ``optimize_step()`` (clip, step, teacher update), but:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -39,7 +40,12 @@ from .ema import EMATeacher, cosine_scheduler
 __all__ = [
     "DINOModel",
     "MemoryOptimizedDINOTrainer",
+    "PROFILE_PHASES",
     "Schedules",
+    "build_models",
+    "data_roots",
+    "evaluate_checkpoint",
+    "load_checkpoint",
     "param_groups",
     "resolve_device",
     "resolve_precision",
@@ -300,6 +306,196 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def build_models(cfg) -> tuple[nn.Module, nn.Module]:
+    """Student and teacher of ``cfg.model`` (``models.build_dino_models``), on
+    the CPU: what ``run_training`` trains and what ``dino-opt knn`` loads a
+    checkpoint into."""
+    from .models import build_dino_models
+
+    m = cfg.model
+    return build_dino_models(
+        m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
+        m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim,
+    )  # fmt: skip
+
+
+def data_roots(cfg) -> tuple[Path, Path | None]:
+    """``(train, val)`` folders of a config: the built-in data set's ``train``
+    and ``val`` when ``cfg.data.root`` is None, else ``cfg.data.root`` and its
+    sibling ``val`` (None when there is none)."""
+    if cfg.data.root is None:
+        from .datasets import builtin_dataset
+
+        root = builtin_dataset()
+        return root / "train", root / "val"
+    train_root = Path(cfg.data.root)
+    val_root = train_root.parent / "val"
+    return train_root, val_root if val_root.is_dir() else None
+
+
+# The phases of a training step that run_training times (profile.json).
+PROFILE_PHASES = ("data_wait", "forward_backward", "optimizer_step")
+
+
+def _profile_summary(profiler, phases: Sequence[str] = PROFILE_PHASES) -> dict:
+    """Per-phase statistics of the finished steps of ``profiler`` (a
+    ``profiler.Profiler`` whose ranges are named after ``phases``), in seconds.
+
+    A phase's time in a step is the sum of its ranges that began in that step
+    (at an epoch's end the loader's exhausted fetch joins the next step's data
+    wait). On a GPU it is the GPU time between the range's two CUDA events
+    (device clock: how long the GPU spent in that phase, ~0 for a data wait
+    the GPU did not notice because it was still busy), elsewhere the host
+    time; ``host_seconds`` is always the host time. ``share_of_step`` is the
+    phase's total over the steps' total wall time; ``other`` is what the
+    phases' host times leave of the step (logging, the schedules, the
+    progress bar). Reading the ranges waits for the GPU (once, here)."""
+    steps = profiler.steps()
+    ranges = profiler.ranges()
+    n = len(steps)
+    gpu = profiler.device.type == "cuda"
+    step_s = np.array([s["host_ms"] for s in steps], dtype=np.float64) / 1e3
+    total = float(step_s.sum())
+    per_step = {p: np.zeros(n) for p in phases}
+    per_step_host = {p: np.zeros(n) for p in phases}
+    for r in ranges:
+        name, i = r["name"], r["step"]
+        if name not in per_step or i >= n:  # the fetch that found the loader exhausted
+            continue
+        ms = r["device_ms"] if r["device_ms"] is not None else r["host_ms"]
+        per_step[name][i] += ms / 1e3
+        per_step_host[name][i] += r["host_ms"] / 1e3
+
+    def stats(x: np.ndarray) -> dict:
+        if not len(x):
+            return {"mean": None, "median": None, "p90": None, "total": 0.0}
+        return {
+            "mean": float(x.mean()),
+            "median": float(np.median(x)),
+            "p90": float(np.percentile(x, 90)),
+            "total": float(x.sum()),
+        }
+
+    out_phases = {}
+    for p in phases:
+        entry = stats(per_step[p])
+        entry["share_of_step"] = entry["total"] / total if total > 0 else None
+        if gpu:
+            entry["host_seconds"] = stats(per_step_host[p])
+        out_phases[p] = entry
+    phase_host = sum(float(per_step_host[p].sum()) for p in phases)
+    summary = {
+        "clock": "device (CUDA events)" if gpu else "host",
+        "steps": n,
+        "step_seconds": stats(step_s),
+        "images_per_second": profiler.throughput(),
+        "phases": out_phases,
+        "other_share_of_step": max(0.0, 1.0 - phase_host / total) if total > 0 else None,
+    }
+    idle = [s["device_idle_ms"] for s in steps if s["device_idle_ms"] is not None]
+    if idle:  # the GPU's idle gap before each step's first work
+        summary["gpu_idle_before_step_seconds"] = stats(np.asarray(idle) / 1e3)
+    return summary
+
+
+def load_checkpoint(
+    path: str | os.PathLike, keys: Sequence[str] = ("student", "teacher", "config")
+) -> dict:
+    """The dict of a ``checkpoint.pth`` written by ``run_training`` (on the
+    CPU, read with ``weights_only``). A missing file raises
+    ``FileNotFoundError``; an unreadable one, or one without ``keys``,
+    ``ValueError``; both name the path."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"checkpoint {str(path)!r} is not a file")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip, pickle and torch errors alike: the file is not usable
+        raise ValueError(f"cannot read checkpoint {str(path)!r}: {e}") from e
+    if not isinstance(ckpt, dict):
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds a {type(ckpt).__name__}, not a dict of "
+            "state dicts (was it written by dino-opt train?)"
+        )
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise ValueError(
+            f"checkpoint {str(path)!r} lacks {', '.join(map(repr, missing))} "
+            f"(it has {', '.join(map(repr, ckpt)) or 'nothing'}); dino-opt train writes "
+            "'student', 'teacher' and 'config'"
+        )
+    return ckpt
+
+
+def evaluate_checkpoint(
+    path: str | os.PathLike,
+    data: str | os.PathLike | None = None,
+    image_size: int | None = None,
+    k: int | None = None,
+    temperature: float | None = None,
+    device: str = "auto",
+    which: str = "teacher",
+) -> dict:
+    """k-NN top-1/top-5 of the backbone of a ``run_training`` checkpoint
+    (``which``: its teacher or student) on ``data/train`` vs ``data/val``.
+
+    Defaults come from the checkpoint's config, as ``run_training`` used
+    them: the data of :func:`data_roots`, ``image_size`` the global crop
+    size, ``k`` and ``temperature`` its ``eval`` section; so the teacher's
+    top-1 equals the run's ``knn_top1_trained`` on the same device."""
+    from .config import Config
+    from .knn import knn_evaluate
+
+    if which not in ("teacher", "student"):
+        raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
+    ckpt = load_checkpoint(path, keys=(which, "config"))
+    try:
+        cfg = Config.from_dict(ckpt["config"])
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"checkpoint {str(path)!r}: its config is not valid: {e}") from e
+    if data is not None:
+        root = Path(data)
+        train_root, val_root = root / "train", root / "val"
+    else:
+        train_root, val_root = data_roots(cfg)
+        if val_root is None:
+            raise FileNotFoundError(
+                f"no held-out split beside {str(train_root)!r} (no "
+                f"{str(train_root.parent / 'val')!r}); pass --data ROOT with ROOT/train "
+                "and ROOT/val"
+            )
+    for split in (train_root, val_root):
+        if not split.is_dir():
+            raise FileNotFoundError(f"data folder {str(split)!r} does not exist")
+    student, teacher = build_models(cfg)
+    model = teacher if which == "teacher" else student
+    try:
+        model.load_state_dict(ckpt[which])
+    except (RuntimeError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"checkpoint {str(path)!r}: its {which} weights do not fit the model of its "
+            f"config ({cfg.model.backbone}): {e}"
+        ) from e
+    dev = resolve_device(device)
+    size = image_size if image_size is not None else cfg.augmentation.global_crop_size
+    result = knn_evaluate(
+        model.backbone.to(dev), train_root, val_root, size, dev,
+        k=k if k is not None else cfg.eval.knn_k,
+        temperature=temperature if temperature is not None else cfg.eval.knn_temperature,
+    )  # fmt: skip
+    return {
+        "checkpoint": str(path),
+        "which": which,
+        "train": str(train_root),
+        "val": str(val_root),
+        "image_size": size,
+        "device": str(dev),
+        **result,
+    }
+
+
 def _atomic_torch_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -315,14 +511,19 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
     fused loss and EMA, AMP, the DINO schedules; metrics as JSONL (and
     TensorBoard), the resolved config, a final checkpoint and, at the end,
     k-NN top-1 of the trained teacher beside the same network at random
-    initialisation. Returns the report (also written as report.json)."""
+    initialisation. Returns the report (also written as report.json).
+
+    The run folder also gets ``training_curves.png`` (the metrics over the
+    steps), ``profile.json`` (time per step phase; ``logging.profile``) and,
+    with a held-out split and ``logging.tsne``, ``tsne_random_init.png`` and
+    ``tsne_trained.png`` (t-SNE maps of the val features)."""
     from .config import effective_lr, save_config
     from .data import AUGMENT_KEYS, MultiCropLoader
-    from .datasets import builtin_dataset
-    from .knn import knn_evaluate
+    from .knn import knn_evaluate, tsne_plot
     from .loss import DINOLoss
     from .memory import MemoryTracker
-    from .models import build_dino_models
+    from .plots import plot_training_curves
+    from .profiler import Profiler
 
     device = resolve_device(cfg.hardware.device)
     torch.manual_seed(cfg.hardware.seed)
@@ -330,12 +531,7 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
 
-    if cfg.data.root is None:
-        root = builtin_dataset()
-        train_root, val_root = root / "train", root / "val"
-    else:
-        train_root = Path(cfg.data.root)
-        val_root = train_root.parent / "val" if (train_root.parent / "val").is_dir() else None
+    train_root, val_root = data_roots(cfg)
     aug = cfg.augmentation
     augment = {k: getattr(aug, k) for k in AUGMENT_KEYS}
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -359,10 +555,7 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
     )
     m = cfg.model
-    student, teacher = build_dino_models(
-        m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
-        m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim,
-    )  # fmt: skip
+    student, teacher = build_models(cfg)
     random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
     student, teacher = student.to(device), teacher.to(device)
     s = cfg.schedule
@@ -417,19 +610,34 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
 
     total = s.epochs * len(loader)
     bar = tqdm(total=total, disable=quiet or not cfg.logging.progress, unit="batch", desc="train")
+    # The phases of each step as ranges of the native profiler: host clock
+    # and, on a GPU, CUDA events on the current stream, resolved only when
+    # read after training; push/pop never synchronise the device (a few
+    # microseconds of host time per range, two event records on a GPU).
+    profiler = Profiler(device) if cfg.logging.profile else None
+    phase = profiler.range if profiler is not None else lambda name: contextlib.nullcontext()
     step = 0
     history = []
     started = time.perf_counter()
     window = (started, 0)
     with open(metrics_path, "a") as log:
+        if profiler is not None:
+            profiler.clear()  # the first step starts now, not at construction
         for epoch in range(s.epochs):
             loader.set_epoch(epoch)
             student.train()
-            for batch in loader:
+            batches = iter(loader)
+            while True:
+                with phase("data_wait"):
+                    batch = next(batches, None)
+                if batch is None:
+                    break
                 it = min(step // cfg.optim.accumulation_steps, len(schedules.lr) - 1)
                 trainer.set_schedules(schedules, it)
-                loss, _ = trainer.train_step_optimized(batch.crops, epoch)
-                trainer.optimize_step()
+                with phase("forward_backward"):
+                    loss, _ = trainer.train_step_optimized(batch.crops, epoch)
+                with phase("optimizer_step"):
+                    trainer.optimize_step()
                 step += 1
                 bar.update()
                 if step % cfg.logging.log_every == 0 or step == total:
@@ -458,6 +666,8 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
                                 writer.add_scalar(f"train/{k}", v, step)
                     bar.set_postfix(loss=f"{value:.3f}", lr=f"{row['lr']:.2e}",
                                     ips=f"{row['images_per_second']:.0f}")  # fmt: skip
+                if profiler is not None:
+                    profiler.step(cfg.data.batch_size)
     bar.close()
     loader.close()
     train_seconds = time.perf_counter() - started
@@ -479,19 +689,33 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
         "final_loss": history[-1]["loss"] if history else None,
         "device": str(device),
     }
+    if profiler is not None:
+        profile = _profile_summary(profiler)
+        (out / "profile.json").write_text(json.dumps(profile, indent=2) + "\n")
+        shares = {p: v["share_of_step"] for p, v in profile["phases"].items()}
+        shares["other"] = profile["other_share_of_step"]
+        report["profile"] = {p: None if v is None else round(v, 4) for p, v in shares.items()}
+    plot_training_curves(history, out / "training_curves.png")
     if val_root is not None:
         size = aug.global_crop_size
         ev = cfg.eval
-        trained = knn_evaluate(
-            teacher.backbone, train_root, val_root, size, device, k=ev.knn_k,
-            temperature=ev.knn_temperature,
-        )  # fmt: skip
-        random = knn_evaluate(
-            random_teacher.backbone.to(device), train_root, val_root, size, device, k=ev.knn_k,
-            temperature=ev.knn_temperature,
-        )  # fmt: skip
-        report["knn_top1_trained"] = trained["top1"]
-        report["knn_top1_random_init"] = random["top1"]
+        tsne = cfg.logging.tsne
+        for key, net, name, label in (
+            ("knn_top1_trained", teacher.backbone, "tsne_trained.png", "trained teacher"),
+            ("knn_top1_random_init", random_teacher.backbone.to(device), "tsne_random_init.png",
+             "teacher at random initialisation"),
+        ):  # fmt: skip
+            knn = knn_evaluate(
+                net, train_root, val_root, size, device, k=ev.knn_k,
+                temperature=ev.knn_temperature, return_features=tsne,
+            )  # fmt: skip
+            report[key] = knn["top1"]
+            if tsne:
+                tsne_plot(
+                    knn["val_features"], knn["val_labels"], knn["classes"], out / name,
+                    title=f"t-SNE of val features: {label} (k-NN top-1 {knn['top1']:.1f}%)",
+                    seed=cfg.hardware.seed,
+                )  # fmt: skip
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if writer is not None:
         writer.close()
