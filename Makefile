@@ -21,7 +21,7 @@ PY_DIRS     := python tests_py bench scripts
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py fuzz bench lint format gpu-check gpu-debs clean
+.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo lint format gpu-check gpu-debs clean
 
 setup: $(STAMPS)/build
 
@@ -78,6 +78,13 @@ fuzz: setup
 	mkdir -p $(FUZZ_DIR)/corpus
 	cd $(FUZZ_DIR) && ./fuzz_multicrop -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
 	  -rss_limit_mb=2048 -close_fd_mask=2 -print_final_stats=1 corpus seeds
+
+# The main job: set up, then train DINO on the built-in data set (the demo
+# preset), evaluate by k-NN against random initialisation, write runs/demo.
+DEMO_DIR ?= runs/demo
+demo: setup
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/dino-opt train --output-dir $(DEMO_DIR) $(DEMO_ARGS)
 
 bench: setup
 	$(PY) bench/bench_ema.py

@@ -120,17 +120,20 @@ DEMO_PRESET = {
         "num_local_views": 4,
         "global_crops_scale": [0.3, 1.0],
         "local_crops_scale": [0.05, 0.3],
+        # DINO's blur sigma (0.1, 2) is in pixels of 224-pixel crops; at 64
+        # pixels it wiped out the shapes of the always-blurred first view.
+        "blur_sigma": [0.05, 0.6],
     },
     "model": {
         "backbone": "vit_tiny",
         "patch_size": 16,
         "drop_path_rate": 0.0,
-        "out_dim": 4096,
+        "out_dim": 1024,
         "hidden_dim": 512,
         "bottleneck_dim": 128,
     },
     "optim": {"lr": 0.002, "weight_decay": 0.04, "weight_decay_end": 0.1},
-    "schedule": {"epochs": 4, "warmup_epochs": 1, "momentum_teacher": 0.99},
+    "schedule": {"epochs": 3, "warmup_epochs": 1, "momentum_teacher": 0.99},
     "logging": {"log_every": 5},
 }
 

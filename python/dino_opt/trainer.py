@@ -620,7 +620,7 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
     history = []
     started = time.perf_counter()
     window = (started, 0)
-    with open(metrics_path, "a") as log:
+    with open(metrics_path, "w") as log:  # a new run rewrites the folder
         if profiler is not None:
             profiler.clear()  # the first step starts now, not at construction
         for epoch in range(s.epochs):
@@ -664,8 +664,11 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
                         for k, v in row.items():
                             if k not in ("step", "epoch"):
                                 writer.add_scalar(f"train/{k}", v, step)
+                    # memory: the GPU allocator's peak on a GPU, else the process's RSS
+                    mem = row.get("gpu_memory_peak_gb", row["host_rss_gb"])
                     bar.set_postfix(loss=f"{value:.3f}", lr=f"{row['lr']:.2e}",
-                                    ips=f"{row['images_per_second']:.0f}")  # fmt: skip
+                                    ips=f"{row['images_per_second']:.0f}",
+                                    mem=f"{mem:.2f}G")  # fmt: skip
                 if profiler is not None:
                     profiler.step(cfg.data.batch_size)
     bar.close()
