@@ -92,6 +92,7 @@ def test_to_dict_is_plain_and_yaml_safe():
         "logging",
         "checkpoint",
         "eval",
+        "health",
     ]
     assert d["augmentation"]["global_crops_scale"] == [0.4, 1.0]
     assert isinstance(d["augmentation"]["blur_sigma"], list)

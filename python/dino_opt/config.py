@@ -41,6 +41,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "HardwareConfig",
+    "HealthConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
@@ -258,6 +259,39 @@ class EvalConfig:
     every_epochs: int = _opt(0, "epochs between evaluations; 0: only at the end", ge=0)
 
 
+@dataclass
+class HealthConfig:
+    """Training health checks at each logging interval (dino_opt.health)."""
+
+    enabled: bool = _opt(True, "check collapse, gradients, throughput and NaN steps while training")
+    feature_std_min: float = _opt(
+        0.1,
+        "collapse alert below this std of the L2-normalised features x sqrt(dim) "
+        "(isotropic features: 1)",
+        ge=0,
+    )
+    entropy_uniform_max: float = _opt(
+        0.98, "uniform-collapse alert above this teacher entropy / log(out_dim)", ge=0, le=1
+    )
+    entropy_dominant_min: float = _opt(
+        1.0,
+        "dominant-dimension alert below this entropy (nats) of the batch-mean teacher output",
+        ge=0,
+    )
+    grad_norm_max: float = _opt(
+        10.0, "gradient-explosion alert above this gradient norm (before clipping)", ge=0
+    )
+    throughput_drop: float = _opt(
+        0.8,
+        "throughput alert below this fraction of the first logged throughput; 0 disables",
+        ge=0,
+        le=1,
+    )
+    max_nonfinite_steps: int = _opt(
+        20, "stop after more than this many consecutive steps with a NaN/inf loss or gradient", ge=0
+    )
+
+
 # Section name -> section class, in the order they are written out.
 _SECTIONS: dict[str, type] = {
     "data": DataConfig,
@@ -269,6 +303,7 @@ _SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,
+    "health": HealthConfig,
 }
 
 
@@ -285,6 +320,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict of builtins (tuples as lists), safe for YAML and JSON."""
