@@ -66,7 +66,7 @@ def test_defaults_are_dinos_vit_s16_recipe():
     assert (s.student_temp, s.center_momentum) == (0.1, 0.9)
     assert (c.eval.knn_k, c.eval.knn_temperature) == (20, 0.07)
     assert c.hardware.seed == 0 and c.hardware.precision == "auto"
-    assert c.data.root is None and c.data.num_workers is None and c.checkpoint.resume is None
+    assert c.data.root is None and c.data.num_workers is None and c.checkpoint.resume == "auto"
 
 
 def test_default_config_is_a_fresh_object_each_call():

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +81,9 @@ def test_train_writes_a_complete_run_folder(run):
     assert [r["step"] for r in rows] == list(range(1, report["steps"] + 1))
     assert all(r["loss"] > 0 for r in rows)
     assert {"lr", "weight_decay", "momentum", "images_per_second"} <= rows[0].keys()
-    assert (out / "config.yaml").exists() and (out / "checkpoint.pth").exists()
+    assert (out / "config.yaml").exists()
+    final = Path(report["checkpoint"])  # the final checkpoint, a milestone in checkpoints/
+    assert final.parent == out / "checkpoints" and final.is_file()
     assert any((out / "tensorboard").iterdir())
     for name in ("training_curves.png", "tsne_random_init.png", "tsne_trained.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
@@ -128,13 +131,13 @@ def test_profile_summary_sums_ranges_per_step():
 def test_knn_reproduces_the_report(run, tiny_data, capsys):
     out, _ = run
     report = json.loads((out / "report.json").read_text())
-    teacher = _knn(capsys, "--checkpoint", str(out / "checkpoint.pth"), "--device", "cpu")
+    teacher = _knn(capsys, "--checkpoint", str(out), "--device", "cpu")  # the run folder
     assert teacher["top1"] == report["knn_top1_trained"]  # same features, same vote
     assert teacher["which"] == "teacher" and teacher["image_size"] == 32
     assert (teacher["n_train"], teacher["n_val"], teacher["k"]) == (20, 10, 20)
     assert teacher["val"] == str(tiny_data / "val")
     student = _knn(
-        capsys, "--checkpoint", str(out / "checkpoint.pth"), "--data", str(tiny_data),
+        capsys, "--checkpoint", report["checkpoint"], "--data", str(tiny_data),
         "--which", "student", "--k", "5", "--image-size", "24", "--device", "cpu",
     )  # fmt: skip
     assert student["which"] == "student" and student["k"] == 5 and student["image_size"] == 24
@@ -143,13 +146,13 @@ def test_knn_reproduces_the_report(run, tiny_data, capsys):
 
 def test_knn_errors_name_the_path(run, tiny_data, tmp_path, capsys):
     out, _ = run
-    ckpt = str(out / "checkpoint.pth")
+    ckpt = json.loads((out / "report.json").read_text())["checkpoint"]
     missing = tmp_path / "nope.pth"
     assert str(missing) in _knn_error(capsys, "--checkpoint", str(missing))
     corrupt = tmp_path / "corrupt.pth"
     corrupt.write_bytes(b"not a checkpoint")
     err = _knn_error(capsys, "--checkpoint", str(corrupt))
-    assert "cannot read checkpoint" in err and str(corrupt) in err
+    assert "cannot be loaded" in err and str(corrupt) in err
     partial = tmp_path / "partial.pth"
     torch.save({"student": {}}, partial)
     err = _knn_error(capsys, "--checkpoint", str(partial))

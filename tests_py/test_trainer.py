@@ -169,3 +169,52 @@ def test_param_groups_exempt_biases_and_norms():
     decay, no_decay = param_groups(m)
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])]
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nonfinite_step_is_skipped_and_reported(gen, fused):
+    crops = make_crops(gen, dtype=torch.float32)
+    trainer, model = build(gen, len(crops))
+    model.float()
+    trainer.loss_fn.float()
+    trainer.optimizer = torch.optim.AdamW(param_groups(model.student), lr=1e-2, fused=fused)
+    trainer.train_step_optimized(crops, 1)
+    assert trainer.optimize_step() and bool(trainer.last_step_finite)  # one good step first
+    student = copy.deepcopy(model.student.state_dict())
+    teacher = copy.deepcopy(model.teacher.state_dict())
+    opt_state = copy.deepcopy(trainer.optimizer.state_dict()["state"])
+    weight = model.student.head[0].weight
+    hook = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    trainer.train_step_optimized(crops, 1)
+    assert trainer.optimize_step()
+    hook.remove()
+    assert not bool(trainer.last_step_finite)
+    for name, value in model.student.state_dict().items():
+        assert torch.equal(value, student[name]), name
+    if not fused:  # the fused path skips on the device and still moves the teacher
+        for name, value in model.teacher.state_dict().items():
+            assert torch.equal(value, teacher[name]), name
+    for i, state in trainer.optimizer.state_dict()["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, opt_state[i][k]), (i, k)
+    assert model.teacher_step == 2  # the momentum schedule stays aligned with the steps
+    trainer.train_step_optimized(crops, 1)
+    trainer.optimize_step()
+    assert bool(trainer.last_step_finite)
+    assert not torch.equal(model.student.head[0].weight, student["head.0.weight"])
+
+
+@pytest.mark.parametrize("group", [None, 1, 3])
+def test_captured_outputs_are_the_global_views(gen, group):
+    crops = make_crops(gen, n_local=3)
+    trainer, model = build(gen, len(crops), config={"crop_batch_size": group})
+    before = copy.deepcopy(model)
+    trainer.capture_outputs = True
+    trainer.train_step_optimized(crops, 1)
+    got = trainer.captured
+    with torch.no_grad():
+        torch.testing.assert_close(got["teacher_logits"], before.teacher(crops[:2]))
+        torch.testing.assert_close(got["student_logits"], before.student(crops[:2]))
+    trainer.capture_outputs = False
+    trainer.train_step_optimized(crops, 1)
+    assert trainer.captured == {}

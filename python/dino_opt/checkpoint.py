@@ -52,6 +52,7 @@ loop polls, so that it can checkpoint and exit cleanly).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -80,9 +81,11 @@ import torch
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointedDINOTrainer",
     "CheckpointRecord",
     "CheckpointWriteError",
     "GracefulStop",
+    "ResumeError",
     "capture_rng_state",
     "restore_rng_state",
     "run_metadata",
@@ -810,7 +813,7 @@ def run_metadata(cwd: str | os.PathLike | None = None, *, git_timeout: float = 5
         dirty = None if status is None else bool(status.strip())
     return {
         "dino_opt_version": _package_version(),
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # a str subclass weights_only refuses
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
         "platform": sys.platform,
@@ -912,3 +915,444 @@ class GracefulStop:
         if self._active:
             self._restore()
             self._active = False
+
+
+# ------------------------------------------------------------ the training job
+
+# Config keys that may differ between a checkpoint and the run resuming it:
+# where things go and how they are reported, not what is computed (the loader
+# gives the same batches whatever its thread count).
+_RESUME_MAY_DIFFER = ("logging.", "checkpoint.", "health.", "eval.", "hardware.device",
+                      "data.num_workers", "data.prefetch", "data.pin_memory")  # fmt: skip
+
+
+class ResumeError(ValueError):
+    """A checkpoint cannot continue this run (another config, a bad file)."""
+
+
+def _config_differences(saved: dict, current: dict) -> list[str]:
+    keys = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            name = f"{section}.{key}"
+            if a.get(key) != b.get(key) and not name.startswith(_RESUME_MAY_DIFFER):
+                keys.append(f"{name}: {a.get(key)!r} in the checkpoint, {b.get(key)!r} now")
+    return keys
+
+
+class CheckpointedDINOTrainer:
+    """The training job of ``dino-opt train``, restartable at any step.
+
+    ``CheckpointedDINOTrainer(config, output_dir=..., auto_resume=True).train()``
+    builds the loader, student and teacher, loss, optimizer and
+    :class:`~dino_opt.trainer.MemoryOptimizedDINOTrainer` from a
+    :class:`~dino_opt.config.Config` (or a YAML path, or a dict), trains, and
+    returns the report that ``run_training`` returns. Underneath, a
+    :class:`CheckpointManager` (``self.checkpoint_manager``) writes the
+    complete state to ``<run>/checkpoints/`` at the end of every
+    ``checkpoint.every_epochs`` epochs, every ``checkpoint.every_steps``
+    optimizer steps, when a SIGTERM, SIGINT or SIGUSR1 arrives (at the next
+    step boundary, then the run stops cleanly: ``report["stopped_by"]``), when
+    the run stops on repeated non-finite steps, and at the end.
+
+    The state: student, teacher, optimizer, grad scaler, loss center, the
+    teacher's step, epoch and step, the loader's position inside the epoch,
+    every RNG, the metrics so far, the resolved config, the versions and the
+    git commit. Resuming (``auto_resume`` / ``checkpoint.resume``) restores all
+    of it, so on the CPU a resumed run gives the same losses and the same
+    final weights, bit for bit, as one that never stopped. A checkpoint from a
+    run with another config (other than logging, checkpoint, health, eval,
+    device and loader-thread settings) is refused, naming the keys.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        config_path: str | os.PathLike | None = None,
+        overrides: Iterable[str] = (),
+        output_dir: str | os.PathLike | None = None,
+        auto_resume: bool = True,
+        quiet: bool = False,
+        enable_live_dashboard: bool | None = None,
+    ):
+        from .config import Config, apply_overrides, default_config, load_config
+
+        if config is not None and config_path is not None:
+            raise ValueError("give config or config_path, not both")
+        source = config if config is not None else config_path
+        overrides = list(overrides)
+        if source is None:
+            cfg = apply_overrides(default_config(), overrides)
+        elif isinstance(source, Config):
+            cfg = apply_overrides(source, overrides) if overrides else source
+        elif isinstance(source, dict):
+            cfg = apply_overrides(Config.from_dict(source), overrides)
+        else:
+            cfg = load_config(source, overrides)
+        if not auto_resume and cfg.checkpoint.resume == "auto":
+            cfg = apply_overrides(cfg, ["checkpoint.resume=null"])
+        if enable_live_dashboard is not None:
+            cfg = apply_overrides(cfg, [f"logging.tensorboard={bool(enable_live_dashboard)}"])
+        self.config = cfg
+        self.quiet = quiet
+        out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+        self.output_dir = Path(out)
+        ck = cfg.checkpoint
+        self.checkpoint_manager = CheckpointManager(
+            self.output_dir / "checkpoints", keep_last=ck.keep, milestone_every=ck.milestone_every
+        )
+
+    # ------------------------------------------------------------ resume
+
+    def _checkpoint_to_resume(self) -> tuple[dict, Path] | None:
+        resume = self.config.checkpoint.resume
+        manager = self.checkpoint_manager
+        if resume is None:
+            if manager.checkpoints():
+                raise ResumeError(
+                    f"run folder {str(self.output_dir)!r} already holds checkpoints; continue "
+                    "it with checkpoint.resume=auto, or choose another output folder"
+                )
+            return None
+        if resume == "auto":
+            return manager.load_latest()
+        path = Path(resume)
+        try:
+            if manager.sidecar_path(path).exists() or path.parent == manager.directory:
+                return manager.load(path), path
+            return manager.load(path, verify=False), path
+        except (ValueError, OSError) as e:
+            raise ResumeError(f"checkpoint.resume={resume!r}: {e}") from e
+
+    # ------------------------------------------------------------ the job
+
+    def train(self) -> dict:  # noqa: C901 - one linear job, split into phases by comments
+        """Trains (resuming when configured) and returns the report."""
+        from .config import effective_lr, save_config
+        from .data import AUGMENT_KEYS, MultiCropLoader
+        from .health import HealthThresholds, NonFiniteError, TrainingHealthMonitor
+        from .knn import knn_evaluate, tsne_plot
+        from .loss import DINOLoss
+        from .memory import MemoryTracker
+        from .plots import plot_training_curves
+        from .profiler import Profiler
+        from .trainer import (
+            DINOModel,
+            MemoryOptimizedDINOTrainer,
+            Schedules,
+            _profile_summary,
+            build_models,
+            data_roots,
+            param_groups,
+            resolve_device,
+        )
+
+        cfg, out = self.config, self.output_dir
+        device = resolve_device(cfg.hardware.device)
+        torch.manual_seed(cfg.hardware.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        resumed = self._checkpoint_to_resume()
+        if resumed is not None:
+            differences = _config_differences(resumed[0].get("config", {}), cfg.to_dict())
+            if differences:
+                raise ResumeError(
+                    f"checkpoint {str(resumed[1])!r} belongs to a run with another config: "
+                    + "; ".join(differences)
+                    + " (train in another run folder to start afresh)"
+                )
+        save_config(cfg, out / "config.yaml")
+
+        # ---- data, models, optimisation: the same objects whether fresh or resumed
+        train_root, val_root = data_roots(cfg)
+        aug = cfg.augmentation
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        loader = MultiCropLoader(
+            train_root,
+            cfg.data.batch_size,
+            global_size=aug.global_crop_size,
+            local_size=aug.local_crop_size,
+            n_local=aug.num_local_views,
+            global_scale=aug.global_crops_scale,
+            local_scale=aug.local_crops_scale,
+            num_threads=cfg.data.num_workers,
+            prefetch=cfg.data.prefetch,
+            seed=cfg.hardware.seed,
+            dtype=dtype[cfg.data.dtype],
+            photometric=cfg.data.photometric,
+            device=device if cfg.data.photometric == "gpu" else None,
+            on_error=cfg.data.on_error,
+            augment={k: getattr(aug, k) for k in AUGMENT_KEYS},
+            pin_memory=cfg.data.pin_memory and device.type == "cuda",
+        )
+        m, s = cfg.model, cfg.schedule
+        student, teacher = build_models(cfg)
+        random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
+        student, teacher = student.to(device), teacher.to(device)
+        accumulation = cfg.optim.accumulation_steps
+        iters = len(loader) // accumulation
+        if iters < 1:
+            raise ValueError(
+                f"the data set gives {len(loader)} batches per epoch, fewer than "
+                f"optim.accumulation_steps={accumulation}"
+            )
+        schedules = Schedules.dino(
+            base_lr=effective_lr(cfg),
+            min_lr=cfg.optim.min_lr,
+            weight_decay=cfg.optim.weight_decay,
+            weight_decay_end=cfg.optim.weight_decay_end,
+            momentum_teacher=s.momentum_teacher,
+            epochs=s.epochs,
+            warmup_epochs=s.warmup_epochs,
+            niter_per_epoch=iters,
+        )
+        model = DINOModel(student, teacher, schedules.momentum)
+        loss_fn = DINOLoss(
+            m.out_dim, 2 + aug.num_local_views, s.warmup_teacher_temp, s.teacher_temp,
+            s.warmup_teacher_temp_epochs, s.epochs, s.student_temp, s.center_momentum,
+        ).to(device)  # fmt: skip
+        fused = cfg.optim.fused if cfg.optim.fused is not None else device.type == "cuda"
+        if cfg.optim.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, fused=fused)
+        else:
+            optimizer = torch.optim.SGD(param_groups(student), lr=0.0, momentum=0.9)
+        trainer = MemoryOptimizedDINOTrainer(
+            model,
+            loss_fn,
+            optimizer,
+            {
+                "precision": cfg.hardware.precision,
+                "gradient_checkpointing": cfg.hardware.grad_checkpointing,
+                "crop_batch_size": cfg.hardware.crop_batch_size,
+                "accumulation_steps": accumulation,
+                "gradient_clip": cfg.optim.clip_grad,
+                "freeze_last_layer": cfg.optim.freeze_last_layer,
+            },
+            device,
+        )
+        self.trainer = trainer
+
+        # ---- where to start
+        epoch0, step, history, seconds_before, resumed_from = 0, 0, [], 0.0, None
+        if resumed is not None:
+            state, path = resumed
+            try:
+                student.load_state_dict(state["student"])
+                teacher.load_state_dict(state["teacher"])
+                optimizer.load_state_dict(state["optimizer"])
+                loss_fn.load_state_dict(state["loss"])
+                if trainer.scaler is not None and state.get("scaler") is not None:
+                    trainer.scaler.load_state_dict(state["scaler"])
+                model.teacher_step = int(state["teacher_step"])
+                loader.load_state_dict(state["loader"])
+                restore_rng_state(state["rng"], strict=False)
+                epoch0, step = int(state["epoch"]), int(state["step"])
+                history = list(state.get("history", []))
+                seconds_before = float(state.get("train_seconds", 0.0))
+            except (KeyError, RuntimeError, ValueError, TypeError) as e:
+                raise ResumeError(f"checkpoint {str(path)!r} cannot be resumed: {e}") from e
+            del state, resumed  # the tensors now live in the models and the optimizer
+            resumed_from = path
+            print(f"resuming from {path} (epoch {epoch0}, step {step})", file=sys.stderr)
+        metadata = run_metadata()
+
+        def save(epoch: int, reason: str, *, end_of_epoch: bool = False) -> Path:
+            state = {
+                "student": student.state_dict(),
+                "teacher": teacher.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+                "loss": loss_fn.state_dict(),
+                "teacher_step": model.teacher_step,
+                "epoch": epoch,
+                "step": step,
+                "loader": loader.state_dict(),
+                "rng": capture_rng_state(),
+                "history": history,
+                "train_seconds": seconds_before + time.perf_counter() - started,
+                "reason": reason,
+                "config": cfg.to_dict(),
+                "metadata": metadata,
+            }
+            return self.checkpoint_manager.save(
+                state, epoch=epoch, step=step, end_of_epoch=end_of_epoch,
+                milestone=True if reason == "final" else None,
+            )  # fmt: skip
+
+        # ---- logging
+        tracker = MemoryTracker(device=device)
+        monitor = None
+        if cfg.health.enabled:
+            monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
+        writer = None
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
+        from tqdm import tqdm
+
+        total = s.epochs * len(loader)
+        bar = tqdm(total=total, initial=step, unit="batch", desc="train",
+                   disable=self.quiet or not cfg.logging.progress)  # fmt: skip
+        # The phases of each step as ranges of the native profiler: host clock
+        # and, on a GPU, CUDA events on the current stream, resolved only when
+        # read after training; push/pop never synchronise the device.
+        profiler = Profiler(device) if cfg.logging.profile else None
+        phase = profiler.range if profiler is not None else lambda name: contextlib.nullcontext()
+        stopped_by = None
+        step0 = step
+        started = time.perf_counter()
+        window = (started, step)
+        log_every = cfg.logging.log_every
+        every_steps = cfg.checkpoint.every_steps * accumulation  # in loader batches
+        with open(out / "metrics.jsonl", "w") as log, GracefulStop() as stop:
+            for row in history:  # a resumed run's metrics so far, then its own
+                log.write(json.dumps(row) + "\n")
+            if profiler is not None:
+                profiler.clear()  # the first step starts now, not at construction
+            for epoch in range(epoch0, s.epochs):
+                if epoch != loader.epoch:
+                    loader.set_epoch(epoch)
+                student.train()
+                batches = iter(loader)
+                while True:
+                    with phase("data_wait"):
+                        batch = next(batches, None)
+                    if batch is None:
+                        break
+                    it = min(step // accumulation, len(schedules.lr) - 1)
+                    trainer.set_schedules(schedules, it)
+                    logging_step = (step + 1) % log_every == 0 or step + 1 == total
+                    trainer.capture_outputs = logging_step and monitor is not None
+                    with phase("forward_backward"):
+                        loss, _ = trainer.train_step_optimized(batch.crops, epoch)
+                    with phase("optimizer_step"):
+                        stepped = trainer.optimize_step()
+                    step += 1
+                    bar.update()
+                    if stepped and monitor is not None:
+                        extra = {}
+                        if trainer.captured:
+                            c = trainer.captured
+                            extra = dict(
+                                teacher_logits=c["teacher_logits"],
+                                student_logits=c["student_logits"],
+                                teacher_temp=float(loss_fn._teacher_temps[epoch]),
+                                student_temp=loss_fn.student_temp,
+                                center=loss_fn.center,
+                                features=c.get("features"),
+                            )
+                        monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=step,
+                                        **extra)  # fmt: skip
+                        trainer.captured = {}
+                    if logging_step:
+                        now = time.perf_counter()
+                        images = (step - window[1]) * cfg.data.batch_size
+                        row = {
+                            "step": step,
+                            "epoch": epoch,
+                            "loss": float(loss),  # the one host sync, at logging intervals
+                            "lr": float(schedules.lr[it]),
+                            "weight_decay": float(schedules.weight_decay[it]),
+                            "momentum": float(schedules.momentum[it]),
+                            "images_per_second": images / max(now - window[0], 1e-9),
+                        }
+                        row.update(tracker.get_memory_stats())
+                        alerts = []
+                        if monitor is not None:
+                            row.update(monitor.summary())
+                            try:
+                                alerts = monitor.check_training_health(
+                                    {**row, "throughput": row["images_per_second"]}
+                                )
+                            except NonFiniteError:
+                                history.append(row)
+                                log.write(json.dumps(row) + "\n")
+                                save(epoch, "nonfinite")
+                                raise
+                            if alerts:
+                                row["alerts"] = [a.name for a in alerts]
+                        window = (now, step)
+                        history.append(row)
+                        log.write(json.dumps(row) + "\n")
+                        log.flush()
+                        if writer is not None:
+                            for k, v in row.items():
+                                if k not in ("step", "epoch") and isinstance(v, (int, float)):
+                                    writer.add_scalar(f"train/{k}", v, step)
+                            for a in alerts:
+                                writer.add_text("health/alerts", a.message, step)
+                        # memory: the GPU allocator's peak on a GPU, else the process's RSS
+                        mem = row.get("gpu_memory_peak_gb", row["host_rss_gb"])
+                        bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
+                                        ips=f"{row['images_per_second']:.0f}",
+                                        mem=f"{mem:.2f}G")  # fmt: skip
+                    if profiler is not None:
+                        profiler.step(cfg.data.batch_size)
+                    if trainer._micro_steps == 0:  # an optimizer-step boundary
+                        if stop.requested:
+                            stopped_by = stop.signal_name
+                            save(epoch, f"signal:{stopped_by}")
+                            break
+                        inside = 0 < loader.state_dict()["next_batch"] < len(loader)
+                        if every_steps and step % every_steps == 0 and inside:
+                            save(epoch, "step")
+                if stopped_by is not None:
+                    break
+                ck_every = cfg.checkpoint.every_epochs
+                if ck_every and (epoch + 1) % ck_every == 0 and epoch + 1 < s.epochs:
+                    loader.set_epoch(epoch + 1)  # the position to resume from
+                    save(epoch + 1, "epoch", end_of_epoch=True)
+        bar.close()
+        loader.close()
+        train_seconds = seconds_before + time.perf_counter() - started
+        report = {
+            "epochs": s.epochs,
+            "steps": step,
+            "train_seconds": train_seconds,
+            "final_loss": history[-1]["loss"] if history else None,
+            "device": str(device),
+        }
+        if resumed_from is not None:
+            report["resumed_from"] = str(resumed_from)
+        if stopped_by is not None:
+            report["stopped_by"] = stopped_by
+            report["checkpoint"] = str(self.checkpoint_manager.latest_path())
+            (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            if writer is not None:
+                writer.close()
+            return report
+        loader.set_epoch(s.epochs)
+        report["checkpoint"] = str(save(s.epochs, "final", end_of_epoch=True))
+        if profiler is not None and step > step0:
+            profile = _profile_summary(profiler)
+            (out / "profile.json").write_text(json.dumps(profile, indent=2) + "\n")
+            shares = {p: v["share_of_step"] for p, v in profile["phases"].items()}
+            shares["other"] = profile["other_share_of_step"]
+            report["profile"] = {p: None if v is None else round(v, 4) for p, v in shares.items()}
+        plot_training_curves(history, out / "training_curves.png")
+        if val_root is not None:
+            size = aug.global_crop_size
+            ev = cfg.eval
+            tsne = cfg.logging.tsne
+            for key, net, name, label in (
+                ("knn_top1_trained", teacher.backbone, "tsne_trained.png", "trained teacher"),
+                ("knn_top1_random_init", random_teacher.backbone.to(device),
+                 "tsne_random_init.png", "teacher at random initialisation"),
+            ):  # fmt: skip
+                knn = knn_evaluate(
+                    net, train_root, val_root, size, device, k=ev.knn_k,
+                    temperature=ev.knn_temperature, return_features=tsne,
+                )  # fmt: skip
+                report[key] = knn["top1"]
+                if tsne:
+                    tsne_plot(
+                        knn["val_features"], knn["val_labels"], knn["classes"], out / name,
+                        title=f"t-SNE of val features: {label} (k-NN top-1 {knn['top1']:.1f}%)",
+                        seed=cfg.hardware.seed,
+                    )  # fmt: skip
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        if writer is not None:
+            writer.close()
+        return report

@@ -3,7 +3,7 @@
 ``dino-opt train [--config my.yaml] [key=value ...]`` trains DINO (without a
 config: the demo recipe on the built-in data set, sized for a 2-core CPU);
 ``dino-opt config --print-defaults`` prints the full default configuration.
-``dino-opt knn --checkpoint RUN/checkpoint.pth [--data ROOT]`` prints the
+``dino-opt knn --checkpoint RUN [--data ROOT]`` prints the
 k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON.
 ``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
 once at a bounded size (JPEG), keeping its folder layout, so that every epoch
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -148,6 +149,8 @@ def _train(args: argparse.Namespace) -> int:
         cfg = apply_overrides(Config.from_dict(DEMO_PRESET), args.overrides)
     report = run_training(cfg, output_dir=args.output_dir, quiet=args.quiet)
     print(json.dumps(report, indent=2))
+    if report.get("stopped_by"):  # checkpointed and stopped on a signal: the shell's code for it
+        return 128 + signal.Signals[report["stopped_by"]].value
     return 0
 
 
@@ -201,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.set_defaults(run=_config)
 
     k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
-    k.add_argument("--checkpoint", required=True, help="checkpoint.pth of a dino-opt train run")
+    k.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a dino-opt train run folder (its newest good checkpoint) or a checkpoint file",
+    )
     k.add_argument(
         "--data",
         help="folder holding train/ and val/ (default: the data of the checkpoint's config: "

@@ -242,10 +242,17 @@ class CheckpointConfig:
     """When to save, how many to keep, what to resume from."""
 
     every_epochs: int = _opt(1, "epochs between checkpoints; 0: only at the end", ge=0)
-    keep: int = _opt(3, "most recent checkpoints kept", ge=1)
+    every_steps: int = _opt(
+        0, "optimizer steps between checkpoints inside an epoch (resume mid-epoch); 0: off", ge=0
+    )
+    keep: int = _opt(3, "most recent checkpoints kept (milestones are kept as well)", ge=1)
+    milestone_every: int = _opt(
+        0, "every this many epochs an end-of-epoch checkpoint is kept for good; 0: none", ge=0
+    )
     resume: str | None = _opt(
-        None,
-        "checkpoint path, or auto (the latest in the run folder); null: start fresh",
+        "auto",
+        "auto: continue from the newest good checkpoint of the run folder when there is "
+        "one; a checkpoint path; null: start fresh (refused if the run folder has checkpoints)",
         check="nonempty",
     )
 

@@ -689,8 +689,12 @@ class TrainingHealthMonitor:
                     floor,
                 )
 
+        # Logged when an alert appears, not at every interval while it lasts
+        # (the metrics file and TensorBoard record every interval).
+        previous = {a.name for a in self.last_alerts}
         for a in alerts:
-            log.log(logging.ERROR if a.severity == "error" else logging.WARNING, "%s", a)
+            if a.name not in previous:
+                log.log(logging.ERROR if a.severity == "error" else logging.WARNING, "%s", a)
         self.last_alerts = alerts
 
         streak = get("nonfinite_streak_max", "nonfinite_streak")

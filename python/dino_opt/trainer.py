@@ -20,12 +20,7 @@ micro-batch) and ``optimize_step()`` (clip, step, teacher update), but:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
-import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +177,13 @@ class MemoryOptimizedDINOTrainer:
             self._enable_gradient_checkpointing()
         self._epoch = 0
         self._micro_steps = 0
+        # Set capture_outputs before a step to keep its teacher and student
+        # outputs of the global views and the teacher's backbone features in
+        # ``captured`` (for health diagnostics at logging intervals).
+        self.capture_outputs = False
+        self.captured: dict[str, torch.Tensor] = {}
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_finite: torch.Tensor | None = None
 
     def _enable_gradient_checkpointing(self) -> None:
         backbone = getattr(self.model.student, "backbone", None)
@@ -202,14 +204,27 @@ class MemoryOptimizedDINOTrainer:
         crops = [c.to(self.device, non_blocking=True) for c in crops]
         self._epoch = epoch
         scale = 1.0 / self.accumulation_steps
+        capture = self.capture_outputs
+        self.captured = {}
+        teacher = self.model.teacher
         with torch.no_grad(), self._autocast():
-            teacher_out = self.model.teacher(crops[: self.n_global])
+            if capture and hasattr(teacher, "forward_backbone"):
+                features = teacher.forward_backbone(crops[: self.n_global])
+                teacher_out = teacher.head(features)
+                self.captured["features"] = features.detach()
+            else:
+                teacher_out = teacher(crops[: self.n_global])
+        if capture:
+            self.captured["teacher_logits"] = _for_loss(teacher_out).detach()
         groups = self._view_groups(len(crops))
         if len(groups) == 1:
             with self._autocast():
                 student_out = self.model.student(crops)
             loss = self.loss_fn(_for_loss(student_out), _for_loss(teacher_out), epoch)
             self._backward(loss * scale)
+            if capture:
+                rows = self.n_global * crops[0].shape[0]
+                self.captured["student_logits"] = _for_loss(student_out[:rows]).detach()
         else:
             loss = self._grouped_backward(crops, _for_loss(teacher_out), epoch, groups, scale)
         self._micro_steps += 1
@@ -241,6 +256,10 @@ class MemoryOptimizedDINOTrainer:
             with self._autocast():
                 out = _for_loss(self.model.student([crops[v] for v in group]))
             logp = F.log_softmax(out / lf.student_temp, dim=-1)
+            if self.capture_outputs:  # the global views' rows, in view order
+                globals_ = [i for i, v in enumerate(group) if v < self.n_global]
+                rows = [out[i * b : (i + 1) * b].detach() for i in globals_]
+                self.captured.setdefault("student_parts", []).extend(rows)
             group_loss = out.new_zeros(())
             for i, v in enumerate(group):
                 p = total_targets - targets[v] if v < self.n_global else total_targets
@@ -249,6 +268,8 @@ class MemoryOptimizedDINOTrainer:
             self._backward(group_loss * scale)
             total = total + group_loss.detach()
         lf.update_center(teacher_out)
+        if self.capture_outputs:
+            self.captured["student_logits"] = torch.cat(self.captured.pop("student_parts"))
         return total
 
     def optimize_step(self) -> bool:
@@ -275,13 +296,31 @@ class MemoryOptimizedDINOTrainer:
             self.last_grad_norm = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(p.grad) for p in params])
             )
+        # A NaN/inf loss or gradient skips the update (counted by the caller
+        # from last_step_finite). fp16: GradScaler skips it and lowers its
+        # scale; a fused optimizer skips it on the device (found_inf, as
+        # GradScaler drives it); any other optimizer needs one host sync.
+        ok = torch.isfinite(self.last_grad_norm)
+        self.last_step_finite = ok
+        update_teacher = True
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            self.optimizer.found_inf = (~ok).float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif bool(ok):
             self.optimizer.step()
+        else:
+            update_teacher = False
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.update_teacher()
+        if update_teacher:
+            self.model.update_teacher()
+        else:
+            self.model.teacher_step += 1  # the momentum schedule stays aligned with the steps
         return True
 
     def set_schedules(self, schedules: Schedules, iteration: int) -> None:
@@ -401,24 +440,26 @@ def _profile_summary(profiler, phases: Sequence[str] = PROFILE_PHASES) -> dict:
 def load_checkpoint(
     path: str | os.PathLike, keys: Sequence[str] = ("student", "teacher", "config")
 ) -> dict:
-    """The dict of a ``checkpoint.pth`` written by ``run_training`` (on the
-    CPU, read with ``weights_only``). A missing file raises
-    ``FileNotFoundError``; an unreadable one, or one without ``keys``,
-    ``ValueError``; both name the path."""
+    """The state dict of a checkpoint written by ``dino-opt train``, on the
+    CPU (read with ``weights_only``). ``path`` is a checkpoint file, a run
+    folder or its ``checkpoints/`` folder (then the newest checkpoint that
+    verifies). A checkpoint whose recorded SHA-256 does not match is refused.
+    A missing file raises ``FileNotFoundError``; an unreadable one, or one
+    without ``keys``, ``ValueError``; both name the path."""
+    from .checkpoint import CheckpointManager
+
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if not path.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} is not a file")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # zip, pickle and torch errors alike: the file is not usable
-        raise ValueError(f"cannot read checkpoint {str(path)!r}: {e}") from e
-    if not isinstance(ckpt, dict):
-        raise ValueError(
-            f"checkpoint {str(path)!r} holds a {type(ckpt).__name__}, not a dict of "
-            "state dicts (was it written by dino-opt train?)"
-        )
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        latest = CheckpointManager(folder).load_latest()
+        if latest is None:
+            raise FileNotFoundError(f"no checkpoint that verifies in {str(folder)!r}")
+        ckpt, path = latest
+    else:
+        manager = CheckpointManager(path.parent)
+        ckpt = manager.load(path, verify=manager.sidecar_path(path).exists())
     missing = [k for k in keys if k not in ckpt]
     if missing:
         raise ValueError(
@@ -496,230 +537,22 @@ def evaluate_checkpoint(
     }
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict:
-    """The whole job of ``dino-opt train``: data (the built-in set when
-    ``cfg.data.root`` is None), student and teacher, the native loader, the
-    fused loss and EMA, AMP, the DINO schedules; metrics as JSONL (and
-    TensorBoard), the resolved config, a final checkpoint and, at the end,
-    k-NN top-1 of the trained teacher beside the same network at random
-    initialisation. Returns the report (also written as report.json).
+    """The whole job of ``dino-opt train``:
+    ``CheckpointedDINOTrainer(cfg, output_dir=..., quiet=...).train()``.
+
+    Data (the built-in set when ``cfg.data.root`` is None), student and
+    teacher, the native loader, the fused loss and EMA, AMP, the DINO
+    schedules; metrics as JSONL (and TensorBoard) with health diagnostics,
+    the resolved config, checkpoints under ``checkpoints/`` (resumed per
+    ``cfg.checkpoint.resume``) and, at the end, k-NN top-1 of the trained
+    teacher beside the same network at random initialisation. Returns the
+    report (also written as report.json).
 
     The run folder also gets ``training_curves.png`` (the metrics over the
     steps), ``profile.json`` (time per step phase; ``logging.profile``) and,
     with a held-out split and ``logging.tsne``, ``tsne_random_init.png`` and
     ``tsne_trained.png`` (t-SNE maps of the val features)."""
-    from .config import effective_lr, save_config
-    from .data import AUGMENT_KEYS, MultiCropLoader
-    from .knn import knn_evaluate, tsne_plot
-    from .loss import DINOLoss
-    from .memory import MemoryTracker
-    from .plots import plot_training_curves
-    from .profiler import Profiler
+    from .checkpoint import CheckpointedDINOTrainer
 
-    device = resolve_device(cfg.hardware.device)
-    torch.manual_seed(cfg.hardware.seed)
-    out = Path(output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-
-    train_root, val_root = data_roots(cfg)
-    aug = cfg.augmentation
-    augment = {k: getattr(aug, k) for k in AUGMENT_KEYS}
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    photometric_device = device if cfg.data.photometric == "gpu" else None
-    loader = MultiCropLoader(
-        train_root,
-        cfg.data.batch_size,
-        global_size=aug.global_crop_size,
-        local_size=aug.local_crop_size,
-        n_local=aug.num_local_views,
-        global_scale=aug.global_crops_scale,
-        local_scale=aug.local_crops_scale,
-        num_threads=cfg.data.num_workers,
-        prefetch=cfg.data.prefetch,
-        seed=cfg.hardware.seed,
-        dtype=dtype[cfg.data.dtype],
-        photometric=cfg.data.photometric,
-        device=photometric_device,
-        on_error=cfg.data.on_error,
-        augment=augment,
-        pin_memory=cfg.data.pin_memory and device.type == "cuda",
-    )
-    m = cfg.model
-    student, teacher = build_models(cfg)
-    random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
-    student, teacher = student.to(device), teacher.to(device)
-    s = cfg.schedule
-    iters = len(loader) // cfg.optim.accumulation_steps
-    if iters < 1:
-        raise ValueError(
-            f"the data set gives {len(loader)} batches per epoch, fewer than "
-            f"optim.accumulation_steps={cfg.optim.accumulation_steps}"
-        )
-    schedules = Schedules.dino(
-        base_lr=effective_lr(cfg),
-        min_lr=cfg.optim.min_lr,
-        weight_decay=cfg.optim.weight_decay,
-        weight_decay_end=cfg.optim.weight_decay_end,
-        momentum_teacher=s.momentum_teacher,
-        epochs=s.epochs,
-        warmup_epochs=s.warmup_epochs,
-        niter_per_epoch=iters,
-    )
-    model = DINOModel(student, teacher, schedules.momentum)
-    loss_fn = DINOLoss(
-        m.out_dim, 2 + aug.num_local_views, s.warmup_teacher_temp, s.teacher_temp,
-        s.warmup_teacher_temp_epochs, s.epochs, s.student_temp, s.center_momentum,
-    ).to(device)  # fmt: skip
-    fused = cfg.optim.fused if cfg.optim.fused is not None else device.type == "cuda"
-    if cfg.optim.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, fused=fused)
-    else:
-        optimizer = torch.optim.SGD(param_groups(student), lr=0.0, momentum=0.9)
-    trainer = MemoryOptimizedDINOTrainer(
-        model,
-        loss_fn,
-        optimizer,
-        {
-            "precision": cfg.hardware.precision,
-            "gradient_checkpointing": cfg.hardware.grad_checkpointing,
-            "crop_batch_size": cfg.hardware.crop_batch_size,
-            "accumulation_steps": cfg.optim.accumulation_steps,
-            "gradient_clip": cfg.optim.clip_grad,
-            "freeze_last_layer": cfg.optim.freeze_last_layer,
-        },
-        device,
-    )
-    tracker = MemoryTracker(device=device)
-    metrics_path = out / "metrics.jsonl"
-    writer = None
-    if cfg.logging.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tensorboard"))
-    from tqdm import tqdm
-
-    total = s.epochs * len(loader)
-    bar = tqdm(total=total, disable=quiet or not cfg.logging.progress, unit="batch", desc="train")
-    # The phases of each step as ranges of the native profiler: host clock
-    # and, on a GPU, CUDA events on the current stream, resolved only when
-    # read after training; push/pop never synchronise the device (a few
-    # microseconds of host time per range, two event records on a GPU).
-    profiler = Profiler(device) if cfg.logging.profile else None
-    phase = profiler.range if profiler is not None else lambda name: contextlib.nullcontext()
-    step = 0
-    history = []
-    started = time.perf_counter()
-    window = (started, 0)
-    with open(metrics_path, "w") as log:  # a new run rewrites the folder
-        if profiler is not None:
-            profiler.clear()  # the first step starts now, not at construction
-        for epoch in range(s.epochs):
-            loader.set_epoch(epoch)
-            student.train()
-            batches = iter(loader)
-            while True:
-                with phase("data_wait"):
-                    batch = next(batches, None)
-                if batch is None:
-                    break
-                it = min(step // cfg.optim.accumulation_steps, len(schedules.lr) - 1)
-                trainer.set_schedules(schedules, it)
-                with phase("forward_backward"):
-                    loss, _ = trainer.train_step_optimized(batch.crops, epoch)
-                with phase("optimizer_step"):
-                    trainer.optimize_step()
-                step += 1
-                bar.update()
-                if step % cfg.logging.log_every == 0 or step == total:
-                    value = float(loss)  # the one host sync, at logging intervals
-                    if not math.isfinite(value):
-                        raise FloatingPointError(f"loss is {value} at step {step} (epoch {epoch})")
-                    now = time.perf_counter()
-                    images = (step - window[1]) * cfg.data.batch_size
-                    row = {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": value,
-                        "lr": float(schedules.lr[it]),
-                        "weight_decay": float(schedules.weight_decay[it]),
-                        "momentum": float(schedules.momentum[it]),
-                        "images_per_second": images / max(now - window[0], 1e-9),
-                    }
-                    row.update(tracker.get_memory_stats())
-                    window = (now, step)
-                    history.append(row)
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-                    if writer is not None:
-                        for k, v in row.items():
-                            if k not in ("step", "epoch"):
-                                writer.add_scalar(f"train/{k}", v, step)
-                    # memory: the GPU allocator's peak on a GPU, else the process's RSS
-                    mem = row.get("gpu_memory_peak_gb", row["host_rss_gb"])
-                    bar.set_postfix(loss=f"{value:.3f}", lr=f"{row['lr']:.2e}",
-                                    ips=f"{row['images_per_second']:.0f}",
-                                    mem=f"{mem:.2f}G")  # fmt: skip
-                if profiler is not None:
-                    profiler.step(cfg.data.batch_size)
-    bar.close()
-    loader.close()
-    train_seconds = time.perf_counter() - started
-    _atomic_torch_save(
-        {
-            "student": student.state_dict(),
-            "teacher": teacher.state_dict(),
-            "loss": loss_fn.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "epoch": s.epochs,
-            "config": cfg.to_dict(),
-        },
-        out / "checkpoint.pth",
-    )
-    report = {
-        "epochs": s.epochs,
-        "steps": step,
-        "train_seconds": train_seconds,
-        "final_loss": history[-1]["loss"] if history else None,
-        "device": str(device),
-    }
-    if profiler is not None:
-        profile = _profile_summary(profiler)
-        (out / "profile.json").write_text(json.dumps(profile, indent=2) + "\n")
-        shares = {p: v["share_of_step"] for p, v in profile["phases"].items()}
-        shares["other"] = profile["other_share_of_step"]
-        report["profile"] = {p: None if v is None else round(v, 4) for p, v in shares.items()}
-    plot_training_curves(history, out / "training_curves.png")
-    if val_root is not None:
-        size = aug.global_crop_size
-        ev = cfg.eval
-        tsne = cfg.logging.tsne
-        for key, net, name, label in (
-            ("knn_top1_trained", teacher.backbone, "tsne_trained.png", "trained teacher"),
-            ("knn_top1_random_init", random_teacher.backbone.to(device), "tsne_random_init.png",
-             "teacher at random initialisation"),
-        ):  # fmt: skip
-            knn = knn_evaluate(
-                net, train_root, val_root, size, device, k=ev.knn_k,
-                temperature=ev.knn_temperature, return_features=tsne,
-            )  # fmt: skip
-            report[key] = knn["top1"]
-            if tsne:
-                tsne_plot(
-                    knn["val_features"], knn["val_labels"], knn["classes"], out / name,
-                    title=f"t-SNE of val features: {label} (k-NN top-1 {knn['top1']:.1f}%)",
-                    seed=cfg.hardware.seed,
-                )  # fmt: skip
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    if writer is not None:
-        writer.close()
-    return report
+    return CheckpointedDINOTrainer(cfg, output_dir=output_dir, quiet=quiet).train()
