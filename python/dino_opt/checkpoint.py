@@ -941,6 +941,16 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
     return keys
 
 
+class _NullLog:
+    """The metrics file of ranks other than 0."""
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 class CheckpointedDINOTrainer:
     """The training job of ``dino-opt train``, restartable at any step.
 
@@ -1032,6 +1042,7 @@ class CheckpointedDINOTrainer:
         """Trains (resuming when configured) and returns the report."""
         from .config import effective_lr, save_config
         from .data import AUGMENT_KEYS, MultiCropLoader
+        from .distributed import all_reduce_metrics, gather_objects, init_distributed, wrap_student
         from .health import HealthThresholds, NonFiniteError, TrainingHealthMonitor
         from .knn import knn_evaluate, tsne_plot
         from .loss import DINOLoss
@@ -1046,13 +1057,24 @@ class CheckpointedDINOTrainer:
             build_models,
             data_roots,
             param_groups,
-            resolve_device,
         )
 
-        cfg, out = self.config, self.output_dir
-        device = resolve_device(cfg.hardware.device)
+        cfg = self.config
+        dist_info = init_distributed(cfg.hardware.device)  # alone unless started by torchrun/SLURM
+        device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
+        if world > 1:  # rank 0's run folder (a default name holds the time it was made)
+            self.output_dir = Path(gather_objects(str(self.output_dir))[0])
+            ck = cfg.checkpoint
+            self.checkpoint_manager = CheckpointManager(
+                self.output_dir / "checkpoints",
+                keep_last=ck.keep,
+                milestone_every=ck.milestone_every,
+            )
+        out = self.output_dir
+        lead = rank == 0  # writes the run folder; every rank trains
         torch.manual_seed(cfg.hardware.seed)
-        out.mkdir(parents=True, exist_ok=True)
+        if lead:
+            out.mkdir(parents=True, exist_ok=True)
         resumed = self._checkpoint_to_resume()
         if resumed is not None:
             differences = _config_differences(resumed[0].get("config", {}), cfg.to_dict())
@@ -1062,7 +1084,8 @@ class CheckpointedDINOTrainer:
                     + "; ".join(differences)
                     + " (train in another run folder to start afresh)"
                 )
-        save_config(cfg, out / "config.yaml")
+        if lead:
+            save_config(cfg, out / "config.yaml")
 
         # ---- data, models, optimisation: the same objects whether fresh or resumed
         train_root, val_root = data_roots(cfg)
@@ -1079,6 +1102,8 @@ class CheckpointedDINOTrainer:
             num_threads=cfg.data.num_workers,
             prefetch=cfg.data.prefetch,
             seed=cfg.hardware.seed,
+            rank=rank,
+            world_size=world,
             dtype=dtype[cfg.data.dtype],
             photometric=cfg.data.photometric,
             device=device if cfg.data.photometric == "gpu" else None,
@@ -1090,6 +1115,7 @@ class CheckpointedDINOTrainer:
         student, teacher = build_models(cfg)
         random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
         student, teacher = student.to(device), teacher.to(device)
+        torch.manual_seed(cfg.hardware.seed + rank)  # same init everywhere, own drop-path draws
         accumulation = cfg.optim.accumulation_steps
         iters = len(loader) // accumulation
         if iters < 1:
@@ -1098,7 +1124,7 @@ class CheckpointedDINOTrainer:
                 f"optim.accumulation_steps={accumulation}"
             )
         schedules = Schedules.dino(
-            base_lr=effective_lr(cfg),
+            base_lr=effective_lr(cfg, world_size=world),
             min_lr=cfg.optim.min_lr,
             weight_decay=cfg.optim.weight_decay,
             weight_decay_end=cfg.optim.weight_decay_end,
@@ -1108,6 +1134,7 @@ class CheckpointedDINOTrainer:
             niter_per_epoch=iters,
         )
         model = DINOModel(student, teacher, schedules.momentum)
+        model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
         loss_fn = DINOLoss(
             m.out_dim, 2 + aug.num_local_views, s.warmup_teacher_temp, s.teacher_temp,
             s.warmup_teacher_temp_epochs, s.epochs, s.student_temp, s.center_momentum,
@@ -1145,8 +1172,12 @@ class CheckpointedDINOTrainer:
                 if trainer.scaler is not None and state.get("scaler") is not None:
                     trainer.scaler.load_state_dict(state["scaler"])
                 model.teacher_step = int(state["teacher_step"])
-                loader.load_state_dict(state["loader"])
-                restore_rng_state(state["rng"], strict=False)
+                if len(state["loader"]) != world:
+                    raise ValueError(
+                        f"it was written by {len(state['loader'])} processes, this run has {world}"
+                    )
+                loader.load_state_dict(state["loader"][rank])
+                restore_rng_state(state["rng"][rank], strict=False)
                 epoch0, step = int(state["epoch"]), int(state["step"])
                 history = list(state.get("history", []))
                 seconds_before = float(state.get("train_seconds", 0.0))
@@ -1154,10 +1185,20 @@ class CheckpointedDINOTrainer:
                 raise ResumeError(f"checkpoint {str(path)!r} cannot be resumed: {e}") from e
             del state, resumed  # the tensors now live in the models and the optimizer
             resumed_from = path
-            print(f"resuming from {path} (epoch {epoch0}, step {step})", file=sys.stderr)
+            if lead:
+                print(f"resuming from {path} (epoch {epoch0}, step {step})", file=sys.stderr)
         metadata = run_metadata()
 
-        def save(epoch: int, reason: str, *, end_of_epoch: bool = False) -> Path:
+        def save(epoch: int, reason: str, *, end_of_epoch: bool = False) -> Path | None:
+            """Collective: every rank calls it at the same step; rank 0 writes
+            (with every rank's loader position and RNGs), then all learn
+            whether the write succeeded, so that a full disk stops them all."""
+            loaders = gather_objects(loader.state_dict())
+            rngs = gather_objects(capture_rng_state())
+            if not lead:
+                if all_reduce_metrics({"ok": 1.0})["ok"] < 1.0:
+                    raise RuntimeError(f"rank 0 could not write the checkpoint of step {step}")
+                return None
             state = {
                 "student": student.state_dict(),
                 "teacher": teacher.state_dict(),
@@ -1167,18 +1208,25 @@ class CheckpointedDINOTrainer:
                 "teacher_step": model.teacher_step,
                 "epoch": epoch,
                 "step": step,
-                "loader": loader.state_dict(),
-                "rng": capture_rng_state(),
+                "loader": loaders,  # per rank
+                "rng": rngs,  # per rank
+                "world_size": world,
                 "history": history,
                 "train_seconds": seconds_before + time.perf_counter() - started,
                 "reason": reason,
                 "config": cfg.to_dict(),
                 "metadata": metadata,
             }
-            return self.checkpoint_manager.save(
-                state, epoch=epoch, step=step, end_of_epoch=end_of_epoch,
-                milestone=True if reason == "final" else None,
-            )  # fmt: skip
+            try:
+                path = self.checkpoint_manager.save(
+                    state, epoch=epoch, step=step, end_of_epoch=end_of_epoch,
+                    milestone=True if reason == "final" else None,
+                )  # fmt: skip
+            except BaseException:
+                all_reduce_metrics({"ok": 0.0})
+                raise
+            all_reduce_metrics({"ok": 1.0})
+            return path
 
         # ---- logging
         tracker = MemoryTracker(device=device)
@@ -1186,7 +1234,7 @@ class CheckpointedDINOTrainer:
         if cfg.health.enabled:
             monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
         writer = None
-        if cfg.logging.tensorboard:
+        if cfg.logging.tensorboard and lead:
             from torch.utils.tensorboard import SummaryWriter
 
             writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
@@ -1194,11 +1242,11 @@ class CheckpointedDINOTrainer:
 
         total = s.epochs * len(loader)
         bar = tqdm(total=total, initial=step, unit="batch", desc="train",
-                   disable=self.quiet or not cfg.logging.progress)  # fmt: skip
+                   disable=self.quiet or not cfg.logging.progress or not lead)  # fmt: skip
         # The phases of each step as ranges of the native profiler: host clock
         # and, on a GPU, CUDA events on the current stream, resolved only when
         # read after training; push/pop never synchronise the device.
-        profiler = Profiler(device) if cfg.logging.profile else None
+        profiler = Profiler(device) if cfg.logging.profile and lead else None
         phase = profiler.range if profiler is not None else lambda name: contextlib.nullcontext()
         stopped_by = None
         step0 = step
@@ -1206,7 +1254,11 @@ class CheckpointedDINOTrainer:
         window = (started, step)
         log_every = cfg.logging.log_every
         every_steps = cfg.checkpoint.every_steps * accumulation  # in loader batches
-        with open(out / "metrics.jsonl", "w") as log, GracefulStop() as stop:
+        pending_stop = None
+        metrics_file = open(out / "metrics.jsonl", "w") if lead else contextlib.nullcontext()
+        with metrics_file as log, GracefulStop() as stop:
+            if not lead:
+                log = _NullLog()
             for row in history:  # a resumed run's metrics so far, then its own
                 log.write(json.dumps(row) + "\n")
             if profiler is not None:
@@ -1249,10 +1301,15 @@ class CheckpointedDINOTrainer:
                     if logging_step:
                         now = time.perf_counter()
                         images = (step - window[1]) * cfg.data.batch_size
+                        # one all-reduce (and host sync) at logging intervals: the
+                        # mean loss over ranks and whether any rank got a signal
+                        reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested)})
+                        if reduced["stop"] > 0 and pending_stop is None:
+                            pending_stop = stop.signal_name or "SIGTERM"
                         row = {
                             "step": step,
                             "epoch": epoch,
-                            "loss": float(loss),  # the one host sync, at logging intervals
+                            "loss": reduced["loss"],
                             "lr": float(schedules.lr[it]),
                             "weight_decay": float(schedules.weight_decay[it]),
                             "momentum": float(schedules.momentum[it]),
@@ -1261,7 +1318,9 @@ class CheckpointedDINOTrainer:
                         row.update(tracker.get_memory_stats())
                         alerts = []
                         if monitor is not None:
-                            row.update(monitor.summary())
+                            # this rank's diagnostics; the loss stays the mean over ranks
+                            health = monitor.summary()
+                            row.update({k: v for k, v in health.items() if k not in row})
                             try:
                                 alerts = monitor.check_training_health(
                                     {**row, "throughput": row["images_per_second"]}
@@ -1291,8 +1350,12 @@ class CheckpointedDINOTrainer:
                     if profiler is not None:
                         profiler.step(cfg.data.batch_size)
                     if trainer._micro_steps == 0:  # an optimizer-step boundary
-                        if stop.requested:
-                            stopped_by = stop.signal_name
+                        # Alone, a signal is acted on at once; with several ranks at
+                        # the next logging step, when all of them know of it.
+                        if pending_stop is None and stop.requested and world == 1:
+                            pending_stop = stop.signal_name
+                        if pending_stop is not None:
+                            stopped_by = pending_stop
                             save(epoch, f"signal:{stopped_by}")
                             break
                         inside = 0 < loader.state_dict()["next_batch"] < len(loader)
@@ -1319,12 +1382,15 @@ class CheckpointedDINOTrainer:
         if stopped_by is not None:
             report["stopped_by"] = stopped_by
             report["checkpoint"] = str(self.checkpoint_manager.latest_path())
-            (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            if lead:
+                (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             if writer is not None:
                 writer.close()
             return report
         loader.set_epoch(s.epochs)
         report["checkpoint"] = str(save(s.epochs, "final", end_of_epoch=True))
+        if not lead:  # rank 0 evaluates and writes the report
+            return report
         if profiler is not None and step > step0:
             profile = _profile_summary(profiler)
             (out / "profile.json").write_text(json.dumps(profile, indent=2) + "\n")

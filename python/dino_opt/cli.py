@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -147,7 +148,20 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     else:
         cfg = apply_overrides(Config.from_dict(DEMO_PRESET), args.overrides)
-    report = run_training(cfg, output_dir=args.output_dir, quiet=args.quiet)
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1:
+        from .distributed import launch_distributed_training, launched_world
+
+        if launched_world() is not None:
+            raise ValueError(
+                "--nproc starts its own processes; under torchrun or srun leave it out"
+            )
+        # one run folder for all ranks, named before they start
+        out = args.output_dir or cfg.logging.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
+        report = launch_distributed_training(cfg.to_dict(), args.nproc, output_dir=out)
+    else:
+        report = run_training(cfg, output_dir=args.output_dir, quiet=args.quiet)
     print(json.dumps(report, indent=2))
     if report.get("stopped_by"):  # checkpointed and stopped on a signal: the shell's code for it
         return 128 + signal.Signals[report["stopped_by"]].value
@@ -195,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--config", help="YAML configuration (default: the demo preset)")
     t.add_argument("--output-dir", help="run folder (default: logging.output_dir or runs/<time>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes on this node, one per GPU (gloo on CPUs without CUDA); default 1",
+    )
     t.add_argument("overrides", nargs="*", help="key=value, e.g. data.batch_size=32")
     t.set_defaults(run=_train)
 

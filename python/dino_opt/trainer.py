@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import no_sync
 from .ema import EMATeacher, cosine_scheduler
 
 __all__ = [
@@ -217,11 +218,14 @@ class MemoryOptimizedDINOTrainer:
         if capture:
             self.captured["teacher_logits"] = _for_loss(teacher_out).detach()
         groups = self._view_groups(len(crops))
+        # With DDP, only the last backward of an optimizer step all-reduces.
+        self._sync_last = self._micro_steps + 1 >= self.accumulation_steps
         if len(groups) == 1:
-            with self._autocast():
-                student_out = self.model.student(crops)
-            loss = self.loss_fn(_for_loss(student_out), _for_loss(teacher_out), epoch)
-            self._backward(loss * scale)
+            with no_sync(self.model.student, skip=not self._sync_last):
+                with self._autocast():
+                    student_out = self.model.student(crops)
+                loss = self.loss_fn(_for_loss(student_out), _for_loss(teacher_out), epoch)
+                self._backward(loss * scale)
             if capture:
                 rows = self.n_global * crops[0].shape[0]
                 self.captured["student_logits"] = _for_loss(student_out[:rows]).detach()
@@ -248,29 +252,38 @@ class MemoryOptimizedDINOTrainer:
         b = crops[0].shape[0]
         temp = lf._teacher_temps[epoch]
         targets = F.softmax((teacher_out - lf.center) / temp, dim=-1).chunk(self.n_global)
-        total_targets = sum(targets)
         n_views = len(crops)
         n_terms = self.n_global * n_views - min(self.n_global, n_views)
         total = teacher_out.new_zeros(())
-        for group in groups:
-            with self._autocast():
-                out = _for_loss(self.model.student([crops[v] for v in group]))
-            logp = F.log_softmax(out / lf.student_temp, dim=-1)
-            if self.capture_outputs:  # the global views' rows, in view order
-                globals_ = [i for i, v in enumerate(group) if v < self.n_global]
-                rows = [out[i * b : (i + 1) * b].detach() for i in globals_]
-                self.captured.setdefault("student_parts", []).extend(rows)
-            group_loss = out.new_zeros(())
-            for i, v in enumerate(group):
-                p = total_targets - targets[v] if v < self.n_global else total_targets
-                group_loss = group_loss - (p * logp[i * b : (i + 1) * b]).sum(-1).mean()
-            group_loss = group_loss / n_terms
-            self._backward(group_loss * scale)
-            total = total + group_loss.detach()
+        for gi, group in enumerate(groups):
+            sync = self._sync_last and gi == len(groups) - 1
+            with no_sync(self.model.student, skip=not sync):
+                group_loss = self._group_forward_backward(
+                    crops, group, b, targets, epoch, n_terms, scale
+                )
+            total = total + group_loss
         lf.update_center(teacher_out)
         if self.capture_outputs:
             self.captured["student_logits"] = torch.cat(self.captured.pop("student_parts"))
         return total
+
+    def _group_forward_backward(self, crops, group, b, targets, epoch, n_terms, scale):
+        lf = self.loss_fn
+        total_targets = sum(targets)
+        with self._autocast():
+            out = _for_loss(self.model.student([crops[v] for v in group]))
+        logp = F.log_softmax(out / lf.student_temp, dim=-1)
+        if self.capture_outputs:  # the global views' rows, in view order
+            globals_ = [i for i, v in enumerate(group) if v < self.n_global]
+            rows = [out[i * b : (i + 1) * b].detach() for i in globals_]
+            self.captured.setdefault("student_parts", []).extend(rows)
+        group_loss = out.new_zeros(())
+        for i, v in enumerate(group):
+            p = total_targets - targets[v] if v < self.n_global else total_targets
+            group_loss = group_loss - (p * logp[i * b : (i + 1) * b]).sum(-1).mean()
+        group_loss = group_loss / n_terms
+        self._backward(group_loss * scale)
+        return group_loss.detach()
 
     def optimize_step(self) -> bool:
         """Unscale (fp16), freeze the last layer in the first epochs, clip the

@@ -1,0 +1,120 @@
+"""Distributed training on CPUs with gloo: 2 processes with batch b train the
+same weights as 1 process with batch 2b; the lesson's DistributedDINOTrainer
+reduces metrics in one call and writes checkpoints on rank 0 only."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dino_opt.datasets import builtin_dataset
+from dino_opt.distributed import all_reduce_metrics, launched_world
+
+HERE = Path(__file__).parent
+
+TINY = [
+    "data.num_workers=1",
+    "augmentation.global_crop_size=32",
+    "augmentation.local_crop_size=16",
+    "augmentation.num_local_views=2",
+    "model.backbone=vit_tiny",
+    "model.patch_size=8",
+    "model.drop_path_rate=0.0",
+    "model.out_dim=64",
+    "model.hidden_dim=32",
+    "model.bottleneck_dim=16",
+    "schedule.epochs=2",
+    "schedule.warmup_epochs=1",
+    "optim.freeze_last_layer=0",
+    "logging.log_every=1",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.profile=false",
+    "hardware.device=cpu",
+]
+
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory):
+    root = builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
+        image_size=40,
+    )  # fmt: skip
+    train = tmp_path_factory.mktemp("trainonly") / "train"
+    train.symlink_to(root / "train")
+    return train
+
+
+def _train(out: Path, train_root: Path, *extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    args = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet"]
+    done = subprocess.run(
+        [*args, f"data.root={train_root}", *TINY, *extra],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"report": report, "rows": rows, "state": torch.load(report["checkpoint"])}
+
+
+def test_two_processes_equal_one_with_the_doubled_batch(train_root, tmp_path):
+    one = _train(tmp_path / "one", train_root, "data.batch_size=8")
+    two = _train(tmp_path / "two", train_root, "data.batch_size=4", "--nproc", "2")
+    assert two["report"]["steps"] == one["report"]["steps"] == 2 * 5  # 40 images / 8 per step
+    assert two["state"]["world_size"] == 2 and len(two["state"]["loader"]) == 2
+    assert [r["step"] for r in two["rows"]] == [r["step"] for r in one["rows"]]
+    for a, b in zip(one["rows"], two["rows"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+    for key in ("student", "teacher", "loss"):
+        for name, value in one["state"][key].items():
+            torch.testing.assert_close(two["state"][key][name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_metrics_reduction_and_rank0_checkpoint(tmp_path):
+    """Two gloo ranks of the lesson's DistributedDINOTrainer (see dist_metrics_worker.py)."""
+    init = tmp_path / "init"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "dist_metrics_worker.py"),
+                str(r),
+                "2",
+                str(init),
+                str(tmp_path),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for g in got:  # the mean over ranks, on every rank
+        assert g["metrics"] == {"loss": pytest.approx(2.5), "images_per_second": 150.0}
+    assert torch.load(tmp_path / "ckpt.pth")["written_by"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pth") == ["ckpt.pth"]
+
+
+def test_alone_nothing_is_reduced(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert launched_world() is None
+    assert all_reduce_metrics({"loss": torch.tensor(2.0), "n": 3, "tag": "x"}) == {
+        "loss": 2.0,
+        "n": 3.0,
+    }
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK"):
+        launched_world()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK='x'"):
+        launched_world()
