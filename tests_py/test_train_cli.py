@@ -5,6 +5,7 @@ maps, profile) and `dino-opt knn` on its checkpoint."""
 import contextlib
 import io
 import json
+import math
 import time
 from pathlib import Path
 
@@ -175,3 +176,48 @@ def test_knn_errors_name_the_path(run, tiny_data, tmp_path, capsys):
 def test_bad_override_names_the_key(tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--output-dir", str(tmp_path), "data.batchsize=8"])
+
+
+class FakeWandb:
+    """Records what the training job sends to Weights & Biases."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished, self.summary = [], [], 0, {}
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    id = "fake-run-1"
+
+    def log(self, row, step):
+        self.logged.append((step, row))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_histograms_and_wandb(tiny_data, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fake = FakeWandb()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    out = tmp_path / "run"
+    args = ["train", "--output-dir", str(out), "--quiet", f"data.root={tiny_data / 'train'}"]
+    extra = ["logging.histograms=true", "logging.wandb=true", "logging.tsne=false"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args + TINY + extra) == 0
+    report = json.loads((out / "report.json").read_text())
+    (init,) = fake.inits
+    assert init["project"] == "dino_opt" and init["dir"] == str(out) and init["id"] is None
+    assert init["config"]["model"]["out_dim"] == 64
+    assert [s for s, _ in fake.logged] == list(range(1, report["steps"] + 1))
+    assert all(r["loss"] > 0 and "lr" in r for _, r in fake.logged)
+    assert fake.finished == 1 and fake.summary["knn_top1_trained"] == report["knn_top1_trained"]
+    assert (out / "wandb_id.txt").read_text().strip() == "fake-run-1"
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    hist = events.Histograms("health/teacher_entropy_per_image")
+    assert [h.step for h in hist] == list(range(1, report["steps"] + 1))
+    assert all(0 <= h.histogram_value.min <= h.histogram_value.max <= math.log(64) for h in hist)
+    assert "train/teacher_entropy" in events.Tags()["scalars"]

@@ -91,6 +91,10 @@ __all__ = [
     "run_metadata",
 ]
 
+# The process's umask, read once (os.umask can only be read by setting it).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 INDEX_NAME = "checkpoints.json"
 SIDECAR_SUFFIX = ".sha256"
 _INDEX_VERSION = 1
@@ -231,6 +235,7 @@ def _atomic_write(path: Path, write) -> _HashingWriter:
     re-raised; ``path`` is untouched."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide checkpoints from the group
         with os.fdopen(fd, "wb") as f:
             w = _HashingWriter(f)
             write(w)
@@ -941,6 +946,35 @@ def _config_differences(saved: dict, current: dict) -> list[str]:
     return keys
 
 
+def _row_entropy(teacher_logits: torch.Tensor, center: torch.Tensor, temp: float) -> torch.Tensor:
+    """Entropy (nats) of each row's centred, sharpened teacher distribution."""
+    p = torch.softmax((teacher_logits.float() - center) / temp, dim=-1)
+    return torch.special.entr(p).sum(-1).cpu()
+
+
+def _start_wandb(cfg, out: Path, metadata: dict):
+    """A Weights & Biases run for this run folder (resumed with it: the id
+    is kept in the folder). WANDB_MODE=offline logs without a network."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "logging.wandb=true needs the wandb package: pip install 'dino_opt[wandb]'"
+        ) from e
+    id_file = out / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if id_file.exists() else None
+    run = wandb.init(
+        project=cfg.logging.wandb_project,
+        dir=str(out),
+        id=run_id,
+        resume="allow",
+        name=out.name,
+        config={**cfg.to_dict(), "metadata": metadata},
+    )
+    id_file.write_text(run.id + "\n")
+    return run
+
+
 class _NullLog:
     """The metrics file of ranks other than 0."""
 
@@ -1238,6 +1272,7 @@ class CheckpointedDINOTrainer:
             from torch.utils.tensorboard import SummaryWriter
 
             writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
+        wandb_run = _start_wandb(cfg, out, metadata) if cfg.logging.wandb and lead else None
         from tqdm import tqdm
 
         total = s.epochs * len(loader)
@@ -1297,6 +1332,12 @@ class CheckpointedDINOTrainer:
                             )
                         monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=step,
                                         **extra)  # fmt: skip
+                        if writer is not None and extra and cfg.logging.histograms:
+                            writer.add_histogram(
+                                "health/teacher_entropy_per_image",
+                                _row_entropy(extra["teacher_logits"], loss_fn.center,
+                                             extra["teacher_temp"]), step,
+                            )  # fmt: skip
                         trainer.captured = {}
                     if logging_step:
                         now = time.perf_counter()
@@ -1342,6 +1383,8 @@ class CheckpointedDINOTrainer:
                                     writer.add_scalar(f"train/{k}", v, step)
                             for a in alerts:
                                 writer.add_text("health/alerts", a.message, step)
+                        if wandb_run is not None:
+                            wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=step)
                         # memory: the GPU allocator's peak on a GPU, else the process's RSS
                         mem = row.get("gpu_memory_peak_gb", row["host_rss_gb"])
                         bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
@@ -1386,6 +1429,8 @@ class CheckpointedDINOTrainer:
                 (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             if writer is not None:
                 writer.close()
+            if wandb_run is not None:
+                wandb_run.finish()
             return report
         loader.set_epoch(s.epochs)
         report["checkpoint"] = str(save(s.epochs, "final", end_of_epoch=True))
@@ -1421,4 +1466,7 @@ class CheckpointedDINOTrainer:
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         if writer is not None:
             writer.close()
+        if wandb_run is not None:
+            wandb_run.summary.update({k: v for k, v in report.items() if k != "profile"})
+            wandb_run.finish()
         return report

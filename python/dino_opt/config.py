@@ -235,6 +235,15 @@ class LoggingConfig:
     progress: bool = _opt(True, "show a progress bar")
     profile: bool = _opt(True, "write the profile summary")
     tsne: bool = _opt(True, "plot a t-SNE map of held-out features before and after training")
+    histograms: bool = _opt(
+        False, "TensorBoard histograms of the per-image teacher entropy at each logging step"
+    )
+    wandb: bool = _opt(
+        False,
+        "also log to Weights & Biases (pip install 'dino_opt[wandb]'; WANDB_MODE=offline "
+        "works without a network)",
+    )
+    wandb_project: str = _opt("dino_opt", "Weights & Biases project", check="nonempty")
 
 
 @dataclass
