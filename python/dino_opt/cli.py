@@ -5,6 +5,8 @@ config: the demo recipe on the built-in data set, sized for a 2-core CPU);
 ``dino-opt config --print-defaults`` prints the full default configuration.
 ``dino-opt knn --checkpoint RUN [--data ROOT]`` prints the
 k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON.
+``dino-opt report RUN`` analyses a run folder (convergence, weight drift
+between checkpoints, throughput) and writes its reports and plots there.
 ``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
 once at a bounded size (JPEG), keeping its folder layout, so that every epoch
 after decodes small files; the loader reads SRC or DST alike.
