@@ -187,7 +187,6 @@ def test_healthy_training_gives_no_alert(gen):
     for _ in range(3):
         monitor.observe(**healthy_step(gen))
     assert monitor.check_training_health() == []
-    assert monitor.throughput_baseline == 100.0
 
 
 def test_constant_features_trigger_constant_collapse(gen, caplog):
@@ -336,13 +335,16 @@ def test_lesson_dict_gives_the_three_alerts(caplog):
     assert monitor.check_training_health(healthy) == []
 
 
-def test_throughput_baseline_is_the_first_seen_and_nan_loss_in_a_dict():
-    monitor = TrainingHealthMonitor()
-    assert monitor.check_training_health({"throughput": 200.0}) == []
-    assert monitor.throughput_baseline == 200.0
-    assert monitor.check_training_health({"throughput": 170.0}) == []
-    (a,) = monitor.check_training_health({"throughput": 150.0})
+def test_throughput_first_window_against_last_window_and_nan_loss_in_a_dict():
+    # Without a baseline, the profiler's PerformanceMonitor rule: the mean of
+    # the last 2 values against the mean of the first 2, after 4 values.
+    monitor = TrainingHealthMonitor({"throughput_window": 2})
+    for value in (210.0, 190.0, 120.0, 200.0, 150.0):  # a dip inside the window is fine
+        assert monitor.check_training_health({"throughput": value}) == []
+    assert monitor.throughput_baseline is None
+    (a,) = monitor.check_training_health({"throughput": 140.0})  # last two: 145 < 0.8 x 200
     assert a.name == "throughput_degradation" and a.threshold == pytest.approx(160.0)
+    assert a.value == pytest.approx(145.0)
     (a,) = monitor.check_training_health({"loss": float("nan"), "grad_norm": 1.0})
     assert a.name == "nonfinite" and a.severity == "error"
     with pytest.raises(NonFiniteError, match="25 consecutive"):

@@ -303,6 +303,9 @@ class HealthConfig:
         ge=0,
         le=1,
     )
+    throughput_window: int = _opt(
+        3, "logging intervals averaged for the throughput check (first vs last)", ge=1
+    )
     max_nonfinite_steps: int = _opt(
         20, "stop after more than this many consecutive steps with a NaN/inf loss or gradient", ge=0
     )

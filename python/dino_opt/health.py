@@ -51,6 +51,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from .profiler import PerformanceMonitor
+
 __all__ = [
     "HealthAlert",
     "HealthThresholds",
@@ -127,7 +129,11 @@ class HealthThresholds:
             (before clipping) exceeds this. Default 10.0, the lesson's limit.
         throughput_drop: throughput degradation when throughput falls below
             this fraction of the baseline. Default 0.8, the lesson's ratio;
-            0 disables the check.
+            0 disables the check. Without a given baseline the rule is the
+            profiler's :class:`~dino_opt.profiler.PerformanceMonitor`: the
+            mean of the last ``throughput_window`` logged values against the
+            mean of the first ``throughput_window`` (after twice that many).
+        throughput_window: logging intervals averaged on each side (default 3).
         max_nonfinite_steps: :class:`NonFiniteError` when more consecutive
             steps than this had a non-finite loss or gradient norm. Default 20,
             which leaves room for the skipped steps of fp16 loss scaling
@@ -139,12 +145,13 @@ class HealthThresholds:
     entropy_dominant_min: float = 1.0
     grad_norm_max: float = 10.0
     throughput_drop: float = 0.8
+    throughput_window: int = 3
     max_nonfinite_steps: int = 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = int if f.name == "max_nonfinite_steps" else numbers.Real
+            kind = int if f.name in ("max_nonfinite_steps", "throughput_window") else numbers.Real
             if isinstance(value, bool) or not isinstance(value, kind):
                 what = "an int" if kind is int else "a number"
                 raise ValueError(f"HealthThresholds.{f.name} must be {what}, got {value!r}")
@@ -154,6 +161,10 @@ class HealthThresholds:
             raise ValueError(
                 f"HealthThresholds.entropy_uniform_max must be in [0, 1] (a fraction of "
                 f"log(out_dim)), got {self.entropy_uniform_max!r}"
+            )
+        if self.throughput_window < 1:
+            raise ValueError(
+                f"HealthThresholds.throughput_window must be >= 1, got {self.throughput_window!r}"
             )
         if self.throughput_drop > 1:
             raise ValueError(
@@ -312,6 +323,7 @@ class TrainingHealthMonitor:
         ):
             raise ValueError(f"throughput_baseline must be > 0, got {throughput_baseline!r}")
         self.throughput_baseline = throughput_baseline
+        self._performance: PerformanceMonitor | None = None  # when no baseline is given
         self.last_alerts: list[HealthAlert] = []
         self._device: torch.device | None = None
         self._sum: torch.Tensor | None = None  # [len(_METRICS)]
@@ -676,16 +688,28 @@ class TrainingHealthMonitor:
 
         throughput = get("throughput")
         if throughput is not None and math.isfinite(throughput) and throughput > 0:
-            if self.throughput_baseline is None:
-                self.throughput_baseline = throughput
-            floor = th.throughput_drop * self.throughput_baseline
-            if throughput < floor:
+            if self.throughput_baseline is not None:  # the lesson's rule: a given baseline
+                recent, baseline = throughput, self.throughput_baseline
+                degraded = throughput < th.throughput_drop * baseline
+            else:  # the profiler's PerformanceMonitor: first window vs last window
+                if self._performance is None:
+                    w = th.throughput_window
+                    self._performance = PerformanceMonitor(
+                        window=w, threshold=th.throughput_drop or 1.0, min_history=2 * w,
+                        log_alerts=False,
+                    )  # fmt: skip
+                found = self._performance.log_performance(throughput, 0.0)
+                degraded = found is not None and th.throughput_drop > 0
+                if found is not None:
+                    recent, baseline = found["recent_throughput"], found["baseline_throughput"]
+            if degraded:
+                floor = th.throughput_drop * baseline
                 alert(
                     "throughput_degradation",
                     "warning",
-                    f"performance degradation: throughput {throughput:.4g} images/s < "
-                    f"{th.throughput_drop:g} x baseline {self.throughput_baseline:.4g}",
-                    throughput,
+                    f"performance degradation: throughput {recent:.4g} images/s < "
+                    f"{th.throughput_drop:g} x baseline {baseline:.4g}",
+                    recent,
                     floor,
                 )
 

@@ -282,13 +282,16 @@ class PerformanceMonitor:
     degraded (and logs a warning), else None; alerts are kept in ``alerts``.
     """
 
-    def __init__(self, window: int = 10, threshold: float = 0.8, min_history: int = 100) -> None:
+    def __init__(
+        self, window: int = 10, threshold: float = 0.8, min_history: int = 100, log_alerts=True
+    ) -> None:
         if window < 1 or not 0 < threshold <= 1 or min_history < 2 * window:
             raise ValueError(
                 "PerformanceMonitor: need window >= 1, 0 < threshold <= 1 and "
                 f"min_history >= 2 * window, got {window}, {threshold}, {min_history}"
             )
         self.window, self.threshold, self.min_history = window, threshold, min_history
+        self.log_alerts = log_alerts  # False: the caller reports alerts (health.py)
         self.throughput_history: list[float] = []
         self.memory_history: list[float] = []
         self.alerts: list[dict] = []
@@ -310,6 +313,8 @@ class PerformanceMonitor:
             "memory_usage": float(memory_usage),
         }
         self.alerts.append(alert)
+        if not self.log_alerts:
+            return alert
         log.warning(
             "throughput degraded to %.0f%% of the baseline (%.1f vs %.1f)",
             100 * alert["ratio"],
