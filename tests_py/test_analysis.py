@@ -12,28 +12,16 @@ import torch
 from dino_opt.analysis import DINOTrainingAnalyzer, format_report
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
-from dino_opt.datasets import builtin_dataset
+from tiny import TINY as TINY_BASE
+from tiny import tiny_train_only
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 TINY = [
-    "data.batch_size=8",
+    *TINY_BASE,
     "data.num_workers=2",
-    "augmentation.global_crop_size=32",
-    "augmentation.local_crop_size=16",
-    "augmentation.num_local_views=2",
-    "model.backbone=vit_tiny",
-    "model.patch_size=8",
-    "model.out_dim=64",
-    "model.hidden_dim=32",
-    "model.bottleneck_dim=16",
-    "schedule.epochs=2",
-    "schedule.warmup_epochs=1",
-    "logging.log_every=1",
-    "logging.progress=false",
     "logging.tensorboard=false",
     "logging.profile=true",
-    "hardware.device=cpu",
     "checkpoint.every_steps=2",
     "checkpoint.keep=10",
 ]
@@ -325,12 +313,7 @@ def test_cli_error_names_the_path(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
     """2 epochs of 5 steps, a checkpoint every 2 steps, train split only (no k-NN)."""
-    root = builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        image_size=40,
-    )  # fmt: skip
-    train = tmp_path_factory.mktemp("trainonly") / "train"
-    train.symlink_to(root / "train")
+    train = tiny_train_only(tmp_path_factory)
     run = tmp_path_factory.mktemp("real") / "run"
     # One intra-op thread: on a machine whose cores are busy, torch's thread
     # pool made this run ~15x slower (125 s against 9 s).

@@ -10,42 +10,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from dino_opt.datasets import builtin_dataset
 from dino_opt.distributed import all_reduce_metrics, launched_world
+from tiny import TINY as TINY_BASE
+from tiny import tiny_train_only
 
 HERE = Path(__file__).parent
 
 TINY = [
+    *TINY_BASE,
     "data.num_workers=1",
-    "augmentation.global_crop_size=32",
-    "augmentation.local_crop_size=16",
-    "augmentation.num_local_views=2",
-    "model.backbone=vit_tiny",
-    "model.patch_size=8",
     "model.drop_path_rate=0.0",
-    "model.out_dim=64",
-    "model.hidden_dim=32",
-    "model.bottleneck_dim=16",
-    "schedule.epochs=2",
-    "schedule.warmup_epochs=1",
     "optim.freeze_last_layer=0",
-    "logging.log_every=1",
-    "logging.progress=false",
     "logging.tensorboard=false",
     "logging.profile=false",
-    "hardware.device=cpu",
 ]
 
 
 @pytest.fixture(scope="module")
 def train_root(tmp_path_factory):
-    root = builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        image_size=40,
-    )  # fmt: skip
-    train = tmp_path_factory.mktemp("trainonly") / "train"
-    train.symlink_to(root / "train")
-    return train
+    return tiny_train_only(tmp_path_factory)
 
 
 def _train(out: Path, train_root: Path, *extra: str) -> dict:

@@ -17,43 +17,25 @@ import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
-from dino_opt.datasets import builtin_dataset
 from dino_opt.health import NonFiniteError
 from dino_opt.loss import DINOLoss
+from tiny import TINY as TINY_BASE
+from tiny import tiny_train_only
 
 TINY = [
-    "data.batch_size=8",
+    *TINY_BASE,
     "data.num_workers=2",
-    "augmentation.global_crop_size=32",
-    "augmentation.local_crop_size=16",
-    "augmentation.num_local_views=2",
-    "model.backbone=vit_tiny",
-    "model.patch_size=8",
     "model.drop_path_rate=0.1",  # the torch RNG matters: it must be restored too
-    "model.out_dim=64",
-    "model.hidden_dim=32",
-    "model.bottleneck_dim=16",
     "schedule.epochs=3",
-    "schedule.warmup_epochs=1",
-    "logging.log_every=1",
-    "logging.progress=false",
     "logging.tensorboard=false",
     "logging.profile=false",
-    "hardware.device=cpu",
     "checkpoint.every_steps=1",
 ]
 
 
 @pytest.fixture(scope="module")
 def train_root(tmp_path_factory):
-    """40 images (5 batches of 8 per epoch), train split only: no k-NN at the end."""
-    root = builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        image_size=40,
-    )  # fmt: skip
-    train = tmp_path_factory.mktemp("trainonly") / "train"
-    train.symlink_to(root / "train")
-    return train
+    return tiny_train_only(tmp_path_factory)
 
 
 def _args(out: Path, train_root: Path, *extra: str) -> list[str]:

@@ -15,24 +15,9 @@ from dino_opt.cli import main
 from dino_opt.datasets import builtin_dataset
 from dino_opt.profiler import Profiler
 from dino_opt.trainer import PROFILE_PHASES, _profile_summary
+from tiny import TINY as TINY_BASE
 
-TINY = [
-    "data.batch_size=8",
-    "data.num_workers=2",
-    "augmentation.global_crop_size=32",
-    "augmentation.local_crop_size=16",
-    "augmentation.num_local_views=2",
-    "model.backbone=vit_tiny",
-    "model.patch_size=8",
-    "model.out_dim=64",
-    "model.hidden_dim=32",
-    "model.bottleneck_dim=16",
-    "schedule.epochs=2",
-    "schedule.warmup_epochs=1",
-    "logging.log_every=1",
-    "logging.progress=false",
-    "hardware.device=cpu",
-]
+TINY = [*TINY_BASE, "data.num_workers=2"]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

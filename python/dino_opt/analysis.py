@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointManager
-from .plots import MEMORY_KEYS, plot_training_curves, read_metrics
+from .plots import MEMORY_KEYS, plot_training_curves, read_metrics, style_step_panel
 
 __all__ = ["DINOTrainingAnalyzer", "format_report"]
 
@@ -657,7 +657,6 @@ def _plot_evolution(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     teacher-student distance, and each module's drift from the first."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(12, 8), dpi=100)
     FigureCanvasAgg(fig)
@@ -698,16 +697,8 @@ def _plot_evolution(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
             if xs:
                 ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label)
                 drawn += 1
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(True, alpha=0.3)
-        if not drawn:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        if not style_step_panel(ax, title, ylabel, drawn, legend=drawn > 1):
             continue
-        if drawn > 1:
-            ax.legend(fontsize=8)
         ax.ticklabel_format(axis="y", useOffset=False)  # a norm that barely moves: no "+8.4e1"
     fig.suptitle(f"Model evolution over {len(rows)} checkpoints")
     fig.tight_layout()

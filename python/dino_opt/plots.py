@@ -76,6 +76,24 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], l
     return xs, ys
 
 
+def style_step_panel(ax, title: str, ylabel: str, drawn: int, *, legend: bool) -> bool:
+    """Title, labels and grid of one panel over training steps; "no data"
+    written in it when no series was drawn. Returns whether one was."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        return False
+    if legend:
+        ax.legend(fontsize=8)
+    return True
+
+
 def plot_training_curves(
     rows: Iterable[Mapping[str, Any]],
     path: str | os.PathLike,
@@ -93,7 +111,6 @@ def plot_training_curves(
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     rows = [r for r in rows if isinstance(r, Mapping)]
     fig = Figure(figsize=(15, 8), dpi=100)
@@ -108,16 +125,8 @@ def plot_training_curves(
             style = {"marker": "o", "markersize": 3} if len(xs) < 20 else {}
             ax.plot(xs, ys, label=label, linewidth=1.2, **style)
             drawn += 1
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(True, alpha=0.3)
-        if not drawn:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        if not style_step_panel(ax, name, ylabel, drawn, legend=len(keys) > 1):
             continue
-        if len(keys) > 1:
-            ax.legend(fontsize=8)
         # lr and weight decay span orders of magnitude in small numbers.
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     fig.suptitle(title or f"Training curves ({len(rows)} logged steps)")

@@ -1,0 +1,36 @@
+"""The tiny training run the end-to-end tests share: ViT-T/8 at 32/16 px
+(2 global + 2 local crops), head 32-16-64, batch 8, on the CPU, no progress
+bar; and a tiny built-in data set. Tests add their own overrides."""
+
+from pathlib import Path
+
+from dino_opt.datasets import builtin_dataset
+
+TINY = [
+    "data.batch_size=8",
+    "augmentation.global_crop_size=32",
+    "augmentation.local_crop_size=16",
+    "augmentation.num_local_views=2",
+    "model.backbone=vit_tiny",
+    "model.patch_size=8",
+    "model.out_dim=64",
+    "model.hidden_dim=32",
+    "model.bottleneck_dim=16",
+    "schedule.epochs=2",
+    "schedule.warmup_epochs=1",
+    "logging.log_every=1",
+    "logging.progress=false",
+    "hardware.device=cpu",
+]
+
+
+def tiny_train_only(tmp_path_factory) -> Path:
+    """40 images (5 batches of 8 per epoch) in a `train` folder with no `val`
+    beside it, so that a run ends without the k-NN evaluation."""
+    root = builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
+        image_size=40,
+    )  # fmt: skip
+    train = tmp_path_factory.mktemp("trainonly") / "train"
+    train.symlink_to(root / "train")
+    return train
