@@ -1,0 +1,919 @@
+"""End-to-end DINO training throughput: the original training step
+(bench/reference_trainer.py) against dino_opt's trainer with each
+optimisation switched on one at a time, and all together.
+
+    python bench/bench_train.py [--config cpu|recipe|max_batch] [--quick]
+        [--only baseline,dino_opt,loader,...] [--steps N] [--warmup N]
+        [--batch-size N] [--workers N] [--repeats N] [--data DIR] [--compile]
+        [--photometric cpu|gpu] [--epoch N] [--no-isolate] [--json PATH]
+
+Rows (same model, same initialisation from one seed, same schedules):
+
+- ``baseline``: :class:`ReferenceDINOTrainer`, DINO as people run it: the PIL
+  multi-crop pipeline through DataLoader, per-resolution backbone calls, the
+  double-loop loss with a synchronous center update, per-parameter clipping
+  with ``.item()``, the per-parameter EMA loop, float16 autocast with a
+  GradScaler on a GPU (float32 on the CPU), ``torch.cuda.synchronize()`` and
+  ``loss.item()`` every step.
+- ``dino_opt``: ``MemoryOptimizedDINOTrainer`` built as ``dino-opt train``
+  builds it (global-norm clipping with foreach kernels, no host sync in the
+  step, the loss kept on the device, fused AdamW on a GPU) but with every
+  switch below off: the PIL DataLoader, the reference loss, the EMA loop,
+  float16 + GradScaler (GPU) / float32 (CPU), eager, no checkpointing.
+- one row per switch, each the ``dino_opt`` row with that one thing on:
+  ``loader`` (the native MultiCropLoader instead of the PIL DataLoader, same
+  worker count), ``fused_loss`` (DINOLoss instead of the double loop),
+  ``fused_ema`` (DINOModel's one-launch EMA instead of the loop), ``bf16``
+  (bfloat16 autocast, no GradScaler; GPU only), ``sdpa`` (SDPA attention
+  instead of a manual one; only when dino_opt's ViT has a manual path),
+  ``compile`` (torch.compile of backbones and heads; GPU only unless
+  ``--compile``), ``checkpointing`` (gradient checkpointing of the ViT blocks);
+- ``all_no_ckpt`` and ``all``: every switch available here, without and with
+  checkpointing (which trades speed for memory).
+
+Configurations: ``recipe`` (GPU): ViT-S/16, 2x224^2 + 8x96^2 crops, out_dim
+65536, batch 64, on a synthetic ImageNet-like JPEG set (bench/synthetic_images.py)
+or ``--data``; ``max_batch`` (GPU): the same at the largest batch each row
+fits (searched with real training steps on random crops: doubling from 64,
+then bisection to multiples of 32); ``cpu``: ViT-T/16, 2x64^2 + 4x32^2, out_dim
+4096, batch 32, on the built-in data set (dino_opt.datasets.builtin_dataset).
+Default: ``recipe`` and ``max_batch`` when CUDA is available, else ``cpu``.
+
+Method: each row runs in a fresh Python process (``--no-isolate``: one after
+the other in this one), builds its models from the seed, runs ``--steps``
+training steps from the first iteration of the DINO schedules (epoch
+``--epoch``, so the last layer is frozen in epoch 0 as in the recipe), and
+times every step: on a GPU with CUDA events recorded after each step (the
+interval between two events includes any time the GPU waited for the host or
+the loader; no synchronisation is added to dino_opt's steps), on the CPU with a
+steady clock. images/s is the batch over a step's time: the median and the
+10th/90th percentiles over the steps after ``--warmup`` (with ``--repeats``,
+the rows run round by round, interleaved, so that a change in the machine's
+load touches all rows alike, and the steps of all rounds are pooled). Peak
+memory: the CUDA caching allocator's peak allocation over the row (models,
+optimizer state and activations) on a GPU; on the CPU the peak resident set
+of the training process (DataLoader worker processes are not in it; the
+native loader's threads and buffers are). Losses are read at the end (for dino_opt's rows
+from device tensors); steps 1, 10 and the last are in the table, all in the
+JSON. Both trainers compute the same step up to the clipping rule (DINO clips
+each parameter's gradient to norm 3 on its own, dino_opt the global norm);
+tests_py/test_reference_trainer.py checks that they agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, device_slug, machine, print_table, write_json  # noqa: E402
+from reference_trainer import (  # noqa: E402
+    LoopEMAModel,
+    ReferenceDINOLoss,
+    ReferenceDINOTrainer,
+    endless,
+    make_pil_loader,
+)
+
+TOGGLES = ("loader", "fused_loss", "fused_ema", "bf16", "sdpa", "compile", "checkpointing")
+CASES = ("baseline", "dino_opt", *TOGGLES, "all_no_ckpt", "all")
+LABELS = {
+    "baseline": "baseline: DINO step as published",
+    "dino_opt": "dino_opt trainer, switches off",
+    "loader": "+ native loader",
+    "fused_loss": "+ fused loss",
+    "fused_ema": "+ fused EMA",
+    "bf16": "+ bf16 autocast",
+    "sdpa": "+ SDPA attention",
+    "compile": "+ torch.compile",
+    "checkpointing": "+ grad checkpointing",
+    "all_no_ckpt": "all but checkpointing",
+    "all": "all together",
+}
+
+# The DINO recipe (DESIGN.md section 4).
+LR, MIN_LR, WD, WD_END, MOMENTUM, CLIP = 0.0005, 1e-6, 0.04, 0.4, 0.996, 3.0
+TEACHER_TEMP, STUDENT_TEMP, EPOCHS, WARMUP_EPOCHS = 0.04, 0.1, 100, 10
+
+PRESETS = {
+    "cpu": dict(
+        backbone="vit_tiny", out_dim=4096, global_size=64, local_size=32, n_local=4,
+        batch_size=32, steps=30, warmup=5, data="builtin",
+    ),
+    "recipe": dict(
+        backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
+        batch_size=64, steps=60, warmup=10, data="synthetic",
+    ),
+    "max_batch": dict(
+        backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
+        batch_size=None, steps=25, warmup=5, data="synthetic",
+    ),
+}  # fmt: skip
+QUICK = dict(steps=2, warmup=1)
+QUICK_CPU_BATCH = 8
+SEARCH_START, SEARCH_GRANULARITY = 64, 32
+
+
+# ---------------------------------------------------------------- what can run here
+
+
+def manual_attention_supported() -> bool:
+    """Whether dino_opt's ViT attention has a switch to a manual (q kᵀ,
+    softmax, v) path: a boolean ``fused_attn`` attribute on its Attention
+    modules (timm's convention). dino_opt.models.vit has none today: its
+    attention always goes through SDPA."""
+    from dino_opt.models.vit import Attention
+
+    return isinstance(getattr(Attention(8, 2), "fused_attn", None), bool)
+
+
+def set_manual_attention(model: torch.nn.Module, manual: bool) -> None:
+    from dino_opt.models.vit import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.fused_attn = not manual
+
+
+def unavailable_toggles(device: torch.device, try_compile: bool) -> dict[str, str]:
+    """Switches that cannot run here, with the reason."""
+    out = {}
+    if device.type != "cuda":
+        out["bf16"] = "GPU only (bfloat16 autocast on a CPU is slower than float32)"
+    elif not torch.cuda.is_bf16_supported():
+        out["bf16"] = "this GPU has no bfloat16"
+    if not manual_attention_supported():
+        out["sdpa"] = (
+            "dino_opt.models.vit has no manual attention path: the baseline and every row "
+            "run the same SDPA attention"
+        )
+    if device.type != "cuda" and not try_compile:
+        out["compile"] = "GPU only by default (--compile tries it on the CPU)"
+    return out
+
+
+def case_toggles(case: str, available: list[str]) -> list[str] | None:
+    """The switches a row turns on (None: the baseline trainer)."""
+    if case == "baseline":
+        return None
+    if case == "dino_opt":
+        return []
+    if case == "all":
+        return list(available)
+    if case == "all_no_ckpt":
+        return [t for t in available if t != "checkpointing"]
+    return [case]
+
+
+# ---------------------------------------------------------------- one row
+
+
+def model_config(s: dict):
+    from dino_opt.config import apply_overrides, default_config
+
+    return apply_overrides(
+        default_config(),
+        [
+            f"model.backbone={s['backbone']}",
+            f"model.out_dim={s['out_dim']}",
+            f"model.patch_size={s['patch_size']}",
+            f"model.drop_path_rate={s['drop_path_rate']}",
+        ],
+    )
+
+
+def compile_models(student, teacher, dynamic: bool | None) -> None:
+    """torch.compile in place (parameter names unchanged, so the EMA still
+    pairs them): backbone and head of both networks."""
+    import torch._dynamo
+
+    for key in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, 64)
+    for net in (student, teacher):
+        net.backbone.compile(dynamic=dynamic)
+        net.head.compile(dynamic=dynamic)
+
+
+class Job:
+    """The models, loss, optimizer and trainer of one row; ``step(crops, i)``
+    runs training step ``i`` (from the row's first iteration) and returns
+    its loss (a float for the baseline, a device tensor for dino_opt)."""
+
+    def __init__(
+        self, s: dict, toggles: list[str] | None, batch_size: int, niter_per_epoch: int
+    ) -> None:
+        from dino_opt import DINOLoss
+        from dino_opt.trainer import (
+            DINOModel,
+            MemoryOptimizedDINOTrainer,
+            Schedules,
+            build_models,
+            param_groups,
+        )
+
+        self.baseline = toggles is None
+        use = set(toggles or ())
+        self.device = device = torch.device(s["device"])
+        cuda = device.type == "cuda"
+        torch.manual_seed(s["seed"])
+        student, teacher = build_models(model_config(s))
+        if manual_attention_supported():  # plain attention unless the row switches SDPA on
+            for net in (student, teacher):
+                set_manual_attention(net, manual="sdpa" not in use)
+        student, teacher = student.to(device), teacher.to(device)
+        if "compile" in use:
+            compile_models(student, teacher, s.get("compile_dynamic", False))
+        self.schedules = Schedules.dino(
+            base_lr=LR * batch_size / 256,
+            min_lr=MIN_LR,
+            weight_decay=WD,
+            weight_decay_end=WD_END,
+            momentum_teacher=MOMENTUM,
+            epochs=EPOCHS,
+            warmup_epochs=WARMUP_EPOCHS,
+            niter_per_epoch=niter_per_epoch,
+        )
+        self.epoch = int(s["epoch"])
+        self.it0 = self.epoch * niter_per_epoch
+        ncrops = 2 + s["n_local"]
+        loss_args = (s["out_dim"], ncrops, TEACHER_TEMP, TEACHER_TEMP, 0, EPOCHS, STUDENT_TEMP)
+        torch.manual_seed(s["seed"])  # the same drop-path draws in every row
+        if self.baseline:
+            self.trainer = ReferenceDINOTrainer(
+                student,
+                teacher,
+                ReferenceDINOLoss(*loss_args).to(device),
+                torch.optim.AdamW(param_groups(student), lr=0.0),
+                device=device,
+                precision="fp16" if cuda else "fp32",
+                clip_grad=CLIP,
+                freeze_last_layer=1,
+                lr_schedule=self.schedules.lr,
+                wd_schedule=self.schedules.weight_decay,
+                momentum_schedule=self.schedules.momentum,
+            )
+            return
+        model_class = DINOModel if "fused_ema" in use else LoopEMAModel
+        model = model_class(student, teacher, self.schedules.momentum)
+        model.teacher_step = self.it0
+        loss_class = DINOLoss if "fused_loss" in use else ReferenceDINOLoss
+        precision = "bf16" if "bf16" in use else ("fp16" if cuda else "fp32")
+        self.trainer = MemoryOptimizedDINOTrainer(
+            model,
+            loss_class(*loss_args).to(device),
+            torch.optim.AdamW(param_groups(student), lr=0.0, fused=cuda),
+            {
+                "use_amp": precision != "fp32",
+                "precision": precision,
+                "gradient_checkpointing": "checkpointing" in use,
+                "gradient_clip": CLIP,
+                "freeze_last_layer": 1,
+            },
+            device,
+        )
+
+    def step(self, crops, i: int):
+        it = self.it0 + i
+        if self.baseline:
+            return self.trainer.train_step(crops, self.epoch, it)
+        self.trainer.set_schedules(self.schedules, it)
+        loss, _ = self.trainer.train_step_optimized(crops, self.epoch)
+        self.trainer.optimize_step()
+        return loss
+
+
+def data_stream(s: dict, native: bool, batch_size: int):
+    """``(iterator of crop lists, close, stats)`` over the row's data."""
+    device = torch.device(s["device"])
+    common = dict(
+        global_size=s["global_size"],
+        local_size=s["local_size"],
+        n_local=s["n_local"],
+        global_scale=(0.4, 1.0),
+        local_scale=(0.05, 0.4),
+        seed=s["seed"],
+    )
+    if native:
+        from dino_opt.data import MultiCropLoader
+
+        photometric = s["photometric"]
+        loader = MultiCropLoader(
+            s["data_root"],
+            batch_size,
+            num_threads=s["workers"],
+            dtype=torch.float32,
+            photometric=photometric,
+            device=device if photometric == "gpu" else None,
+            pin_memory=device.type == "cuda",
+            **common,
+        )
+        gen = (b.crops for b in endless(loader, loader.set_epoch))
+
+        def close():
+            gen.close()
+            loader.close()
+
+        return gen, close, loader.stats
+
+    loader = make_pil_loader(
+        s["data_root"], batch_size, workers=s["workers"], pin_memory=device.type == "cuda", **common
+    )
+    gen = (b[0] for b in endless(loader))
+
+    def close():
+        gen.close()
+        it = getattr(loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # persistent workers would otherwise linger until gc
+
+    return gen, close, None
+
+
+class StepClock:
+    """The end of every step: CUDA events on the current stream (no
+    synchronisation until ``seconds()``), else a steady clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Per-step seconds (one fewer than the marks)."""
+        pairs = zip(self.marks[:-1], self.marks[1:], strict=True)
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def peak_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def search_batch(s: dict, toggles: list[str] | None, limit: int) -> dict:
+    """The largest batch (multiple of 32) for which two full training steps
+    on random crops fit in GPU memory."""
+    device = torch.device(s["device"])
+    s = dict(s, compile_dynamic=None)  # one dynamic-batch graph instead of one per size
+    tried = {}
+
+    def trial(b: int) -> bool:
+        # Everything a trial allocates is local here, so it is garbage once
+        # this returns (an exception's traceback would otherwise keep it alive).
+        try:
+            job = Job(s, toggles, b, niter_per_epoch=1000)
+            g, n = s["global_size"], s["local_size"]
+            for i in range(2):
+                crops = [torch.randn(b, 3, g, g, device=device) for _ in range(2)]
+                crops += [torch.randn(b, 3, n, n, device=device) for _ in range(s["n_local"])]
+                job.step(crops, i)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return True
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is an answer
+            if not _is_oom(e):
+                raise
+            return False
+
+    def fits(b: int) -> bool:
+        ok = trial(b)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        tried[b] = ok
+        print(f"    batch {b}: {'fits' if ok else 'out of memory'}", flush=True)
+        return ok
+
+    best = largest_batch(fits, SEARCH_START, granularity=SEARCH_GRANULARITY, limit=limit)
+    return {"batch_size": best, "tried": {str(k): v for k, v in tried.items()}}
+
+
+def largest_batch(
+    fits: Callable[[int], bool], start: int, *, granularity: int = 32, limit: int = 8192
+) -> int:
+    """The largest multiple of ``granularity`` up to ``limit`` for which
+    ``fits`` holds, assuming it holds below some threshold and not above:
+    doubling from ``start`` (halving when ``start`` does not fit), then
+    bisection. 0 when not even ``granularity`` fits."""
+
+    def down(b: int) -> int:
+        return b // granularity * granularity
+
+    b = max(granularity, down(min(start, limit)))
+    if fits(b):
+        lo, hi = b, None
+        while lo < limit:
+            b = min(2 * lo, down(limit))
+            if b <= lo:
+                break
+            if not fits(b):
+                hi = b
+                break
+            lo = b
+        if hi is None:
+            return lo
+    else:
+        lo, hi = 0, b
+        b = down(hi // 2)
+        while b >= granularity:
+            if fits(b):
+                lo = b
+                break
+            hi, b = b, down(b // 2)
+        if lo == 0:
+            return 0
+    while True:
+        mid = down((lo + hi) // 2)
+        if mid <= lo:
+            return lo
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+
+
+def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> dict:
+    """One row: ``s["steps"]`` training steps on the row's data."""
+    device = torch.device(s["device"])
+    reset_peak_memory(device)
+    niter = max(1, s["data_images"] // batch_size)
+    native = toggles is not None and "loader" in toggles
+    job = Job(s, toggles, batch_size, niter)
+    stream, close, stats_fn = data_stream(s, native, batch_size)
+    clock = StepClock(device)
+    losses = []
+    t0 = time.perf_counter()
+    try:
+        clock.mark()
+        for i in range(s["steps"]):
+            crops = next(stream)
+            losses.append(job.step(crops, i))
+            clock.mark()
+            if i + 1 == s["warmup"]:
+                t_warm = time.perf_counter()
+        step_s = clock.seconds()  # waits for the GPU once, at the end
+        t_end = time.perf_counter()
+        loader_stats = stats_fn() if stats_fn is not None else None
+    finally:
+        close()
+    losses = [float(x) for x in losses]  # dino_opt: device tensors, read now
+    measured = step_s[s["warmup"] :]
+    rates = [batch_size / t for t in measured]
+    window = (t_end - t_warm) if s["warmup"] else (t_end - t0)
+    result = {
+        "case": case,
+        "toggles": toggles,
+        "batch_size": batch_size,
+        "steps": s["steps"],
+        "warmup": s["warmup"],
+        "step_seconds": step_s,
+        "images_per_s": statistics.median(rates),
+        "images_per_s_p10": float(np.percentile(rates, 10)),
+        "images_per_s_p90": float(np.percentile(rates, 90)),
+        "images_per_s_window": batch_size * len(measured) / window,
+        "peak_memory_bytes": peak_memory(device),
+        "losses": losses,
+        "loader": "native MultiCropLoader" if native else "PIL DataLoader",
+    }
+    if loader_stats is not None:
+        result["loader_stats"] = {
+            k: v for k, v in loader_stats.items() if isinstance(v, (int, float, str))
+        }
+    del job
+    reset_peak_memory(device)
+    return result
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row's rounds as one result: rates pooled over every measured step
+    of every round (median, p10, p90), the highest peak memory, the first
+    round's losses (the rounds repeat the same steps); each round is kept."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return dict(rounds[0])
+    if len(ok) == 1 and len(rounds) == 1:
+        return dict(ok[0])
+    b, w = ok[0]["batch_size"], ok[0]["warmup"]
+    rates = [b / t for r in ok for t in r["step_seconds"][w:]]
+    out = dict(ok[0])
+    out.update(
+        images_per_s=statistics.median(rates),
+        images_per_s_p10=float(np.percentile(rates, 10)),
+        images_per_s_p90=float(np.percentile(rates, 90)),
+        images_per_s_window=statistics.median(r["images_per_s_window"] for r in ok),
+        peak_memory_bytes=max((r["peak_memory_bytes"] or 0) for r in ok) or None,
+        rounds=[
+            {
+                k: r.get(k)
+                for k in (
+                    "images_per_s",
+                    "images_per_s_window",
+                    "peak_memory_bytes",
+                    "step_seconds",
+                    "losses",
+                    "error",
+                )
+            }
+            for r in rounds
+        ],
+    )
+    out.pop("step_seconds", None)
+    return out
+
+
+def run_spec(spec: dict) -> dict:
+    s, case, toggles = spec["settings"], spec["case"], spec["toggles"]
+    if spec["mode"] == "search":
+        return search_batch(s, toggles, spec["limit"])
+    return measure(s, case, toggles, spec["batch_size"])
+
+
+def execute(spec: dict, isolate: bool) -> dict:
+    """``run_spec`` in a fresh process (``isolate``) or in this one; a failure
+    becomes ``{"error": ...}``."""
+    if not isolate:
+        try:
+            return run_spec(spec)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            traceback.print_exc()
+            return {"error": f"{type(e).__name__}: {e}"}
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                str(spec_path),
+                str(out_path),
+            ]
+        )
+        if out_path.exists():
+            return json.loads(out_path.read_text())
+        return {"error": f"the row's process exited with status {proc.returncode}"}
+
+
+def child_main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        result = run_spec(spec)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {e}"}
+    Path(out_path).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- the whole bench
+
+
+def resolve_data(s: dict, args, min_images: int) -> None:
+    """Fills ``data_root``, ``data_images`` and ``data`` (a description)."""
+    from baseline_augment import list_image_folder
+
+    if args.data is not None:
+        root = Path(args.data)
+        desc = {"source": str(root), "kind": "ImageFolder"}
+    elif s["data"] == "builtin":
+        from dino_opt.datasets import builtin_dataset
+
+        root = builtin_dataset() / "train"
+        desc = {"source": str(root), "kind": "dino_opt built-in data set (train split)"}
+    else:
+        from synthetic_images import ensure_synthetic_set
+
+        count = max(args.count, -(-min_images // 1000) * 1000)
+        ds = ensure_synthetic_set(count, seed=0)
+        root = ds.root
+        desc = {
+            "source": str(root),
+            "kind": "synthetic ImageNet-like JPEGs (bench/synthetic_images.py)",
+            "mean_pixels": ds.mean_pixels,
+            "mean_bytes": ds.mean_bytes,
+        }
+    n = len(list_image_folder(root))
+    if n == 0:
+        sys.exit(f"no images under {root}")
+    s.update(data_root=str(root), data_images=n, data=desc)
+
+
+def settings_for(config: str, args, device: torch.device) -> dict:
+    s = dict(PRESETS[config])
+    s.update(
+        config=config,
+        device=str(device),
+        patch_size=16,
+        drop_path_rate=0.1,
+        seed=args.seed,
+        epoch=args.epoch,
+        photometric=args.photometric,
+        workers=args.workers,
+    )
+    if args.quick:
+        s.update(QUICK)
+        if config == "cpu":
+            s["batch_size"] = QUICK_CPU_BATCH
+    for key in ("steps", "warmup", "batch_size"):
+        if getattr(args, key) is not None and not (key == "batch_size" and config == "max_batch"):
+            s[key] = getattr(args, key)
+    if s["warmup"] >= s["steps"]:
+        sys.exit(f"--warmup ({s['warmup']}) must be below --steps ({s['steps']})")
+    return s
+
+
+def _fmt(x, digits: int) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def run_config(config: str, args, device: torch.device, cases: list[str]) -> None:
+    s = settings_for(config, args, device)
+    skipped = unavailable_toggles(device, args.compile)
+    available = [t for t in TOGGLES if t not in skipped]
+    rows_cases = [case for case in cases if case not in skipped]
+    isolate = not args.no_isolate
+    notes = [f"{LABELS[c]}: skipped: {skipped[c]}" for c in cases if c in skipped]
+    batches = {}
+    searches = {}
+    if config == "max_batch":
+        if device.type != "cuda":
+            sys.exit("--config max_batch needs a GPU")
+        for case in rows_cases:
+            print(f"{case}: searching the largest batch", flush=True)
+            spec = dict(
+                settings=s, case=case, toggles=case_toggles(case, available), mode="search",
+                limit=args.max_batch_limit,
+            )  # fmt: skip
+            r = execute(spec, isolate)
+            searches[case] = r
+            batches[case] = r.get("batch_size") or 0
+            print(f"  {case}: batch {batches[case]}", flush=True)
+        biggest = max(batches.values(), default=0)
+        # the set holds several batches of the largest so that epoch ends are rare
+        resolve_data(s, args, min_images=4 * biggest)
+    else:
+        resolve_data(s, args, min_images=(s["steps"] + 2) * s["batch_size"])
+        batches = {case: s["batch_size"] for case in rows_cases}
+    for case, b in batches.items():
+        if b > s["data_images"]:
+            batches[case] = 0
+            notes.append(f"{LABELS[case]}: batch {b} is more than the {s['data_images']} images")
+
+    print(
+        f"config {config}: {s['backbone']}/{s['patch_size']}, 2x{s['global_size']}^2 + "
+        f"{s['n_local']}x{s['local_size']}^2 crops, out_dim {s['out_dim']}, "
+        f"{s['steps']} steps ({s['warmup']} warm-up), {s['workers']} loader workers, "
+        f"{device_slug(device)}, data {s['data_root']} ({s['data_images']} images)",
+        flush=True,
+    )
+    runs: dict[str, list[dict]] = {case: [] for case in rows_cases}
+    for r_i in range(args.repeats):
+        if args.repeats > 1:
+            print(f"round {r_i + 1}/{args.repeats}", flush=True)
+        for case in rows_cases:
+            if not batches.get(case):
+                continue
+            print(f"{case}: {LABELS[case]} (batch {batches[case]})", flush=True)
+            spec = dict(
+                settings=s,
+                case=case,
+                toggles=case_toggles(case, available),
+                mode="measure",
+                batch_size=batches[case],
+            )
+            r = execute(spec, isolate)
+            runs[case].append(r)
+            if "error" in r:
+                print(f"  failed: {r['error']}", flush=True)
+            else:
+                print(
+                    f"  {r['images_per_s']:.1f} images/s (p10 {r['images_per_s_p10']:.1f}, "
+                    f"p90 {r['images_per_s_p90']:.1f}), peak "
+                    f"{r['peak_memory_bytes'] / 2**20:.0f} MiB, "
+                    f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+                    flush=True,
+                )
+    results = {}
+    for case in rows_cases:
+        toggles = case_toggles(case, available)
+        if not runs[case]:
+            r = {"error": "no batch fits"}
+        else:
+            r = merge_rounds(runs[case])
+        r.update(case=case, toggles=toggles, label=LABELS[case])
+        if case in searches:
+            r["batch_search"] = searches[case]
+        results[case] = r
+
+    base = results.get("baseline", {}).get("images_per_s")
+    with_batch = config == "max_batch"
+    columns = ["case"] + (["batch"] if with_batch else [])
+    columns += [
+        "images/s",
+        "p10",
+        "p90",
+        "peak MiB",
+        "loss@1",
+        "loss@10",
+        "loss@last",
+        "vs baseline",
+    ]
+    rows = []
+    for case, r in results.items():
+        row = [r.get("label", LABELS[case])] + ([str(batches.get(case, 0))] if with_batch else [])
+        if "error" in r:
+            rows.append(row + ["failed"] + ["n/a"] * (len(columns) - len(row) - 1))
+            notes.append(f"{LABELS[case]}: {r['error']}")
+            continue
+        losses = r["losses"]
+        ips = r["images_per_s"]
+        row += [
+            _fmt(ips, 1),
+            _fmt(r["images_per_s_p10"], 1),
+            _fmt(r["images_per_s_p90"], 1),
+            _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, 0),
+            _fmt(losses[0], 4),
+            _fmt(losses[9], 4) if len(losses) >= 10 else "n/a",
+            _fmt(losses[-1], 4),
+            f"{ips / base:.2f}x" if base else "n/a",
+        ]
+        rows.append(row)
+
+    mem_kind = (
+        "CUDA allocator peak (models, optimizer state, activations)"
+        if device.type == "cuda"
+        else "peak RSS of the training process (DataLoader worker processes not included; "
+        "the native loader's threads are)"
+    )
+    notes += [
+        f"peak memory: {mem_kind}",
+        "the baseline clips each parameter's gradient to norm 3 on its own (DINO), dino_opt "
+        "the global norm; otherwise the steps compute the same thing",
+        "rows on the native loader see other random crops of the same images (its own "
+        "RNG streams), so their losses differ from the PIL rows' by the data",
+        "steps from the first iteration of the recipe's schedules (lr warm-up), epoch "
+        f"{s['epoch']}" + (" (last layer frozen)" if s["epoch"] < 1 else ""),
+    ]
+    try:
+        import dino_opt
+
+        build_info = dino_opt.build_info()
+    except Exception:  # noqa: BLE001
+        build_info = None
+    slug = device_slug(device)
+    out = args.json
+    if out is None:
+        out = RESULTS_DIR / (
+            f"train_{slug}.json" if config == "cpu" else f"train_{slug}_{config}.json"
+        )
+    elif len(args.configs) > 1:
+        out = out.with_name(f"{out.stem}_{config}{out.suffix}")
+    title = (
+        f"DINO training step, {config}: {s['backbone']}/{s['patch_size']}, 2x{s['global_size']}^2 "
+        f"+ {s['n_local']}x{s['local_size']}^2, out_dim {s['out_dim']}, "
+        + ("largest batch per row" if with_batch else f"batch {s['batch_size']}")
+        + f", {slug}, {s['workers']} workers; median of {s['steps'] - s['warmup']} steps after "
+        f"{s['warmup']} warm-up" + (f", x {args.repeats} rounds" if args.repeats > 1 else "")
+    )
+    write_json(
+        out,
+        {
+            "bench": "train",
+            "config": config,
+            "device": slug,
+            "machine": machine(),
+            "build_info": build_info,
+            "settings": s,
+            "isolated_processes": isolate,
+            "skipped": {c: skipped[c] for c in cases if c in skipped},
+            "notes": notes,
+            "results": list(results.values()),
+            "table": {"title": title, "columns": columns, "rows": rows},
+        },
+    )
+    print("\nnotes:")
+    for n in notes:
+        print(f"  - {n}")
+    print_table(title, columns, rows)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child_main(sys.argv[2], sys.argv[3])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--config",
+        action="append",
+        dest="configs",
+        choices=tuple(PRESETS),
+        help="configuration (repeatable; default: recipe and max_batch on a GPU, else cpu)",
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help=f"CI size: {QUICK} (CPU batch 8)")
+    parser.add_argument("--only", default=",".join(CASES), help="comma-separated rows")
+    parser.add_argument("--steps", type=int, help="training steps per row (warm-up included)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the statistics")
+    parser.add_argument("--batch-size", type=int, help="images per step (not with max_batch)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="DataLoader workers and native loader threads (default: usable cores)",
+    )
+    parser.add_argument("--data", type=Path, help="an ImageFolder directory")
+    parser.add_argument("--count", type=int, default=2000, help="synthetic images (GPU configs)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over all rows, interleaved (rates pooled over the rounds)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epoch", type=int, default=0, help="epoch of the steps (0: recipe start)")
+    parser.add_argument(
+        "--photometric",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="native loader: colour augmentation in its threads or on the GPU",
+    )
+    parser.add_argument("--compile", action="store_true", help="also run torch.compile on a CPU")
+    parser.add_argument("--max-batch-limit", type=int, default=8192)
+    parser.add_argument(
+        "--no-isolate", action="store_true", help="run the rows in this process, not one each"
+    )
+    parser.add_argument("--json", type=Path, help="output file (default docs/results/train_*.json)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available")
+    if not args.configs:
+        args.configs = ["recipe", "max_batch"] if device.type == "cuda" else ["cpu"]
+    if device.type != "cuda" and set(args.configs) - {"cpu"}:
+        parser.error("the recipe and max_batch configurations need a GPU")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    cases = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(CASES)}")
+    if args.photometric == "gpu" and device.type != "cuda":
+        parser.error("--photometric gpu needs --device cuda")
+    for config in args.configs:
+        run_config(config, args, device, cases)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""bench/reference_trainer.py (the original DINO step in plain PyTorch)
+against dino_opt's MemoryOptimizedDINOTrainer from the same initialisation on
+the same crops, its pieces against dino_opt's, and bench/bench_train.py as a
+smoke test. No timings are asserted."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dino_opt import DINOLoss
+from dino_opt.config import apply_overrides, default_config
+from dino_opt.trainer import (
+    DINOModel,
+    MemoryOptimizedDINOTrainer,
+    Schedules,
+    build_models,
+    param_groups,
+)
+from torch import nn
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+from bench_train import largest_batch  # noqa: E402
+from reference_trainer import (  # noqa: E402
+    LoopEMAModel,
+    ReferenceDINOLoss,
+    ReferenceDINOTrainer,
+    clip_gradients,
+    multicrop_forward,
+)
+
+OUT, N_LOCAL, B = 64, 3, 4
+
+
+def tiny_models(dtype, seed):
+    cfg = apply_overrides(
+        default_config(),
+        [
+            "model.backbone=vit_tiny",
+            f"model.out_dim={OUT}",
+            "model.hidden_dim=48",
+            "model.bottleneck_dim=16",
+            "model.drop_path_rate=0.1",
+        ],
+    )
+    torch.manual_seed(seed)
+    student, teacher = build_models(cfg)
+    return student.to(dtype), teacher.to(dtype)
+
+
+def crops(gen, dtype):
+    g = [torch.randn(B, 3, 32, 32, generator=gen, dtype=dtype) for _ in range(2)]
+    return g + [torch.randn(B, 3, 16, 16, generator=gen, dtype=dtype) for _ in range(N_LOCAL)]
+
+
+def loss_args():
+    return (OUT, 2 + N_LOCAL, 0.04, 0.06, 1, 3)  # teacher temperature warm-up over 1 epoch
+
+
+# DINOLoss sums the teacher rows for the center in float32 (whatever the
+# dtype), so float64 centers agree to ~1e-8, not ~1e-15.
+CENTER_TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(torch.float64, dict(rtol=1e-9, atol=1e-11)), (torch.float32, dict(rtol=1e-4, atol=1e-5))],
+)
+def test_reference_step_matches_dino_opt_trainer(gen, dtype, tol):
+    """Two steps (epoch 0 with the last layer frozen, then epoch 1) of both
+    trainers from the same init on the same crops with the same drop-path
+    draws: loss, gradients, student and teacher parameters and center agree.
+
+    float64 runs DINO's AdamW. float32 runs SGD with momentum: AdamW's first
+    step divides each gradient element by its own magnitude, so in float32 the
+    rounding noise of gradients that are zero in exact arithmetic (key biases:
+    softmax ignores a constant shift of the keys) decides a full +-lr step,
+    and any two correct implementations differ there by up to 2 lr."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    student, teacher = tiny_models(dtype, seed)
+    ref_student, ref_teacher = copy.deepcopy(student), copy.deepcopy(teacher)
+    initial = copy.deepcopy(student.state_dict())
+    lr, wd, mom = [1e-3, 2e-3], [0.04, 0.05], [0.9, 0.95]
+
+    def optimizer(net):
+        if dtype == torch.float64:
+            return torch.optim.AdamW(param_groups(net), lr=0.0)
+        return torch.optim.SGD(param_groups(net), lr=0.0, momentum=0.9)
+
+    # A clip value the gradients stay under: DINO clips each parameter's
+    # gradient on its own and dino_opt the global norm, which only agree then.
+    clip = 1e6
+    ref = ReferenceDINOTrainer(
+        ref_student,
+        ref_teacher,
+        ReferenceDINOLoss(*loss_args()).to(dtype),
+        optimizer(ref_student),
+        device="cpu",
+        precision="fp32",
+        clip_grad=clip,
+        freeze_last_layer=1,
+        lr_schedule=lr,
+        wd_schedule=wd,
+        momentum_schedule=mom,
+    )
+    model = DINOModel(student, teacher, mom)
+    loss_fn = DINOLoss(*loss_args()).to(dtype)
+    ours = MemoryOptimizedDINOTrainer(
+        model,
+        loss_fn,
+        optimizer(student),
+        {"use_amp": False, "gradient_clip": clip, "freeze_last_layer": 1},
+        torch.device("cpu"),
+    )
+    schedules = Schedules(lr=np.array(lr), weight_decay=np.array(wd), momentum=np.array(mom))
+    for it, epoch in enumerate([0, 1]):  # epoch 0: last layer frozen; epoch 1: trained
+        batch = crops(gen, dtype)
+        torch.manual_seed(seed + it)  # the same drop-path draws in both
+        ref_loss = ref.train_step(batch, epoch, it)
+        assert isinstance(ref_loss, float) and math.isfinite(ref_loss)
+        assert ref.last_grad_norms and max(ref.last_grad_norms) < clip
+        torch.manual_seed(seed + it)
+        ours.set_schedules(schedules, it)
+        loss, _ = ours.train_step_optimized(batch, epoch)
+        torch.testing.assert_close(loss.item(), ref_loss, **tol)
+        for (name, a), b in zip(student.named_parameters(), ref_student.parameters(), strict=True):
+            if "last_layer" in name and epoch == 0:
+                assert b.grad is None, name  # the reference dropped it
+            elif b.grad is not None:
+                scale = float(b.grad.abs().max())
+                torch.testing.assert_close(
+                    a.grad, b.grad, rtol=tol["rtol"], atol=tol["rtol"] * scale + 1e-30
+                )
+        assert ours.optimize_step()
+        assert float(ours.last_grad_norm) < clip
+        for (name, a), b in zip(student.named_parameters(), ref_student.parameters(), strict=True):
+            torch.testing.assert_close(
+                a, b, **tol, msg=lambda m, n=name, i=it: f"student {n}, step {i}: {m}"
+            )
+            if it == 0 and "last_layer" in name:  # frozen in epoch 0, in both
+                assert torch.equal(b, initial[name])
+        for (name, a), b in zip(teacher.named_parameters(), ref_teacher.parameters(), strict=True):
+            torch.testing.assert_close(
+                a, b, **tol, msg=lambda m, n=name, i=it: f"teacher {n}, step {i}: {m}"
+            )
+        center = loss_fn.state_dict()["center"]
+        torch.testing.assert_close(center, ref.loss_fn.center, **CENTER_TOL)
+        # Carry on from one center: AdamW would magnify its float32 rounding
+        # in gradient elements near zero.
+        ref.loss_fn.center = center.clone()
+    # the last layer did move in epoch 1
+    w = dict(student.named_parameters())["head.last_layer.weight_v"]
+    assert not torch.equal(w, initial["head.last_layer.weight_v"])
+
+
+def test_multicrop_forward_is_the_wrappers_forward(gen):
+    student, _ = tiny_models(torch.float64, 0)
+    student.eval()  # no drop path: deterministic
+    batch = crops(gen, torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(multicrop_forward(student, batch), student(batch))
+
+
+def test_reference_loss_matches_dinoloss_with_its_center(gen):
+    ref, fused = ReferenceDINOLoss(*loss_args()).double(), DINOLoss(*loss_args()).double()
+    for epoch in (0, 1, 2):  # the center moves; the teacher temperature warms up
+        s = torch.randn((2 + N_LOCAL) * B, OUT, generator=gen, dtype=torch.float64)
+        t = torch.randn(2 * B, OUT, generator=gen, dtype=torch.float64)
+        s1, s2 = s.clone().requires_grad_(), s.clone().requires_grad_()
+        a, b = ref(s1, t, epoch), fused(s2, t, epoch)
+        a.backward()
+        b.backward()
+        # from epoch 1 on the centers differ by DINOLoss's float32 row sum
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(s1.grad, s2.grad, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(ref.center, fused.state_dict()["center"], **CENTER_TOL)
+
+
+def test_loop_ema_matches_fused_ema(gen):
+    student, teacher = tiny_models(torch.float64, 1)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    loop = LoopEMAModel(copy.deepcopy(student), copy.deepcopy(teacher), [0.9, 0.99])
+    fused = DINOModel(copy.deepcopy(student), copy.deepcopy(teacher), [0.9, 0.99])
+    for model in (loop, fused):  # DINOModel starts the teacher at the student
+        key = "head.mlp.0.weight"
+        torch.testing.assert_close(model.teacher.state_dict()[key], student.state_dict()[key])
+        with torch.no_grad():
+            for p in model.student.parameters():
+                p.mul_(0.5)
+    for _ in range(2):
+        assert loop.update_teacher() == fused.update_teacher()
+    assert loop.teacher_step == fused.teacher_step == 2
+    for a, b in zip(loop.teacher.parameters(), fused.teacher.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_clip_gradients_clips_each_parameter_on_its_own():
+    model = nn.Linear(2, 1)
+    model.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5
+    model.bias.grad = torch.tensor([1.0])  # norm 1
+    norms = clip_gradients(model, 3.0)
+    assert norms == pytest.approx([5.0, 1.0])
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[1.8, 2.4]]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(model.bias.grad, torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("threshold", [0, 31, 32, 63, 64, 100, 500, 4111, 8192, 20000])
+def test_largest_batch_search(threshold):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= threshold
+
+    got = largest_batch(fits, 64, granularity=32, limit=8192)
+    assert got == min(threshold, 8192) // 32 * 32
+    assert len(calls) <= 16
+
+
+def run_bench(tmp_path, *extra):
+    out = tmp_path / "train.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH / "bench_train.py"), "--quick", "--workers", "1"]
+    cmd += ["--device", "cpu", "--json", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_quick_smoke_in_process(tmp_path):
+    payload, stdout = run_bench(tmp_path, "--no-isolate")
+    results = {r["case"]: r for r in payload["results"]}
+    ran = {"baseline", "dino_opt", "loader", "fused_loss", "fused_ema", "checkpointing"}
+    assert ran | {"all", "all_no_ckpt"} <= set(results)
+    assert {"bf16", "compile", "sdpa"} <= set(payload["skipped"])  # on the CPU, today
+    for case, r in results.items():
+        assert "error" not in r, (case, r)
+        assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"]), case
+        assert r["images_per_s"] > 0 and r["peak_memory_bytes"] > 0
+    assert set(results["all"]["toggles"]) == {"loader", "fused_loss", "fused_ema", "checkpointing"}
+    # Same init, same PIL crops, same drop-path draws: the first loss (before
+    # any update) agrees between the baseline and every row on the PIL loader.
+    base = results["baseline"]["losses"][0]
+    for case in ("dino_opt", "fused_loss", "fused_ema", "checkpointing"):
+        assert results[case]["losses"][0] == pytest.approx(base, rel=1e-4), case
+    assert len(payload["table"]["rows"]) == len(results)
+    assert "vs baseline" in stdout.splitlines()[-2 - len(results)]
+
+
+def test_bench_quick_smoke_isolated(tmp_path):
+    payload, _ = run_bench(tmp_path, "--only", "baseline,fused_ema")
+    results = {r["case"]: r for r in payload["results"]}
+    assert set(results) == {"baseline", "fused_ema"}
+    assert payload["isolated_processes"]
+    for r in results.values():
+        assert "error" not in r and len(r["losses"]) == 2
+    assert results["fused_ema"]["losses"][0] == pytest.approx(
+        results["baseline"]["losses"][0], rel=1e-4
+    )
