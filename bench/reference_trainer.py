@@ -40,7 +40,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,6 +48,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests_py"))
 from baseline_augment import PILMultiCrop, collate_multicrop, list_image_folder  # noqa: E402
+from dino_opt.loss import DINOLoss  # noqa: E402
 from dino_opt.trainer import DINOModel  # noqa: E402
 from reference import dino_loss_reference  # noqa: E402
 
@@ -98,49 +98,18 @@ def multicrop_forward(wrapper: nn.Module, crops: Sequence[torch.Tensor]) -> torc
 # ---------------------------------------------------------------- the loss
 
 
-class ReferenceDINOLoss(nn.Module):
+class ReferenceDINOLoss(DINOLoss):
     """The DINO loss of the paper, written as the original double loop.
 
-    Constructor and call as ``dino_opt.DINOLoss``: ``ReferenceDINOLoss(out_dim,
-    ncrops, warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs,
-    nepochs, student_temp=0.1, center_momentum=0.9)``, then
-    ``loss = loss_fn(student_output, teacher_output, epoch)``. The loss is
+    Constructed and called as ``dino_opt.DINOLoss`` (whose constructor, center
+    buffer and temperature schedule it shares), but the loss is
     ``tests_py/reference.py``'s :func:`dino_loss_reference` (for each teacher
     view and each other student view, the cross-entropy between the centred,
     sharpened teacher softmax and the student log-softmax, averaged over the
-    pairs). After it, the center moves towards the mean teacher row of the
+    pairs), and the center then moves towards the mean teacher row of the
     batch, all-reduced synchronously over the ranks when torch.distributed is
-    initialised: ``c <- m c + (1 - m) mean(T)``.
-
-    ``apply_center_update`` (a no-op: the update is never pending) and
-    ``_teacher_temps`` let dino_opt's trainer drive it like ``DINOLoss``.
+    initialised: ``c <- m c + (1 - m) mean(T)``. Nothing is ever pending.
     """
-
-    def __init__(
-        self,
-        out_dim: int,
-        ncrops: int,
-        warmup_teacher_temp: float,
-        teacher_temp: float,
-        warmup_teacher_temp_epochs: int,
-        nepochs: int,
-        student_temp: float = 0.1,
-        center_momentum: float = 0.9,
-    ) -> None:
-        super().__init__()
-        self.out_dim = out_dim
-        self.ncrops = ncrops
-        self.student_temp = student_temp
-        self.center_momentum = center_momentum
-        self.register_buffer("center", torch.zeros(1, out_dim))
-        # linear warm-up of the teacher temperature, then constant
-        self.teacher_temp_schedule = np.concatenate(
-            (
-                np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
-                np.ones(nepochs - warmup_teacher_temp_epochs) * teacher_temp,
-            )
-        )
-        self._teacher_temps = [float(t) for t in self.teacher_temp_schedule]
 
     def forward(
         self, student_output: torch.Tensor, teacher_output: torch.Tensor, epoch: int
@@ -165,9 +134,6 @@ class ReferenceDINOLoss(nn.Module):
             world = dist.get_world_size()
         batch_center = batch_center / (len(teacher_output) * world)
         self.center = self.center * self.center_momentum + batch_center * (1 - self.center_momentum)
-
-    def apply_center_update(self) -> None:
-        """Nothing is ever pending: the update above is synchronous."""
 
 
 # ---------------------------------------------------------------- the optimisation step
