@@ -206,3 +206,17 @@ def test_histograms_and_wandb(tiny_data, tmp_path, monkeypatch):
     assert [h.step for h in hist] == list(range(1, report["steps"] + 1))
     assert all(0 <= h.histogram_value.min <= h.histogram_value.max <= math.log(64) for h in hist)
     assert "train/teacher_entropy" in events.Tags()["scalars"]
+
+
+def test_wandb_offline_run(tiny_data, tmp_path, monkeypatch):
+    """With the real wandb package (the `wandb` extra) in offline mode: no network."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    args = ["train", "--output-dir", str(out), "--quiet", f"data.root={tiny_data / 'train'}"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(args + TINY + ["logging.wandb=true", "logging.tsne=false"]) == 0
+    run_id = (out / "wandb_id.txt").read_text().strip()
+    (run_dir,) = (out / "wandb").glob(f"offline-run-*-{run_id}")
+    assert any(run_dir.glob("*.wandb"))  # the offline log, to `wandb sync` later
