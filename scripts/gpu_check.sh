@@ -3,7 +3,7 @@
 # scikit-build-core and pytest but no apt, build dino_opt against that torch,
 # run the C++ tests, the `cuda`-marked Python tests, the other Python tests and
 # the GPU benchmarks, and write into REPORT_DIR: gpu_check.json (summary),
-# gpu_check.log (every step's output) and bench_*.json (seven files in all).
+# gpu_check.log (every step's output) and bench_*.json (eight files in all).
 # System headers the machine lacks come from .deb files in third_party/debs
 # (`make gpu-debs` on a machine with apt), unpacked into .gpu-prefix.
 set -uo pipefail
@@ -50,6 +50,10 @@ if step build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install --no-
   step bench_photometric $PY bench/bench_photometric.py --json "$REPORT_DIR/bench_photometric.json"
   # The synthetic JPEG set is generated under build/ on the first run (16 cores: seconds).
   step bench_loader $PY bench/bench_loader.py --device cuda --json "$REPORT_DIR/bench_loader.json"
+  # Last and bounded: the end-to-end table (DINO's ViT-S/16 recipe, baseline vs
+  # each optimisation) must not cost the steps above their place in a 10-minute call.
+  step bench_train timeout 270 $PY bench/bench_train.py --config recipe --repeats 1 \
+    --steps 15 --warmup 5 --json "$REPORT_DIR/bench_train.json"
 fi
 
 $PY scripts/gpu_report.py "$scratch" "$REPORT_DIR"
