@@ -48,7 +48,14 @@ from baseline_augment import (  # noqa: E402
     collate_multicrop,
     list_image_folder,
 )
-from common import RESULTS_DIR, device_slug, machine, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    closer_for_dataloader,
+    device_slug,
+    machine,
+    print_table,
+    write_json,
+)
 from synthetic_images import ensure_synthetic_set  # noqa: E402
 
 GLOBAL_SIZE, LOCAL_SIZE, N_LOCAL = 224, 96, 8
@@ -116,14 +123,7 @@ def dataloader_stream(dataset, args, seed: int) -> tuple[Iterator, Callable[[], 
             yield from loader
 
     gen = stream()
-
-    def close():
-        gen.close()
-        it = getattr(loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()  # persistent workers would otherwise linger until gc
-
-    return gen, close, None
+    return gen, closer_for_dataloader(gen, loader), None
 
 
 def ours_stream(root: Path, args, seed: int, photometric: str, device: torch.device):

@@ -82,7 +82,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, device_slug, machine, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    closer_for_dataloader,
+    device_slug,
+    machine,
+    print_table,
+    write_json,
+)
 from reference_trainer import (  # noqa: E402
     LoopEMAModel,
     ReferenceDINOLoss,
@@ -336,14 +343,7 @@ def data_stream(s: dict, native: bool, batch_size: int):
         s["data_root"], batch_size, workers=s["workers"], pin_memory=device.type == "cuda", **common
     )
     gen = (b[0] for b in endless(loader))
-
-    def close():
-        gen.close()
-        it = getattr(loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()  # persistent workers would otherwise linger until gc
-
-    return gen, close, None
+    return gen, closer_for_dataloader(gen, loader), None
 
 
 class StepClock:

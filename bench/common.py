@@ -155,3 +155,17 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
     base = _proc_status_kib("VmRSS")
     fn()
     return (_proc_status_kib("VmHWM") - base) * 1024
+
+
+def closer_for_dataloader(gen, loader) -> Callable[[], None]:
+    """A ``close()`` for a generator over a torch DataLoader: stops the
+    generator and shuts the loader's workers down now (persistent workers
+    would otherwise linger until garbage collection)."""
+
+    def close() -> None:
+        gen.close()
+        it = getattr(loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    return close
