@@ -1042,10 +1042,14 @@ class CheckpointedDINOTrainer:
         self.config = cfg
         self.quiet = quiet
         out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        self.output_dir = Path(out)
-        ck = cfg.checkpoint
+        self._set_output_dir(Path(out))
+
+    def _set_output_dir(self, out: Path) -> None:
+        """The run folder and the manager of its ``checkpoints/``."""
+        ck = self.config.checkpoint
+        self.output_dir = out
         self.checkpoint_manager = CheckpointManager(
-            self.output_dir / "checkpoints", keep_last=ck.keep, milestone_every=ck.milestone_every
+            out / "checkpoints", keep_last=ck.keep, milestone_every=ck.milestone_every
         )
 
     # ------------------------------------------------------------ resume
@@ -1097,13 +1101,7 @@ class CheckpointedDINOTrainer:
         dist_info = init_distributed(cfg.hardware.device)  # alone unless started by torchrun/SLURM
         device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
         if world > 1:  # rank 0's run folder (a default name holds the time it was made)
-            self.output_dir = Path(gather_objects(str(self.output_dir))[0])
-            ck = cfg.checkpoint
-            self.checkpoint_manager = CheckpointManager(
-                self.output_dir / "checkpoints",
-                keep_last=ck.keep,
-                milestone_every=ck.milestone_every,
-            )
+            self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
         out = self.output_dir
         lead = rank == 0  # writes the run folder; every rank trains
         torch.manual_seed(cfg.hardware.seed)
@@ -1401,9 +1399,10 @@ class CheckpointedDINOTrainer:
                             stopped_by = pending_stop
                             save(epoch, f"signal:{stopped_by}")
                             break
-                        inside = 0 < loader.state_dict()["next_batch"] < len(loader)
-                        if every_steps and step % every_steps == 0 and inside:
-                            save(epoch, "step")
+                        if every_steps and step % every_steps == 0:
+                            # not at an epoch's end: the epoch checkpoint covers it
+                            if 0 < loader.state_dict()["next_batch"] < len(loader):
+                                save(epoch, "step")
                 if stopped_by is not None:
                     break
                 ck_every = cfg.checkpoint.every_epochs

@@ -252,6 +252,7 @@ class MemoryOptimizedDINOTrainer:
         b = crops[0].shape[0]
         temp = lf._teacher_temps[epoch]
         targets = F.softmax((teacher_out - lf.center) / temp, dim=-1).chunk(self.n_global)
+        total_targets = sum(targets)
         n_views = len(crops)
         n_terms = self.n_global * n_views - min(self.n_global, n_views)
         total = teacher_out.new_zeros(())
@@ -259,7 +260,7 @@ class MemoryOptimizedDINOTrainer:
             sync = self._sync_last and gi == len(groups) - 1
             with no_sync(self.model.student, skip=not sync):
                 group_loss = self._group_forward_backward(
-                    crops, group, b, targets, epoch, n_terms, scale
+                    crops, group, b, targets, total_targets, n_terms, scale
                 )
             total = total + group_loss
         lf.update_center(teacher_out)
@@ -267,9 +268,8 @@ class MemoryOptimizedDINOTrainer:
             self.captured["student_logits"] = torch.cat(self.captured.pop("student_parts"))
         return total
 
-    def _group_forward_backward(self, crops, group, b, targets, epoch, n_terms, scale):
+    def _group_forward_backward(self, crops, group, b, targets, total_targets, n_terms, scale):
         lf = self.loss_fn
-        total_targets = sum(targets)
         with self._autocast():
             out = _for_loss(self.model.student([crops[v] for v in group]))
         logp = F.log_softmax(out / lf.student_temp, dim=-1)
