@@ -847,6 +847,51 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
     for n in notes:
         print(f"  - {n}")
     print_table(title, columns, rows)
+    print(f"plot: {plot_results(out)}")
+
+
+def plot_results(json_path: Path) -> Path:
+    """Draws a results file beside it (same name, .png): images/s with its
+    p10-p90 range and peak memory per row, and the loss per step of each row."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    data = json.loads(Path(json_path).read_text())
+    results = [r for r in data["results"] if r.get("images_per_s")]
+    labels = [r.get("label", LABELS.get(r["case"], r["case"])) for r in results]
+    fig = Figure(figsize=(16, 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    speed, memory, loss = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.2, 1, 1.2]})
+    ys = list(range(len(results)))[::-1]
+    ips = [r["images_per_s"] for r in results]
+    low = [r["images_per_s"] - r["images_per_s_p10"] for r in results]
+    high = [r["images_per_s_p90"] - r["images_per_s"] for r in results]
+    colors = ["tab:gray" if r["case"] == "baseline" else "tab:blue" for r in results]
+    speed.barh(ys, ips, xerr=[low, high], color=colors, capsize=3)
+    speed.set_yticks(ys, labels, fontsize=8)
+    speed.set_xlabel("images / s (median; bars: p10-p90)")
+    base = next((r["images_per_s"] for r in results if r["case"] == "baseline"), None)
+    for y, r in zip(ys, results, strict=True):
+        value = r["images_per_s"]
+        text = f"  {value:.1f}" + (f" ({value / base:.2f}x)" if base else "")
+        speed.text(r["images_per_s_p90"], y, text, va="center", fontsize=7)
+    speed.set_xlim(0, 1.3 * max(r["images_per_s_p90"] for r in results))
+    gib = [(r["peak_memory_bytes"] or 0) / 2**30 for r in results]
+    memory.barh(ys, gib, color=colors)
+    memory.set_yticks(ys, [])
+    memory.set_xlabel("peak memory (GiB)")
+    for r, label in zip(results, labels, strict=True):
+        loss.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
+    loss.set_xlabel("step")
+    loss.set_ylabel("DINO loss")
+    loss.legend(fontsize=6)
+    for ax in (speed, memory, loss):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(data["table"]["title"], fontsize=8)
+    fig.tight_layout()
+    out = Path(json_path).with_suffix(".png")
+    fig.savefig(out)
+    return out
 
 
 def main() -> None:
@@ -895,7 +940,14 @@ def main() -> None:
         "--no-isolate", action="store_true", help="run the rows in this process, not one each"
     )
     parser.add_argument("--json", type=Path, help="output file (default docs/results/train_*.json)")
+    parser.add_argument(
+        "--replot", type=Path, nargs="+", help="only draw the plots of these results files"
+    )
     args = parser.parse_args()
+    if args.replot:
+        for path in args.replot:
+            print(f"plot: {plot_results(path)}")
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available")

@@ -253,7 +253,9 @@ def test_bench_quick_smoke_in_process(tmp_path):
     for case in ("dino_opt", "fused_loss", "fused_ema", "checkpointing"):
         assert results[case]["losses"][0] == pytest.approx(base, rel=1e-4), case
     assert len(payload["table"]["rows"]) == len(results)
-    assert "vs baseline" in stdout.splitlines()[-2 - len(results)]
+    assert "vs baseline" in stdout.splitlines()[-3 - len(results)]
+    assert stdout.splitlines()[-1] == f"plot: {tmp_path / 'train.png'}"
+    assert (tmp_path / "train.png").stat().st_size > 10_000
 
 
 def test_bench_quick_smoke_isolated(tmp_path):

@@ -1083,7 +1083,6 @@ class CheckpointedDINOTrainer:
         from .distributed import all_reduce_metrics, gather_objects, init_distributed, wrap_student
         from .health import HealthThresholds, NonFiniteError, TrainingHealthMonitor
         from .knn import knn_evaluate, tsne_plot
-        from .loss import DINOLoss
         from .memory import MemoryTracker
         from .plots import plot_training_curves
         from .profiler import Profiler
@@ -1092,6 +1091,7 @@ class CheckpointedDINOTrainer:
             MemoryOptimizedDINOTrainer,
             Schedules,
             _profile_summary,
+            build_loss,
             build_models,
             data_roots,
             param_groups,
@@ -1143,7 +1143,7 @@ class CheckpointedDINOTrainer:
             augment={k: getattr(aug, k) for k in AUGMENT_KEYS},
             pin_memory=cfg.data.pin_memory and device.type == "cuda",
         )
-        m, s = cfg.model, cfg.schedule
+        s = cfg.schedule
         student, teacher = build_models(cfg)
         random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
         student, teacher = student.to(device), teacher.to(device)
@@ -1167,10 +1167,7 @@ class CheckpointedDINOTrainer:
         )
         model = DINOModel(student, teacher, schedules.momentum)
         model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
-        loss_fn = DINOLoss(
-            m.out_dim, 2 + aug.num_local_views, s.warmup_teacher_temp, s.teacher_temp,
-            s.warmup_teacher_temp_epochs, s.epochs, s.student_temp, s.center_momentum,
-        ).to(device)  # fmt: skip
+        loss_fn = build_loss(cfg).to(device)
         fused = cfg.optim.fused if cfg.optim.fused is not None else device.type == "cuda"
         if cfg.optim.optimizer == "adamw":
             optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, fused=fused)

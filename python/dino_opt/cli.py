@@ -7,6 +7,8 @@ config: the demo recipe on the built-in data set, sized for a 2-core CPU);
 k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON.
 ``dino-opt report RUN`` analyses a run folder (convergence, weight drift
 between checkpoints, throughput) and writes its reports and plots there.
+``dino-opt presets [--memory GB] [--measure]`` prints the hardware presets
+and what ``hardware.preset=auto`` picks on this machine.
 ``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
 once at a bounded size (JPEG), keeping its folder layout, so that every epoch
 after decodes small files; the loader reads SRC or DST alike.
@@ -15,6 +17,7 @@ after decodes small files; the loader reads SRC or DST alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -147,13 +150,10 @@ DEMO_PRESET = {
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import Config, apply_overrides, load_config
+    from .config import load_config
     from .trainer import run_training
 
-    if args.config:
-        cfg = load_config(args.config, args.overrides)
-    else:
-        cfg = apply_overrides(Config.from_dict(DEMO_PRESET), args.overrides)
+    cfg = load_config(args.config or DEMO_PRESET, args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1:
@@ -179,6 +179,64 @@ def _config(args: argparse.Namespace) -> int:
 
     cfg = Config.from_dict(DEMO_PRESET) if args.demo else default_config()
     print(config_to_yaml(cfg), end="")
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .presets import PRESETS, measure_batch_size, resolve_preset
+
+    if args.measure and args.memory is not None:
+        raise ValueError("--measure times this machine's device; leave out --memory")
+    cfg = load_config(args.config, args.overrides)  # the crops and device to plan for
+    a = cfg.augmentation
+    name = cfg.hardware.preset if cfg.hardware.preset != "off" else "auto"
+    choice = resolve_preset(
+        name,
+        device=cfg.hardware.device,
+        memory_gb=args.memory,
+        global_crop_size=a.global_crop_size,
+        local_crop_size=a.local_crop_size,
+        patch_size=cfg.model.patch_size,
+    )
+    report: dict = {
+        "presets": {n: dataclasses.asdict(p) for n, p in PRESETS.items()},
+        "chosen": choice.preset.name,
+        "reason": choice.reason,
+        "values": choice.values,
+    }
+    if args.measure:
+        measured_cfg = load_config(args.config, [*args.overrides, f"hardware.preset={name}"])
+        report["measured"] = measure_batch_size(
+            measured_cfg, max_batch_size=args.max_batch, steps=args.steps
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{'preset':7s} {'memory':>11s}  {'backbone':9s} {'batch':>5s} {'local':>5s}  cards")
+    for p in PRESETS.values():
+        memory = "no GPU" if p.memory_gb == 0 else f">= {0.9 * p.memory_gb:.1f} GiB"
+        mark = " <-" if p.name == choice.preset.name else ""
+        print(
+            f"{p.name:7s} {memory:>11s}  {p.backbone:9s} {p.batch_size:5d} "
+            f"{p.num_local_views:5d}  {p.note}{mark}"
+        )
+    print(f"\n{choice.reason}")
+    print(f"hardware.preset={name} sets: {' '.join(choice.overrides())}")
+    measured = report.get("measured")
+    if measured:
+        print(f"\n{'batch':>5s} {'fits':>5s} {'images/s':>9s} {'peak GiB':>9s}  error")
+        for t in measured["trials"]:
+            ips = f"{t['images_per_second']:9.1f}" if t["images_per_second"] else f"{'-':>9s}"
+            print(
+                f"{t['batch_size']:5d} {str(t['fits']):>5s} {ips} "
+                f"{t['peak_memory_gb']:9.3f}  {t['error'] or ''}"
+            )
+        print(
+            f"measured on {measured['device']}: data.batch_size={measured['batch_size']} "
+            f"({measured['images_per_second']:.1f} images/s; largest that fits: "
+            f"{measured['largest_fitting_batch_size']})"
+        )
     return 0
 
 
@@ -239,6 +297,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--print-defaults", action="store_true", help="DINO's defaults (the default)")
     c.add_argument("--demo", action="store_true", help="the demo preset instead")
     c.set_defaults(run=_config)
+
+    h = sub.add_parser(
+        "presets", help="hardware presets: the table and what hardware.preset=auto picks here"
+    )
+    h.add_argument("--config", help="YAML configuration whose crops and device to plan for")
+    h.add_argument(
+        "--memory", type=float, help="plan for a GPU with this many GiB instead of this machine's"
+    )
+    h.add_argument(
+        "--measure",
+        action="store_true",
+        help="refine the batch size by timing training steps on this machine's device",
+    )
+    h.add_argument(
+        "--max-batch", type=int, help="largest batch --measure tries (default: twice the preset's)"
+    )
+    h.add_argument("--steps", type=int, default=3, help="timed steps per --measure trial")
+    h.add_argument("--json", action="store_true", help="print the result as JSON")
+    h.add_argument("overrides", nargs="*", help="key=value, e.g. augmentation.global_crop_size=160")
+    h.set_defaults(run=_presets)
 
     k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
     k.add_argument(

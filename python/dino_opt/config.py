@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from .presets import PRESET_KEYS, PRESETS, resolve_preset
+
 __all__ = [
     "AugmentationConfig",
     "CheckpointConfig",
@@ -221,6 +223,12 @@ class HardwareConfig:
         None, "crops' worth per backbone pass; null: all crops at once", ge=1
     )
     channels_last: bool = _opt(False, "channels_last memory format (convolutional backbones)")
+    preset: str = _opt(
+        "off",
+        "set batch size, local crops, backbone, precision and checkpointing from the device's "
+        "memory (auto) or a named row (dino-opt presets); keys set in the config win",
+        choices=("off", "auto", *PRESETS),
+    )
     compile: bool = _opt(False, "torch.compile the model")
     seed: int = _opt(0, "seed of every random choice", ge=0, le=2**32 - 1)
 
@@ -585,6 +593,8 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
             continue
         if values is None:  # `data:` with nothing under it
             continue
+        if sname == "hardware" and isinstance(values, str):
+            values = {"preset": values}  # `hardware: auto`
         if not isinstance(values, typing.Mapping):
             errors.append(
                 f"section {sname!r} must be a mapping of keys "
@@ -604,9 +614,42 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
         sections[sname] = kwargs
     if errors:
         raise ConfigError(errors)
+    _fill_from_preset(sections)
     cfg = Config(**{s: _SECTIONS[s](**sections.get(s, {})) for s in _SECTIONS})
     _check_relations(cfg)
     return cfg
+
+
+def _fill_from_preset(sections: dict[str, dict[str, Any]]) -> None:
+    """Sets the keys of ``hardware.preset`` (dino_opt.presets) that the
+    config does not set itself."""
+    hardware = sections.setdefault("hardware", {})
+    name = hardware.get("preset", "off")
+    if name == "off":
+        return
+
+    def given(sname: str, key: str) -> Any:
+        return sections.get(sname, {}).get(key, _SPECS[sname][key].default)
+
+    try:
+        choice = resolve_preset(
+            name,
+            device=given("hardware", "device"),
+            global_crop_size=given("augmentation", "global_crop_size"),
+            local_crop_size=given("augmentation", "local_crop_size"),
+            patch_size=given("model", "patch_size"),
+            fixed={
+                dotted: sections[sname][key]
+                for dotted in PRESET_KEYS
+                for sname, key in [dotted.split(".")]
+                if key in sections.get(sname, {})
+            },
+        )
+    except ValueError as e:
+        raise ConfigError(f"hardware.preset={name}: {e}") from None
+    for dotted, value in choice.values.items():
+        sname, key = dotted.split(".")
+        sections.setdefault(sname, {}).setdefault(key, value)
 
 
 def validate(cfg: Config) -> Config:
@@ -745,9 +788,20 @@ def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """A new Config: ``cfg`` with ``section.key=value`` overrides applied and checked.
 
     Values are read as YAML (``32``, ``0.5``, ``true``, ``[0.3, 1.0]``,
-    ``null``); a string field takes the text as written.
+    ``null``); a string field takes the text as written. An override that
+    sets ``hardware.preset`` lets the preset set its keys where ``cfg`` holds
+    their defaults.
     """
-    return _from_dict(_merge_overrides(cfg.to_dict(), overrides))
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    d = cfg.to_dict()
+    if any(isinstance(o, str) and o.split("=")[0].strip() == "hardware.preset" for o in overrides):
+        # Turning a preset on: the keys it sets that still hold their defaults
+        # are the preset's to set (the overrides themselves still win).
+        for dotted in PRESET_KEYS:
+            sname, key = dotted.split(".")
+            if d[sname][key] == _SPECS[sname][key].default:
+                del d[sname][key]
+    return _from_dict(_merge_overrides(d, overrides))
 
 
 # ---------------------------------------------------------------------------
@@ -802,17 +856,21 @@ def _read_yaml(path: Path) -> Any:
 
 
 def load_config(
-    path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()
+    path: str | os.PathLike | typing.Mapping | None = None, overrides: typing.Iterable[str] = ()
 ) -> Config:
-    """Reads a YAML config (None, or an empty file: the defaults), applies
-    ``section.key=value`` overrides, checks the result.
+    """Reads a YAML config (None, or an empty file: the defaults; a mapping
+    of sections: that config), applies ``section.key=value`` overrides,
+    checks the result.
 
     Raises :class:`ConfigError` naming the file (not found; malformed YAML
     with its line and column) or the keys at fault.
     """
     overrides = [overrides] if isinstance(overrides, str) else list(overrides)
     d: Any = {}
-    if path is not None:
+    if isinstance(path, typing.Mapping):
+        d = {k: dict(v) if isinstance(v, typing.Mapping) else v for k, v in path.items()}
+        path = None
+    elif path is not None:
         path = Path(path)
         d = _read_yaml(path)
         if d is None:

@@ -38,6 +38,7 @@ __all__ = [
     "MemoryOptimizedDINOTrainer",
     "PROFILE_PHASES",
     "Schedules",
+    "build_loss",
     "build_models",
     "data_roots",
     "evaluate_checkpoint",
@@ -368,6 +369,19 @@ def build_models(cfg) -> tuple[nn.Module, nn.Module]:
     return build_dino_models(
         m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
         m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim,
+    )  # fmt: skip
+
+
+def build_loss(cfg) -> nn.Module:
+    """The DINO loss of ``cfg`` (temperatures, centre momentum, crops per
+    image), on the CPU."""
+    from .loss import DINOLoss
+
+    s = cfg.schedule
+    return DINOLoss(
+        cfg.model.out_dim, 2 + cfg.augmentation.num_local_views, s.warmup_teacher_temp,
+        s.teacher_temp, s.warmup_teacher_temp_epochs, s.epochs, s.student_temp,
+        s.center_momentum,
     )  # fmt: skip
 
 
