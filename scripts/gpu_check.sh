@@ -50,6 +50,9 @@ if step build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install --no-
   step bench_photometric $PY bench/bench_photometric.py --json "$REPORT_DIR/bench_photometric.json"
   # The synthetic JPEG set is generated under build/ on the first run (16 cores: seconds).
   step bench_loader $PY bench/bench_loader.py --device cuda --json "$REPORT_DIR/bench_loader.json"
+  # What hardware.preset=auto picks on this card, and the batch size measured for it.
+  step presets timeout 90 bash -c \
+    "$PY -m dino_opt.cli presets --measure --steps 2 --json >'$REPORT_DIR/presets.json'"
   # Last and bounded: the end-to-end table (DINO's ViT-S/16 recipe, baseline vs
   # each optimisation) must not cost the steps above their place in a 10-minute call.
   step bench_train timeout 270 $PY bench/bench_train.py --config recipe --repeats 1 \
