@@ -485,6 +485,46 @@ def largest_batch(
             hi = mid
 
 
+BUSY_STEPS = 3  # profiled steps after the timed ones, for the GPU's busy share
+
+
+def covered_fraction(intervals, start: float, end: float) -> float:
+    """Share of ``[start, end]`` covered by the union of ``(a, b)`` intervals."""
+    clipped = sorted((max(a, start), min(b, end)) for a, b in intervals if b > start and a < end)
+    covered, run_start, run_end = 0.0, None, None
+    for a, b in clipped:
+        if run_end is None or a > run_end:
+            if run_end is not None:
+                covered += run_end - run_start
+            run_start, run_end = a, b
+        else:
+            run_end = max(run_end, b)
+    if run_end is not None:
+        covered += run_end - run_start
+    return covered / (end - start) if end > start else 0.0
+
+
+def gpu_busy(job, stream, first_step: int) -> float:
+    """Share of the wall time of BUSY_STEPS more steps (data included) during
+    which the GPU ran a kernel or a copy: the union of the device activity
+    that torch.profiler (CUPTI) records, over the window's host time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("bench_window"):
+            for i in range(BUSY_STEPS):
+                job.step(next(stream), first_step + i)
+            torch.cuda.synchronize()
+    events = prof.events()
+    window = next(e for e in events if e.name == "bench_window").time_range
+    device = [
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+    ]
+    return covered_fraction(device, window.start, window.end)
+
+
 def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> dict:
     """One row: ``s["steps"]`` training steps on the row's data."""
     device = torch.device(s["device"])
@@ -507,6 +547,7 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         step_s = clock.seconds()  # waits for the GPU once, at the end
         t_end = time.perf_counter()
         loader_stats = stats_fn() if stats_fn is not None else None
+        busy = gpu_busy(job, stream, s["steps"]) if device.type == "cuda" else None
     finally:
         close()
     losses = [float(x) for x in losses]  # dino_opt: device tensors, read now
@@ -525,6 +566,7 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         "images_per_s_p90": float(np.percentile(rates, 90)),
         "images_per_s_window": batch_size * len(measured) / window,
         "peak_memory_bytes": peak_memory(device),
+        "gpu_busy": busy,
         "losses": losses,
         "loader": "native MultiCropLoader" if native else "PIL DataLoader",
     }
@@ -548,6 +590,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
         return dict(ok[0])
     b, w = ok[0]["batch_size"], ok[0]["warmup"]
     rates = [b / t for r in ok for t in r["step_seconds"][w:]]
+    busy = [r["gpu_busy"] for r in ok if r.get("gpu_busy") is not None]
     out = dict(ok[0])
     out.update(
         images_per_s=statistics.median(rates),
@@ -555,6 +598,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
         images_per_s_p90=float(np.percentile(rates, 90)),
         images_per_s_window=statistics.median(r["images_per_s_window"] for r in ok),
         peak_memory_bytes=max((r["peak_memory_bytes"] or 0) for r in ok) or None,
+        gpu_busy=statistics.median(busy) if busy else None,
         rounds=[
             {
                 k: r.get(k)
@@ -765,6 +809,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         "p10",
         "p90",
         "peak MiB",
+        *(["GPU busy %"] if device.type == "cuda" else []),
         "loss@1",
         "loss@10",
         "loss@last",
@@ -784,6 +829,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
             _fmt(r["images_per_s_p10"], 1),
             _fmt(r["images_per_s_p90"], 1),
             _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, 0),
+            *([_fmt(r["gpu_busy"] and 100 * r["gpu_busy"], 0)] if device.type == "cuda" else []),
             _fmt(losses[0], 4),
             _fmt(losses[9], 4) if len(losses) >= 10 else "n/a",
             _fmt(losses[-1], 4),

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch import nn
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-from bench_train import largest_batch  # noqa: E402
+from bench_train import covered_fraction, largest_batch  # noqa: E402
 from reference_trainer import (  # noqa: E402
     LoopEMAModel,
     ReferenceDINOLoss,
@@ -226,11 +227,29 @@ def test_largest_batch_search(threshold):
     assert len(calls) <= 16
 
 
-def run_bench(tmp_path, *extra):
+def test_covered_fraction_against_a_grid():
+    rng = random.Random(0)
+    for _ in range(50):
+        start, end = sorted(rng.uniform(0, 100) for _ in range(2))
+        intervals = []
+        for _ in range(rng.randrange(0, 12)):
+            a = rng.uniform(-10, 110)
+            intervals.append((a, a + rng.uniform(0, 30)))
+        # reference: the share of fine grid points inside some interval
+        n = 20_000
+        points = [start + (end - start) * (k + 0.5) / n for k in range(n)]
+        inside = sum(any(a <= x <= b for a, b in intervals) for x in points) / n
+        assert covered_fraction(intervals, start, end) == pytest.approx(inside, abs=2e-3)
+    assert covered_fraction([(0, 5), (5, 10)], 0, 10) == 1.0
+    assert covered_fraction([], 0, 10) == 0.0
+    assert covered_fraction([(1, 2)], 3, 3) == 0.0
+
+
+def run_bench(tmp_path, *extra, device="cpu"):
     out = tmp_path / "train.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(BENCH / "bench_train.py"), "--quick", "--workers", "1"]
-    cmd += ["--device", "cpu", "--json", str(out), *extra]
+    cmd += ["--device", device, "--json", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -268,3 +287,14 @@ def test_bench_quick_smoke_isolated(tmp_path):
     assert results["fused_ema"]["losses"][0] == pytest.approx(
         results["baseline"]["losses"][0], rel=1e-4
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_reports_gpu_busy_share_on_cuda(tmp_path):
+    payload, stdout = run_bench(
+        tmp_path, "--config", "recipe", "--only", "baseline,all", "--batch-size", "8", device="cuda"
+    )
+    assert "GPU busy %" in payload["table"]["columns"]
+    for r in payload["results"]:
+        assert 0.0 < r["gpu_busy"] <= 1.0, r["case"]
