@@ -4,13 +4,14 @@ reduces metrics in one call and writes checkpoints on rank 0 only."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dino_opt.distributed import all_reduce_metrics, launched_world
+from dino_opt.distributed import all_reduce_metrics, launch_distributed_training, launched_world
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 
@@ -101,3 +102,34 @@ def test_alone_nothing_is_reduced(monkeypatch):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x'"):
         launched_world()
+
+
+def test_launch_counts_gpus_only_for_a_gpu_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="num_gpus=2 but this node has 1 GPUs"):
+        launch_distributed_training(None, 2)
+    with pytest.raises(ValueError, match="num_gpus must be an int >= 1"):
+        launch_distributed_training(None, 0)
+
+
+def test_launch_in_process_on_cpus_keeps_the_callers_signal_handlers(
+    train_root, tmp_path, monkeypatch
+):
+    def handler(signum, frame):  # the caller's own, e.g. a notebook kernel's
+        pass
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, handler)
+    overrides = [f"data.root={train_root}", *TINY, "data.batch_size=4", "hardware.device=cpu"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    try:
+        report = launch_distributed_training(
+            None, 2, overrides=overrides, output_dir=str(tmp_path / "run")
+        )
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+    assert report["steps"] == 10  # 40 images, 2 ranks x 4 per step

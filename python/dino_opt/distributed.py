@@ -23,8 +23,11 @@ model, sharded loader, metric reduction, rank-0 checkpoint) and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import signal
 import socket
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,7 +193,15 @@ def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in student.modules()):
         student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(student, device_ids=ids, broadcast_buffers=False)
+    # No buffer broadcast before each forward (DINO's buffers are synchronised
+    # BatchNorm statistics or constants); torch 2.13 renamed the switch.
+    params = inspect.signature(DistributedDataParallel).parameters
+    no_sync_buffers = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in params
+        else {"broadcast_buffers": False}
+    )
+    return DistributedDataParallel(student, device_ids=ids, **no_sync_buffers)
 
 
 def no_sync(module: nn.Module, skip: bool):
@@ -308,6 +319,14 @@ def _train_entry(config, overrides, output_dir) -> dict:
     ).train()
 
 
+# The signals torchrun's launcher takes over in the process that calls it.
+_LAUNCHER_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
+
+
 def launch_distributed_training(
     config_path: str | os.PathLike | dict | None,
     num_gpus: int,
@@ -325,8 +344,15 @@ def launch_distributed_training(
 
     if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1:
         raise ValueError(f"num_gpus must be an int >= 1, got {num_gpus!r}")
-    if torch.cuda.is_available() and num_gpus > torch.cuda.device_count():
-        raise ValueError(f"num_gpus={num_gpus} but this node has {torch.cuda.device_count()} GPUs")
+    from .config import load_config
+
+    device = load_config(config_path, overrides).hardware.device  # checks the config, too
+    on_gpu = device != "cpu" and torch.cuda.is_available()
+    if on_gpu and num_gpus > torch.cuda.device_count():
+        raise ValueError(
+            f"num_gpus={num_gpus} but this node has {torch.cuda.device_count()} GPUs "
+            "(hardware.device=cpu runs the processes on the CPU with gloo)"
+        )
     port = int(master_port) if master_port is not None else _free_port()
     launch = LaunchConfig(
         min_nodes=1,
@@ -340,5 +366,14 @@ def launch_distributed_training(
         monitor_interval=0.5,
     )
     cfg = str(config_path) if isinstance(config_path, (str, os.PathLike)) else config_path
-    results = elastic_launch(launch, _train_entry)(cfg, list(overrides), output_dir)
+    # The launcher installs its own handlers for these signals in this process
+    # and leaves them there (a notebook's kernel then cannot be interrupted).
+    kept = {}
+    if threading.current_thread() is threading.main_thread():
+        kept = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
+    try:
+        results = elastic_launch(launch, _train_entry)(cfg, list(overrides), output_dir)
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
     return results[0]
