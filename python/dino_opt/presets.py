@@ -191,7 +191,8 @@ def resolve_preset(
             f"hardware.preset must be one of off, auto, {', '.join(PRESETS)}; got {name!r}{hint}"
         )
     if memory_gb is not None:
-        where, memory, has_bf16 = "a GPU (memory given)", float(memory_gb), True if bf16 is None else bf16
+        where, memory = "a GPU (memory given)", float(memory_gb)
+        has_bf16 = True if bf16 is None else bf16
         if not memory > 0:
             raise ValueError(f"memory_gb must be > 0, got {memory_gb!r}")
     else:
