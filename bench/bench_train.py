@@ -829,7 +829,11 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
             _fmt(r["images_per_s_p10"], 1),
             _fmt(r["images_per_s_p90"], 1),
             _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, 0),
-            *([_fmt(r["gpu_busy"] and 100 * r["gpu_busy"], 0)] if device.type == "cuda" else []),
+            *(
+                [_fmt(None if r["gpu_busy"] is None else 100 * r["gpu_busy"], 0)]
+                if device.type == "cuda"
+                else []
+            ),
             _fmt(losses[0], 4),
             _fmt(losses[9], 4) if len(losses) >= 10 else "n/a",
             _fmt(losses[-1], 4),
@@ -921,7 +925,7 @@ def plot_results(json_path: Path) -> Path:
         value = r["images_per_s"]
         text = f"  {value:.1f}" + (f" ({value / base:.2f}x)" if base else "")
         speed.text(r["images_per_s_p90"], y, text, va="center", fontsize=7)
-    speed.set_xlim(0, 1.3 * max(r["images_per_s_p90"] for r in results))
+    speed.set_xlim(0, 1.3 * max((r["images_per_s_p90"] for r in results), default=1.0))
     gib = [(r["peak_memory_bytes"] or 0) / 2**30 for r in results]
     memory.barh(ys, gib, color=colors)
     memory.set_yticks(ys, [])

@@ -215,7 +215,7 @@ def _presets(args: argparse.Namespace) -> int:
         return 0
     print(f"{'preset':7s} {'memory':>11s}  {'backbone':9s} {'batch':>5s} {'local':>5s}  cards")
     for p in PRESETS.values():
-        memory = "no GPU" if p.memory_gb == 0 else f">= {0.9 * p.memory_gb:.1f} GiB"
+        memory = "no GPU" if p.memory_gb == 0 else f">= {p.min_memory_gb:.1f} GiB"
         mark = " <-" if p.name == choice.preset.name else ""
         print(
             f"{p.name:7s} {memory:>11s}  {p.backbone:9s} {p.batch_size:5d} "

@@ -792,16 +792,18 @@ def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     sets ``hardware.preset`` lets the preset set its keys where ``cfg`` holds
     their defaults.
     """
-    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
     d = cfg.to_dict()
-    if any(isinstance(o, str) and o.split("=")[0].strip() == "hardware.preset" for o in overrides):
+    given = _merge_overrides({}, overrides)  # the overrides alone, parsed and checked
+    if "preset" in given.get("hardware", {}):
         # Turning a preset on: the keys it sets that still hold their defaults
         # are the preset's to set (the overrides themselves still win).
         for dotted in PRESET_KEYS:
             sname, key = dotted.split(".")
             if d[sname][key] == _SPECS[sname][key].default:
                 del d[sname][key]
-    return _from_dict(_merge_overrides(d, overrides))
+    for sname, values in given.items():
+        d[sname].update(values)
+    return _from_dict(d)
 
 
 # ---------------------------------------------------------------------------

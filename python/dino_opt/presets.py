@@ -65,6 +65,11 @@ class HardwarePreset:
     num_local_views: int
     note: str
 
+    @property
+    def min_memory_gb(self) -> float:
+        """The least reported memory (GiB) the row applies from."""
+        return _REPORTED_FRACTION * self.memory_gb
+
 
 PRESETS: dict[str, HardwarePreset] = {
     p.name: p
@@ -113,7 +118,7 @@ def preset_for_memory(memory_gb: float | None) -> HardwarePreset:
         return PRESETS["cpu"]
     if not memory_gb > 0:
         raise ValueError(f"memory_gb must be > 0, got {memory_gb!r}")
-    fitting = [p for p in _GPU_ROWS if memory_gb >= _REPORTED_FRACTION * p.memory_gb]
+    fitting = [p for p in _GPU_ROWS if memory_gb >= p.min_memory_gb]
     if fitting:
         return fitting[-1]
     small = _GPU_ROWS[0]
@@ -177,10 +182,10 @@ def resolve_preset(
     size; ``bf16`` says whether it supports bfloat16, default yes). ``auto``
     picks the row from the memory. Precision is bf16 on cards with bfloat16
     (Ampere and later), fp16 on older ones, ``auto`` for a GPU row on a
-    machine without a GPU, and fp32 for the CPU row. The crop sizes feed the memory estimate of
-    ViT rows; ``fixed`` holds the keys of :data:`PRESET_KEYS` the
-    configuration sets itself, which the estimate uses in place of the row's
-    (``values`` still lists the row's).
+    machine without a GPU, and fp32 for the CPU row. The crop sizes feed the
+    memory estimate of ViT rows; ``fixed`` holds the keys of
+    :data:`PRESET_KEYS` the configuration sets itself, which the estimate
+    uses in place of the row's (``values`` still lists the row's).
     """
     from .throughput import dynamic_batch_size
 
