@@ -8,7 +8,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.14.1 torchvision==0.29.1
-APT_PACKAGES := libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev libturbojpeg0-dev \
+APT_PACKAGES := libopencv-core-dev libopencv-imgcodecs-dev libturbojpeg0-dev \
                 libgtest-dev ninja-build ccache clang-format cmake clang-14 libfuzzer-14-dev
 JOBS        ?= $(shell nproc)
 STAMPS      := $(VENV)/.stamps
@@ -21,7 +21,8 @@ PY_DIRS     := python tests_py bench scripts
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo lint format gpu-check gpu-debs clean
+.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo lint format gpu-check \
+        gpu-debs gpu-rehearsal clean
 
 setup: $(STAMPS)/build
 
@@ -60,8 +61,9 @@ build: setup
 test: setup
 	$(MAKE) --no-print-directory test-cpp test-py fuzz
 
+# --no-tests=error: a build without the C++ tests is a failure, never a silent pass.
 test-cpp:
-	ctest --test-dir $(BUILD_DIR) --output-on-failure
+	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error
 
 test-py:
 	$(PY) -m pytest tests_py
@@ -103,18 +105,33 @@ format: setup
 	$(VENV)/bin/ruff check --fix $(PY_DIRS)
 	$(VENV)/bin/ruff format $(PY_DIRS)
 
-# On an offline GPU machine that has torch, nvcc, cmake, scikit-build-core and
-# pytest but no apt: build, run the CUDA tests and GPU benchmarks, write a
-# report into REPORT_DIR. Run `make gpu-debs` here first and carry third_party/debs.
+# The GPU check, in stages that each fit one 10-minute call of an offline GPU
+# machine (docs/gpu_check.md): STAGE=build|cuda-tests|bench|e2e, a comma list,
+# or all. It builds without OpenCV against the machine's own torch, with
+# libjpeg-turbo and GoogleTest unpacked from the .deb files of `make gpu-debs`
+# (carry third_party/debs), and appends its report to REPORT_DIR.
+STAGE      ?= all
+REPORT_DIR ?= build/gpu-report
 gpu-check:
-	REPORT_DIR="$(or $(REPORT_DIR),build/gpu-report)" bash scripts/gpu_check.sh
+	STAGE="$(STAGE)" REPORT_DIR="$(REPORT_DIR)" bash scripts/gpu_check.sh
 
-# Debian packages whose headers the GPU machine lacks, for gpu-check to unpack.
-GPU_DEBS := libopencv-core406 libopencv-core-dev libopencv-imgproc406 libopencv-imgproc-dev \
-            libtbb12 libturbojpeg0 libturbojpeg0-dev libgtest-dev
+# The .deb files the GPU build unpacks: nothing else is carried.
+GPU_DEBS := libturbojpeg0 libturbojpeg0-dev libgtest-dev
 gpu-debs:
-	mkdir -p third_party/debs
-	cd third_party/debs && apt-get download $(GPU_DEBS)
+	@mkdir -p third_party/debs
+	@cd third_party/debs && missing=$$(for p in $(GPU_DEBS); do ls $${p}_*.deb >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  apt-get download $$missing 2>/dev/null || { \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -q && apt-get download $$missing; }; \
+	fi
+
+# The same script, stage by stage, here: system OpenCV, libjpeg-turbo and
+# GoogleTest hidden from CMake, a separate build folder and Python environment,
+# ldd of every built object checked against the carried prefix; the CUDA tests
+# skip. REHEARSAL_DIR gets the report.
+REHEARSAL_DIR ?= build/gpu-rehearsal/report
+gpu-rehearsal: setup gpu-debs
+	PYTHON=$(PY) REPORT_DIR="$(REHEARSAL_DIR)" STAGE="$(STAGE)" bash scripts/gpu_rehearsal.sh
 
 clean:
 	rm -rf build $(STAMPS)/build

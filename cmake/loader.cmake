@@ -3,15 +3,34 @@
 # it into dino_opt_core and the fuzz build (fuzz/CMakeLists.txt) compiles the
 # same sources with clang and sanitizers.
 #
+# JPEG is decoded by libjpeg-turbo (TurboJPEG API), always. PNG, WebP, BMP
+# and TIFF go through OpenCV imgcodecs when DINO_OPT_WITH_OPENCV is ON (the
+# default); with it OFF the build needs no OpenCV at all and the loader refuses
+# other formats with an error that names the format and this option.
+#
 # Headers and libraries are found by name rather than through the packages'
-# CMake configs, which hard-code /usr and so break when the .deb files are
+# CMake configs, which hard-code /usr and so break when .deb files are
 # unpacked into a prefix (scripts/gpu_check.sh).
-find_path(TURBOJPEG_INCLUDE_DIR turbojpeg.h REQUIRED)
-find_library(TURBOJPEG_LIBRARY turbojpeg REQUIRED)
-find_path(OPENCV_INCLUDE_DIR opencv2/core.hpp PATH_SUFFIXES opencv4 REQUIRED)
-find_library(OPENCV_CORE_LIBRARY opencv_core REQUIRED)
-find_library(OPENCV_IMGPROC_LIBRARY opencv_imgproc REQUIRED)
-find_library(OPENCV_IMGCODECS_LIBRARY opencv_imgcodecs) # optional: PNG, WebP, BMP, TIFF
+option(DINO_OPT_WITH_OPENCV "Decode PNG, WebP, BMP and TIFF through OpenCV imgcodecs" ON)
+find_path(TURBOJPEG_INCLUDE_DIR turbojpeg.h)
+find_library(TURBOJPEG_LIBRARY turbojpeg)
+if(NOT TURBOJPEG_INCLUDE_DIR OR NOT TURBOJPEG_LIBRARY)
+  message(FATAL_ERROR "dino_opt: libjpeg-turbo's TurboJPEG API (turbojpeg.h, libturbojpeg) was not "
+                      "found; install libturbojpeg0-dev or point CMAKE_PREFIX_PATH at it")
+endif()
+set(DINO_OPT_IMGCODECS OFF)
+if(DINO_OPT_WITH_OPENCV)
+  find_path(OPENCV_INCLUDE_DIR opencv2/imgcodecs.hpp PATH_SUFFIXES opencv4)
+  find_library(OPENCV_CORE_LIBRARY opencv_core)
+  find_library(OPENCV_IMGCODECS_LIBRARY opencv_imgcodecs)
+  if(NOT OPENCV_INCLUDE_DIR OR NOT OPENCV_CORE_LIBRARY OR NOT OPENCV_IMGCODECS_LIBRARY)
+    message(FATAL_ERROR "dino_opt: OpenCV core/imgcodecs were not found (headers: "
+                        "${OPENCV_INCLUDE_DIR}, libraries: ${OPENCV_CORE_LIBRARY} "
+                        "${OPENCV_IMGCODECS_LIBRARY}); install libopencv-imgcodecs-dev, or "
+                        "configure with -DDINO_OPT_WITH_OPENCV=OFF for a JPEG-only loader")
+  endif()
+  set(DINO_OPT_IMGCODECS ON)
+endif()
 
 set(DINO_OPT_LOADER_DIR "${CMAKE_CURRENT_LIST_DIR}/../csrc/loader")
 add_library(dino_opt_loader_core STATIC
@@ -46,17 +65,15 @@ endforeach()
 set_target_properties(dino_opt_loader_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(dino_opt_loader_core PUBLIC "${DINO_OPT_LOADER_DIR}/.."
                            PRIVATE "${TURBOJPEG_INCLUDE_DIR}")
-# SYSTEM: OpenCV 4.6's headers warn under C++20 (enum arithmetic), which is not ours to fix.
-target_include_directories(dino_opt_loader_core SYSTEM PRIVATE "${OPENCV_INCLUDE_DIR}")
-target_link_libraries(dino_opt_loader_core PUBLIC "${TURBOJPEG_LIBRARY}" "${OPENCV_IMGPROC_LIBRARY}"
-                      "${OPENCV_CORE_LIBRARY}")
+target_link_libraries(dino_opt_loader_core PUBLIC "${TURBOJPEG_LIBRARY}")
 target_compile_options(dino_opt_loader_core PRIVATE -Wall -Wextra -O3)
-if(OPENCV_IMGCODECS_LIBRARY)
-  target_link_libraries(dino_opt_loader_core PUBLIC "${OPENCV_IMGCODECS_LIBRARY}")
+if(DINO_OPT_IMGCODECS)
+  # SYSTEM: OpenCV 4.6's headers warn under C++20 (enum arithmetic), which is not ours to fix.
+  target_include_directories(dino_opt_loader_core SYSTEM PRIVATE "${OPENCV_INCLUDE_DIR}")
+  target_link_libraries(dino_opt_loader_core PUBLIC "${OPENCV_IMGCODECS_LIBRARY}"
+                        "${OPENCV_CORE_LIBRARY}")
   target_compile_definitions(dino_opt_loader_core PRIVATE DINO_OPT_WITH_IMGCODECS=1)
-  set(DINO_OPT_IMGCODECS ON)
 else()
   target_compile_definitions(dino_opt_loader_core PRIVATE DINO_OPT_WITH_IMGCODECS=0)
-  set(DINO_OPT_IMGCODECS OFF)
-  message(STATUS "dino_opt: OpenCV imgcodecs not found: the loader reads JPEG only")
+  message(STATUS "dino_opt: built without OpenCV (DINO_OPT_WITH_OPENCV=OFF): the loader reads JPEG only")
 endif()

@@ -4,6 +4,7 @@
 #include <torch/version.h>
 
 #include "build_config.h"
+#include "loader/image_decode.h"
 #include "ops/cpu/kernel_table.h"
 
 namespace dino_opt {
@@ -18,6 +19,8 @@ std::map<std::string, std::string> build_info() {
       {"openmp", DINO_OPT_OPENMP},
       {"parallel_info", at::get_parallel_info()},
       {"cpu_kernels", cpu::kernels().isa},
+      {"image_formats",
+       loader::other_formats_available() ? "JPEG, PNG, WebP, BMP, TIFF" : "JPEG"},
   };
 }
 

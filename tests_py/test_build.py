@@ -2,6 +2,7 @@ import shutil
 
 import dino_opt
 import torch
+from dino_opt import _C
 
 
 def test_build_info_reports_the_build():
@@ -11,6 +12,8 @@ def test_build_info_reports_the_build():
     assert info["cxx_compiler"]
     assert info["openmp"], "the core must be compiled with OpenMP (at::parallel_for)"
     assert info["cuda_available"] == torch.cuda.is_available()
+    full = ["JPEG", "PNG", "WebP", "BMP", "TIFF"]
+    assert info["image_formats"] == (full if _C.other_formats_available() else ["JPEG"])
 
 
 def test_cuda_sources_are_compiled_when_torch_and_nvcc_allow():

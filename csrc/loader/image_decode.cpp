@@ -471,8 +471,9 @@ ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options
   }
   if (f != ImageFormat::kJpeg && !other_formats_available()) {
     throw ImageError(std::string(format_name(f)) +
-                     " image, but this build reads JPEG only (OpenCV imgcodecs was not found "
-                     "when it was compiled)");
+                     " image, but this build reads JPEG only (it was configured with "
+                     "DINO_OPT_WITH_OPENCV=OFF; rebuild with OpenCV imgcodecs for PNG, WebP, BMP "
+                     "and TIFF)");
   }
   ImageHeader header;
   switch (f) {

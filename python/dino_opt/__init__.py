@@ -31,7 +31,9 @@ def build_info() -> dict:
     ``cuda_compiled`` (bool), ``cuda_archs`` (list of ints), ``cxx_compiler``,
     ``cuda_compiler``, ``openmp`` (the OpenMP spec date, empty if none),
     ``parallel_info`` (ATen's threading report), ``cpu_kernels`` (the
-    instruction set of the CPU kernels chosen at run time), ``cuda_available``,
+    instruction set of the CPU kernels chosen at run time), ``image_formats``
+    (the formats the native loader decodes: all five, or only JPEG in a build
+    configured with ``DINO_OPT_WITH_OPENCV=OFF``), ``cuda_available``,
     ``device_name``.
     """
     native = _C.build_info()
@@ -47,6 +49,7 @@ def build_info() -> dict:
         "openmp": native["openmp"],
         "parallel_info": native["parallel_info"],
         "cpu_kernels": native["cpu_kernels"],
+        "image_formats": native["image_formats"].split(", "),
         "cuda_available": torch.cuda.is_available(),
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }

@@ -1,0 +1,116 @@
+"""Judges the report of `make gpu-rehearsal` (scripts/gpu_rehearsal.sh): the
+GPU check ran here, without a GPU, as it would run there.
+
+It passes when every requested stage recorded its steps and each passed; the
+closure check found nothing but the carried prefix, torch's libraries and the
+C/C++ runtime, and libjpeg-turbo came from the prefix; the build is JPEG-only
+and found no library or header under /usr (CMakeCache.txt); the C++ tests ran
+and passed; the CUDA tests were collected and all skipped (no GPU here); every
+benchmark's JSON was embedded; and the carried files fit the device's 64 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+CARRY_LIMIT = 64 << 20
+STAGE_STEPS = {
+    "build": ["unpack", "build", "closure", "import"],
+    "cuda-tests": ["ctest", "pytest_cuda"],
+    "bench": ["bench_ema", "bench_loss", "bench_profiler", "bench_photometric", "bench_loader"],
+    "e2e": ["presets", "bench_train"],
+}
+# Cache entries that name where a carried dependency was found.
+FOUND_AT = re.compile(r"^(TURBOJPEG_\w+|GTest_DIR|GTEST_\w+|OPENCV_\w+):\w+=(/usr/\S*)$", re.M)
+
+
+def step_problems(report: dict, stages: list[str]) -> list[str]:
+    problems = []
+    by_stage = {}
+    for s in report.get("steps", []):
+        by_stage.setdefault(s["stage"], {})[s["name"]] = s
+        if s["status"] != "pass":
+            problems.append(f"step {s['stage']}/{s['name']}: {s['status']}")
+    for stage in stages:
+        ran = by_stage.get(stage, {})
+        problems += [
+            f"stage {stage}: step {n} did not run" for n in STAGE_STEPS[stage] if n not in ran
+        ]
+    return problems
+
+
+def test_problems(report: dict) -> list[str]:
+    problems = []
+    steps = {s["name"]: s for s in report.get("steps", [])}
+    ctest = steps.get("ctest", {}).get("counts")
+    if not ctest or ctest["tests"] == 0 or ctest["failed"] or ctest["errors"]:
+        problems.append(f"C++ tests: {ctest}")
+    cuda = steps.get("pytest_cuda", {}).get("counts")
+    if not cuda or cuda["tests"] == 0 or cuda["skipped"] != cuda["tests"]:
+        problems.append(f"CUDA tests must all be collected and skipped without a GPU: {cuda}")
+    return problems
+
+
+def build_problems(report: dict, build_dir: Path, venv: Path) -> list[str]:
+    problems = []
+    closure = report.get("closure", {})
+    if closure.get("violations"):
+        problems += [f"closure: {v}" for v in closure["violations"]]
+    kinds = {n["soname"]: n["kind"] for f in closure.get("files", []) for n in f["needs"]}
+    if kinds.get("libturbojpeg.so.0") != "prefix":
+        problems.append(f"libturbojpeg.so.0 resolved as {kinds.get('libturbojpeg.so.0')!r}")
+    info = report.get("build_info", {})
+    if info.get("image_formats") != ["JPEG"]:
+        problems.append(f"the GPU build must be JPEG-only, it reads {info.get('image_formats')}")
+    module = Path(info.get("native_module", "")).resolve()
+    if not module.is_relative_to(venv.resolve()):
+        problems.append(f"dino_opt._C was loaded from {module}, not from {venv}")
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        problems.append(f"{cache} is missing")
+    else:
+        problems += [
+            f"{cache.name}: {name} found under /usr: {path}"
+            for name, path in FOUND_AT.findall(cache.read_text())
+        ]
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("report_dir", type=Path)
+    parser.add_argument("--stages", default="build,cuda-tests,bench,e2e")
+    parser.add_argument("--build-dir", type=Path, required=True)
+    parser.add_argument("--venv", type=Path, required=True, help="the rehearsal's environment")
+    parser.add_argument("--carried-bytes", type=int, required=True)
+    args = parser.parse_args(argv)
+    stages = args.stages.split(",")
+    report = json.loads((args.report_dir / "gpu_check.json").read_text())
+    problems = step_problems(report, stages)
+    problems += build_problems(report, args.build_dir, args.venv)
+    if "cuda-tests" in stages:
+        problems += test_problems(report)
+    for stage in ("bench", "e2e"):
+        if stage in stages:
+            benches = [n for n in STAGE_STEPS[stage] if n.startswith("bench_")]
+            problems += [
+                f"bench {n}: no JSON in the report"
+                for n in benches
+                if n not in report.get("bench", {})
+            ]
+    if args.carried_bytes > CARRY_LIMIT:
+        problems.append(f"carried {args.carried_bytes} bytes, over the device's 64 MiB")
+    total = sum(s.get("seconds", 0) for s in report.get("steps", []))
+    print(f"rehearsal: {len(report.get('steps', []))} steps, {total} s of steps")
+    for p in problems:
+        print("  PROBLEM:", p)
+    print("gpu-rehearsal:", "passed" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
