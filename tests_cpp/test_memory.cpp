@@ -2,8 +2,10 @@
 // sampling thread's start and stop.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -48,6 +50,38 @@ TEST(Memory, SamplingThreadStartsAndStops) {
   EXPECT_GE(n, 3u);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(tracker.timeline().size(), n);
+}
+
+// A tracker whose readings fail from the third on, as a CUDA call can fail
+// inside the sampling thread.
+class FailingTracker : public MemoryTracker {
+ public:
+  using MemoryTracker::MemoryTracker;
+  ~FailingTracker() override { stop_sampling(); }  // before this class's part is gone
+  MemorySample sample() const override {
+    if (++calls_ > 2) throw std::runtime_error("the sensor went away");
+    return MemoryTracker::sample();
+  }
+
+ private:
+  mutable std::atomic<int> calls_{0};
+};
+
+TEST(Memory, AnErrorInTheSamplingThreadStopsItAndIsKept) {
+  FailingTracker tracker(-1, 0.001);
+  EXPECT_EQ(tracker.sampling_error(), "");
+  tracker.start_sampling();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (tracker.sampling() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_FALSE(tracker.sampling());
+  EXPECT_EQ(tracker.timeline().size(), 2u);  // the samples before the error are kept
+  EXPECT_NE(tracker.sampling_error().find("the sensor went away"), std::string::npos)
+      << tracker.sampling_error();
+  tracker.stop_sampling();
+  tracker.start_sampling();  // a new start clears the error and samples again (and fails)
+  tracker.stop_sampling();
 }
 
 TEST(Memory, BadArguments) {

@@ -136,6 +136,41 @@ def test_non_finite_inputs_are_not_hidden(gen):
         loss_fn(student, teacher, 0)
 
 
+def neg_inf_chunk_inputs(gen, dtype=torch.float32, device="cpu"):
+    """K = 3 chunks of 4096 (the CPU kernel's chunk) + 5: one teacher row and one
+    student row have a whole chunk of -inf logits, the others are finite."""
+    student, teacher, center = make_inputs(4, 2, 3 * 4096 + 5, 3, dtype, gen, device=device)
+    teacher[4, 4096 : 2 * 4096] = float("-inf")
+    student[7, :4096] = float("-inf")
+    return student, teacher, center
+
+
+def test_a_chunk_of_neg_inf_logits_keeps_the_log_sum_exp_finite(gen):
+    student, teacher, center = neg_inf_chunk_inputs(gen)
+    _, student_lse, teacher_lse = torch.ops.dino_opt.dino_loss(
+        student, teacher, center, 0.1, 0.04, 4
+    )
+    want_s = torch.logsumexp(student.double() / 0.1, dim=-1)
+    want_t = torch.logsumexp((teacher.double() - center.double()) / 0.04, dim=-1)
+    assert torch.isfinite(want_s).all() and torch.isfinite(want_t).all()
+    torch.testing.assert_close(student_lse.double(), want_s, rtol=1e-6, atol=0)
+    torch.testing.assert_close(teacher_lse.double(), want_t, rtol=1e-6, atol=0)
+
+
+def test_a_teacher_chunk_of_neg_inf_gives_the_reference_loss_and_gradient(gen):
+    student, teacher, center = neg_inf_chunk_inputs(gen)
+    student[7, :4096] = 0.0  # only the teacher's -inf chunk: the reference loss is finite
+    check_against_reference(student, teacher, center, 4, torch.float32)
+
+
+def test_a_student_chunk_of_neg_inf_gives_the_reference_loss(gen):
+    # -inf student logits where the teacher puts mass: the reference loss is +inf.
+    student, teacher, center = neg_inf_chunk_inputs(gen)
+    ref = dino_loss_reference(student.double(), teacher.double(), center.double(), 0.1, 0.04, 4)
+    assert ref.item() == float("inf")
+    assert dino_loss(student, teacher, center, 0.1, 0.04, 4).item() == float("inf")
+
+
 @pytest.mark.parametrize(
     "student_shape, teacher_shape, center_shape, kwargs, message",
     [
@@ -272,6 +307,27 @@ def test_dino_loss_module_follows_the_original_for_ten_steps(gen):
     restored = DINOLoss(out_dim, ncrops, 0.04, 0.07, 5, nepochs)
     restored.load_state_dict(state)
     assert torch.equal(restored.center, ours.center)
+
+
+def test_center_of_a_float64_teacher_is_summed_in_float64(gen):
+    # Rows of 1e8 beside rows of 1: a float32 sum loses the ones entirely.
+    loss_fn = DINOLoss(8, 4, 0.04, 0.04, 0, 1).double()
+    teacher = torch.ones(2 * 3, 8, dtype=torch.float64)
+    teacher[::2] = 1e8 + torch.rand(3, 8, generator=gen, dtype=torch.float64)
+    student = torch.randn(4 * 3, 8, generator=gen, dtype=torch.float64)
+    loss_fn(student, teacher, 0)
+    want = center_update_reference(torch.zeros(1, 8, dtype=torch.float64), teacher, 0.9)
+    assert loss_fn.center.dtype == torch.float64
+    torch.testing.assert_close(loss_fn.center, want, rtol=1e-15, atol=0)
+
+
+def test_center_of_a_bfloat16_teacher_is_summed_in_float32(gen):
+    loss_fn = DINOLoss(8, 4, 0.04, 0.04, 0, 1)
+    teacher = torch.randn(2 * 64, 8, generator=gen).to(torch.bfloat16)
+    loss_fn(torch.randn(4 * 64, 8, generator=gen).to(torch.bfloat16), teacher, 0)
+    want = center_update_reference(torch.zeros(1, 8), teacher.float(), 0.9)
+    assert loss_fn.center.dtype == torch.float32
+    torch.testing.assert_close(loss_fn.center, want, rtol=1e-6, atol=1e-7)
 
 
 def test_loading_a_checkpoint_drops_a_pending_center_update(gen):

@@ -1,6 +1,8 @@
 """The memory tracker on the CPU (host memory, steps, sampling thread, the
 lesson's keys) and, marked `cuda`, against torch's allocator counters."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -106,3 +108,40 @@ def test_cuda_allocator_peaks_match_torch(tmp_path):
     with memory_snapshot(tmp_path / "snap.pickle"):
         torch.ones(1000, device="cuda")
     assert (tmp_path / "snap.pickle").stat().st_size > 0
+
+
+# What a fresh process does when the tracker is its first CUDA call: before the
+# fix, the allocator's statistics threw ("did you call init?") and, inside the
+# sampling thread, took the process down (std::terminate).
+FIRST_CUDA_CALL = """
+import time, warnings
+import torch
+from dino_opt.memory import MemoryTracker
+assert not torch.cuda.is_initialized()
+tracker = MemoryTracker(0, sample_period=0.01)
+tracker.start_step()
+stats = tracker.get_memory_stats()
+assert stats["gpu_memory_current_gb"] == 0.0, stats
+tracker.start_sampling()
+time.sleep(0.2)
+x = torch.ones(2**20, device="cuda")
+time.sleep(0.1)
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tracker.stop_sampling()
+peaks = tracker.end_step()
+assert peaks["device_peak_allocated"] >= 4 * 2**20, peaks
+timeline = tracker.timeline()
+assert len(timeline) >= 5 and all(s["allocator"] is not None for s in timeline)
+assert tracker.sampling_error is None
+print("ok", len(timeline))
+"""
+
+
+@pytest.mark.cuda
+def test_cuda_tracker_as_the_first_cuda_call_of_a_process():
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_CUDA_CALL], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("ok")

@@ -186,6 +186,33 @@ def test_cuda_device_time_of_a_known_kernel_and_no_hidden_syncs():
     assert p.synchronizations() > 0  # reading waited, as documented
 
 
+@pytest.mark.cuda
+def test_cuda_ranges_on_a_side_stream_while_the_default_stream_is_busy():
+    # The profiler's reference event is recorded on the default stream behind a
+    # long kernel; ranges on a side stream finish first. Resolving them against
+    # the unfinished reference raised cudaErrorNotReady inside step().
+    x = torch.ones(1 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about 0.5 s of the default stream
+    p = Profiler("cuda")
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            with p.range("side"):
+                y = x * 2
+            p.step()
+    side.synchronize()
+    assert torch.cuda.current_stream().query() is False, "the default stream must still be busy"
+    p.step()  # resolves what is ready without waiting, and must not raise
+    assert p.synchronizations() == 0
+    ranges = p.ranges()  # waits for every event, the reference included
+    assert [r["name"] for r in ranges] == ["side"] * 3
+    assert all(r["device_ms"] is not None and r["device_ms"] >= 0 for r in ranges)
+    trace = json.loads(p._native.chrome_trace())
+    assert sum(e.get("pid") == 1 and e["name"] == "side" for e in trace["traceEvents"]) == 3
+    assert torch.equal(y, x * 2)
+
+
 class StepModel(nn.Module):
     def __init__(self):
         super().__init__()

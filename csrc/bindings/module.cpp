@@ -130,6 +130,7 @@ PYBIND11_MODULE(_C, m) {
       .def("start_sampling", &MemoryTracker::start_sampling)
       .def("stop_sampling", &MemoryTracker::stop_sampling, py::call_guard<py::gil_scoped_release>())
       .def("sampling", &MemoryTracker::sampling)
+      .def("sampling_error", &MemoryTracker::sampling_error)
       .def("timeline", [](const MemoryTracker& t) { return to_list(t.timeline()); });
 
   using release_gil = py::call_guard<py::gil_scoped_release>;

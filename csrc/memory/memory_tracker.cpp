@@ -10,6 +10,7 @@
 #include "build_config.h"
 
 #if DINO_OPT_WITH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
@@ -101,13 +102,18 @@ bool reset_host_peak() {
 
 #if DINO_OPT_WITH_CUDA
 namespace {
-bool device_exists(int device) {
-  return device >= 0 && device < static_cast<int>(c10::cuda::device_count());
+// Whether `device` is a CUDA device of this process; if so, CUDA is
+// initialised first (once, as torch does on first use): before that the
+// caching allocator has no statistics and asking for them throws.
+bool device_ready(int device) {
+  if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) return false;
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  return true;
 }
 }  // namespace
 
 std::optional<AllocatorMemory> read_allocator_memory(int device) {
-  if (!device_exists(device)) return std::nullopt;
+  if (!device_ready(device)) return std::nullopt;
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
   constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
   AllocatorMemory m;
@@ -123,11 +129,11 @@ std::optional<AllocatorMemory> read_allocator_memory(int device) {
 }
 
 void reset_allocator_peaks(int device) {
-  if (device_exists(device)) c10::cuda::CUDACachingAllocator::resetPeakStats(device);
+  if (device_ready(device)) c10::cuda::CUDACachingAllocator::resetPeakStats(device);
 }
 
 std::optional<DeviceMemory> read_device_memory(int device) {
-  if (!device_exists(device)) return std::nullopt;
+  if (!device_ready(device)) return std::nullopt;
   // NVML numbers devices its own way; the PCI bus id names the same device.
   char pci_bus_id[32] = {};
   if (cudaDeviceGetPCIBusId(pci_bus_id, sizeof(pci_bus_id), device) != cudaSuccess) {
@@ -151,6 +157,7 @@ MemoryTracker::MemoryTracker(int device, double sample_period)
               sample_period);
   TORCH_CHECK(device >= -1, "MemoryTracker: device must be a CUDA device index or -1, got ",
               device);
+  read_allocator_memory(device);  // initialises CUDA for a device of this process
 }
 
 MemoryTracker::~MemoryTracker() { stop_sampling(); }
@@ -193,8 +200,10 @@ std::vector<StepPeaks> MemoryTracker::steps() const {
 
 void MemoryTracker::start_sampling() {
   const std::lock_guard<std::mutex> lock(mutex_);
-  if (sampler_.joinable()) return;
+  if (sampler_.joinable() && !stop_) return;
+  if (sampler_.joinable()) sampler_.join();  // a thread that stopped on an error
   stop_ = false;
+  sampling_error_.clear();
   sampler_ = std::thread([this] { sample_loop(); });
 }
 
@@ -212,6 +221,11 @@ bool MemoryTracker::sampling() const {
   return sampler_.joinable() && !stop_;
 }
 
+std::string MemoryTracker::sampling_error() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return sampling_error_;
+}
+
 std::vector<MemorySample> MemoryTracker::timeline() const {
   const std::lock_guard<std::mutex> lock(mutex_);
   return timeline_;
@@ -223,9 +237,22 @@ void MemoryTracker::sample_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     lock.unlock();
-    MemorySample s = sample();  // outside the lock: reading /proc and NVML takes time
+    std::optional<MemorySample> s;
+    std::string error;
+    try {
+      s = sample();  // outside the lock: reading /proc and NVML takes time
+    } catch (const std::exception& e) {
+      error = e.what();
+    } catch (...) {
+      error = "an exception that is not a std::exception";
+    }
     lock.lock();
-    timeline_.push_back(std::move(s));
+    if (!s) {  // nothing may escape a thread (std::terminate): stop and keep the reason
+      sampling_error_ = "memory sampling stopped: " + error;
+      stop_ = true;
+      break;
+    }
+    timeline_.push_back(std::move(*s));
     next += std::chrono::duration_cast<std::chrono::steady_clock::duration>(period);
     wake_.wait_until(lock, next, [this] { return stop_; });
   }

@@ -66,13 +66,19 @@ class MemoryTracker {
  public:
   // `device`: a CUDA device index, or -1 for host memory only.
   // `sample_period`: seconds between timeline samples.
+  // With a device, CUDA is initialised here (lazily, as torch does on first
+  // use): the caching allocator's statistics exist only after that.
   explicit MemoryTracker(int device = -1, double sample_period = 0.1);
-  ~MemoryTracker();
+  // A subclass that overrides sample() must call stop_sampling() in its own
+  // destructor, while its sample() still exists.
+  virtual ~MemoryTracker();
   MemoryTracker(const MemoryTracker&) = delete;
   MemoryTracker& operator=(const MemoryTracker&) = delete;
 
   int device() const { return device_; }
-  MemorySample sample() const;
+  // One reading of host, allocator and device memory (virtual: tests stand in
+  // a failing one for the sampling thread).
+  virtual MemorySample sample() const;
 
   // Per-step peaks: the allocator's and the host's peak counters are reset at
   // start_step; end_step reads them. Nothing is freed or synchronised.
@@ -80,9 +86,13 @@ class MemoryTracker {
   StepPeaks end_step();
   std::vector<StepPeaks> steps() const;
 
+  // The sampling thread never lets an exception escape: an error stops it,
+  // keeps the samples taken so far and is reported by sampling_error() ("" when
+  // none) until the next start_sampling().
   void start_sampling();
   void stop_sampling();
   bool sampling() const;
+  std::string sampling_error() const;
   std::vector<MemorySample> timeline() const;
 
  private:
@@ -94,11 +104,12 @@ class MemoryTracker {
   const std::chrono::steady_clock::time_point origin_;
   double step_start_ = -1;
   std::vector<StepPeaks> steps_;
-  mutable std::mutex mutex_;  // guards timeline_, steps_, stop_
+  mutable std::mutex mutex_;  // guards timeline_, steps_, stop_, sampling_error_
   std::condition_variable wake_;
   std::vector<MemorySample> timeline_;
   std::thread sampler_;
   bool stop_ = false;
+  std::string sampling_error_;  // guarded by mutex_
 };
 
 }  // namespace dino_opt::memory

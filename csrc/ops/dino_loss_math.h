@@ -4,6 +4,7 @@
 // partials. Free of torch headers.
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #ifdef __CUDACC__
 #define DINO_OPT_HD __host__ __device__
@@ -33,14 +34,29 @@ struct Shape {
 constexpr int64_t kMaxTeacherViews = 8;
 
 // log(sum_i sums[i] * exp(maxes[i])) from partials (max_i, sum_i) of chunks,
-// each sum_i = sum over the chunk of exp(x - max_i). NaN and inf propagate.
+// each sum_i = sum over the chunk of exp(x - max_i). A chunk of -inf logits
+// (max_i = -inf) holds no mass and adds nothing, as in torch.logsumexp; a row
+// of -inf only gives -inf. NaN and +inf propagate.
 template <typename A>
 DINO_OPT_HD inline A combine_lse(const A* maxes, const A* sums, int64_t count) {
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
   A m = maxes[0];
   for (int64_t i = 1; i < count; ++i) m = (maxes[i] > m || maxes[i] != maxes[i]) ? maxes[i] : m;
+  if (m == neg_inf) return m;
   A s = 0;
-  for (int64_t i = 0; i < count; ++i) s += sums[i] * exp(maxes[i] - m);
+  for (int64_t i = 0; i < count; ++i) {
+    if (maxes[i] != neg_inf) s += sums[i] * exp(maxes[i] - m);
+  }
   return m + log(s);
+}
+
+// One term p * log q of the cross-entropy, with 0 * log 0 = 0: a target
+// probability that is exactly 0 (underflowed, or a teacher logit of -inf)
+// contributes nothing even where the student's log-probability is -inf. NaN
+// propagates.
+template <typename A>
+DINO_OPT_HD inline A cross_term(A p, A log_q) {
+  return p == A(0) ? A(0) : p * log_q;
 }
 
 }  // namespace dino_opt::dino_loss_detail

@@ -43,10 +43,10 @@ Prepared prepare(const at::Tensor& images, const at::Tensor& params, at::ArrayRe
   const int64_t n = images.size(0);
   TORCH_CHECK(images.size(1) <= INT_MAX / 2 && images.size(2) <= INT_MAX / 2, op, ": crops of ",
               images.size(1), " x ", images.size(2), " pixels are too large");
-  TORCH_CHECK(images.device().type() == device_type, op, ": images is on ", images.device(),
-              " but the ", c10::DeviceTypeName(device_type), " kernel is running");
   TORCH_CHECK(params.device() == images.device(), op, ": params is on ", params.device(),
               " but images is on ", images.device(), "; both must be on one device");
+  TORCH_CHECK(images.device().type() == device_type, op, ": images is on ", images.device(),
+              " but the ", c10::DeviceTypeName(device_type), " kernel is running");
   TORCH_CHECK(params.scalar_type() == at::kFloat, op, ": params must be float32 [N, ",
               loader::kPhotometricParamCount, "], got dtype ", params.scalar_type());
   TORCH_CHECK(params.dim() == 2 && params.size(1) == loader::kPhotometricParamCount, op,

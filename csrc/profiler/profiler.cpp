@@ -13,6 +13,7 @@
 #include "build_config.h"
 
 #if DINO_OPT_WITH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -90,6 +91,10 @@ struct Profiler::Impl {
   };
 
   explicit Impl(int device) : device(device), origin(std::chrono::steady_clock::now()) {
+#if DINO_OPT_WITH_CUDA
+    // The first CUDA call of a process may be this one: initialise as torch does.
+    if (device >= 0) at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+#endif
     reference_event = record_event();
   }
   ~Impl() {
@@ -156,6 +161,13 @@ struct Profiler::Impl {
     return true;
   }
 
+  // Whether the reference event (recorded when the profiler was made) has
+  // completed; once it has, it stays so.
+  bool reference_ready(bool wait) {
+    if (!reference_done) reference_done = ready(reference_event, wait);
+    return reference_done;
+  }
+
   // Milliseconds between two completed events.
   std::optional<double> elapsed_ms(int from, int to) {
 #if DINO_OPT_WITH_CUDA
@@ -180,7 +192,11 @@ struct Profiler::Impl {
     for (; resolved_ranges < finished.size(); ++resolved_ranges) {
       Finished& f = finished[resolved_ranges];
       if (f.event_end == kNoEvent) continue;
-      if (!ready(f.event_start, wait) || !ready(f.event_end, wait)) break;
+      // The reference too: ranges recorded on another stream can finish before
+      // it, and the elapsed time of an unfinished event is an error.
+      if (!reference_ready(wait) || !ready(f.event_start, wait) || !ready(f.event_end, wait)) {
+        break;
+      }
       f.range.device_ms = elapsed_ms(f.event_start, f.event_end);
       f.device_start_ms = elapsed_ms(reference_event, f.event_start);
       release(f.event_start);
@@ -211,6 +227,7 @@ struct Profiler::Impl {
   int64_t synchronizations = 0;
   size_t resolved_ranges = 0, resolved_steps = 0;
   int reference_event = kNoEvent;
+  bool reference_done = false;
 #if DINO_OPT_WITH_CUDA
   std::vector<cudaEvent_t> events;
 #endif

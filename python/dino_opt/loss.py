@@ -120,7 +120,9 @@ class DINOLoss(nn.Module):
         """Start the center update with this step's teacher output: the batch
         sum is all-reduced asynchronously when distributed and applied by
         :meth:`apply_center_update` (at the next forward at the latest)."""
-        batch_sum = torch.sum(teacher_output.detach(), dim=0, dtype=torch.float32)
+        # In the wider of float32 and the input's dtype: a float64 teacher keeps its precision.
+        dtype = torch.promote_types(teacher_output.dtype, torch.float32)
+        batch_sum = torch.sum(teacher_output.detach(), dim=0, dtype=dtype)
         rows = teacher_output.shape[0]
         handle = None
         if _distributed():

@@ -9,6 +9,7 @@ resets the peak counters."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -124,11 +125,22 @@ class MemoryTracker:
         self._native.start_sampling()
 
     def stop_sampling(self) -> None:
+        """Stop the sampling thread; warns if it had stopped on an error (see
+        :attr:`sampling_error`). The samples taken are kept either way."""
         self._native.stop_sampling()
+        if self.sampling_error:
+            warnings.warn(self.sampling_error, RuntimeWarning, stacklevel=2)
 
     @property
     def sampling(self) -> bool:
         return self._native.sampling()
+
+    @property
+    def sampling_error(self) -> str | None:
+        """Why the sampling thread stopped on its own (a failed reading), or
+        None. A monitor never takes the training down: the thread stops, the
+        samples so far stay, and the next ``start_sampling()`` clears this."""
+        return self._native.sampling_error() or None
 
     def timeline(self) -> list[dict]:
         """Samples of the sampling thread: ``time`` (s), ``host``, ``allocator``, ``device``."""

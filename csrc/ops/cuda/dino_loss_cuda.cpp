@@ -41,9 +41,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cuda(const at::Tensor& 
                                                               const at::Tensor& center,
                                                               double student_temp,
                                                               double teacher_temp, int64_t ncrops) {
-  const c10::cuda::CUDAGuard guard(student.device());
+  // Checks first: with one argument on the CPU, the error names it (a guard
+  // built from a CPU tensor would fail with a message about the guard).
   const Prepared p =
       prepare("dino_loss", student, teacher, center, student_temp, teacher_temp, ncrops);
+  const c10::cuda::CUDAGuard guard(student.device());
   const auto& s = p.args.shape;
   const auto options = student.options().dtype(dino_loss_detail::acc_dtype(student));
   const int64_t stats = cuda::dino_loss_stats_workspace(s);
@@ -64,13 +66,13 @@ at::Tensor dino_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& stu
                                    const at::Tensor& teacher, const at::Tensor& center,
                                    const at::Tensor& student_lse, const at::Tensor& teacher_lse,
                                    double student_temp, double teacher_temp, int64_t ncrops) {
-  const c10::cuda::CUDAGuard guard(student.device());
   const Prepared p = prepare("dino_loss_backward", student, teacher, center, student_temp,
                              teacher_temp, ncrops, student_lse, teacher_lse);
   TORCH_CHECK(grad.numel() == 1, "dino_loss_backward: grad must be a scalar, got shape ",
               grad.sizes());
   TORCH_CHECK(grad.device() == student.device(), "dino_loss_backward: grad is on ", grad.device(),
               " but student is on ", student.device());
+  const c10::cuda::CUDAGuard guard(student.device());
   const at::Tensor grad_acc = grad.to(dino_loss_detail::acc_dtype(student)).contiguous();
   const at::Tensor slse = student_lse.contiguous(), tlse = teacher_lse.contiguous();
   at::Tensor grad_student = at::empty_like(p.in.student);

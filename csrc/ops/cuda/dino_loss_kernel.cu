@@ -151,6 +151,13 @@ __global__ void __launch_bounds__(kThreads)
   }
   m = block_reduce(
       m, [](A p, A q) { return nan_max(p, q); }, neg_inf, smem);
+  if (m == neg_inf) {  // no mass in this chunk (exp(x - m) would be NaN); m is block-uniform
+    if (threadIdx.x == 0) {
+      out_max[item] = m;
+      out_sum[item] = 0;
+    }
+    return;
+  }
   A z = 0;
 #pragma unroll
   for (int j = 0; j < kStatsPerThread; ++j) {
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
       if (t < s.teacher_views) {
         A acc = 0;
 #pragma unroll
-        for (int j = 0; j < kPairPerThread; ++j) acc += p[t][j] * x[j];
+        for (int j = 0; j < kPairPerThread; ++j) acc += dino_loss_detail::cross_term(p[t][j], x[j]);
         acc = warp_reduce(acc, [](A p0, A q0) { return p0 + q0; });
         if (lane == 0) smem[warp][t] = acc;
       }

@@ -20,9 +20,11 @@ namespace {
 at::Tensor multicrop_photometric_cuda(const at::Tensor& images, const at::Tensor& params,
                                       at::ArrayRef<double> mean, at::ArrayRef<double> std,
                                       std::optional<at::ScalarType> dtype, bool channels_last) {
-  const c10::cuda::CUDAGuard guard(images.device());
+  // Checks first: with one argument on the CPU, the error names it (a guard
+  // built from a CPU tensor would fail with a message about the guard).
   photometric_detail::Prepared p = photometric_detail::prepare(
       images, params, mean, std, dtype, channels_last, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(images.device());
   photometric_detail::BatchArgs a;
   a.n = p.images.size(0);
   a.h = static_cast<int>(p.images.size(1));

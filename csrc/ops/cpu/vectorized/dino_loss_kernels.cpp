@@ -39,6 +39,11 @@ void row_stats(const void* row_, const void* center_, int64_t n, double inv_temp
     const A x = value(i);
     m = (x > m || std::isnan(x)) ? x : m;
   }
+  if (m == -std::numeric_limits<A>::infinity()) {  // no mass in this chunk (exp(x - m) is NaN)
+    *max_out = m;
+    *sum_out = 0;
+    return;
+  }
   V vsum(A(0));
   for (int64_t i = 0; i < vn; i += V::size()) vsum = vsum + exp_nonpositive(value_v(i) - V(m));
   A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, vsum);
@@ -85,13 +90,16 @@ void pair_dots(const void* const* teacher, int64_t n_teacher, const void* const*
     for (int64_t t = 0; t < n_teacher; ++t) acc[t] = V(A(0));
     for (int64_t i = 0; i < vn; i += V::size()) {
       const V log_q = load_acc(row + i) * V(inv) - V(lse);  // student log-softmax
-      for (int64_t t = 0; t < n_teacher; ++t)
-        acc[t] = at::vec::fmadd(V::loadu(probs + t * n + i), log_q, acc[t]);
+      for (int64_t t = 0; t < n_teacher; ++t) {
+        // cross_term's 0 * log 0 = 0: where p is 0, add 0 (not 0 * -inf = NaN).
+        const V p = V::loadu(probs + t * n + i);
+        acc[t] = acc[t] + V::blendv(p * log_q, V(A(0)), p == V(A(0)));
+      }
     }
     for (int64_t t = 0; t < n_teacher; ++t) {
       A total = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc[t]);
       for (int64_t i = vn; i < n; ++i) {
-        total += probs[t * n + i] * (static_cast<A>(row[i]) * inv - lse);
+        total += dino_loss_detail::cross_term(probs[t * n + i], static_cast<A>(row[i]) * inv - lse);
       }
       out[v * n_teacher + t] = total;
     }
