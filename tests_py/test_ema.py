@@ -82,6 +82,7 @@ def test_many_small_tensors_of_mixed_sizes(gen):
 def test_unaligned_views_and_layouts(gen):
     base_t = randn((10_000,), torch.float32, gen)
     base_s = randn((10_000,), torch.bfloat16, gen)
+    untouched = base_t.clone()  # before any update: the parts outside the views must stay
     cases = [
         (base_t[1:4097], base_s[3:4099]),  # odd storage offsets
         (randn((64, 48), torch.float32, gen).t(), randn((48, 64), torch.float32, gen)),
@@ -101,8 +102,9 @@ def test_unaligned_views_and_layouts(gen):
         ema_update_([t], [s], 0.75)
         assert t.data_ptr() == ptr and t.stride() == strides, "must update in place"
         assert torch.equal(t, want)
-    # The untouched parts of the base buffer stay as they were.
-    assert torch.equal(base_t[:1], base_t[:1].clone())
+    # The parts of the base buffer outside the updated view stay as they were.
+    assert torch.equal(base_t[:1], untouched[:1])
+    assert torch.equal(base_t[4097:], untouched[4097:])
 
 
 def test_momentum_endpoints_and_empty_lists(gen):
@@ -348,6 +350,7 @@ def test_cuda_many_tensors_of_mixed_sizes(count, gen):
 def test_cuda_unaligned_and_non_contiguous(gen):
     base_t = randn((20_000,), torch.float32, gen).cuda()
     base_s = randn((20_000,), torch.float16, gen).cuda()
+    untouched = base_t.cpu()
     cases = [
         (base_t[1:12_289], base_s[5:12_293]),
         (base_t[3:4099], base_s[0:4096]),
@@ -369,6 +372,11 @@ def test_cuda_unaligned_and_non_contiguous(gen):
         ema_update_([want], [s.cpu()], 0.8)
         ema_update_([t], [s], 0.8)
         assert torch.equal(t.cpu(), want)
+    # Nothing outside the two views of the base buffer was written.
+    outside = torch.ones(20_000, dtype=torch.bool)
+    outside[1:12_289] = False
+    outside[3:4099] = False
+    assert torch.equal(base_t.cpu()[outside], untouched[outside])
 
 
 @pytest.mark.cuda

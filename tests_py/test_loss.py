@@ -405,43 +405,177 @@ def test_distributed_two_ranks_equal_one_process_over_the_whole_batch(tmp_path, 
 # ----------------------------------------------------------------- CUDA
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize(
-    "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str
-)
-@pytest.mark.parametrize("dim", [65536, 65537, 7])
-def test_cuda_matches_cpu(dtype, dim, gen):
-    student, teacher, center = make_inputs(10, 2, dim, 5, dtype, gen)
-    cpu = torch.ops.dino_opt.dino_loss(student, teacher, center, 0.1, 0.04, 10)
-    gpu = torch.ops.dino_opt.dino_loss(student.cuda(), teacher.cuda(), center.cuda(), 0.1, 0.04, 10)
-    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-4)
-    for c, g in zip(cpu, gpu, strict=True):
-        assert g.device.type == "cuda" and g.dtype == c.dtype
-        torch.testing.assert_close(g.cpu(), c, rtol=tol, atol=tol)
+# The CUDA kernels against the CPU operator (same inputs, both accumulate in
+# float32: close to rounding) and against the float64 reference (within the
+# dtype's tolerance), loss, log-sum-exps and gradient. The cases cover every
+# teacher-view count T in {1, 2} with every student-view count S in
+# {2, 4, 6, 10, 12} (each unrolled branch and shared-memory slot of the
+# kernels), every batch in {1, 3, 64, 257} with every K in
+# {1, 7, 4096, 65536, 65537} (one and several chunks, odd tails), the three
+# input dtypes, misaligned and non-contiguous layouts and logits x300.
+
+HALF = (torch.bfloat16, torch.float16)
+# CUDA vs CPU: the gradient is rounded to its dtype on each side, so half
+# types may differ by an ulp of the largest gradient.
+CUDA_CPU_GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}
+
+
+def cuda_generator(gen):
+    seed = int(torch.randint(2**62, (1,), generator=gen))
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def laid_out(x, layout):
+    """x (contiguous, on the GPU) as a tensor of the same values in `layout`."""
+    if layout == "contiguous":
+        return x
+    if layout == "misaligned":  # contiguous, but one element past an aligned start
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        out = buf[1:].view(x.shape)
+        out.copy_(x)
+        return out
+    if layout == "transposed":  # column-major
+        return x.t().contiguous().t()
+    if layout == "strided":  # every other column of a wider buffer
+        wide = torch.empty(x.shape[0], 2 * x.shape[1], dtype=x.dtype, device=x.device)
+        wide[:, ::2] = x
+        return wide[:, ::2]
+    raise ValueError(layout)
+
+
+def cuda_inputs(ncrops, views, dim, batch, dtype, gen, scale=1.0, layout="contiguous"):
+    g = cuda_generator(gen)
+    student = (scale * torch.randn(ncrops * batch, dim, generator=g, device="cuda")).to(dtype)
+    teacher = (scale * torch.randn(views * batch, dim, generator=g, device="cuda")).to(dtype)
+    center = 0.1 * torch.randn(1, dim, generator=g, device="cuda")
+    return laid_out(student, layout), laid_out(teacher, layout), center
+
+
+def check_cuda_against_cpu(student, teacher, center, ncrops, st=0.1, tt=0.04):
+    """The CUDA operator's outputs and gradient against the CPU operator's."""
+    gpu = torch.ops.dino_opt.dino_loss(student, teacher, center, st, tt, ncrops)
+    cpu_args = (student.cpu(), teacher.cpu(), center.cpu())
+    cpu = torch.ops.dino_opt.dino_loss(*cpu_args, st, tt, ncrops)
+    for name, g, c in zip(("loss", "student_lse", "teacher_lse"), gpu, cpu, strict=True):
+        assert g.device.type == "cuda" and g.dtype == c.dtype, name
+        torch.testing.assert_close(g.cpu(), c, rtol=1e-5, atol=1e-5, msg=name)
     grad = torch.tensor(0.7, dtype=cpu[0].dtype)
-    g_cpu = torch.ops.dino_opt.dino_loss_backward(
-        grad, student, teacher, center, cpu[1], cpu[2], 0.1, 0.04, 10
-    )
     g_gpu = torch.ops.dino_opt.dino_loss_backward(
-        grad.cuda(), student.cuda(), teacher.cuda(), center.cuda(), gpu[1], gpu[2], 0.1, 0.04, 10
+        grad.cuda(), student, teacher, center, gpu[1], gpu[2], st, tt, ncrops
     )
+    g_cpu = torch.ops.dino_opt.dino_loss_backward(grad, *cpu_args, cpu[1], cpu[2], st, tt, ncrops)
+    assert g_gpu.dtype == student.dtype and g_gpu.shape == student.shape
     scale = g_cpu.double().abs().max().item()
-    grad_tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
-    assert (g_gpu.cpu().double() - g_cpu.double()).abs().max().item() <= grad_tol * scale
+    err = (g_gpu.cpu().double() - g_cpu.double()).abs().max().item()
+    assert err <= CUDA_CPU_GRAD_TOL[student.dtype] * scale, f"grad: {err} vs scale {scale}"
+
+
+def check_cuda(ncrops, views, dim, batch, dtype, gen, scale=1.0, layout="contiguous"):
+    student, teacher, center = cuda_inputs(ncrops, views, dim, batch, dtype, gen, scale, layout)
+    check_cuda_against_cpu(student, teacher, center, ncrops)
+    check_against_reference(student, teacher, center, ncrops, dtype)
+
+
+VIEW_COUNTS = [(s, t) for t in (1, 2) for s in (2, 4, 6, 10, 12)]
 
 
 @pytest.mark.cuda
-def test_cuda_module_compile_and_errors(gen):
-    loss_fn = DINOLoss(4096, 10, 0.04, 0.07, 2, 5).cuda()
-    student, teacher, _ = make_inputs(10, 2, 4096, 8, torch.float32, gen, device="cuda")
-    student.requires_grad_()
-    step = torch.compile(lambda s, t: loss_fn(s, t, 1), fullgraph=True)
-    loss = step(student, teacher)
-    loss.backward()
-    check_against_reference(
-        student.cpu(), teacher.cpu(), torch.zeros(1, 4096), 10, torch.float32, tt=0.055
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("ncrops, views", VIEW_COUNTS)
+def test_cuda_every_view_count(ncrops, views, dtype, gen):
+    check_cuda(ncrops, views, 65537, 3, dtype, gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 3, 64, 257])
+@pytest.mark.parametrize("dim", [1, 7, 4096, 65536, 65537])
+def test_cuda_every_batch_and_out_dim(dim, batch, gen):
+    check_cuda(10, 2, dim, batch, torch.float32, gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("dim, batch", [(7, 257), (65537, 1), (65536, 64), (1, 3)])
+def test_cuda_half_inputs_odd_and_large(dim, batch, dtype, gen):
+    check_cuda(12, 2, dim, batch, dtype, gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("layout", ["misaligned", "transposed", "strided"])
+def test_cuda_misaligned_and_non_contiguous_inputs(layout, dtype, gen):
+    check_cuda(10, 2, 4099, 5, dtype, gen, layout=layout)
+    check_cuda(4, 1, 7, 3, dtype, gen, layout=layout)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("ncrops, views, dim", [(10, 2, 65537), (2, 1, 4096), (12, 2, 7)])
+def test_cuda_logits_times_300(ncrops, views, dim, dtype, gen):
+    check_cuda(ncrops, views, dim, 4, dtype, gen, scale=300.0)
+
+
+@pytest.mark.cuda
+def test_cuda_float64(gen):
+    student, teacher, center = cuda_inputs(10, 2, 65537, 3, torch.float64, gen)
+    check_against_reference(student, teacher, center.double(), 10, torch.float64)
+    gpu = torch.ops.dino_opt.dino_loss(student, teacher, center, 0.1, 0.04, 10)
+    cpu = torch.ops.dino_opt.dino_loss(student.cpu(), teacher.cpu(), center.cpu(), 0.1, 0.04, 10)
+    for g, c in zip(gpu, cpu, strict=True):
+        torch.testing.assert_close(g.cpu(), c, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.cuda
+def test_cuda_chunks_of_neg_inf_logits(gen):
+    student, teacher, center = neg_inf_chunk_inputs(gen, device="cuda")
+    check_cuda_against_cpu(student, teacher, center, 4)
+    _, student_lse, teacher_lse = torch.ops.dino_opt.dino_loss(
+        student, teacher, center, 0.1, 0.04, 4
     )
-    assert student.grad is not None and torch.isfinite(student.grad).all()
-    with pytest.raises(RuntimeError, match="must be on one device"):
-        dino_loss(student, teacher.cpu(), torch.zeros(4096, device="cuda"), 0.1, 0.04, 10)
+    assert torch.isfinite(student_lse).all() and torch.isfinite(teacher_lse).all()
+    assert dino_loss(student, teacher, center, 0.1, 0.04, 4).item() == float("inf")
+    student[7, :4096] = 0.0
+    check_against_reference(student, teacher, center, 4, torch.float32)
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_module_matches_the_reference_at_the_scheduled_temperature(gen):
+    loss_fn = DINOLoss(4096, 10, 0.04, 0.07, 2, 5).cuda()
+    epoch = 1
+    teacher_temp = float(loss_fn.teacher_temp_schedule[epoch])
+    assert teacher_temp == pytest.approx(0.07)  # the end of the 2-epoch warm-up
+    student, teacher, _ = cuda_inputs(10, 2, 4096, 8, torch.float32, gen)
+    student.requires_grad_()
+    step = torch.compile(lambda s, t: loss_fn(s, t, epoch), fullgraph=True)
+    loss = step(student, teacher)
+    (0.7 * loss).backward()
+    s64 = student.detach().double().requires_grad_()
+    ref = dino_loss_reference(
+        s64, teacher.double(), torch.zeros(1, 4096, device="cuda").double(), 0.1, teacher_temp, 10
+    )
+    (0.7 * ref).backward()
+    assert loss.device.type == "cuda"
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    err = (student.grad.double() - s64.grad).abs().max().item()
+    assert err <= 1e-5 * s64.grad.abs().max().item()
+    torch.testing.assert_close(
+        loss_fn.center, center_update_reference(torch.zeros(1, 4096, device="cuda"), teacher, 0.9)
+    )
+
+
+@pytest.mark.cuda
+def test_cuda_errors_name_the_argument_on_the_wrong_device(gen):
+    student, teacher, center = cuda_inputs(4, 2, 16, 2, torch.float32, gen)
+    on_one = "student, teacher and center must be on one device"
+    with pytest.raises(RuntimeError, match=f"{on_one}, got cpu, cuda:0 and cuda:0"):
+        dino_loss(student.cpu(), teacher, center, 0.1, 0.04, 4)
+    with pytest.raises(RuntimeError, match=f"{on_one}, got cuda:0, cpu and cuda:0"):
+        dino_loss(student, teacher.cpu(), center, 0.1, 0.04, 4)
+    with pytest.raises(RuntimeError, match=f"{on_one}, got cuda:0, cuda:0 and cpu"):
+        dino_loss(student, teacher, center.cpu(), 0.1, 0.04, 4)
+    loss, slse, tlse = torch.ops.dino_opt.dino_loss(student, teacher, center, 0.1, 0.04, 4)
+    with pytest.raises(RuntimeError, match="grad is on cpu but student is on cuda:0"):
+        torch.ops.dino_opt.dino_loss_backward(
+            torch.tensor(1.0), student, teacher, center, slse, tlse, 0.1, 0.04, 4
+        )
     assert dino_opt.build_info()["cuda_available"]
