@@ -19,8 +19,7 @@ std::map<std::string, std::string> build_info() {
       {"openmp", DINO_OPT_OPENMP},
       {"parallel_info", at::get_parallel_info()},
       {"cpu_kernels", cpu::kernels().isa},
-      {"image_formats",
-       loader::other_formats_available() ? "JPEG, PNG, WebP, BMP, TIFF" : "JPEG"},
+      {"image_formats", loader::other_formats_available() ? "JPEG, PNG, WebP, BMP, TIFF" : "JPEG"},
   };
 }
 

@@ -494,6 +494,9 @@ def test_cuda_errors_and_opcheck(gen):
     params = dino_rows(2, gen)
     with pytest.raises(RuntimeError, match="params is on cpu but images is on cuda"):
         multicrop_photometric(images.cuda(), params)
+    # The CUDA kernel runs (params is on the GPU) and names the CPU argument.
+    with pytest.raises(RuntimeError, match="params is on cuda:0 but images is on cpu"):
+        multicrop_photometric(images, params.cuda())
     torch.library.opcheck(
         torch.ops.dino_opt.multicrop_photometric.default,
         (images.cuda(), params.cuda(), list(IMAGENET_MEAN), list(IMAGENET_STD)),
