@@ -128,10 +128,13 @@ gpu-debs:
 # The same script, stage by stage, here: system OpenCV, libjpeg-turbo and
 # GoogleTest hidden from CMake, a separate build folder and Python environment,
 # ldd of every built object checked against the carried prefix; the CUDA tests
-# skip. REHEARSAL_DIR gets the report.
-REHEARSAL_DIR ?= build/gpu-rehearsal/report
+# skip. With this machine's torch by default; GPU_STACK=1 uses the GPU
+# machine's Python and torch instead (from PyPI). The report goes to
+# build/gpu-rehearsal*/report.
+GPU_STACK ?=
+GPU_STACK_VARS := REHEARSAL_PYTHON=3.12 REHEARSAL_TORCH=2.11.0 REHEARSAL_TORCHVISION=0.26.0
 gpu-rehearsal: setup gpu-debs
-	PYTHON=$(PY) REPORT_DIR="$(REHEARSAL_DIR)" STAGE="$(STAGE)" bash scripts/gpu_rehearsal.sh
+	$(if $(GPU_STACK),$(GPU_STACK_VARS)) PYTHON=$(PY) STAGE="$(STAGE)" bash scripts/gpu_rehearsal.sh
 
 clean:
 	rm -rf build $(STAMPS)/build

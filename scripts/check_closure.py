@@ -70,17 +70,23 @@ def resolve(path: Path, env: dict) -> dict[str, str | None]:
     return found
 
 
+def normal(path: str | Path) -> Path:
+    """The path with `..` folded but symbolic links kept (a link may be how an
+    environment holds torch's libraries)."""
+    return Path(os.path.normpath(os.path.abspath(path)))
+
+
 def torch_library_dirs() -> list[Path]:
     """torch/lib and every folder its own CUDA and CPU libraries load from,
     inside the Python environment that holds torch (e.g. site-packages/nvidia/*/lib)."""
-    lib = Path(torch.__file__).resolve().parent / "lib"
+    lib = normal(Path(torch.__file__).parent / "lib")
     env_root = lib.parent.parent
     dirs = [lib]
     for name in ("libtorch_cuda.so", "libtorch.so"):
         if (lib / name).exists():
             for resolved in resolve(lib / name, dict(os.environ)).values():
                 if resolved:
-                    d = Path(resolved).resolve().parent
+                    d = normal(resolved).parent
                     if d.is_relative_to(env_root) and d not in dirs:
                         dirs.append(d)
             break
@@ -103,7 +109,7 @@ class Checker:
             return "prefix"
         if soname in self.built:
             return "built"
-        if real.parent in self.torch_dirs:
+        if normal(path).parent in self.torch_dirs:
             return "torch"
         if soname in RUNTIME:
             return "runtime"

@@ -1,38 +1,69 @@
 #!/usr/bin/env bash
 # `make gpu-rehearsal`: runs scripts/gpu_check.sh here, stage by stage, as it
 # would run on the GPU machine, against only what would be carried there:
-#   - a Python environment of its own in which torch and the tools of this
-#     checkout's .venv are importable but dino_opt is not installed (as on the
-#     GPU machine, where torch comes with the image);
+#   - a Python environment of its own in which dino_opt is not installed (as
+#     on the GPU machine, where torch comes with the image): by default this
+#     checkout's .venv made visible through a .pth file; with REHEARSAL_TORCH
+#     (and REHEARSAL_PYTHON, REHEARSAL_TORCHVISION) the GPU machine's own
+#     Python and torch, installed from PyPI, with the CUDA 13 libraries of
+#     .venv standing in for torch's (same sonames);
 #   - the .deb files of third_party/debs unpacked into a prefix of its own;
 #   - CMake told to ignore /usr (CMAKE_IGNORE_PREFIX_PATH), so the system's
 #     OpenCV, libjpeg-turbo and GoogleTest cannot stand in for missing ones;
 #   - a build folder of its own; small bench sizes (GPU_CHECK_QUICK=1).
 # Each stage is a separate run, as each is a separate call there. The CUDA
-# tests skip here. Then it checks the report: every stage ran, every step
-# passed, the closure check found nothing outside the prefix, torch and the
-# C/C++ runtime, and the carried folder fits the device's 64 MiB.
+# tests skip here. Then scripts/check_rehearsal.py judges the report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-ROOT=build/gpu-rehearsal
+TORCH=${REHEARSAL_TORCH:-}
+ROOT=build/gpu-rehearsal${TORCH:+-torch$TORCH}
 REPORT_DIR=$(realpath -m "${REPORT_DIR:-$ROOT/report}")
 STAGES=${STAGE:-all}
 [ "$STAGES" = all ] && STAGES=build,cuda-tests,bench,e2e
 start=$SECONDS
-
-# The environment: a venv without dino_opt whose path holds .venv's packages.
 venv=$ROOT/venv
-if [ ! -x "$venv/bin/python" ]; then
+tools=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+
+# An interpreter of version $1 (e.g. 3.12): on PATH, or one of pyenv's.
+python_of_version() {
+  local v=$1 p
+  if "python$v" --version >/dev/null 2>&1; then command -v "python$v"; return; fi
+  for p in "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"$v"*/bin/python"$v"; do
+    [ -x "$p" ] && echo "$p" && return
+  done
+  echo "gpu-rehearsal: no python$v here (REHEARSAL_PYTHON)" >&2
+  return 1
+}
+
+# This checkout's packages, torch included, through a .pth file.
+make_tools_env() {
   "$PY" -m venv --without-pip "$venv"
-  tools=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  echo "$tools" >"$site/gpu_rehearsal_tools.pth"
+  echo "$tools" >"$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/gpu_rehearsal_tools.pth"
+}
+
+# The GPU machine's Python, torch and torchvision, and what dino_opt and its
+# tests import; the CUDA libraries torch loads are .venv's.
+make_stack_env() {
+  "$(python_of_version "${REHEARSAL_PYTHON:-3.12}")" -m venv "$venv"
+  local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" --no-deps --only-binary=:all: "torch==$TORCH" \
+    ${REHEARSAL_TORCHVISION:+"torchvision==$REHEARSAL_TORCHVISION"}
+  "${pip[@]}" numpy pillow pyyaml tqdm matplotlib tensorboard pytest scikit-build-core \
+    sympy networkx jinja2 fsspec filelock typing-extensions
+  ln -s "$tools/nvidia" "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia"
+}
+
+if [ ! -f "$venv/.complete" ]; then  # made here once; a half-made one is made again
+  rm -rf "$venv"
+  if [ -n "$TORCH" ]; then make_stack_env; else make_tools_env; fi
   if "$venv/bin/python" -c "import dino_opt; dino_opt.build_info()" 2>/dev/null; then
     echo "gpu-rehearsal: dino_opt is importable in the new $venv: it would hide a failed build" >&2
     exit 1
   fi
+  touch "$venv/.complete"
 fi
+"$venv/bin/python" -c "import sys, torch; print('rehearsal environment: Python', sys.version.split()[0], 'torch', torch.__version__)"
 
 rm -rf "$REPORT_DIR"
 carried=$(du -sb third_party/debs | cut -f1)
@@ -44,6 +75,6 @@ for stage in "${stages[@]}"; do
     GPU_CHECK_CMAKE_DEFINES="CMAKE_IGNORE_PREFIX_PATH=/usr" \
     bash scripts/gpu_check.sh || true
 done
-"$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$ROOT/build" --venv "$venv" \
-  --carried-bytes "$carried"
+"$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$ROOT/build" \
+  --venv "$venv" --carried-bytes "$carried"
 echo "gpu-rehearsal: $((SECONDS - start)) s"

@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "loader/image_decode.h"
+#include "test_util.h"
 
 #if DINO_OPT_TEST_IMGCODECS
 #include <opencv2/core.hpp>
@@ -194,18 +194,8 @@ void pil_rgb_from_stored_cmyk(const uint8_t* s, uint8_t* rgb) {
   }
 }
 
-std::filesystem::path make_temp_dir() {
-  std::string pattern =
-      (std::filesystem::temp_directory_path() / "dino_opt_decode_XXXXXX").string();
-  if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp: " << std::strerror(errno);
-  return pattern;
-}
-
-void write_bytes(const std::filesystem::path& path, const std::vector<uint8_t>& bytes) {
-  std::ofstream(path, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()),
-             static_cast<std::streamsize>(bytes.size()));
-}
+using dino_opt::testing::TempDir;
+using dino_opt::testing::write_file;
 
 // ------------------------------------------------------------------ JPEG
 
@@ -597,42 +587,40 @@ TEST_F(ImageDecode, ConcurrentDecodesMatchSerialOnes) {
 // ------------------------------------------------------------------ files
 
 TEST_F(ImageDecode, ReadFileReadsWholeFilesAndNamesEachFailure) {
-  const auto dir = make_temp_dir();
+  const TempDir dir("dino_opt_decode");
   std::vector<uint8_t> content(300001);
   for (auto& b : content) b = static_cast<uint8_t>(rng_());
-  write_bytes(dir / "a.jpg", content);
-  EXPECT_EQ(dl::read_file((dir / "a.jpg").string()), content);
+  write_file(dir / "a.jpg", content);
+  EXPECT_EQ(dl::read_file(dir / "a.jpg"), content);
 
-  write_bytes(dir / "empty.jpg", {});
-  expect_image_error([&] { dl::read_file((dir / "empty.jpg").string()); }, {"empty", "0 bytes"});
-  expect_image_error([&] { dl::read_file((dir / "missing.jpg").string()); },
+  write_file(dir / "empty.jpg", {});
+  expect_image_error([&] { dl::read_file(dir / "empty.jpg"); }, {"empty", "0 bytes"});
+  expect_image_error([&] { dl::read_file(dir / "missing.jpg"); },
                      {"no such file", "No such file or directory"});
-  expect_image_error([&] { dl::read_file(dir.string()); }, {"directory"});
-  expect_image_error([&] { dl::read_file((dir / "a.jpg" / "x.jpg").string()); },
+  expect_image_error([&] { dl::read_file(dir.path()); }, {"directory"});
+  expect_image_error([&] { dl::read_file(dir / "a.jpg/x.jpg"); },
                      {"cannot open", "Not a directory"});
 
   // Unreadable files. Tests run as root here, where chmod 000 stops nothing,
   // so the failures come from the kernel instead: a symlink loop fails in
   // open(), and /proc/self/mem opens as a regular file whose read at offset 0
   // (an unmapped address) fails with EIO.
-  std::filesystem::create_symlink(dir / "loop.jpg", dir / "loop.jpg");
-  expect_image_error([&] { dl::read_file((dir / "loop.jpg").string()); },
-                     {"cannot open", "symbolic links"});
-  if (std::filesystem::exists("/proc/self/mem")) {
+  ASSERT_EQ(::symlink((dir / "loop.jpg").c_str(), (dir / "loop.jpg").c_str()), 0);
+  expect_image_error([&] { dl::read_file(dir / "loop.jpg"); }, {"cannot open", "symbolic links"});
+  if (::access("/proc/self/mem", F_OK) == 0) {
     expect_image_error([] { dl::read_file("/proc/self/mem"); }, {"read failed", "error"});
   }
   // A FIFO is refused without waiting for a writer.
   ASSERT_EQ(::mkfifo((dir / "fifo.jpg").c_str(), 0600), 0);
-  expect_image_error([&] { dl::read_file((dir / "fifo.jpg").string()); }, {"not a regular file"});
+  expect_image_error([&] { dl::read_file(dir / "fifo.jpg"); }, {"not a regular file"});
   // Random bytes named .jpg: read fine, refused by the decoder.
   expect_image_error(
       [&] {
-        auto bytes = dl::read_file((dir / "a.jpg").string());
+        auto bytes = dl::read_file(dir / "a.jpg");
         bytes[0] = 0;
         decode(bytes);
       },
       {"unknown image format"});
-  std::filesystem::remove_all(dir);
 }
 
 // ------------------------------------------------------------------ other formats

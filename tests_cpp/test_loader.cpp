@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -15,11 +14,11 @@
 #include "loader/image_decode.h"
 #include "loader/multicrop_loader.h"
 #include "loader/resample.h"
+#include "test_util.h"
 
 namespace {
 
 using namespace dino_opt::loader;
-namespace fs = std::filesystem;
 
 TEST(LoaderRng, StreamsDependOnEveryKey) {
   Rng a(1, 2, 3), b(1, 2, 3), c(1, 2, 4), d(2, 2, 3);
@@ -120,18 +119,13 @@ TEST(LoaderResample, SameSizeIsACopyAndConstantStaysConstant) {
 class LoaderThreads : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("dino_opt_loader_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
     for (int i = 0; i < 12; ++i) {
       const Image img = random_image(40 + 7 * i, 60 - 2 * i, i);
-      const auto jpeg = encode_jpeg(img.view(), 85);
-      const fs::path p = dir_ / ("img" + std::to_string(i) + ".jpg");
-      std::ofstream(p, std::ios::binary)
-          .write(reinterpret_cast<const char*>(jpeg.data()), jpeg.size());
-      samples_.push_back({p.string(), i % 3});
+      const std::string p = dir_ / ("img" + std::to_string(i) + ".jpg");
+      dino_opt::testing::write_file(p, encode_jpeg(img.view(), 85));
+      samples_.push_back({p, i % 3});
     }
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   LoaderOptions small_options() const {
     LoaderOptions o;
@@ -144,7 +138,7 @@ class LoaderThreads : public ::testing::Test {
     return o;
   }
 
-  fs::path dir_;
+  dino_opt::testing::TempDir dir_{"dino_opt_loader_test"};
   std::vector<Sample> samples_;
 };
 
@@ -186,9 +180,9 @@ TEST_F(LoaderThreads, CloseAndDestroyWithAFullQueueJoinPromptly) {
 }
 
 TEST_F(LoaderThreads, ABadFileFailsItsBatchOnly) {
-  const fs::path bad = dir_ / "bad.jpg";
+  const std::string bad = dir_ / "bad.jpg";
   std::ofstream(bad) << "not a jpeg";
-  samples_[5].path = bad.string();
+  samples_[5].path = bad;
   LoaderOptions o = small_options();
   o.shuffle = false;
   MultiCropLoader loader(samples_, o);
@@ -198,7 +192,7 @@ TEST_F(LoaderThreads, ABadFileFailsItsBatchOnly) {
     loader.next();
     FAIL() << "expected the second batch to fail";
   } catch (const LoaderError& e) {
-    EXPECT_NE(std::string(e.what()).find(bad.string()), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
   }
   EXPECT_TRUE(loader.next().has_value());
   EXPECT_FALSE(loader.next().has_value());
