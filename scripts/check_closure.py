@@ -7,7 +7,8 @@ torch's library folders on LD_LIBRARY_PATH, the file's own RUNPATH after them)
 and is classified:
 
   prefix   under --prefix (then its own needs are checked the same way)
-  torch    in a folder that torch's own libraries load from
+  torch    in a folder that torch's own libraries load from, or the very file
+           that torch itself loads under that name
   built    another of the files being checked (libdino_opt_core.so)
   runtime  glibc, libstdc++, libgcc_s, libgomp
   other    anything else (a system library the GPU machine may not have)
@@ -76,27 +77,28 @@ def normal(path: str | Path) -> Path:
     return Path(os.path.normpath(os.path.abspath(path)))
 
 
-def torch_library_dirs() -> list[Path]:
-    """torch/lib and every folder its own CUDA and CPU libraries load from,
-    inside the Python environment that holds torch (e.g. site-packages/nvidia/*/lib)."""
+def torch_libraries() -> tuple[list[Path], dict[str, Path]]:
+    """Where torch's own libraries load from: torch/lib and every folder of its
+    Python environment that libtorch_cuda.so (or libtorch.so) loads from (e.g.
+    site-packages/nvidia/*/lib), and that library's whole closure (soname ->
+    path), which a machine where torch runs has by definition."""
     lib = normal(Path(torch.__file__).parent / "lib")
     env_root = lib.parent.parent
-    dirs = [lib]
+    dirs, closure = [lib], {}
     for name in ("libtorch_cuda.so", "libtorch.so"):
         if (lib / name).exists():
-            for resolved in resolve(lib / name, dict(os.environ)).values():
-                if resolved:
-                    d = normal(resolved).parent
-                    if d.is_relative_to(env_root) and d not in dirs:
-                        dirs.append(d)
+            closure = {s: normal(p) for s, p in resolve(lib / name, dict(os.environ)).items() if p}
             break
-    return dirs
+    for path in closure.values():
+        if path.parent.is_relative_to(env_root) and path.parent not in dirs:
+            dirs.append(path.parent)
+    return dirs, closure
 
 
 class Checker:
     def __init__(self, prefix: Path, files: list[Path]):
         self.prefix = prefix.resolve()
-        self.torch_dirs = torch_library_dirs()
+        self.torch_dirs, self.torch_closure = torch_libraries()
         self.built = {f.name for f in files}
         self.env = dict(os.environ)
         self.env["LD_LIBRARY_PATH"] = ":".join(str(d) for d in self.torch_dirs)
@@ -109,10 +111,10 @@ class Checker:
             return "prefix"
         if soname in self.built:
             return "built"
-        if normal(path).parent in self.torch_dirs:
-            return "torch"
         if soname in RUNTIME:
             return "runtime"
+        if normal(path).parent in self.torch_dirs or self.torch_closure.get(soname) == normal(path):
+            return "torch"
         return "other"
 
     def check(self, path: Path, seen: set[Path] | None = None) -> dict:
