@@ -3,10 +3,12 @@ GPU check ran here, without a GPU, as it would run there.
 
 It passes when every requested stage recorded its steps and each passed; the
 closure check found nothing but the carried prefix, torch's libraries and the
-C/C++ runtime, and libjpeg-turbo came from the prefix; the build is JPEG-only
-and found no library or header under /usr (CMakeCache.txt); the C++ tests ran
-and passed; the CUDA tests were collected and all skipped (no GPU here); every
-benchmark's JSON was embedded; and the carried files fit the device's 64 MiB.
+C/C++ runtime, and libjpeg-turbo came from the prefix; dino_opt._C was loaded
+from the rehearsal's own environment; the build is JPEG-only, and its
+CMakeCache.txt found libjpeg-turbo and GoogleTest in the carried prefix and no
+OpenCV; the C++ tests ran and passed; the CUDA tests were collected and all
+skipped (no GPU here); every benchmark's JSON was embedded; and the carried
+files fit the device's 64 MiB.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ STAGE_STEPS = {
     "bench": ["bench_ema", "bench_loss", "bench_profiler", "bench_photometric", "bench_loader"],
     "e2e": ["presets", "bench_train"],
 }
-# Cache entries that name where a carried dependency was found.
-FOUND_AT = re.compile(r"^(TURBOJPEG_\w+|GTest_DIR|GTEST_\w+|OPENCV_\w+):\w+=(/usr/\S*)$", re.M)
+# The cache entries that say where the carried dependencies were found.
+CARRIED = ("TURBOJPEG_INCLUDE_DIR", "TURBOJPEG_LIBRARY", "GTest_DIR")
+CACHE_ENTRY = re.compile(r"^([A-Za-z_]\w*):\w+=(.*)$", re.M)
 
 
 def step_problems(report: dict, stages: list[str]) -> list[str]:
@@ -55,7 +58,7 @@ def test_problems(report: dict) -> list[str]:
     return problems
 
 
-def build_problems(report: dict, build_dir: Path, venv: Path) -> list[str]:
+def build_problems(report: dict, build_dir: Path, venv: Path, prefix: Path) -> list[str]:
     problems = []
     closure = report.get("closure", {})
     if closure.get("violations"):
@@ -73,9 +76,17 @@ def build_problems(report: dict, build_dir: Path, venv: Path) -> list[str]:
     if not cache.exists():
         problems.append(f"{cache} is missing")
     else:
+        entries = dict(CACHE_ENTRY.findall(cache.read_text()))
+        prefix = prefix.resolve()
         problems += [
-            f"{cache.name}: {name} found under /usr: {path}"
-            for name, path in FOUND_AT.findall(cache.read_text())
+            f"{cache.name}: {name} is {entries.get(name)!r}, not in the carried prefix {prefix}"
+            for name in CARRIED
+            if not Path(entries.get(name, "/")).resolve().is_relative_to(prefix)
+        ]
+        problems += [
+            f"{cache.name}: {name} found OpenCV at {value}"
+            for name, value in entries.items()
+            if name.startswith("OPENCV_") and value and not value.endswith("NOTFOUND")
         ]
     return problems
 
@@ -86,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="build,cuda-tests,bench,e2e")
     parser.add_argument("--build-dir", type=Path, required=True)
     parser.add_argument("--venv", type=Path, required=True, help="the rehearsal's environment")
+    parser.add_argument("--prefix", type=Path, required=True, help="the carried prefix")
     parser.add_argument("--carried-bytes", type=int, required=True)
     args = parser.parse_args(argv)
     stages = args.stages.split(",")
     report = json.loads((args.report_dir / "gpu_check.json").read_text())
     problems = step_problems(report, stages)
-    problems += build_problems(report, args.build_dir, args.venv)
+    problems += build_problems(report, args.build_dir, args.venv, args.prefix)
     if "cuda-tests" in stages:
         problems += test_problems(report)
     for stage in ("bench", "e2e"):

@@ -8,8 +8,9 @@
 #     Python and torch, installed from PyPI, with the CUDA 13 libraries of
 #     .venv standing in for torch's (same sonames);
 #   - the .deb files of third_party/debs unpacked into a prefix of its own;
-#   - CMake told to ignore /usr (CMAKE_IGNORE_PREFIX_PATH), so the system's
-#     OpenCV, libjpeg-turbo and GoogleTest cannot stand in for missing ones;
+#   - CMake told to ignore the system prefixes / and /usr
+#     (CMAKE_IGNORE_PREFIX_PATH), so the system's OpenCV, libjpeg-turbo and
+#     GoogleTest cannot stand in for missing ones;
 #   - a build folder of its own; small bench sizes (GPU_CHECK_QUICK=1).
 # Each stage is a separate run, as each is a separate call there. The CUDA
 # tests skip here. Then scripts/check_rehearsal.py judges the report.
@@ -72,9 +73,9 @@ IFS=, read -r -a stages <<<"$STAGES"
 for stage in "${stages[@]}"; do
   PYTHON=$venv/bin/python STAGE=$stage REPORT_DIR=$REPORT_DIR GPU_CHECK_QUICK=1 \
     GPU_CHECK_BUILD_DIR=$ROOT/build GPU_CHECK_PREFIX=$ROOT/prefix \
-    GPU_CHECK_CMAKE_DEFINES="CMAKE_IGNORE_PREFIX_PATH=/usr" \
+    GPU_CHECK_CMAKE_DEFINES="CMAKE_IGNORE_PREFIX_PATH=/usr;/" \
     bash scripts/gpu_check.sh || true
 done
 "$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$ROOT/build" \
-  --venv "$venv" --carried-bytes "$carried"
+  --venv "$venv" --prefix "$ROOT/prefix" --carried-bytes "$carried"
 echo "gpu-rehearsal: $((SECONDS - start)) s"

@@ -230,7 +230,12 @@ def test_rehearsal_verdict_names_each_problem(tmp_path, capsys):
     (tmp_path / "gpu_check.json").write_text(json.dumps(report))
     build = tmp_path / "build"
     build.mkdir()
-    (build / "CMakeCache.txt").write_text("GTest_DIR:PATH=/usr/lib/x86_64-linux-gnu/cmake/GTest\n")
+    (build / "CMakeCache.txt").write_text(
+        "GTest_DIR:PATH=/usr/lib/x86_64-linux-gnu/cmake/GTest\n"
+        f"TURBOJPEG_LIBRARY:FILEPATH={tmp_path}/prefix/usr/lib/libturbojpeg.so\n"
+        f"TURBOJPEG_INCLUDE_DIR:PATH={tmp_path}/prefix/usr/include\n"
+        "OPENCV_CORE_LIBRARY:FILEPATH=/lib/x86_64-linux-gnu/libopencv_core.so\n"
+    )
     args = [
         str(tmp_path),
         "--stages",
@@ -239,6 +244,8 @@ def test_rehearsal_verdict_names_each_problem(tmp_path, capsys):
         str(build),
         "--venv",
         str(tmp_path / "venv"),
+        "--prefix",
+        str(tmp_path / "prefix"),
         "--carried-bytes",
         str(65 << 20),
     ]
@@ -251,11 +258,52 @@ def test_rehearsal_verdict_names_each_problem(tmp_path, capsys):
         "libturbojpeg.so.0 resolved as 'other'",
         "must be JPEG-only",
         "dino_opt._C was loaded from /elsewhere/_C.so",
-        "GTest_DIR found under /usr",
+        "GTest_DIR is '/usr/lib/x86_64-linux-gnu/cmake/GTest', not in the carried prefix",
+        "OPENCV_CORE_LIBRARY found OpenCV at /lib/x86_64-linux-gnu/libopencv_core.so",
         "over the device's 64 MiB",
         "bench bench_ema: no JSON in the report",
     ):
         assert problem in out, problem
+
+
+# ----------------------------------------------------------------- CMake
+
+
+def configure(tmp_path, *defines):
+    """Configures the project with the system prefixes hidden (as the GPU
+    machine lacks them) and libjpeg-turbo named directly; returns (rc, output)."""
+    args = [
+        "cmake",
+        "-S",
+        str(ROOT),
+        "-B",
+        str(tmp_path / "cfg"),
+        "-G",
+        "Ninja",
+        f"-DPython_EXECUTABLE={sys.executable}",
+        "-DCMAKE_IGNORE_PREFIX_PATH=/usr;/",
+        "-DTURBOJPEG_INCLUDE_DIR=/usr/include",
+        "-DTURBOJPEG_LIBRARY=/usr/lib/x86_64-linux-gnu/libturbojpeg.so",
+        *defines,
+    ]
+    done = subprocess.run(args, capture_output=True, text=True)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="needs cmake")
+def test_tests_without_googletest_are_a_configure_error(tmp_path):
+    rc, out = configure(tmp_path, "-DDINO_OPT_BUILD_TESTS=ON", "-DDINO_OPT_WITH_OPENCV=OFF")
+    assert rc != 0
+    assert "DINO_OPT_BUILD_TESTS=ON but GoogleTest was not found" in " ".join(out.split())
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="needs cmake")
+def test_a_missing_opencv_names_the_option_that_builds_without_it(tmp_path):
+    rc, out = configure(tmp_path)
+    assert rc != 0
+    assert "configure with -DDINO_OPT_WITH_OPENCV=OFF for a JPEG-only loader" in " ".join(
+        out.split()
+    )
 
 
 # ----------------------------------------------------------------- gpu_check.sh
