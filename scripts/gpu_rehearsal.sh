@@ -43,15 +43,16 @@ make_tools_env() {
   echo "$tools" >"$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/gpu_rehearsal_tools.pth"
 }
 
-# The GPU machine's Python, torch and torchvision, and what dino_opt and its
-# tests import; the CUDA libraries torch loads are .venv's.
+# The GPU machine's Python, torch and torchvision, CMake and ninja from PyPI
+# as there, and what dino_opt and its tests import; the CUDA libraries torch
+# loads are .venv's.
 make_stack_env() {
   "$(python_of_version "${REHEARSAL_PYTHON:-3.12}")" -m venv "$venv"
   local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" --no-deps --only-binary=:all: "torch==$TORCH" \
     ${REHEARSAL_TORCHVISION:+"torchvision==$REHEARSAL_TORCHVISION"}
   "${pip[@]}" numpy pillow pyyaml tqdm matplotlib tensorboard pytest scikit-build-core \
-    sympy networkx jinja2 fsspec filelock typing-extensions
+    cmake ninja sympy networkx jinja2 fsspec filelock typing-extensions
   ln -s "$tools/nvidia" "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia"
 }
 
