@@ -227,13 +227,9 @@ class Job:
         self, s: dict, toggles: list[str] | None, batch_size: int, niter_per_epoch: int
     ) -> None:
         from dino_opt import DINOLoss
-        from dino_opt.trainer import (
-            DINOModel,
-            MemoryOptimizedDINOTrainer,
-            Schedules,
-            build_models,
-            param_groups,
-        )
+        from dino_opt.build import build_models
+        from dino_opt.schedules import Schedules
+        from dino_opt.trainer import DINOModel, MemoryOptimizedDINOTrainer, param_groups
 
         self.baseline = toggles is None
         use = set(toggles or ())

@@ -17,11 +17,11 @@ from dino_opt import checkpoint as ckpt
 from dino_opt.checkpoint import (
     CheckpointManager,
     CheckpointWriteError,
-    GracefulStop,
     capture_rng_state,
     restore_rng_state,
     run_metadata,
 )
+from dino_opt.runtime import GracefulStop
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dino_opt.distributed import all_reduce_metrics, launch_distributed_training, launched_world
+from dino_opt.distributed import launch_distributed_training
+from dino_opt.runtime import all_reduce_metrics, launched_world
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 

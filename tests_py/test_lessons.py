@@ -20,7 +20,7 @@ COURSE_NAMES = {  # name -> where it lives
     "dynamic_batch_size": "dino_opt.throughput",
     "DistributedDINOTrainer": "dino_opt.distributed",
     "launch_distributed_training": "dino_opt.distributed",
-    "CheckpointedDINOTrainer": "dino_opt.checkpoint",
+    "CheckpointedDINOTrainer": "dino_opt.job",
     "CheckpointManager": "dino_opt.checkpoint",
     "TrainingHealthMonitor": "dino_opt.health",
     "DINOTrainingAnalyzer": "dino_opt.analysis",

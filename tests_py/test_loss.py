@@ -10,6 +10,7 @@ from pathlib import Path
 import dino_opt
 import pytest
 import torch
+import torch.nn.functional as F
 from dino_opt import DINOLoss, NonFiniteLossError, dino_loss
 from reference import center_update_reference, dino_loss_reference
 
@@ -134,6 +135,99 @@ def test_non_finite_inputs_are_not_hidden(gen):
     loss_fn = DINOLoss(16, 4, 0.04, 0.04, 0, 1, check_finite=True)
     with pytest.raises(NonFiniteLossError, match="student_output: 1, teacher_output: 1"):
         loss_fn(student, teacher, 0)
+
+
+# Parts of a step: the student's views in groups (crop batching), each part
+# through the operator with its view range, must add up to the whole step.
+GROUPINGS = [
+    (10, 2, [range(0, 10)]),
+    (10, 2, [range(0, 3), range(3, 7), range(7, 10)]),
+    (10, 2, [range(0, 1), range(1, 2), range(2, 10)]),
+    (12, 2, [range(i, i + 1) for i in range(12)]),
+    (6, 1, [range(0, 2), range(2, 6)]),
+    (4, 2, [range(1, 4), range(0, 1)]),  # any order
+]
+
+
+def parts_and_whole(student, teacher, center, ncrops, groups, batch, dtype):
+    whole_s = student.detach().clone().requires_grad_()
+    whole = dino_loss(whole_s, teacher, center, 0.1, 0.04, ncrops)
+    whole.backward()
+    parts_s = student.detach().clone().requires_grad_()
+    total = 0
+    for g in groups:
+        rows = parts_s[g.start * batch : g.stop * batch]
+        part = dino_loss(
+            rows, teacher, center, 0.1, 0.04, len(g), view_offset=g.start, total_views=ncrops
+        )
+        part.backward()
+        total = total + part.detach()
+    return whole, whole_s.grad, total, parts_s.grad
+
+
+@pytest.mark.parametrize("ncrops, views, groups", GROUPINGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_parts_of_a_step_add_up_to_the_step(ncrops, views, groups, dtype, gen):
+    batch = 3
+    student, teacher, center = make_inputs(ncrops, views, 4097, batch, dtype, gen)
+    whole, whole_grad, total, parts_grad = parts_and_whole(
+        student, teacher, center, ncrops, groups, batch, dtype
+    )
+    tol = TOLERANCE[dtype]
+    assert abs(total.item() - whole.item()) <= tol * max(abs(whole.item()), 1.0)
+    scale = whole_grad.abs().max().item()
+    assert (parts_grad - whole_grad).abs().max().item() <= tol * scale
+    ref = dino_loss_reference(
+        student.double(), teacher.double(), center.double(), 0.1, 0.04, ncrops
+    )
+    assert abs(total.item() - ref.item()) <= tol * max(abs(ref.item()), 1.0)
+
+
+def test_a_part_is_its_share_of_the_reference_double_loop(gen):
+    # Views 3..5 of 10 alone: only the pairs (t, v) with v in 3..5, over the whole step's terms.
+    student, teacher, center = make_inputs(10, 2, 33, 4, torch.float64, gen)
+    part = dino_loss(student[12:24], teacher, center, 0.1, 0.04, 3, view_offset=3, total_views=10)
+    s = F.log_softmax(student / 0.1, dim=-1).chunk(10)
+    p = F.softmax((teacher - center) / 0.04, dim=-1).chunk(2)
+    want = sum(-(p[t] * s[v]).sum(-1).mean() for t in range(2) for v in range(3, 6)) / (2 * 9)
+    assert abs(part.item() - want.item()) <= 1e-12 * abs(want.item())
+    with_global = dino_loss(
+        student[:8], teacher, center, 0.1, 0.04, 2, view_offset=0, total_views=10
+    )
+    want = sum(-(p[t] * s[v]).sum(-1).mean() for t in range(2) for v in range(2) if v != t) / 18
+    assert abs(with_global.item() - want.item()) <= 1e-12 * abs(want.item())
+
+
+@pytest.mark.parametrize(
+    "ncrops, kwargs, message",
+    [
+        (3, {"view_offset": 8, "total_views": 10}, r"student views \[8, 11\) .* within the 10"),
+        (3, {"view_offset": -1, "total_views": 10}, r"student views \[-1, 2\)"),
+        (1, {"total_views": 1}, "total_views must be at least 2"),
+        (2, {"view_offset": 1}, "view_offset=1 needs total_views"),
+        (1, {"view_offset": 0, "total_views": 1}, "total_views must be at least 2"),
+    ],
+)
+def test_view_range_errors(ncrops, kwargs, message, gen):
+    student, teacher, center = make_inputs(ncrops, 1, 8, 2, torch.float32, gen)
+    with pytest.raises(RuntimeError, match=message):
+        dino_loss(student, teacher, center, 0.1, 0.04, ncrops, **kwargs)
+
+
+def test_view_ranges_through_opcheck_and_compile(gen):
+    student, teacher, center = make_inputs(6, 2, 5, 3, torch.float64, gen)
+    args = (student[3:12], teacher, center, 0.1, 0.04, 3, 1, 6)
+    torch.library.opcheck(torch.ops.dino_opt.dino_loss.default, args)
+    rows = student[3:12].clone().requires_grad_()
+    torch.autograd.gradcheck(
+        lambda s: dino_loss(s, teacher, center, 0.1, 0.04, 3, view_offset=1, total_views=6), (rows,)
+    )
+    compiled = torch.compile(
+        lambda s: dino_loss(s, teacher, center, 0.1, 0.04, 3, view_offset=1, total_views=6),
+        fullgraph=True,
+    )
+    eager = dino_loss(student[3:12], teacher, center, 0.1, 0.04, 3, view_offset=1, total_views=6)
+    assert torch.allclose(compiled(student[3:12]), eager, rtol=1e-12)
 
 
 def neg_inf_chunk_inputs(gen, dtype=torch.float32, device="cpu"):
@@ -513,6 +607,29 @@ def test_cuda_misaligned_and_non_contiguous_inputs(layout, dtype, gen):
 @pytest.mark.parametrize("ncrops, views, dim", [(10, 2, 65537), (2, 1, 4096), (12, 2, 7)])
 def test_cuda_logits_times_300(ncrops, views, dim, dtype, gen):
     check_cuda(ncrops, views, dim, 4, dtype, gen, scale=300.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ncrops, views, groups", GROUPINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_parts_of_a_step(ncrops, views, groups, dtype, gen):
+    student, teacher, center = cuda_inputs(ncrops, views, 65537, 3, dtype, gen)
+    whole, whole_grad, total, parts_grad = parts_and_whole(
+        student, teacher, center, ncrops, groups, 3, dtype
+    )
+    assert abs(total.item() - whole.item()) <= 1e-5 * max(abs(whole.item()), 1.0)
+    err = (parts_grad.double() - whole_grad.double()).abs().max().item()
+    assert err <= CUDA_CPU_GRAD_TOL[dtype] * whole_grad.double().abs().max().item()
+    for g in groups:  # each part's outputs and gradient against the CPU operator
+        rows = student[g.start * 3 : g.stop * 3]
+        gpu = torch.ops.dino_opt.dino_loss(
+            rows, teacher, center, 0.1, 0.04, len(g), g.start, ncrops
+        )
+        cpu = torch.ops.dino_opt.dino_loss(
+            rows.cpu(), teacher.cpu(), center.cpu(), 0.1, 0.04, len(g), g.start, ncrops
+        )
+        for a, b in zip(gpu, cpu, strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda

@@ -1,12 +1,15 @@
-"""Hardware presets (dino_opt.presets): the table, the choice by memory, how a
-preset enters a config (explicit keys win), and `dino-opt presets`."""
+"""Hardware presets: the table (dino_opt.presets), the choice by memory, how a
+preset enters a config in the one explicit resolution step
+(dino_opt.hardware.resolve_hardware: explicit keys win, loading never probes),
+and `dino-opt presets`."""
 
 import copy
 import json
 
 import pytest
 import torch
-from dino_opt import presets
+from dino_opt import distributed as distributed_mod
+from dino_opt import hardware
 from dino_opt.cli import DEMO_PRESET, main
 from dino_opt.config import (
     Config,
@@ -15,8 +18,13 @@ from dino_opt.config import (
     load_config,
     save_config,
 )
-from dino_opt.presets import PRESET_KEYS, PRESETS, preset_for_memory, resolve_preset
+from dino_opt.hardware import resolve_hardware, resolve_preset
+from dino_opt.presets import PRESET_KEYS, PRESETS, preset_for_memory
 from dino_opt.throughput import dynamic_batch_size
+
+
+def resolved(cfg: Config) -> Config:
+    return resolve_hardware(cfg)[0]
 
 
 def _values(cfg: Config) -> dict:
@@ -33,7 +41,7 @@ def fake_gpu(monkeypatch):
 
     def install(memory_gb: float, bf16: bool = True):
         detected = ("cuda:0 (fake)", memory_gb, bf16)
-        monkeypatch.setattr(presets, "detect_device_memory", lambda device="auto": detected)
+        monkeypatch.setattr(hardware, "detect_device_memory", lambda device="auto": detected)
 
     return install
 
@@ -157,15 +165,39 @@ def test_preset_off_changes_nothing():
     assert _values(Config.from_dict({})) == _values(Config())
 
 
+def test_loading_never_probes_the_device(monkeypatch, tmp_path):
+    def probe(device="auto"):
+        raise AssertionError("loading a config looked at the device")
+
+    monkeypatch.setattr(hardware, "detect_device_memory", probe)
+    path = tmp_path / "run.yaml"
+    path.write_text("hardware: auto\n")
+    cfg = load_config(path, ["data.batch_size=48"])
+    assert cfg.hardware.preset == "auto"
+    assert (cfg.model.backbone, cfg.data.batch_size) == ("vit_small", 48)  # nothing filled in
+    assert {"hardware.preset", "data.batch_size"} <= cfg.given_keys
+
+
+def test_resolution_is_one_step_and_leaves_a_self_contained_config(fake_gpu):
+    fake_gpu(11.5, bf16=False)
+    cfg, choice = resolve_hardware(load_config(None, ["hardware.preset=auto"]))
+    assert choice.preset.name == "12gb" and "chosen by memory" in choice.reason
+    assert cfg.hardware.preset == "off"  # resolved: nothing to resolve again
+    assert set(PRESET_KEYS) <= cfg.given_keys
+    again, none = resolve_hardware(cfg)
+    assert again is cfg and none is None
+    assert resolve_hardware(Config()) == (Config(), None)
+
+
 def test_auto_on_this_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = load_config(None, ["hardware.preset=auto"])
+    cfg = resolved(load_config(None, ["hardware.preset=auto"]))
     assert _values(cfg) == resolve_preset("cpu", device="cpu").values
 
 
 def test_auto_on_a_gpu_of_11_gib(fake_gpu):
     fake_gpu(11.5, bf16=False)
-    cfg = load_config(None, ["hardware.preset=auto"])
+    cfg = resolved(load_config(None, ["hardware.preset=auto"]))
     assert _values(cfg) == {
         "data.batch_size": 32,
         "augmentation.num_local_views": 6,
@@ -178,20 +210,21 @@ def test_auto_on_a_gpu_of_11_gib(fake_gpu):
 def test_yaml_shorthand_and_explicit_keys_win(tmp_path, fake_gpu):
     fake_gpu(24)
     path = tmp_path / "run.yaml"
-    path.write_text("hardware: auto\ndata:\n  batch_size: 48\n")
-    cfg = load_config(path)
-    assert cfg.hardware.preset == "auto"
-    assert cfg.data.batch_size == 48  # set by the file
+    path.write_text("hardware: auto\ndata:\n  batch_size: 64\n")
+    cfg = resolved(load_config(path))
+    assert cfg.data.batch_size == 64  # set by the file (to its default: still the file's)
     assert cfg.model.backbone == "vit_small"  # set by the preset
     assert cfg.augmentation.num_local_views == 8
+    fake_gpu(11.5)
+    assert resolved(load_config(path)).data.batch_size == 64  # the 12gb row's 32 loses
     # the override wins too
-    assert load_config(path, ["model.backbone=vit_base"]).model.backbone == "vit_base"
+    assert resolved(load_config(path, ["model.backbone=vit_base"])).model.backbone == "vit_base"
 
 
 def test_a_named_preset_in_yaml(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("hardware: 12gb\n")
-    cfg = load_config(path)
+    cfg = resolved(load_config(path))
     assert (cfg.data.batch_size, cfg.model.backbone, cfg.augmentation.num_local_views) == (
         32,
         "resnet18",
@@ -201,26 +234,26 @@ def test_a_named_preset_in_yaml(tmp_path):
 
 def test_a_resolved_config_reloads_unchanged(tmp_path, fake_gpu):
     fake_gpu(16)
-    cfg = load_config(None, ["hardware.preset=auto"])
+    cfg = resolved(load_config(None, ["hardware.preset=auto"]))
     save_config(cfg, tmp_path / "config.yaml")
     fake_gpu(80)  # another machine: the saved run keeps what it was resolved to
-    again = load_config(tmp_path / "config.yaml")
+    again = resolved(load_config(tmp_path / "config.yaml"))
     assert again == cfg
     assert again.model.backbone == "resnet50"
 
 
-def test_apply_overrides_lets_the_preset_set_defaults_only():
-    cfg = apply_overrides(Config(), ["hardware.preset=16gb"])
+def test_the_preset_sets_only_what_the_config_leaves_to_it():
+    cfg = resolved(apply_overrides(Config(), ["hardware.preset=16gb"]))
     assert (cfg.model.backbone, cfg.data.batch_size) == ("resnet50", 32)
     custom = apply_overrides(Config(), ["model.backbone=vit_base"])
-    kept = apply_overrides(custom, ["hardware.preset=16gb", "data.batch_size=8"])
+    kept = resolved(apply_overrides(custom, ["hardware.preset=16gb", "data.batch_size=8"]))
     assert (kept.model.backbone, kept.data.batch_size) == ("vit_base", 8)
     assert kept.augmentation.num_local_views == 6  # at its default before: the preset's
 
 
 def test_the_demo_preset_keeps_its_own_keys():
     before = copy.deepcopy(DEMO_PRESET)
-    cfg = load_config(DEMO_PRESET, ["hardware.preset=24gb"])
+    cfg = resolved(load_config(DEMO_PRESET, ["hardware.preset=24gb"]))
     assert DEMO_PRESET == before  # not modified
     assert cfg.model.backbone == "vit_tiny"  # the demo sets it
     assert cfg.data.batch_size == 64
@@ -232,18 +265,39 @@ def test_bad_preset_and_relations_are_named():
         load_config(None, ["hardware.preset=huge"])
     # a ResNet row with a ViT-only key the config sets
     with pytest.raises(ConfigError, match="model.patch_size applies to ViT backbones only"):
-        load_config(None, ["hardware.preset=8gb", "model.patch_size=8"])
+        resolved(load_config(None, ["hardware.preset=8gb", "model.patch_size=8"]))
 
 
 def test_auto_on_a_missing_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="hardware.preset=auto: hardware.device=cuda but CUDA"):
-        load_config(None, ["hardware.preset=auto", "hardware.device=cuda"])
+        resolved(load_config(None, ["hardware.preset=auto", "hardware.device=cuda"]))
+
+
+def test_the_launcher_resolves_once_and_hands_the_result_to_its_processes(fake_gpu, monkeypatch):
+    fake_gpu(24)
+    handed = {}
+
+    def fake_launch(config, entry):
+        def run(cfg, output_dir):
+            handed.update(cfg=cfg, output_dir=output_dir)
+            return {0: {"steps": 0}}
+
+        return run
+
+    monkeypatch.setattr(distributed_mod, "elastic_launch", fake_launch)
+    report = distributed_mod.launch_distributed_training(
+        None, 2, overrides=["hardware.preset=auto", "hardware.device=cpu"], output_dir="x"
+    )
+    assert report == {"steps": 0}
+    cfg = handed["cfg"]
+    assert isinstance(cfg, Config) and cfg.hardware.preset == "off"
+    assert cfg.model.backbone == "vit_small"  # the 24 GB row, resolved here; "off": never again
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_detects_this_gpu():
-    where, memory, bf16 = presets.detect_device_memory("cuda:0")
+    where, memory, bf16 = hardware.detect_device_memory("cuda:0")
     props = torch.cuda.get_device_properties(0)
     assert memory == pytest.approx(props.total_memory / 2**30)
     assert bf16 == (props.major >= 8)

@@ -209,8 +209,8 @@ def test_repeated_nonfinite_steps_stop_with_a_checkpoint(train_root, tmp_path, m
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["nonfinite_streak"] >= 3
     # every step was skipped: the student is still its initialisation
+    from dino_opt.build import build_models
     from dino_opt.config import Config, apply_overrides
-    from dino_opt.trainer import build_models
 
     cfg = apply_overrides(Config.from_dict(state["config"]), [])
     torch.manual_seed(cfg.hardware.seed)

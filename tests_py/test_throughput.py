@@ -9,11 +9,13 @@ import pytest
 import torch
 from dino_opt import _C, DINOLoss
 from dino_opt import data as data_mod
+from dino_opt import throughput as throughput_mod
+from dino_opt.build import build_models
 from dino_opt.config import apply_overrides, default_config
 from dino_opt.data import MultiCropLoader, multicrop_collate
 from dino_opt.datasets import builtin_dataset
 from dino_opt.throughput import OptimizedDataLoader, ThroughputOptimizer, dynamic_batch_size
-from dino_opt.trainer import DINOModel, build_models
+from dino_opt.trainer import DINOModel
 
 N_LOCAL = 2
 N_CROPS = 2 + N_LOCAL
@@ -468,7 +470,7 @@ def test_loader_for_a_folder_is_the_native_loader(tmp_path, monkeypatch):
         def __init__(self, source, batch_size, **kwargs):
             seen.update(source=source, batch_size=batch_size, **kwargs)
 
-    monkeypatch.setattr(data_mod, "MultiCropLoader", Recorder)
+    monkeypatch.setattr(throughput_mod, "MultiCropLoader", Recorder)
     OptimizedDataLoader.create(root / "train", 3, **crops)
     assert seen["prefetch"] == 4 and seen["num_threads"] == min(8, _C.available_cores())
     assert seen["pin_memory"] == torch.cuda.is_available() and seen["n_local"] == N_LOCAL

@@ -13,8 +13,8 @@ import pytest
 import torch
 from dino_opt.cli import main
 from dino_opt.datasets import builtin_dataset
-from dino_opt.profiler import Profiler
-from dino_opt.trainer import PROFILE_PHASES, _profile_summary
+from dino_opt.job import PROFILE_PHASES
+from dino_opt.profiler import Profiler, profile_summary
 from tiny import TINY as TINY_BASE
 
 TINY = [*TINY_BASE, "data.num_workers=2"]
@@ -102,7 +102,7 @@ def test_profile_summary_sums_ranges_per_step():
         p.step(4)
     with p.range("data_wait"):  # the fetch that finds the loader exhausted: no step
         pass
-    summary = _profile_summary(p, ("data_wait", "forward_backward", "optimizer_step"))
+    summary = profile_summary(p, ("data_wait", "forward_backward", "optimizer_step"))
     assert summary["steps"] == 3
     fb = summary["phases"]["forward_backward"]
     assert 0.01 <= fb["median"] < 0.5 and fb["total"] == pytest.approx(3 * fb["mean"])

@@ -15,18 +15,25 @@
 namespace dino_opt::dino_loss_detail {
 
 // Rows are view-major: row v * batch + b is view v of sample b. Teacher view t
-// is paired with every student view except view t.
+// is paired with every student view except view t. A call may hold only some
+// of the student views: views [view_offset, view_offset + student_views) of
+// total_views; its loss and gradient are then that part of the whole loss
+// (the same normalisation), so the parts of a step add up to its loss.
 struct Shape {
-  int64_t student_views;  // S (ncrops)
+  int64_t student_views;  // S: student views in this call (ncrops)
   int64_t teacher_views;  // T
   int64_t batch;          // B
   int64_t dim;            // K
+  int64_t view_offset;    // the first student view of this call, among all
+  int64_t total_views;    // student views of the whole step (S when the call holds all)
 
-  // Number of (teacher view, student view) pairs: S*T - T.
-  DINO_OPT_HD int64_t loss_terms() const { return teacher_views * (student_views - 1); }
-  // Teacher views paired with student view v.
+  // Number of (teacher view, student view) pairs of the whole step: T * (total - 1).
+  DINO_OPT_HD int64_t loss_terms() const { return teacher_views * (total_views - 1); }
+  // Whether teacher view t and this call's student view v make a pair.
+  DINO_OPT_HD bool paired(int64_t t, int64_t v) const { return t != v + view_offset; }
+  // Teacher views paired with this call's student view v.
   DINO_OPT_HD int64_t teacher_weight(int64_t v) const {
-    return teacher_views - (v < teacher_views ? 1 : 0);
+    return teacher_views - (v + view_offset < teacher_views ? 1 : 0);
   }
 };
 

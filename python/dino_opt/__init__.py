@@ -7,8 +7,9 @@ The hot paths are a C++/CUDA core registered as PyTorch operators
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, ops  # noqa: F401  (_C loads the core library, which registers the ops)
-from .ema import EMATeacher, cosine_scheduler, update_teacher
+from .ema import EMATeacher, update_teacher
 from .loss import DINOLoss, NonFiniteLossError, dino_loss
+from .schedules import cosine_scheduler
 
 __version__ = "0.1.0"
 

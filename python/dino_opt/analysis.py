@@ -39,16 +39,10 @@ import torch
 
 from .checkpoint import CheckpointManager
 from .plots import MEMORY_KEYS, plot_training_curves, read_metrics, style_step_panel
+from .runfiles import RunFolder
 
 __all__ = ["DINOTrainingAnalyzer", "format_report"]
 
-METRICS_NAME = "metrics.jsonl"
-PROFILE_NAME = "profile.json"
-RUN_REPORT_NAME = "report.json"
-CHECKPOINT_REPORT_NAME = "checkpoint_report.json"
-PERFORMANCE_REPORT_NAME = "performance_report.json"
-EVOLUTION_PLOT_NAME = "model_evolution.png"
-CURVES_PLOT_NAME = "training_curves.png"
 
 VERDICTS = ("decreasing", "plateau", "diverging", "too short to tell")
 
@@ -230,7 +224,7 @@ class DINOTrainingAnalyzer:
         if isinstance(source, CheckpointManager):
             manager = source
             parent = manager.directory.parent
-            run_dir = parent if (parent / METRICS_NAME).is_file() else None
+            run_dir = parent if RunFolder(parent).metrics.is_file() else None
             where = manager.directory
         else:
             path = Path(source)
@@ -241,21 +235,21 @@ class DINOTrainingAnalyzer:
                     f"{os.fspath(path)!r} is not a folder (give a run folder of "
                     "`dino-opt train` or its checkpoints/ folder)"
                 )
-            if (path / METRICS_NAME).is_file() or (path / "checkpoints").is_dir():
+            if RunFolder(path).is_run():
                 run_dir = path
-                manager = CheckpointManager(path / "checkpoints", keep_last=None)
+                manager = CheckpointManager(RunFolder(path).checkpoints, keep_last=None)
             else:  # a checkpoints/ folder
                 manager = CheckpointManager(path, keep_last=None)
                 parent = path.parent
-                run_dir = parent if (parent / METRICS_NAME).is_file() else None
+                run_dir = parent if RunFolder(parent).metrics.is_file() else None
             where = path
         self.checkpoint_manager = manager
         self.run_dir = run_dir
-        metrics = run_dir / METRICS_NAME if run_dir is not None else None
+        metrics = RunFolder(run_dir).metrics if run_dir is not None else None
         self.metrics_path = metrics if metrics is not None and metrics.is_file() else None
         if self.metrics_path is None and not manager.checkpoints():
             raise ValueError(
-                f"{os.fspath(where)!r} holds no {METRICS_NAME} and no checkpoints "
+                f"{os.fspath(where)!r} holds no {RunFolder.METRICS} and no checkpoints "
                 f"(looked for {os.fspath(manager.directory / 'checkpoint-*.pth')!r})"
             )
         self._rows: list[dict[str, Any]] | None = None
@@ -546,7 +540,7 @@ class DINOTrainingAnalyzer:
             checkpoints.append(entry)
         loaded = [r for r in evolution if not r.get("skipped")]
         out.mkdir(parents=True, exist_ok=True)
-        plot = _plot_evolution(loaded, out / EVOLUTION_PLOT_NAME) if loaded else None
+        plot = _plot_evolution(loaded, RunFolder(out).model_evolution) if loaded else None
         report = {
             "run_dir": os.fspath(self.run_dir) if self.run_dir is not None else None,
             "checkpoint_dir": os.fspath(self.checkpoint_manager.directory),
@@ -561,7 +555,7 @@ class DINOTrainingAnalyzer:
             "evolution": evolution,
             "plot": os.fspath(plot) if plot is not None else None,
         }
-        report["report"] = os.fspath(_write_json(out / CHECKPOINT_REPORT_NAME, report))
+        report["report"] = os.fspath(_write_json(RunFolder(out).checkpoint_report, report))
         return report
 
     def generate_performance_report(self, output_dir: str | os.PathLike | None = None) -> dict:
@@ -605,7 +599,7 @@ class DINOTrainingAnalyzer:
             if values:
                 peak_memory[key] = max(values)
 
-        profile = self._run_file(PROFILE_NAME)
+        profile = self._run_file(RunFolder.PROFILE)
         phases = None
         if isinstance(profile, dict) and isinstance(profile.get("phases"), dict):
             phases = {
@@ -620,10 +614,10 @@ class DINOTrainingAnalyzer:
                 },
                 "other_share_of_step": profile.get("other_share_of_step"),
             }
-        run_report = self._run_file(RUN_REPORT_NAME)
+        run_report = self._run_file(RunFolder.REPORT)
 
         out.mkdir(parents=True, exist_ok=True)
-        curves = plot_training_curves(rows, out / CURVES_PLOT_NAME) if rows else None
+        curves = plot_training_curves(rows, RunFolder(out).training_curves) if rows else None
         report = {
             "run_dir": os.fspath(self.run_dir) if self.run_dir is not None else None,
             "metrics": self.metrics_source,
@@ -635,7 +629,7 @@ class DINOTrainingAnalyzer:
             "convergence": convergence,
             "plot": os.fspath(curves) if curves is not None else None,
         }
-        report["report"] = os.fspath(_write_json(out / PERFORMANCE_REPORT_NAME, report))
+        report["report"] = os.fspath(_write_json(RunFolder(out).performance_report, report))
         return report
 
     def generate_report(self, output_dir: str | os.PathLike | None = None) -> dict:

@@ -42,17 +42,16 @@ The manager assumes one writer per directory (rank 0 in distributed runs).
 Several managers with different prefixes may share a directory: the index
 keeps the records of other prefixes untouched.
 
-Also here: :func:`capture_rng_state` / :func:`restore_rng_state` (every RNG a
-training step draws from, in a form that ``torch.load(weights_only=True)``
-accepts), :func:`run_metadata` (versions, host, git commit) and
-:class:`GracefulStop` (turns SIGTERM/SIGINT/SIGUSR1 into a flag the training
-loop polls, so that it can checkpoint and exit cleanly).
+Also here: :func:`atomic_write` (the temporary-file, fsync, rename
+discipline for any file), :func:`capture_rng_state` /
+:func:`restore_rng_state` (every RNG a training step draws from, in a form
+that ``torch.load(weights_only=True)`` accepts) and :func:`run_metadata`
+(versions, host, git commit).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import errno
 import hashlib
@@ -64,15 +63,12 @@ import pickle
 import platform
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +77,11 @@ import torch
 
 __all__ = [
     "CheckpointManager",
-    "CheckpointedDINOTrainer",
     "CheckpointRecord",
     "CheckpointWriteError",
-    "GracefulStop",
-    "ResumeError",
+    "atomic_write",
     "capture_rng_state",
+    "fsync_dir",
     "restore_rng_state",
     "run_metadata",
 ]
@@ -203,7 +198,7 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make renames and deletions in ``directory`` durable. Some platforms
     (Windows) and file systems cannot open or fsync a directory; there it is
     skipped, as the rename itself is still atomic."""
@@ -227,7 +222,7 @@ def _unlink_quietly(path: str | Path | None) -> None:
         os.unlink(path)
 
 
-def _atomic_write(path: Path, write) -> _HashingWriter:
+def atomic_write(path: Path, write) -> _HashingWriter:
     """Write a file atomically: ``write(hashing_writer)`` fills a temporary
     file next to ``path``, which is fsync-ed and renamed onto ``path``. The
     directory fsync is left to the caller, which may batch several renames.
@@ -488,11 +483,11 @@ class CheckpointManager:
             old_sidecar = None
         sidecar_replaced = False
         try:
-            _atomic_write(sidecar, lambda w: w.write((json.dumps(entry) + "\n").encode()))
+            atomic_write(sidecar, lambda w: w.write((json.dumps(entry) + "\n").encode()))
             sidecar_replaced = True
             os.replace(tmp, path)
             tmp = None
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except Exception as e:
             if tmp is not None:  # the checkpoint never replaced `path`
                 _unlink_quietly(tmp)
@@ -501,7 +496,7 @@ class CheckpointManager:
                         if old_sidecar is None:
                             _unlink_quietly(sidecar)
                         else:
-                            _atomic_write(sidecar, lambda w: w.write(old_sidecar))
+                            atomic_write(sidecar, lambda w: w.write(old_sidecar))
             raise CheckpointWriteError(path, e) from e
 
         # 3. Index, and the rotation decided from it. Old files are deleted
@@ -525,11 +520,11 @@ class CheckpointManager:
             "checkpoints": others + mine,
         }
         try:
-            _atomic_write(
+            atomic_write(
                 self.index_path,
                 lambda w: w.write((json.dumps(new_index, indent=1) + "\n").encode()),
             )
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except Exception as e:
             # The checkpoint and its sidecar are in place and verify; only the
             # summary is stale. Rotation is skipped so nothing is deleted.
@@ -551,7 +546,7 @@ class CheckpointManager:
                 )
         if doomed:
             with contextlib.suppress(OSError):
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
         return path
 
     def _rotation_victims(
@@ -825,644 +820,3 @@ def run_metadata(cwd: str | os.PathLike | None = None, *, git_timeout: float = 5
         "git_commit": commit,
         "git_dirty": dirty,
     }
-
-
-# ----------------------------------------------------------- graceful stop
-
-
-def _default_signals() -> tuple[signal.Signals, ...]:
-    names = ("SIGTERM", "SIGINT", "SIGUSR1")  # SIGUSR1 does not exist on Windows
-    return tuple(getattr(signal, n) for n in names if hasattr(signal, n))
-
-
-class GracefulStop:
-    """Turns termination signals into a flag the training loop polls::
-
-        with GracefulStop() as stop:
-            for step in ...:
-                train_step()
-                if stop.requested:
-                    manager.save(state, epoch=epoch, step=step)
-                    break
-
-    While active, the handlers of ``signals`` only set :attr:`requested` and
-    remember the first signal (:attr:`signal_name`); the step in flight
-    finishes, so the checkpoint is consistent. A second SIGINT after a stop
-    was requested raises KeyboardInterrupt, so Ctrl-C twice still force-quits.
-    On exit the previous handlers are restored.
-
-    Python runs signal handlers only in the main thread and only lets the
-    main thread install them, so entered from another thread it is a no-op
-    (``active`` is False, a RuntimeWarning says so) whose flag never
-    triggers: the main thread keeps its own handlers.
-    """
-
-    def __init__(self, signals: Iterable[int] | None = None):
-        sigs = _default_signals() if signals is None else tuple(signals)
-        self.signals = tuple(signal.Signals(s) for s in sigs)
-        self._previous: dict[signal.Signals, Any] = {}
-        self._requested = False
-        self._signal: signal.Signals | None = None
-        self._active = False
-
-    @property
-    def requested(self) -> bool:
-        """Whether one of the signals arrived while active."""
-        return self._requested
-
-    @property
-    def signal_name(self) -> str | None:
-        """Name of the first signal received (e.g. ``"SIGTERM"``), or None."""
-        return self._signal.name if self._signal is not None else None
-
-    @property
-    def active(self) -> bool:
-        """Whether the handlers are installed (False off the main thread)."""
-        return self._active
-
-    def _handle(self, signum, frame) -> None:
-        if self._requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if not self._requested:
-            self._signal = signal.Signals(signum)
-            self._requested = True
-
-    def __enter__(self) -> GracefulStop:
-        if self._active:
-            raise RuntimeError("GracefulStop is already active")
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn(
-                "GracefulStop entered outside the main thread: signal handlers can only be "
-                "installed there, so this one will never trigger",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return self
-        self._previous = {}
-        try:
-            for s in self.signals:
-                self._previous[s] = signal.getsignal(s)
-                signal.signal(s, self._handle)
-        except BaseException:
-            self._restore()
-            raise
-        self._active = True
-        return self
-
-    def _restore(self) -> None:
-        for s, prev in self._previous.items():
-            # None: the old handler was not installed from Python; the default
-            # is the closest thing we can put back.
-            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-        self._previous = {}
-
-    def __exit__(self, *exc) -> None:
-        if self._active:
-            self._restore()
-            self._active = False
-
-
-# ------------------------------------------------------------ the training job
-
-# Config keys that may differ between a checkpoint and the run resuming it:
-# where things go and how they are reported, not what is computed (the loader
-# gives the same batches whatever its thread count).
-_RESUME_MAY_DIFFER = ("logging.", "checkpoint.", "health.", "eval.", "hardware.device",
-                      "data.num_workers", "data.prefetch", "data.pin_memory")  # fmt: skip
-
-
-class ResumeError(ValueError):
-    """A checkpoint cannot continue this run (another config, a bad file)."""
-
-
-def _config_differences(saved: dict, current: dict) -> list[str]:
-    keys = []
-    for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section, {}), current.get(section, {})
-        for key in sorted(set(a) | set(b)):
-            name = f"{section}.{key}"
-            if a.get(key) != b.get(key) and not name.startswith(_RESUME_MAY_DIFFER):
-                keys.append(f"{name}: {a.get(key)!r} in the checkpoint, {b.get(key)!r} now")
-    return keys
-
-
-def _row_entropy(teacher_logits: torch.Tensor, center: torch.Tensor, temp: float) -> torch.Tensor:
-    """Entropy (nats) of each row's centred, sharpened teacher distribution."""
-    p = torch.softmax((teacher_logits.float() - center) / temp, dim=-1)
-    return torch.special.entr(p).sum(-1).cpu()
-
-
-def _start_wandb(cfg, out: Path, metadata: dict):
-    """A Weights & Biases run for this run folder (resumed with it: the id
-    is kept in the folder). WANDB_MODE=offline logs without a network."""
-    try:
-        import wandb
-    except ImportError as e:
-        raise ImportError(
-            "logging.wandb=true needs the wandb package: pip install 'dino_opt[wandb]'"
-        ) from e
-    id_file = out / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if id_file.exists() else None
-    run = wandb.init(
-        project=cfg.logging.wandb_project,
-        dir=str(out),
-        id=run_id,
-        resume="allow",
-        name=out.name,
-        config={**cfg.to_dict(), "metadata": metadata},
-    )
-    id_file.write_text(run.id + "\n")
-    return run
-
-
-class _NullLog:
-    """The metrics file of ranks other than 0."""
-
-    def write(self, text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
-class CheckpointedDINOTrainer:
-    """The training job of ``dino-opt train``, restartable at any step.
-
-    ``CheckpointedDINOTrainer(config, output_dir=..., auto_resume=True).train()``
-    builds the loader, student and teacher, loss, optimizer and
-    :class:`~dino_opt.trainer.MemoryOptimizedDINOTrainer` from a
-    :class:`~dino_opt.config.Config` (or a YAML path, or a dict), trains, and
-    returns the report that ``run_training`` returns. Underneath, a
-    :class:`CheckpointManager` (``self.checkpoint_manager``) writes the
-    complete state to ``<run>/checkpoints/`` at the end of every
-    ``checkpoint.every_epochs`` epochs, every ``checkpoint.every_steps``
-    optimizer steps, when a SIGTERM, SIGINT or SIGUSR1 arrives (at the next
-    step boundary, then the run stops cleanly: ``report["stopped_by"]``), when
-    the run stops on repeated non-finite steps, and at the end.
-
-    The state: student, teacher, optimizer, grad scaler, loss center, the
-    teacher's step, epoch and step, the loader's position inside the epoch,
-    every RNG, the metrics so far, the resolved config, the versions and the
-    git commit. Resuming (``auto_resume`` / ``checkpoint.resume``) restores all
-    of it, so on the CPU a resumed run gives the same losses and the same
-    final weights, bit for bit, as one that never stopped. A checkpoint from a
-    run with another config (other than logging, checkpoint, health, eval,
-    device and loader-thread settings) is refused, naming the keys.
-    """
-
-    def __init__(
-        self,
-        config=None,
-        *,
-        config_path: str | os.PathLike | None = None,
-        overrides: Iterable[str] = (),
-        output_dir: str | os.PathLike | None = None,
-        auto_resume: bool = True,
-        quiet: bool = False,
-        enable_live_dashboard: bool | None = None,
-    ):
-        from .config import Config, apply_overrides, default_config, load_config
-
-        if config is not None and config_path is not None:
-            raise ValueError("give config or config_path, not both")
-        source = config if config is not None else config_path
-        overrides = list(overrides)
-        if source is None:
-            cfg = apply_overrides(default_config(), overrides)
-        elif isinstance(source, Config):
-            cfg = apply_overrides(source, overrides) if overrides else source
-        elif isinstance(source, dict):
-            cfg = apply_overrides(Config.from_dict(source), overrides)
-        else:
-            cfg = load_config(source, overrides)
-        if not auto_resume and cfg.checkpoint.resume == "auto":
-            cfg = apply_overrides(cfg, ["checkpoint.resume=null"])
-        if enable_live_dashboard is not None:
-            cfg = apply_overrides(cfg, [f"logging.tensorboard={bool(enable_live_dashboard)}"])
-        self.config = cfg
-        self.quiet = quiet
-        out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        self._set_output_dir(Path(out))
-
-    def _set_output_dir(self, out: Path) -> None:
-        """The run folder and the manager of its ``checkpoints/``."""
-        ck = self.config.checkpoint
-        self.output_dir = out
-        self.checkpoint_manager = CheckpointManager(
-            out / "checkpoints", keep_last=ck.keep, milestone_every=ck.milestone_every
-        )
-
-    # ------------------------------------------------------------ resume
-
-    def _checkpoint_to_resume(self) -> tuple[dict, Path] | None:
-        resume = self.config.checkpoint.resume
-        manager = self.checkpoint_manager
-        if resume is None:
-            if manager.checkpoints():
-                raise ResumeError(
-                    f"run folder {str(self.output_dir)!r} already holds checkpoints; continue "
-                    "it with checkpoint.resume=auto, or choose another output folder"
-                )
-            return None
-        if resume == "auto":
-            return manager.load_latest()
-        path = Path(resume)
-        try:
-            if manager.sidecar_path(path).exists() or path.parent == manager.directory:
-                return manager.load(path), path
-            return manager.load(path, verify=False), path
-        except (ValueError, OSError) as e:
-            raise ResumeError(f"checkpoint.resume={resume!r}: {e}") from e
-
-    # ------------------------------------------------------------ the job
-
-    def train(self) -> dict:  # noqa: C901 - one linear job, split into phases by comments
-        """Trains (resuming when configured) and returns the report."""
-        from .config import effective_lr, save_config
-        from .data import AUGMENT_KEYS, MultiCropLoader
-        from .distributed import all_reduce_metrics, gather_objects, init_distributed, wrap_student
-        from .health import HealthThresholds, NonFiniteError, TrainingHealthMonitor
-        from .knn import knn_evaluate, tsne_plot
-        from .memory import MemoryTracker
-        from .plots import plot_training_curves
-        from .profiler import Profiler
-        from .trainer import (
-            DINOModel,
-            MemoryOptimizedDINOTrainer,
-            Schedules,
-            _profile_summary,
-            build_loss,
-            build_models,
-            data_roots,
-            param_groups,
-        )
-
-        cfg = self.config
-        dist_info = init_distributed(cfg.hardware.device)  # alone unless started by torchrun/SLURM
-        device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
-        if world > 1:  # rank 0's run folder (a default name holds the time it was made)
-            self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
-        out = self.output_dir
-        lead = rank == 0  # writes the run folder; every rank trains
-        torch.manual_seed(cfg.hardware.seed)
-        if lead:
-            out.mkdir(parents=True, exist_ok=True)
-        resumed = self._checkpoint_to_resume()
-        if resumed is not None:
-            differences = _config_differences(resumed[0].get("config", {}), cfg.to_dict())
-            if differences:
-                raise ResumeError(
-                    f"checkpoint {str(resumed[1])!r} belongs to a run with another config: "
-                    + "; ".join(differences)
-                    + " (train in another run folder to start afresh)"
-                )
-        if lead:
-            save_config(cfg, out / "config.yaml")
-
-        # ---- data, models, optimisation: the same objects whether fresh or resumed
-        train_root, val_root = data_roots(cfg)
-        aug = cfg.augmentation
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        loader = MultiCropLoader(
-            train_root,
-            cfg.data.batch_size,
-            global_size=aug.global_crop_size,
-            local_size=aug.local_crop_size,
-            n_local=aug.num_local_views,
-            global_scale=aug.global_crops_scale,
-            local_scale=aug.local_crops_scale,
-            num_threads=cfg.data.num_workers,
-            prefetch=cfg.data.prefetch,
-            seed=cfg.hardware.seed,
-            rank=rank,
-            world_size=world,
-            dtype=dtype[cfg.data.dtype],
-            photometric=cfg.data.photometric,
-            device=device if cfg.data.photometric == "gpu" else None,
-            on_error=cfg.data.on_error,
-            augment={k: getattr(aug, k) for k in AUGMENT_KEYS},
-            pin_memory=cfg.data.pin_memory and device.type == "cuda",
-        )
-        s = cfg.schedule
-        student, teacher = build_models(cfg)
-        random_teacher = copy.deepcopy(teacher).eval()  # the random-initialisation baseline
-        student, teacher = student.to(device), teacher.to(device)
-        torch.manual_seed(cfg.hardware.seed + rank)  # same init everywhere, own drop-path draws
-        accumulation = cfg.optim.accumulation_steps
-        iters = len(loader) // accumulation
-        if iters < 1:
-            raise ValueError(
-                f"the data set gives {len(loader)} batches per epoch, fewer than "
-                f"optim.accumulation_steps={accumulation}"
-            )
-        schedules = Schedules.dino(
-            base_lr=effective_lr(cfg, world_size=world),
-            min_lr=cfg.optim.min_lr,
-            weight_decay=cfg.optim.weight_decay,
-            weight_decay_end=cfg.optim.weight_decay_end,
-            momentum_teacher=s.momentum_teacher,
-            epochs=s.epochs,
-            warmup_epochs=s.warmup_epochs,
-            niter_per_epoch=iters,
-        )
-        model = DINOModel(student, teacher, schedules.momentum)
-        model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
-        loss_fn = build_loss(cfg).to(device)
-        fused = cfg.optim.fused if cfg.optim.fused is not None else device.type == "cuda"
-        if cfg.optim.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, fused=fused)
-        else:
-            optimizer = torch.optim.SGD(param_groups(student), lr=0.0, momentum=0.9)
-        trainer = MemoryOptimizedDINOTrainer(
-            model,
-            loss_fn,
-            optimizer,
-            {
-                "precision": cfg.hardware.precision,
-                "gradient_checkpointing": cfg.hardware.grad_checkpointing,
-                "crop_batch_size": cfg.hardware.crop_batch_size,
-                "accumulation_steps": accumulation,
-                "gradient_clip": cfg.optim.clip_grad,
-                "freeze_last_layer": cfg.optim.freeze_last_layer,
-            },
-            device,
-        )
-        self.trainer = trainer
-
-        # ---- where to start
-        epoch0, step, history, seconds_before, resumed_from = 0, 0, [], 0.0, None
-        if resumed is not None:
-            state, path = resumed
-            try:
-                student.load_state_dict(state["student"])
-                teacher.load_state_dict(state["teacher"])
-                optimizer.load_state_dict(state["optimizer"])
-                loss_fn.load_state_dict(state["loss"])
-                if trainer.scaler is not None and state.get("scaler") is not None:
-                    trainer.scaler.load_state_dict(state["scaler"])
-                model.teacher_step = int(state["teacher_step"])
-                if len(state["loader"]) != world:
-                    raise ValueError(
-                        f"it was written by {len(state['loader'])} processes, this run has {world}"
-                    )
-                loader.load_state_dict(state["loader"][rank])
-                restore_rng_state(state["rng"][rank], strict=False)
-                epoch0, step = int(state["epoch"]), int(state["step"])
-                history = list(state.get("history", []))
-                seconds_before = float(state.get("train_seconds", 0.0))
-            except (KeyError, RuntimeError, ValueError, TypeError) as e:
-                raise ResumeError(f"checkpoint {str(path)!r} cannot be resumed: {e}") from e
-            del state, resumed  # the tensors now live in the models and the optimizer
-            resumed_from = path
-            if lead:
-                print(f"resuming from {path} (epoch {epoch0}, step {step})", file=sys.stderr)
-        metadata = run_metadata()
-
-        def save(epoch: int, reason: str, *, end_of_epoch: bool = False) -> Path | None:
-            """Collective: every rank calls it at the same step; rank 0 writes
-            (with every rank's loader position and RNGs), then all learn
-            whether the write succeeded, so that a full disk stops them all."""
-            loaders = gather_objects(loader.state_dict())
-            rngs = gather_objects(capture_rng_state())
-            if not lead:
-                if all_reduce_metrics({"ok": 1.0})["ok"] < 1.0:
-                    raise RuntimeError(f"rank 0 could not write the checkpoint of step {step}")
-                return None
-            state = {
-                "student": student.state_dict(),
-                "teacher": teacher.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-                "loss": loss_fn.state_dict(),
-                "teacher_step": model.teacher_step,
-                "epoch": epoch,
-                "step": step,
-                "loader": loaders,  # per rank
-                "rng": rngs,  # per rank
-                "world_size": world,
-                "history": history,
-                "train_seconds": seconds_before + time.perf_counter() - started,
-                "reason": reason,
-                "config": cfg.to_dict(),
-                "metadata": metadata,
-            }
-            try:
-                path = self.checkpoint_manager.save(
-                    state, epoch=epoch, step=step, end_of_epoch=end_of_epoch,
-                    milestone=True if reason == "final" else None,
-                )  # fmt: skip
-            except BaseException:
-                all_reduce_metrics({"ok": 0.0})
-                raise
-            all_reduce_metrics({"ok": 1.0})
-            return path
-
-        # ---- logging
-        tracker = MemoryTracker(device=device)
-        monitor = None
-        if cfg.health.enabled:
-            monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
-        writer = None
-        if cfg.logging.tensorboard and lead:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
-        wandb_run = _start_wandb(cfg, out, metadata) if cfg.logging.wandb and lead else None
-        from tqdm import tqdm
-
-        total = s.epochs * len(loader)
-        bar = tqdm(total=total, initial=step, unit="batch", desc="train",
-                   disable=self.quiet or not cfg.logging.progress or not lead)  # fmt: skip
-        # The phases of each step as ranges of the native profiler: host clock
-        # and, on a GPU, CUDA events on the current stream, resolved only when
-        # read after training; push/pop never synchronise the device.
-        profiler = Profiler(device) if cfg.logging.profile and lead else None
-        phase = profiler.range if profiler is not None else lambda name: contextlib.nullcontext()
-        stopped_by = None
-        step0 = step
-        started = time.perf_counter()
-        window = (started, step)
-        log_every = cfg.logging.log_every
-        every_steps = cfg.checkpoint.every_steps * accumulation  # in loader batches
-        pending_stop = None
-        metrics_file = open(out / "metrics.jsonl", "w") if lead else contextlib.nullcontext()
-        with metrics_file as log, GracefulStop() as stop:
-            if not lead:
-                log = _NullLog()
-            for row in history:  # a resumed run's metrics so far, then its own
-                log.write(json.dumps(row) + "\n")
-            if profiler is not None:
-                profiler.clear()  # the first step starts now, not at construction
-            for epoch in range(epoch0, s.epochs):
-                if epoch != loader.epoch:
-                    loader.set_epoch(epoch)
-                student.train()
-                batches = iter(loader)
-                while True:
-                    with phase("data_wait"):
-                        batch = next(batches, None)
-                    if batch is None:
-                        break
-                    it = min(step // accumulation, len(schedules.lr) - 1)
-                    trainer.set_schedules(schedules, it)
-                    logging_step = (step + 1) % log_every == 0 or step + 1 == total
-                    trainer.capture_outputs = logging_step and monitor is not None
-                    with phase("forward_backward"):
-                        loss, _ = trainer.train_step_optimized(batch.crops, epoch)
-                    with phase("optimizer_step"):
-                        stepped = trainer.optimize_step()
-                    step += 1
-                    bar.update()
-                    if stepped and monitor is not None:
-                        extra = {}
-                        if trainer.captured:
-                            c = trainer.captured
-                            extra = dict(
-                                teacher_logits=c["teacher_logits"],
-                                student_logits=c["student_logits"],
-                                teacher_temp=float(loss_fn._teacher_temps[epoch]),
-                                student_temp=loss_fn.student_temp,
-                                center=loss_fn.center,
-                                features=c.get("features"),
-                            )
-                        monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=step,
-                                        **extra)  # fmt: skip
-                        if writer is not None and extra and cfg.logging.histograms:
-                            writer.add_histogram(
-                                "health/teacher_entropy_per_image",
-                                _row_entropy(extra["teacher_logits"], loss_fn.center,
-                                             extra["teacher_temp"]), step,
-                            )  # fmt: skip
-                        trainer.captured = {}
-                    if logging_step:
-                        now = time.perf_counter()
-                        images = (step - window[1]) * cfg.data.batch_size
-                        # one all-reduce (and host sync) at logging intervals: the
-                        # mean loss over ranks and whether any rank got a signal
-                        reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested)})
-                        if reduced["stop"] > 0 and pending_stop is None:
-                            pending_stop = stop.signal_name or "SIGTERM"
-                        row = {
-                            "step": step,
-                            "epoch": epoch,
-                            "loss": reduced["loss"],
-                            "lr": float(schedules.lr[it]),
-                            "weight_decay": float(schedules.weight_decay[it]),
-                            "momentum": float(schedules.momentum[it]),
-                            "images_per_second": images / max(now - window[0], 1e-9),
-                        }
-                        row.update(tracker.get_memory_stats())
-                        alerts = []
-                        if monitor is not None:
-                            # this rank's diagnostics; the loss stays the mean over ranks
-                            health = monitor.summary()
-                            row.update({k: v for k, v in health.items() if k not in row})
-                            try:
-                                alerts = monitor.check_training_health(
-                                    {**row, "throughput": row["images_per_second"]}
-                                )
-                            except NonFiniteError:
-                                history.append(row)
-                                log.write(json.dumps(row) + "\n")
-                                save(epoch, "nonfinite")
-                                raise
-                            if alerts:
-                                row["alerts"] = [a.name for a in alerts]
-                        window = (now, step)
-                        history.append(row)
-                        log.write(json.dumps(row) + "\n")
-                        log.flush()
-                        if writer is not None:
-                            for k, v in row.items():
-                                if k not in ("step", "epoch") and isinstance(v, (int, float)):
-                                    writer.add_scalar(f"train/{k}", v, step)
-                            for a in alerts:
-                                writer.add_text("health/alerts", a.message, step)
-                        if wandb_run is not None:
-                            wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=step)
-                        # memory: the GPU allocator's peak on a GPU, else the process's RSS
-                        mem = row.get("gpu_memory_peak_gb", row["host_rss_gb"])
-                        bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
-                                        ips=f"{row['images_per_second']:.0f}",
-                                        mem=f"{mem:.2f}G")  # fmt: skip
-                    if profiler is not None:
-                        profiler.step(cfg.data.batch_size)
-                    if trainer._micro_steps == 0:  # an optimizer-step boundary
-                        # Alone, a signal is acted on at once; with several ranks at
-                        # the next logging step, when all of them know of it.
-                        if pending_stop is None and stop.requested and world == 1:
-                            pending_stop = stop.signal_name
-                        if pending_stop is not None:
-                            stopped_by = pending_stop
-                            save(epoch, f"signal:{stopped_by}")
-                            break
-                        if every_steps and step % every_steps == 0:
-                            # not at an epoch's end: the epoch checkpoint covers it
-                            if 0 < loader.state_dict()["next_batch"] < len(loader):
-                                save(epoch, "step")
-                if stopped_by is not None:
-                    break
-                ck_every = cfg.checkpoint.every_epochs
-                if ck_every and (epoch + 1) % ck_every == 0 and epoch + 1 < s.epochs:
-                    loader.set_epoch(epoch + 1)  # the position to resume from
-                    save(epoch + 1, "epoch", end_of_epoch=True)
-        bar.close()
-        loader.close()
-        train_seconds = seconds_before + time.perf_counter() - started
-        report = {
-            "epochs": s.epochs,
-            "steps": step,
-            "train_seconds": train_seconds,
-            "final_loss": history[-1]["loss"] if history else None,
-            "device": str(device),
-        }
-        if resumed_from is not None:
-            report["resumed_from"] = str(resumed_from)
-        if stopped_by is not None:
-            report["stopped_by"] = stopped_by
-            report["checkpoint"] = str(self.checkpoint_manager.latest_path())
-            if lead:
-                (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-            if writer is not None:
-                writer.close()
-            if wandb_run is not None:
-                wandb_run.finish()
-            return report
-        loader.set_epoch(s.epochs)
-        report["checkpoint"] = str(save(s.epochs, "final", end_of_epoch=True))
-        if not lead:  # rank 0 evaluates and writes the report
-            return report
-        if profiler is not None and step > step0:
-            profile = _profile_summary(profiler)
-            (out / "profile.json").write_text(json.dumps(profile, indent=2) + "\n")
-            shares = {p: v["share_of_step"] for p, v in profile["phases"].items()}
-            shares["other"] = profile["other_share_of_step"]
-            report["profile"] = {p: None if v is None else round(v, 4) for p, v in shares.items()}
-        plot_training_curves(history, out / "training_curves.png")
-        if val_root is not None:
-            size = aug.global_crop_size
-            ev = cfg.eval
-            tsne = cfg.logging.tsne
-            for key, net, name, label in (
-                ("knn_top1_trained", teacher.backbone, "tsne_trained.png", "trained teacher"),
-                ("knn_top1_random_init", random_teacher.backbone.to(device),
-                 "tsne_random_init.png", "teacher at random initialisation"),
-            ):  # fmt: skip
-                knn = knn_evaluate(
-                    net, train_root, val_root, size, device, k=ev.knn_k,
-                    temperature=ev.knn_temperature, return_features=tsne,
-                )  # fmt: skip
-                report[key] = knn["top1"]
-                if tsne:
-                    tsne_plot(
-                        knn["val_features"], knn["val_labels"], knn["classes"], out / name,
-                        title=f"t-SNE of val features: {label} (k-NN top-1 {knn['top1']:.1f}%)",
-                        seed=cfg.hardware.seed,
-                    )  # fmt: skip
-        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        if writer is not None:
-            writer.close()
-        if wandb_run is not None:
-            wandb_run.summary.update({k: v for k, v in report.items() if k != "profile"})
-            wandb_run.finish()
-        return report

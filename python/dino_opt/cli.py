@@ -27,7 +27,18 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tqdm import tqdm
+
 from . import _C
+from .analysis import DINOTrainingAnalyzer, format_report
+from .config import Config, config_to_yaml, default_config, load_config
+from .data import find_images
+from .distributed import launch_distributed_training
+from .evaluate import evaluate_checkpoint
+from .hardware import measure_batch_size, resolve_hardware, resolve_preset
+from .job import run_training
+from .presets import PRESETS
+from .runtime import launched_world
 
 __all__ = ["main", "prepare_dataset"]
 
@@ -49,10 +60,6 @@ def prepare_dataset(
 
     Returns ``{"written", "kept", "failed": ["path: cause", ...], "bytes_in", "bytes_out"}``.
     """
-    from tqdm import tqdm
-
-    from .data import find_images
-
     src_root, dst_root = Path(src), Path(dst)
     if src_root.resolve() == dst_root.resolve():
         raise ValueError("dst must differ from src: prepare never overwrites its input")
@@ -150,22 +157,17 @@ DEMO_PRESET = {
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .trainer import run_training
-
     cfg = load_config(args.config or DEMO_PRESET, args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1:
-        from .distributed import launch_distributed_training, launched_world
-
         if launched_world() is not None:
             raise ValueError(
                 "--nproc starts its own processes; under torchrun or srun leave it out"
             )
         # one run folder for all ranks, named before they start
         out = args.output_dir or cfg.logging.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-        report = launch_distributed_training(cfg.to_dict(), args.nproc, output_dir=out)
+        report = launch_distributed_training(cfg, args.nproc, output_dir=out)
     else:
         report = run_training(cfg, output_dir=args.output_dir, quiet=args.quiet)
     print(json.dumps(report, indent=2))
@@ -175,17 +177,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from .config import Config, config_to_yaml, default_config
-
     cfg = Config.from_dict(DEMO_PRESET) if args.demo else default_config()
     print(config_to_yaml(cfg), end="")
     return 0
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .presets import PRESETS, measure_batch_size, resolve_preset
-
     if args.measure and args.memory is not None:
         raise ValueError("--measure times this machine's device; leave out --memory")
     cfg = load_config(args.config, args.overrides)  # the crops and device to plan for
@@ -206,13 +203,20 @@ def _presets(args: argparse.Namespace) -> int:
         "values": choice.values,
     }
     if args.measure:
-        measured_cfg = load_config(args.config, [*args.overrides, f"hardware.preset={name}"])
+        measured_cfg, _ = resolve_hardware(
+            load_config(args.config, [*args.overrides, f"hardware.preset={name}"])
+        )
         report["measured"] = measure_batch_size(
             measured_cfg, max_batch_size=args.max_batch, steps=args.steps
         )
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    _print_presets(report, choice, name)
+    return 0
+
+
+def _print_presets(report: dict, choice, name: str) -> None:
     print(f"{'preset':7s} {'memory':>11s}  {'backbone':9s} {'batch':>5s} {'local':>5s}  cards")
     for p in PRESETS.values():
         memory = "no GPU" if p.memory_gb == 0 else f">= {p.min_memory_gb:.1f} GiB"
@@ -237,12 +241,9 @@ def _presets(args: argparse.Namespace) -> int:
             f"({measured['images_per_second']:.1f} images/s; largest that fits: "
             f"{measured['largest_fitting_batch_size']})"
         )
-    return 0
 
 
 def _knn(args: argparse.Namespace) -> int:
-    from .trainer import evaluate_checkpoint
-
     result = evaluate_checkpoint(
         args.checkpoint,
         data=args.data,
@@ -257,8 +258,6 @@ def _knn(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .analysis import DINOTrainingAnalyzer, format_report
-
     report = DINOTrainingAnalyzer(args.run_dir).generate_report(args.output_dir)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -267,9 +266,7 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="re-encode a data set at a bounded size")
     p.add_argument("src", help="image folder to read (ImageFolder layout or flat)")
     p.add_argument("dst", help="folder to write (created; the same layout)")
@@ -280,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_prepare)
 
+
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train DINO (default: the demo on the built-in data set)")
     t.add_argument("--config", help="YAML configuration (default: the demo preset)")
     t.add_argument("--output-dir", help="run folder (default: logging.output_dir or runs/<time>)")
@@ -293,11 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("overrides", nargs="*", help="key=value, e.g. data.batch_size=32")
     t.set_defaults(run=_train)
 
+
+def _add_config(sub) -> None:
     c = sub.add_parser("config", help="print a configuration as YAML")
     c.add_argument("--print-defaults", action="store_true", help="DINO's defaults (the default)")
     c.add_argument("--demo", action="store_true", help="the demo preset instead")
     c.set_defaults(run=_config)
 
+
+def _add_presets(sub) -> None:
     h = sub.add_parser(
         "presets", help="hardware presets: the table and what hardware.preset=auto picks here"
     )
@@ -318,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     h.add_argument("overrides", nargs="*", help="key=value, e.g. augmentation.global_crop_size=160")
     h.set_defaults(run=_presets)
 
+
+def _add_knn(sub) -> None:
     k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
     k.add_argument(
         "--checkpoint",
@@ -326,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     k.add_argument(
         "--data",
-        help="folder holding train/ and val/ (default: the data of the checkpoint's config: "
-        "the built-in data set, or data.root and its sibling val)",
+        help="folder holding train/ and val/ (and test/, evaluated too; default: the data of "
+        "the checkpoint's config: the built-in data set, or data.root and its siblings)",
     )
     k.add_argument(
         "--image-size", type=int, help="evaluation crop side (default: the global crop size)"
@@ -344,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     k.set_defaults(run=_knn)
 
+
+def _add_report(sub) -> None:
     r = sub.add_parser(
         "report", help="analyse a run folder: convergence, weight drift, throughput, phases"
     )
@@ -355,6 +362,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     r.add_argument("--json", action="store_true", help="print the report as JSON instead")
     r.set_defaults(run=_report)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn, _add_report):
+        add(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -1,8 +1,8 @@
 """Typed configuration for DINO training: dataclasses, YAML, overrides, checks.
 
 The defaults are the recipe of the original DINO code (facebookresearch/dino,
-``main_dino.py``) for ViT-S/16, which the paper's results were made with; see
-DESIGN.md section 4. Key names follow the course guide where it has them
+``main_dino.py``) for ViT-S/16, which the paper's results were made with
+(docs/design.md lists them). Key names follow the course guide where it has them
 (``data.batch_size``, ``data.num_workers``, ``data.pin_memory``,
 ``augmentation.num_local_views``, ``model.backbone``).
 
@@ -14,7 +14,10 @@ Typical use::
 Every way in (:meth:`Config.from_dict`, :func:`load_config`,
 :func:`apply_overrides`, :func:`validate`) checks types, ranges, choices and
 the relations between fields, and raises :class:`ConfigError` naming the key
-and what it allows. This module needs only the standard library and PyYAML.
+and what it allows. Loading is pure: it reads and checks, and never looks at
+a device. A hardware preset (``hardware.preset``) is resolved afterwards, in
+one explicit step (:func:`dino_opt.hardware.resolve_hardware`), which sets the
+preset's keys that the config does not set itself (:attr:`Config.given_keys`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import difflib
 import math
 import os
 import re
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,7 +35,8 @@ from typing import Any
 
 import yaml
 
-from .presets import PRESET_KEYS, PRESETS, resolve_preset
+from .checkpoint import atomic_write, fsync_dir
+from .presets import PRESET_NAMES
 
 __all__ = [
     "AugmentationConfig",
@@ -202,7 +205,7 @@ class ScheduleConfig:
     teacher_temp: float = _opt(0.04, "teacher temperature after the warm-up", gt=0)
     warmup_teacher_temp: float = _opt(0.04, "teacher temperature at the start", gt=0)
     warmup_teacher_temp_epochs: int = _opt(
-        0, "epochs of linear teacher temperature warm-up (DESIGN: optionally 30 to 0.07)", ge=0
+        0, "epochs of linear teacher temperature warm-up (DINO: optionally 30, to 0.07)", ge=0
     )
     student_temp: float = _opt(0.1, "student temperature", gt=0)
     center_momentum: float = _opt(0.9, "momentum of the teacher output centre", ge=0, le=1)
@@ -227,7 +230,7 @@ class HardwareConfig:
         "off",
         "set batch size, local crops, backbone, precision and checkpointing from the device's "
         "memory (auto) or a named row (dino-opt presets); keys set in the config win",
-        choices=("off", "auto", *PRESETS),
+        choices=PRESET_NAMES,
     )
     compile: bool = _opt(False, "torch.compile the model")
     seed: int = _opt(0, "seed of every random choice", ge=0, le=2**32 - 1)
@@ -336,7 +339,13 @@ _SECTIONS: dict[str, type] = {
 
 @dataclass
 class Config:
-    """The whole configuration: one dataclass per section."""
+    """The whole configuration: one dataclass per section.
+
+    ``given_keys`` holds the ``section.key`` names that the source of this
+    config set explicitly (a YAML file, a mapping, overrides, or values that
+    differ from the defaults); a hardware preset sets only the others. It is
+    not part of the config's value (equality, YAML, ``to_dict``).
+    """
 
     data: DataConfig = field(default_factory=DataConfig)
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
@@ -348,6 +357,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    given_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict of builtins (tuples as lists), safe for YAML and JSON."""
@@ -614,42 +624,10 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
         sections[sname] = kwargs
     if errors:
         raise ConfigError(errors)
-    _fill_from_preset(sections)
-    cfg = Config(**{s: _SECTIONS[s](**sections.get(s, {})) for s in _SECTIONS})
+    given = frozenset(f"{sname}.{key}" for sname, keys in sections.items() for key in keys)
+    cfg = Config(**{s: _SECTIONS[s](**sections.get(s, {})) for s in _SECTIONS}, given_keys=given)
     _check_relations(cfg)
     return cfg
-
-
-def _fill_from_preset(sections: dict[str, dict[str, Any]]) -> None:
-    """Sets the keys of ``hardware.preset`` (dino_opt.presets) that the
-    config does not set itself."""
-    hardware = sections.setdefault("hardware", {})
-    name = hardware.get("preset", "off")
-    if name == "off":
-        return
-
-    def given(sname: str, key: str) -> Any:
-        return sections.get(sname, {}).get(key, _SPECS[sname][key].default)
-
-    try:
-        choice = resolve_preset(
-            name,
-            device=given("hardware", "device"),
-            global_crop_size=given("augmentation", "global_crop_size"),
-            local_crop_size=given("augmentation", "local_crop_size"),
-            patch_size=given("model", "patch_size"),
-            fixed={
-                dotted: sections[sname][key]
-                for dotted in PRESET_KEYS
-                for sname, key in [dotted.split(".")]
-                if key in sections.get(sname, {})
-            },
-        )
-    except ValueError as e:
-        raise ConfigError(f"hardware.preset={name}: {e}") from None
-    for dotted, value in choice.values.items():
-        sname, key = dotted.split(".")
-        sections.setdefault(sname, {}).setdefault(key, value)
 
 
 def validate(cfg: Config) -> Config:
@@ -784,24 +762,29 @@ def _merge_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict
     return d
 
 
+def _given_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The values of ``cfg`` that count as set by it: its given keys and every
+    key that differs from its default (a config changed in code)."""
+    d = cfg.to_dict()
+    return {
+        sname: {
+            key: value
+            for key, value in values.items()
+            if f"{sname}.{key}" in cfg.given_keys or value != _plain(_SPECS[sname][key].default)
+        }
+        for sname, values in d.items()
+    }
+
+
 def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """A new Config: ``cfg`` with ``section.key=value`` overrides applied and checked.
 
     Values are read as YAML (``32``, ``0.5``, ``true``, ``[0.3, 1.0]``,
-    ``null``); a string field takes the text as written. An override that
-    sets ``hardware.preset`` lets the preset set its keys where ``cfg`` holds
-    their defaults.
+    ``null``); a string field takes the text as written. The overrides join
+    the keys the config sets itself (:attr:`Config.given_keys`).
     """
-    d = cfg.to_dict()
-    given = _merge_overrides({}, overrides)  # the overrides alone, parsed and checked
-    if "preset" in given.get("hardware", {}):
-        # Turning a preset on: the keys it sets that still hold their defaults
-        # are the preset's to set (the overrides themselves still win).
-        for dotted in PRESET_KEYS:
-            sname, key = dotted.split(".")
-            if d[sname][key] == _SPECS[sname][key].default:
-                del d[sname][key]
-    for sname, values in given.items():
+    d = _given_dict(cfg)
+    for sname, values in _merge_overrides({}, overrides).items():  # parsed and checked alone
         d[sname].update(values)
     return _from_dict(d)
 
@@ -929,35 +912,14 @@ def config_to_yaml(cfg: Config, comments: bool = True) -> str:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> Path:
     """Writes ``cfg`` as YAML to ``path`` atomically (a temporary file in the
-    same folder, fsync, rename), so a crash never leaves a half-written
-    config. Creates the parent folders. Returns the path."""
+    same folder, fsync, rename; :func:`~dino_opt.checkpoint.atomic_write`), so
+    a crash never leaves a half-written config. Creates the parent folders.
+    Returns the path."""
     path = Path(path)
-    text = config_to_yaml(cfg)
+    text = config_to_yaml(cfg).encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    # The rename is durable once the folder's entry is on disk (POSIX only).
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return path
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, lambda f: f.write(text))
+    fsync_dir(path.parent)
     return path
 
 

@@ -8,208 +8,42 @@ Two ways to start ``N`` processes, one per GPU (or N CPU processes)::
 and, on several nodes, torchrun's rendezvous (``--nnodes``, ``--node_rank``,
 ``--rdzv_endpoint``) or SLURM (``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/
 ``SLURM_LOCALID``; ``MASTER_ADDR``/``MASTER_PORT`` must point at the first node).
-The training job (:class:`~dino_opt.checkpoint.CheckpointedDINOTrainer`) then
+The training job (:class:`~dino_opt.job.CheckpointedDINOTrainer`) then
 wraps the student in DistributedDataParallel (the teacher is an EMA of it and
 needs no gradients), shards the loader by rank, all-reduces the loss center
 asynchronously (:class:`~dino_opt.loss.DINOLoss`) and the logged metrics in one
 bucketed call, and lets rank 0 write checkpoints between barriers; every rank
 resumes from the same checkpoint.
 
-Also the lesson's API: :class:`DistributedDINOTrainer` (process group, DDP
+The process-group helpers themselves (:func:`~dino_opt.runtime.init_distributed`,
+:func:`~dino_opt.runtime.all_reduce_metrics`, ...) live in :mod:`dino_opt.runtime`.
+Here: the lesson's API, :class:`DistributedDINOTrainer` (process group, DDP
 model, sharded loader, metric reduction, rank-0 checkpoint) and
 :func:`launch_distributed_training`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
 import signal
 import socket
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-__all__ = [
-    "DistInfo",
-    "DistributedDINOTrainer",
-    "all_reduce_metrics",
-    "barrier",
-    "init_distributed",
-    "is_distributed",
-    "launch_distributed_training",
-    "rank",
-    "world_size",
-]
+from .checkpoint import atomic_write, fsync_dir
+from .config import Config, apply_overrides, load_config
+from .data import MultiCropLoader
+from .hardware import resolve_hardware
+from .job import CheckpointedDINOTrainer
+from .runtime import all_reduce_metrics, barrier, init_distributed, wrap_student
 
-
-@dataclass(frozen=True)
-class DistInfo:
-    """This process's place: ``rank`` of ``world_size``, ``local_rank`` on its
-    node, and its ``device``; ``initialized`` when a process group is up."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    initialized: bool
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def barrier() -> None:
-    if is_distributed():
-        dist.barrier()
-
-
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(
-                    f"environment variable {name}={value!r} is not an integer"
-                ) from None
-    return None
-
-
-def launched_world() -> tuple[int, int, int] | None:
-    """``(rank, world_size, local_rank)`` from torchrun's variables (RANK,
-    WORLD_SIZE, LOCAL_RANK) or SLURM's (SLURM_PROCID, SLURM_NTASKS,
-    SLURM_LOCALID); None when the process was not started as one of several."""
-    world = _env_int("WORLD_SIZE")
-    if world is not None:
-        r = _env_int("RANK")
-        if r is None:
-            raise ValueError("WORLD_SIZE is set but RANK is not (start the job with torchrun)")
-        return r, world, _env_int("LOCAL_RANK") or 0
-    world = _env_int("SLURM_NTASKS")
-    if world is not None and world > 1:
-        return _env_int("SLURM_PROCID") or 0, world, _env_int("SLURM_LOCALID") or 0
-    return None
-
-
-def init_distributed(
-    device: str = "auto", backend: str | None = None, timeout_s: float | None = None
-) -> DistInfo:
-    """Joins the process group the launcher describes (torchrun or SLURM
-    variables; see :func:`launched_world`), once; a single process stays
-    alone. ``device`` 'auto' is ``cuda:LOCAL_RANK`` when CUDA is available,
-    else the CPU; ``backend`` defaults to NCCL on CUDA and gloo on the CPU."""
-    from datetime import timedelta
-
-    placed = launched_world()
-    if placed is None or placed[1] == 1:
-        from .trainer import resolve_device
-
-        return DistInfo(0, 1, 0, resolve_device(device), dist.is_initialized())
-    r, world, local = placed
-    if device == "auto":
-        use_cuda = torch.cuda.is_available()
-    else:
-        use_cuda = torch.device(device).type == "cuda"
-    if use_cuda:
-        if local >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"local rank {local} has no GPU: this node has {torch.cuda.device_count()}; "
-                "start at most that many processes per node"
-            )
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-    else:
-        dev = torch.device("cpu")
-    if not dist.is_initialized():
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if not os.environ.get(name):
-                raise ValueError(
-                    f"{name} is not set: torchrun sets it; under SLURM export MASTER_ADDR (the "
-                    "first node's host name) and MASTER_PORT before srun"
-                )
-        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        dist.init_process_group(
-            backend or ("nccl" if use_cuda else "gloo"),
-            rank=r,
-            world_size=world,
-            **({"device_id": dev} if use_cuda else {}),
-            **kwargs,
-        )
-    return DistInfo(r, world, local, dev, True)
-
-
-def all_reduce_metrics(metrics: dict[str, float | torch.Tensor], device=None) -> dict[str, float]:
-    """The mean over ranks of each metric, in one all-reduce of one tensor
-    (the lesson reduces each metric on its own: one collective and one host
-    sync per key). Non-numeric values are left out. Alone: the values as floats."""
-    keys = [k for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))]
-    if not keys:
-        return {}
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            is_distributed() and dist.get_backend() == "nccl"
-        ) else torch.device("cpu")  # fmt: skip
-    values = torch.stack(
-        [torch.as_tensor(metrics[k], dtype=torch.float64).to(device).reshape(()) for k in keys]
-    )
-    if is_distributed():
-        dist.all_reduce(values)
-        values /= dist.get_world_size()
-    return dict(zip(keys, values.tolist(), strict=True))
-
-
-def gather_objects(obj) -> list:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
-    if not is_distributed():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
-    """The student in DistributedDataParallel when distributed (BatchNorm
-    layers synchronised across ranks), else unchanged."""
-    if not is_distributed():
-        return student
-    from torch.nn.parallel import DistributedDataParallel
-
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in student.modules()):
-        student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
-    ids = [device.index] if device.type == "cuda" else None
-    # No buffer broadcast before each forward (DINO's buffers are synchronised
-    # BatchNorm statistics or constants); torch 2.13 renamed the switch.
-    params = inspect.signature(DistributedDataParallel).parameters
-    no_sync_buffers = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in params
-        else {"broadcast_buffers": False}
-    )
-    return DistributedDataParallel(student, device_ids=ids, **no_sync_buffers)
-
-
-def no_sync(module: nn.Module, skip: bool):
-    """``module.no_sync()`` when ``skip`` and the module is DDP: the backward
-    passes of a step but its last accumulate gradients without all-reducing."""
-    if skip and hasattr(module, "no_sync"):
-        return module.no_sync()
-    return contextlib.nullcontext()
+__all__ = ["DistributedDINOTrainer", "launch_distributed_training"]
 
 
 class DistributedDINOTrainer:
@@ -275,8 +109,6 @@ class DistributedDINOTrainer:
         raise ValueError("config needs data.batch_size (per GPU) or training.batch_size (global)")
 
     def setup_distributed_dataloader(self, source, **loader_kwargs):
-        from .data import MultiCropLoader
-
         data = self.config.get("data") or {}
         training = self.config.get("training") or {}
         loader_kwargs.setdefault(
@@ -291,12 +123,10 @@ class DistributedDINOTrainer:
 
     def save_checkpoint(self, checkpoint_data: dict, filepath: str | os.PathLike) -> None:
         if self.rank == 0:
-            from .checkpoint import _atomic_write, _fsync_dir
-
             path = Path(filepath)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, lambda f: torch.save(checkpoint_data, f))
-            _fsync_dir(path.parent)
+            atomic_write(path, lambda f: torch.save(checkpoint_data, f))
+            fsync_dir(path.parent)
         barrier()
 
     def cleanup(self) -> None:
@@ -310,13 +140,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_entry(config, overrides, output_dir) -> dict:
-    from .checkpoint import CheckpointedDINOTrainer
-
+def _train_entry(config: Config, output_dir) -> dict:
     quiet = os.environ.get("RANK", "0") != "0"  # one progress bar, rank 0's
-    return CheckpointedDINOTrainer(
-        config, overrides=overrides, output_dir=output_dir, quiet=quiet
-    ).train()
+    return CheckpointedDINOTrainer(config, output_dir=output_dir, quiet=quiet).train()
 
 
 # The signals torchrun's launcher takes over in the process that calls it.
@@ -328,7 +154,7 @@ _LAUNCHER_SIGNALS = tuple(
 
 
 def launch_distributed_training(
-    config_path: str | os.PathLike | dict | None,
+    config_path: str | os.PathLike | dict | Config | None,
     num_gpus: int,
     master_addr: str = "localhost",
     master_port: str | int | None = None,
@@ -339,14 +165,20 @@ def launch_distributed_training(
     """Trains with ``num_gpus`` processes on this node through torchrun's
     launcher (``torch.distributed.launcher``: failures of one rank stop the
     others and are raised here). Without CUDA the processes run on the CPU
-    with gloo. Returns rank 0's report. ``master_port`` None: a free port."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    with gloo. Returns rank 0's report. ``master_port`` None: a free port.
 
+    ``config_path``: a YAML path, a dict of sections, a
+    :class:`~dino_opt.config.Config` or None (the defaults). It is read and
+    its hardware preset resolved here, once; the processes receive the
+    resolved config."""
     if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1:
         raise ValueError(f"num_gpus must be an int >= 1, got {num_gpus!r}")
-    from .config import load_config
-
-    device = load_config(config_path, overrides).hardware.device  # checks the config, too
+    if isinstance(config_path, Config):
+        cfg = apply_overrides(config_path, overrides)
+    else:
+        cfg = load_config(config_path, overrides)
+    cfg, _ = resolve_hardware(cfg)
+    device = cfg.hardware.device
     on_gpu = device != "cpu" and torch.cuda.is_available()
     if on_gpu and num_gpus > torch.cuda.device_count():
         raise ValueError(
@@ -365,14 +197,13 @@ def launch_distributed_training(
         max_restarts=0,
         monitor_interval=0.5,
     )
-    cfg = str(config_path) if isinstance(config_path, (str, os.PathLike)) else config_path
     # The launcher installs its own handlers for these signals in this process
     # and leaves them there (a notebook's kernel then cannot be interrupted).
     kept = {}
     if threading.current_thread() is threading.main_thread():
         kept = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
     try:
-        results = elastic_launch(launch, _train_entry)(cfg, list(overrides), output_dir)
+        results = elastic_launch(launch, _train_entry)(cfg, output_dir)
     finally:
         for sig, handler in kept.items():
             signal.signal(sig, handler)

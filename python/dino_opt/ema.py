@@ -12,42 +12,11 @@ import torch
 from torch import nn
 
 from .ops import ema_update_
+from .schedules import cosine_scheduler
 
-__all__ = ["EMATeacher", "cosine_scheduler", "update_teacher"]
+__all__ = ["EMATeacher", "update_teacher"]
 
 MomentumSchedule = float | Sequence[float] | np.ndarray | Callable[[int], float]
-
-
-def cosine_scheduler(
-    base_value: float,
-    final_value: float,
-    epochs: int,
-    niter_per_ep: int,
-    warmup_epochs: int = 0,
-    start_warmup_value: float = 0.0,
-) -> np.ndarray:
-    """Per-iteration schedule of the original DINO code (``utils.cosine_scheduler``).
-
-    A linear warm-up from ``start_warmup_value`` to ``base_value`` over
-    ``warmup_epochs * niter_per_ep`` iterations, then a half cosine from
-    ``base_value`` towards ``final_value`` over the remaining iterations:
-    ``final + (base - final) * (1 + cos(pi * i / n)) / 2`` for i in 0..n-1.
-    Returns a float64 array of ``epochs * niter_per_ep`` values.
-    """
-    for name, value in (("epochs", epochs), ("niter_per_ep", niter_per_ep)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"cosine_scheduler: {name} must be a positive integer, got {value!r}")
-    if not isinstance(warmup_epochs, (int, np.integer)) or not 0 <= warmup_epochs <= epochs:
-        raise ValueError(
-            f"cosine_scheduler: warmup_epochs must be an integer in [0, epochs={epochs}], "
-            f"got {warmup_epochs!r}"
-        )
-    warmup_iters = warmup_epochs * niter_per_ep
-    warmup = np.linspace(start_warmup_value, base_value, warmup_iters)
-    n = epochs * niter_per_ep - warmup_iters
-    i = np.arange(n)
-    cosine = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * i / max(n, 1)))
-    return np.concatenate((warmup, cosine))
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -96,7 +65,8 @@ class EMATeacher:
             to not require grad, and with ``init_from_student`` its weights are
             set to the student's (as DINO does at the start of training).
         momentum_schedule: the teacher momentum per step: a constant, a
-            per-step sequence (e.g. from :func:`cosine_scheduler`) or a callable
+            per-step sequence (e.g. from
+            :func:`~dino_opt.schedules.cosine_scheduler`) or a callable
             ``step -> momentum``. When omitted, ``total_steps`` must be given and
             the schedule is DINO's cosine from ``base_momentum`` to
             ``final_momentum`` over ``total_steps``.

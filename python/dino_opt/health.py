@@ -59,6 +59,7 @@ __all__ = [
     "NonFiniteError",
     "TrainingHealthMonitor",
     "step_is_finite",
+    "teacher_entropy_per_row",
 ]
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,15 @@ def _temperature(x: Any, name: str, device: torch.device) -> torch.Tensor | floa
     if isinstance(x, bool) or not isinstance(x, numbers.Real) or not x > 0:
         raise ValueError(f"{name} must be a number > 0 (or a tensor), got {x!r}")
     return float(x)
+
+
+def teacher_entropy_per_row(
+    teacher_logits: torch.Tensor, center: torch.Tensor, temp: float
+) -> torch.Tensor:
+    """Entropy (nats) of each row's centred, sharpened teacher distribution
+    ``softmax((T - c) / temp)``, on the CPU (for a histogram per image)."""
+    p = torch.softmax((teacher_logits.float() - center) / temp, dim=-1)
+    return torch.special.entr(p).sum(-1).cpu()
 
 
 class TrainingHealthMonitor:

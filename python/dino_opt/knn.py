@@ -32,6 +32,7 @@ __all__ = [
     "extract_features",
     "knn_classify",
     "knn_evaluate",
+    "knn_evaluate_splits",
     "tsne",
     "tsne_plot",
 ]
@@ -278,6 +279,60 @@ def knn_classify(
     return {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n}
 
 
+def knn_evaluate_splits(
+    backbone: torch.nn.Module,
+    train_root: str | os.PathLike,
+    eval_roots: dict[str, str | os.PathLike],
+    image_size: int,
+    device: str | torch.device = "cpu",
+    k: int = 20,
+    temperature: float = 0.07,
+    batch_size: int = 128,
+    num_workers: int = 0,
+    amp: bool | torch.dtype = False,
+    return_features: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """k-NN of several held-out ImageFolder trees (``{"val": ..., "test":
+    ...}``) on the features of one training tree, which are extracted once.
+    Per split: ``top1``, ``top5`` (percent), ``k``, ``temperature``,
+    ``n_train``, ``n_eval``, ``classes``; with ``return_features`` also
+    ``train_features``/``train_labels`` and ``eval_features``/``eval_labels``
+    (normalised, on the CPU), for plots."""
+    train_set = EvalImageFolder(train_root, image_size)
+    eval_sets = {name: EvalImageFolder(root, image_size) for name, root in eval_roots.items()}
+    for name, eval_set in eval_sets.items():
+        if train_set.classes != eval_set.classes:
+            raise ValueError(
+                f"the class folders of {str(train_root)!r} and {str(eval_roots[name])!r} "
+                f"differ: {train_set.classes} vs {eval_set.classes}"
+            )
+    device = torch.device(device)
+    common = dict(device=device, batch_size=batch_size, amp=amp, num_workers=num_workers)
+    train_f, train_y = extract_features(backbone, train_set, **common)
+    results = {}
+    for name, eval_set in eval_sets.items():
+        eval_f, eval_y = extract_features(backbone, eval_set, **common)
+        scores = knn_classify(
+            train_f.to(device), train_y, eval_f, eval_y, k=k, temperature=temperature,
+            num_classes=len(train_set.classes),
+        )  # fmt: skip
+        result: dict[str, Any] = {
+            **scores,
+            "k": k,
+            "temperature": temperature,
+            "n_train": len(train_set),
+            "n_eval": len(eval_set),
+            "classes": list(train_set.classes),
+        }
+        if return_features:
+            result.update(
+                train_features=train_f, train_labels=train_y, eval_features=eval_f,
+                eval_labels=eval_y,
+            )  # fmt: skip
+        results[name] = result
+    return results
+
+
 def knn_evaluate(
     backbone: torch.nn.Module,
     train_root: str | os.PathLike,
@@ -296,38 +351,14 @@ def knn_evaluate(
     ``temperature``, ``n_train``, ``n_val``, ``classes``; with
     ``return_features`` also ``train_features``/``train_labels`` and
     ``val_features``/``val_labels`` (normalised, on the CPU), for plots."""
-    train_set = EvalImageFolder(train_root, image_size)
-    val_set = EvalImageFolder(val_root, image_size)
-    if train_set.classes != val_set.classes:
-        raise ValueError(
-            f"the class folders of {str(train_root)!r} and {str(val_root)!r} differ: "
-            f"{train_set.classes} vs {val_set.classes}"
-        )
-    device = torch.device(device)
-    common = dict(device=device, batch_size=batch_size, amp=amp, num_workers=num_workers)
-    train_f, train_y = extract_features(backbone, train_set, **common)
-    val_f, val_y = extract_features(backbone, val_set, **common)
-    scores = knn_classify(
-        train_f.to(device),
-        train_y,
-        val_f,
-        val_y,
-        k=k,
-        temperature=temperature,
-        num_classes=len(train_set.classes),
-    )
-    result: dict[str, Any] = {
-        **scores,
-        "k": k,
-        "temperature": temperature,
-        "n_train": len(train_set),
-        "n_val": len(val_set),
-        "classes": list(train_set.classes),
-    }
+    result = knn_evaluate_splits(
+        backbone, train_root, {"val": val_root}, image_size, device, k, temperature,
+        batch_size, num_workers, amp, return_features,
+    )["val"]  # fmt: skip
+    result["n_val"] = result.pop("n_eval")
     if return_features:
-        result.update(
-            train_features=train_f, train_labels=train_y, val_features=val_f, val_labels=val_y
-        )
+        result["val_features"] = result.pop("eval_features")
+        result["val_labels"] = result.pop("eval_labels")
     return result
 
 

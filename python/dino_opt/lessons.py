@@ -5,10 +5,11 @@ the lessons use, with the lessons' signatures, each implemented where it
 belongs in dino_opt (the module is named beside it)."""
 
 from .analysis import DINOTrainingAnalyzer  # checkpoint and performance reports
-from .checkpoint import CheckpointedDINOTrainer, CheckpointManager  # fault-tolerant training
+from .checkpoint import CheckpointManager  # atomic, verified checkpoint files
 from .data import DataLoadingOptimizer  # multi-crop DataLoader set-up
 from .distributed import DistributedDINOTrainer, launch_distributed_training  # DDP
 from .health import TrainingHealthMonitor  # collapse, gradient, throughput checks
+from .job import CheckpointedDINOTrainer  # the fault-tolerant training job
 from .memory import MemoryTracker, VRAMProfiler  # memory statistics
 from .optimize import ModelOptimizer  # compile, channels_last, SDPA attention
 from .profiler import (  # timing of training phases

@@ -3,12 +3,12 @@ over the fused operator ``torch.ops.dino_opt.dino_loss``."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .ops import dino_loss
+from .schedules import teacher_temp_schedule
 
 __all__ = ["DINOLoss", "NonFiniteLossError", "dino_loss"]
 
@@ -33,7 +33,10 @@ class DINOLoss(nn.Module):
 
     The teacher temperature follows DINO's schedule (linear warm-up from
     ``warmup_teacher_temp`` over ``warmup_teacher_temp_epochs``, then
-    ``teacher_temp``). ``center`` is a registered buffer [1, out_dim] (in the
+    ``teacher_temp``; :func:`~dino_opt.schedules.teacher_temp_schedule`, kept
+    as ``teacher_temp_schedule``, read with :meth:`teacher_temp`), or is given
+    per call (``teacher_temp=``, as lightly's loss takes it; ``epoch`` may
+    then be None). ``center`` is a registered buffer [1, out_dim] (in the
     state dict, so in checkpoints) updated after each step with
     ``c <- m * c + (1 - m) * mean of the teacher rows over all ranks``. Under
     torch.distributed the all-reduce of the batch center is asynchronous and
@@ -42,6 +45,12 @@ class DINOLoss(nn.Module):
 
     ``check_finite=True`` raises :class:`NonFiniteLossError` naming the inputs
     that hold NaN or inf when the loss is not finite (one host sync per step).
+
+    Crop batching: ``views=range(a, b)`` says that ``student_output`` holds
+    only the student views ``a .. b - 1`` of the ``ncrops``; the result is
+    their share of the step's loss (the parts of a step add up to it, and so
+    do their gradients). Pass ``update_center=False`` for every part but one,
+    so that the step updates the center once.
     """
 
     def __init__(
@@ -75,24 +84,42 @@ class DINOLoss(nn.Module):
         self.center_momentum = center_momentum
         self.check_finite = check_finite
         self.register_buffer("center", torch.zeros(1, out_dim))
-        self.teacher_temp_schedule = np.concatenate(
-            (
-                np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
-                np.ones(nepochs - warmup_teacher_temp_epochs) * teacher_temp,
-            )
+        self.teacher_temp_schedule = teacher_temp_schedule(
+            warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs, nepochs
         )
         # Plain floats: torch.compile treats them as constants (a numpy scalar would
         # become a symbolic float that the operator's `float` argument cannot take).
         self._teacher_temps = [float(t) for t in self.teacher_temp_schedule]
         self._pending_center = None  # (batch sum, row count, all-reduce handle or None)
 
-    def forward(
-        self, student_output: torch.Tensor, teacher_output: torch.Tensor, epoch: int
-    ) -> torch.Tensor:
+    def teacher_temp(self, epoch: int) -> float:
+        """The teacher temperature of ``epoch`` on the schedule."""
         if not 0 <= epoch < len(self._teacher_temps):
             raise IndexError(
                 f"DINOLoss: epoch {epoch} is outside the teacher temperature schedule of "
                 f"{len(self._teacher_temps)} epochs (nepochs)"
+            )
+        return self._teacher_temps[epoch]
+
+    def forward(
+        self,
+        student_output: torch.Tensor,
+        teacher_output: torch.Tensor,
+        epoch: int | None = None,
+        *,
+        teacher_temp: float | None = None,
+        views: range | None = None,
+        update_center: bool = True,
+    ) -> torch.Tensor:
+        if teacher_temp is None:
+            if epoch is None:
+                raise ValueError("DINOLoss: give the epoch (for the schedule) or teacher_temp")
+            teacher_temp = self.teacher_temp(epoch)
+        views = range(self.ncrops) if views is None else views
+        if views.step != 1 or not 0 <= views.start < views.stop <= self.ncrops:
+            raise ValueError(
+                f"DINOLoss: views must be a range of consecutive student views within "
+                f"range({self.ncrops}), got {views}"
             )
         self.apply_center_update()
         teacher_output = teacher_output.detach()
@@ -102,8 +129,10 @@ class DINOLoss(nn.Module):
             teacher_output.to(dtype),
             self.center,
             self.student_temp,
-            self._teacher_temps[epoch],
-            self.ncrops,
+            teacher_temp,
+            len(views),
+            view_offset=views.start,
+            total_views=self.ncrops,
         )
         if self.check_finite and not torch.isfinite(loss):
             raise NonFiniteLossError(
@@ -112,7 +141,8 @@ class DINOLoss(nn.Module):
                 f"{int((~torch.isfinite(teacher_output)).sum())}, center: "
                 f"{int((~torch.isfinite(self.center)).sum())}"
             )
-        self.update_center(teacher_output)
+        if update_center:
+            self.update_center(teacher_output)
         return loss
 
     @torch.no_grad()

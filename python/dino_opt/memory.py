@@ -16,7 +16,7 @@ import torch
 
 from . import _C
 
-__all__ = ["MemoryTracker", "VRAMProfiler", "memory_snapshot", "nvml_status"]
+__all__ = ["MemoryTracker", "VRAMProfiler", "device_index", "memory_snapshot", "nvml_status"]
 
 GB = 1024**3  # the lesson's "GB" are GiB
 
@@ -26,7 +26,7 @@ def nvml_status() -> str:
     return _C.nvml_status()
 
 
-def _device_index(device) -> int:
+def device_index(device) -> int:
     """CUDA device index for the native tracker and profiler, or -1 for the host only."""
     if device is None:
         return torch.cuda.current_device() if torch.cuda.is_available() else -1
@@ -57,7 +57,7 @@ class MemoryTracker:
     """
 
     def __init__(self, device=None, sample_period: float = 0.1, sampling: bool = False) -> None:
-        self._native = _C.MemoryTracker(_device_index(device), float(sample_period))
+        self._native = _C.MemoryTracker(device_index(device), float(sample_period))
         if sampling:
             self.start_sampling()
 

@@ -31,7 +31,9 @@ def _loss_acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.register_fake("dino_opt::dino_loss")
-def _dino_loss_fake(student, teacher, center, student_temp, teacher_temp, ncrops):
+def _dino_loss_fake(
+    student, teacher, center, student_temp, teacher_temp, ncrops, view_offset=0, total_views=-1
+):
     acc = _loss_acc_dtype(student.dtype)
     return (
         student.new_empty((), dtype=acc),
@@ -46,10 +48,10 @@ def _dino_loss_backward_fake(grad, student, *args):
 
 
 def _dino_loss_setup_context(ctx, inputs, output):
-    student, teacher, center, student_temp, teacher_temp, ncrops = inputs
+    student, teacher, center, *scalars = inputs  # temperatures and view arguments
     _, student_lse, teacher_lse = output
     ctx.save_for_backward(student, teacher, center, student_lse, teacher_lse)
-    ctx.scalars = (student_temp, teacher_temp, ncrops)
+    ctx.scalars = tuple(scalars)
     ctx.mark_non_differentiable(student_lse, teacher_lse)
 
 
@@ -60,7 +62,7 @@ def _dino_loss_backward(ctx, grad_loss, _grad_student_lse, _grad_teacher_lse):
         grad_student = torch.ops.dino_opt.dino_loss_backward(
             grad_loss, *ctx.saved_tensors, *ctx.scalars
         )
-    return grad_student, None, None, None, None, None
+    return grad_student, *[None] * (2 + len(ctx.scalars))
 
 
 torch.library.register_autograd(
@@ -75,6 +77,9 @@ def dino_loss(
     student_temp: float,
     teacher_temp: float,
     ncrops: int,
+    *,
+    view_offset: int = 0,
+    total_views: int | None = None,
 ) -> torch.Tensor:
     """The DINO loss of one step, fused: cross-entropy between
     ``softmax((teacher - center) / teacher_temp)`` of every teacher view and
@@ -87,9 +92,23 @@ def dino_loss(
     or float16 (student and teacher alike); arithmetic in float32 (float64 for
     float64). Differentiable in ``student`` only (the teacher is detached).
     Returns a 0-dim float32 (float64) tensor.
+
+    Part of a step: with ``total_views``, ``student`` holds the ``ncrops``
+    views ``view_offset .. view_offset + ncrops - 1`` of the step's
+    ``total_views`` student views, and the result is their share of the
+    step's loss (same pairs, same normalisation by ``T * (total_views - 1)``),
+    so the parts of a step add up to its loss and their gradients are the
+    step's. Crop batching runs the student one group of views at a time on it.
     """
     loss, _, _ = torch.ops.dino_opt.dino_loss(
-        student, teacher.detach(), center, float(student_temp), float(teacher_temp), int(ncrops)
+        student,
+        teacher.detach(),
+        center,
+        float(student_temp),
+        float(teacher_temp),
+        int(ncrops),
+        int(view_offset),
+        -1 if total_views is None else int(total_views),
     )
     return loss
 

@@ -15,14 +15,14 @@ import functools
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import _C
-from .memory import _device_index
+from .memory import device_index
 
 __all__ = [
     "DINOProfiler",
@@ -30,6 +30,7 @@ __all__ = [
     "PerformanceProfiler",
     "Profiler",
     "TrainingProfiler",
+    "profile_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class Profiler:
     """
 
     def __init__(self, device=None) -> None:
-        self._native = _C.Profiler(_device_index(device))
+        self._native = _C.Profiler(device_index(device))
 
     @property
     def device(self) -> torch.device:
@@ -111,6 +112,67 @@ class Profiler:
 def _seconds(r: dict) -> float:
     """A range's time: GPU time when it was timed on a GPU, else host time."""
     return (r["device_ms"] if r["device_ms"] is not None else r["host_ms"]) / 1e3
+
+
+def profile_summary(profiler: Profiler, phases: Sequence[str]) -> dict:
+    """Per-phase statistics of the finished steps of ``profiler`` (a
+    :class:`Profiler` whose ranges are named after ``phases``), in seconds.
+
+    A phase's time in a step is the sum of its ranges that began in that step
+    (at an epoch's end the loader's exhausted fetch joins the next step's data
+    wait). On a GPU it is the GPU time between the range's two CUDA events
+    (device clock: how long the GPU spent in that phase, ~0 for a data wait
+    the GPU did not notice because it was still busy), elsewhere the host
+    time; ``host_seconds`` is always the host time. ``share_of_step`` is the
+    phase's total over the steps' total wall time; ``other`` is what the
+    phases' host times leave of the step (logging, the schedules, the
+    progress bar). Reading the ranges waits for the GPU (once, here)."""
+    steps = profiler.steps()
+    ranges = profiler.ranges()
+    n = len(steps)
+    gpu = profiler.device.type == "cuda"
+    step_s = np.array([s["host_ms"] for s in steps], dtype=np.float64) / 1e3
+    total = float(step_s.sum())
+    per_step = {p: np.zeros(n) for p in phases}
+    per_step_host = {p: np.zeros(n) for p in phases}
+    for r in ranges:
+        name, i = r["name"], r["step"]
+        if name not in per_step or i >= n:  # the fetch that found the loader exhausted
+            continue
+        ms = r["device_ms"] if r["device_ms"] is not None else r["host_ms"]
+        per_step[name][i] += ms / 1e3
+        per_step_host[name][i] += r["host_ms"] / 1e3
+
+    def stats(x: np.ndarray) -> dict:
+        if not len(x):
+            return {"mean": None, "median": None, "p90": None, "total": 0.0}
+        return {
+            "mean": float(x.mean()),
+            "median": float(np.median(x)),
+            "p90": float(np.percentile(x, 90)),
+            "total": float(x.sum()),
+        }
+
+    out_phases = {}
+    for p in phases:
+        entry = stats(per_step[p])
+        entry["share_of_step"] = entry["total"] / total if total > 0 else None
+        if gpu:
+            entry["host_seconds"] = stats(per_step_host[p])
+        out_phases[p] = entry
+    phase_host = sum(float(per_step_host[p].sum()) for p in phases)
+    summary = {
+        "clock": "device (CUDA events)" if gpu else "host",
+        "steps": n,
+        "step_seconds": stats(step_s),
+        "images_per_second": profiler.throughput(),
+        "phases": out_phases,
+        "other_share_of_step": max(0.0, 1.0 - phase_host / total) if total > 0 else None,
+    }
+    idle = [s["device_idle_ms"] for s in steps if s["device_idle_ms"] is not None]
+    if idle:  # the GPU's idle gap before each step's first work
+        summary["gpu_idle_before_step_seconds"] = stats(np.asarray(idle) / 1e3)
+    return summary
 
 
 class DINOProfiler:

@@ -33,7 +33,12 @@ import torch
 from torch import nn
 
 from . import _C
+from .build import build_optimizer, trainer_options
+from .config import Config, effective_lr
+from .data import DataLoadingOptimizer, MultiCropLoader
+from .loss import DINOLoss
 from .memory import GB, MemoryTracker
+from .trainer import DINOModel, MemoryOptimizedDINOTrainer
 
 __all__ = ["OptimizedDataLoader", "ThroughputOptimizer", "dynamic_batch_size"]
 
@@ -114,8 +119,6 @@ def _first_batch(dataloader: Iterable) -> list[torch.Tensor]:
     """The crops of the loader's first batch, copied, leaving a
     :class:`~dino_opt.data.MultiCropLoader` where it was (its next batch is
     still the one it would have given)."""
-    from .data import MultiCropLoader
-
     state = dataloader.state_dict() if isinstance(dataloader, MultiCropLoader) else None
     it = iter(dataloader)
     try:
@@ -140,20 +143,13 @@ def _repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _trainer_config(config) -> dict:
     """The trainer's dict from a dict or a :class:`~dino_opt.config.Config`
-    (the keys ``run_training`` passes)."""
+    (:func:`~dino_opt.build.trainer_options`, the keys the training job passes)."""
     if config is None:
         return {}
     if isinstance(config, dict):
         return dict(config)
-    from .config import Config
-
     if isinstance(config, Config):
-        return {
-            "precision": config.hardware.precision,
-            "gradient_checkpointing": config.hardware.grad_checkpointing,
-            "crop_batch_size": config.hardware.crop_batch_size,
-            "gradient_clip": config.optim.clip_grad,
-        }
+        return trainer_options(config)
     raise TypeError(f"config must be a dict, a dino_opt Config or None, got {type(config)}")
 
 
@@ -175,9 +171,11 @@ class ThroughputOptimizer:
             alone); default a DINOLoss of the student's output size, teacher
             temperature 0.04.
         optimizer_factory: ``factory(student) -> optimizer``, called per trial
-            on the copy's student; default AdamW over
-            :func:`~dino_opt.trainer.param_groups` (lr 5e-4, weight decay
-            0.04; fused on CUDA), as ``dino-opt train`` uses.
+            on the copy's student; default the optimizer ``dino-opt train``
+            builds (:func:`~dino_opt.build.build_optimizer` of ``config``
+            when it is a Config, else of the default config: AdamW over
+            DINO's parameter groups, fused on CUDA) at the config's peak
+            learning rate and first weight decay.
         config: the trainer's config: a dict of
             :class:`~dino_opt.trainer.MemoryOptimizedDINOTrainer` keys
             (``precision``, ``use_amp``, ``gradient_checkpointing``,
@@ -201,8 +199,6 @@ class ThroughputOptimizer:
         optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
         config: dict | Any | None = None,
     ):
-        from .trainer import DINOModel
-
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(model, DINOModel):
@@ -218,6 +214,7 @@ class ThroughputOptimizer:
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory
         self.config = _trainer_config(config)
+        self._run_config = config if isinstance(config, Config) else None
         self.optimal_batch_size: int | None = None  # the lesson's result
         self.trials: list[dict] = []
         self._sample: list[torch.Tensor] | None = None
@@ -421,9 +418,6 @@ class ThroughputOptimizer:
 
     def _make_trainer(self):
         """A trainer over fresh copies of the model, loss and optimizer."""
-        from .loss import DINOLoss
-        from .trainer import MemoryOptimizedDINOTrainer, param_groups
-
         model = copy.deepcopy(self.model).to(self.device)
         model.teacher_step = 0
         if self.loss_fn is not None:
@@ -433,13 +427,12 @@ class ThroughputOptimizer:
             loss_fn = loss_fn.to(self.device)
         if self.optimizer_factory is not None:
             optimizer = self.optimizer_factory(model.student)
-        else:
-            optimizer = torch.optim.AdamW(
-                param_groups(model.student),
-                lr=5e-4,
-                weight_decay=0.04,
-                fused=self.device.type == "cuda",
-            )
+        else:  # the run's optimizer at its peak learning rate and first weight decay
+            cfg = self._run_config or Config()
+            optimizer = build_optimizer(
+                cfg, model.student, self.device, lr=effective_lr(cfg),
+                weight_decay=cfg.optim.weight_decay,
+            )  # fmt: skip
         config = {**self.config, "accumulation_steps": 1, "freeze_last_layer": 0}
         return MemoryOptimizedDINOTrainer(model, loss_fn, optimizer, config, self.device)
 
@@ -691,13 +684,11 @@ class OptimizedDataLoader:
         **loader_kwargs: Any,
     ):
         """The loader for ``dataset`` (see the class docstring)."""
-        from . import data
-
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if _is_image_source(dataset):
             s = cls.auto_settings(num_workers, pin_memory, prefetch_factor, native=True)
-            return data.MultiCropLoader(
+            return MultiCropLoader(
                 dataset,
                 batch_size,
                 num_threads=max(1, s["num_workers"]),
@@ -718,7 +709,7 @@ class OptimizedDataLoader:
                 "dataset makes its own crops"
             )
         s = cls.auto_settings(num_workers, pin_memory, prefetch_factor)
-        return data.DataLoadingOptimizer.create_optimized_dataloader(
+        return DataLoadingOptimizer.create_optimized_dataloader(
             dataset,
             batch_size,
             num_workers=s["num_workers"],

@@ -47,10 +47,11 @@ struct Inputs {
 };
 
 Inputs prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
-               const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
-               const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
+               const at::Tensor& center, double student_temp, double teacher_temp,
+               dino_loss_detail::Views views, const at::Tensor& student_lse = {},
+               const at::Tensor& teacher_lse = {}) {
   dino_loss_detail::Inputs in = dino_loss_detail::prepare(
-      op, student, teacher, center, student_temp, teacher_temp, ncrops, student_lse, teacher_lse);
+      op, student, teacher, center, student_temp, teacher_temp, views, student_lse, teacher_lse);
   return Inputs{std::move(in.student),
                 std::move(in.teacher),
                 std::move(in.center),
@@ -89,13 +90,12 @@ std::vector<double> to_doubles(const at::Tensor& t) {
   return std::vector<double>(d.const_data_ptr<double>(), d.const_data_ptr<double>() + d.numel());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& student_in,
-                                                             const at::Tensor& teacher_in,
-                                                             const at::Tensor& center_in,
-                                                             double student_temp,
-                                                             double teacher_temp, int64_t ncrops) {
-  const Inputs in =
-      prepare("dino_loss", student_in, teacher_in, center_in, student_temp, teacher_temp, ncrops);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(
+    const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& center_in,
+    double student_temp, double teacher_temp, int64_t ncrops, int64_t view_offset,
+    int64_t total_views) {
+  const Inputs in = prepare("dino_loss", student_in, teacher_in, center_in, student_temp,
+                            teacher_temp, {ncrops, view_offset, total_views});
   const Shape& s = in.shape;
   const int64_t student_rows = s.student_views * s.batch;
   const int64_t rows = student_rows + s.teacher_views * s.batch;
@@ -136,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& s
   for (int64_t item = 0; item < s.batch * in.n_chunks; ++item) {
     for (int64_t v = 0; v < s.student_views; ++v) {
       for (int64_t t = 0; t < s.teacher_views; ++t) {
-        if (t != v) total += dots[item * pairs + v * s.teacher_views + t];
+        if (s.paired(t, v)) total += dots[item * pairs + v * s.teacher_views + t];
       }
     }
   }
@@ -152,9 +152,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(const at::Tensor& s
 at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& student_in,
                                   const at::Tensor& teacher_in, const at::Tensor& center_in,
                                   const at::Tensor& student_lse, const at::Tensor& teacher_lse,
-                                  double student_temp, double teacher_temp, int64_t ncrops) {
-  const Inputs in = prepare("dino_loss_backward", student_in, teacher_in, center_in, student_temp,
-                            teacher_temp, ncrops, student_lse, teacher_lse);
+                                  double student_temp, double teacher_temp, int64_t ncrops,
+                                  int64_t view_offset, int64_t total_views) {
+  const Inputs in =
+      prepare("dino_loss_backward", student_in, teacher_in, center_in, student_temp, teacher_temp,
+              {ncrops, view_offset, total_views}, student_lse, teacher_lse);
   TORCH_CHECK(grad.numel() == 1, "dino_loss_backward: grad must be a scalar, got shape ",
               grad.sizes());
   const Shape& s = in.shape;
@@ -173,9 +175,9 @@ at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& stud
         grad_rows[v] = out + ((v * s.batch + b) * s.dim + sc.k0) * grad_student.element_size();
       }
       in.kernels->student_grad(sc.teacher, s.teacher_views, sc.student.data(), grad_rows.data(),
-                               s.student_views, in.center_at(sc.k0), sc.n, 1.0 / student_temp,
-                               1.0 / teacher_temp, sc.lse_t, sc.lse_s.data(), scale,
-                               scratch.data());
+                               s.student_views, s.view_offset, in.center_at(sc.k0), sc.n,
+                               1.0 / student_temp, 1.0 / teacher_temp, sc.lse_t, sc.lse_s.data(),
+                               scale, scratch.data());
     }
   });
   return grad_student;

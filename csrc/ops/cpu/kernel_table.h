@@ -28,11 +28,12 @@ struct DinoLossKernels {
                     int64_t n_student, const void* center, int64_t n, double inv_ts, double inv_tt,
                     const double* lse_t, const double* lse_s, double* out, void* scratch);
   // grad_v[k] = scale * inv_ts * (w_v * exp(student_v[k] * inv_ts - lse_s[v])
-  //                               - sum_{t != v} p_t[k]),  w_v = n_teacher - (v < n_teacher).
+  //                               - sum_{t != u} p_t[k]),  w_v = n_teacher - (u < n_teacher),
+  // where u = v + view_offset is student view v's place among all student views.
   void (*student_grad)(const void* const* teacher, int64_t n_teacher, const void* const* student,
-                       void* const* grad, int64_t n_student, const void* center, int64_t n,
-                       double inv_ts, double inv_tt, const double* lse_t, const double* lse_s,
-                       double scale, void* scratch);
+                       void* const* grad, int64_t n_student, int64_t view_offset,
+                       const void* center, int64_t n, double inv_ts, double inv_tt,
+                       const double* lse_t, const double* lse_s, double scale, void* scratch);
 };
 
 struct KernelTable {

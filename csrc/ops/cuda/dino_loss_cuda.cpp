@@ -21,10 +21,11 @@ struct Prepared {
 };
 
 Prepared prepare(const char* op, const at::Tensor& student, const at::Tensor& teacher,
-                 const at::Tensor& center, double student_temp, double teacher_temp, int64_t ncrops,
-                 const at::Tensor& student_lse = {}, const at::Tensor& teacher_lse = {}) {
+                 const at::Tensor& center, double student_temp, double teacher_temp,
+                 dino_loss_detail::Views views, const at::Tensor& student_lse = {},
+                 const at::Tensor& teacher_lse = {}) {
   Prepared p{dino_loss_detail::prepare(op, student, teacher, center, student_temp, teacher_temp,
-                                       ncrops, student_lse, teacher_lse),
+                                       views, student_lse, teacher_lse),
              {}};
   p.args = cuda::DinoLossArgs{float_index(student.scalar_type(), op, "student"),
                               p.in.student.const_data_ptr(),
@@ -36,15 +37,14 @@ Prepared prepare(const char* op, const at::Tensor& student, const at::Tensor& te
   return p;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cuda(const at::Tensor& student,
-                                                              const at::Tensor& teacher,
-                                                              const at::Tensor& center,
-                                                              double student_temp,
-                                                              double teacher_temp, int64_t ncrops) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cuda(
+    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& center,
+    double student_temp, double teacher_temp, int64_t ncrops, int64_t view_offset,
+    int64_t total_views) {
   // Checks first: with one argument on the CPU, the error names it (a guard
   // built from a CPU tensor would fail with a message about the guard).
-  const Prepared p =
-      prepare("dino_loss", student, teacher, center, student_temp, teacher_temp, ncrops);
+  const Prepared p = prepare("dino_loss", student, teacher, center, student_temp, teacher_temp,
+                             {ncrops, view_offset, total_views});
   const c10::cuda::CUDAGuard guard(student.device());
   const auto& s = p.args.shape;
   const auto options = student.options().dtype(dino_loss_detail::acc_dtype(student));
@@ -65,9 +65,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cuda(const at::Tensor& 
 at::Tensor dino_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& student,
                                    const at::Tensor& teacher, const at::Tensor& center,
                                    const at::Tensor& student_lse, const at::Tensor& teacher_lse,
-                                   double student_temp, double teacher_temp, int64_t ncrops) {
-  const Prepared p = prepare("dino_loss_backward", student, teacher, center, student_temp,
-                             teacher_temp, ncrops, student_lse, teacher_lse);
+                                   double student_temp, double teacher_temp, int64_t ncrops,
+                                   int64_t view_offset, int64_t total_views) {
+  const Prepared p =
+      prepare("dino_loss_backward", student, teacher, center, student_temp, teacher_temp,
+              {ncrops, view_offset, total_views}, student_lse, teacher_lse);
   TORCH_CHECK(grad.numel() == 1, "dino_loss_backward: grad must be a scalar, got shape ",
               grad.sizes());
   TORCH_CHECK(grad.device() == student.device(), "dino_loss_backward: grad is on ", grad.device(),

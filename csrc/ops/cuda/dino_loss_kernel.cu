@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = threadIdx.x; i < count; i += kThreads) {
     const int64_t t = i % s.teacher_views;
     const int64_t v = (i / s.teacher_views) % s.student_views;
-    if (t != v) total += static_cast<double>(dots[i]);
+    if (s.paired(t, v)) total += static_cast<double>(dots[i]);
   }
   total = block_reduce(
       total, [](double p, double q) { return p + q; }, 0.0, smem);
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads)
       A targets = 0;
 #pragma unroll
       for (int t = 0; t < kMaxTeacherViews; ++t) {
-        if (t < s.teacher_views && t != v) targets += p[t][j];
+        if (t < s.teacher_views && s.paired(t, v)) targets += p[t][j];
       }
       g[j] = scale * (weight * exp_acc(x[j] * inv - lse) - targets);
     }

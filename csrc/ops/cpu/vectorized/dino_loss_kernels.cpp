@@ -108,8 +108,8 @@ void pair_dots(const void* const* teacher, int64_t n_teacher, const void* const*
 
 template <typename T>
 void student_grad(const void* const* teacher, int64_t n_teacher, const void* const* student,
-                  void* const* grad, int64_t n_student, const void* center_, int64_t n,
-                  double inv_ts, double inv_tt, const double* lse_t, const double* lse_s,
+                  void* const* grad, int64_t n_student, int64_t view_offset, const void* center_,
+                  int64_t n, double inv_ts, double inv_tt, const double* lse_t, const double* lse_s,
                   double scale, void* scratch) {
   using A = acc_t<T>;
   using V = Vectorized<A>;
@@ -123,11 +123,12 @@ void student_grad(const void* const* teacher, int64_t n_teacher, const void* con
     const T* row = static_cast<const T*>(student[v]);
     T* out = static_cast<T*>(grad[v]);
     const A lse = static_cast<A>(lse_s[v]);
-    const A weight = static_cast<A>(n_teacher - (v < n_teacher ? 1 : 0));
+    const int64_t u = v + view_offset;  // this view's place among all student views
+    const A weight = static_cast<A>(n_teacher - (u < n_teacher ? 1 : 0));
     for (int64_t i = 0; i < vn; i += V::size()) {
       V targets(A(0));  // sum of the teacher probabilities paired with view v
       for (int64_t t = 0; t < n_teacher; ++t) {
-        if (t != v) targets = targets + V::loadu(probs + t * n + i);
+        if (t != u) targets = targets + V::loadu(probs + t * n + i);
       }
       const V q = exp_nonpositive(load_acc(row + i) * V(inv) - V(lse));
       store_acc(out + i, (V(weight) * q - targets) * V(g));
@@ -135,7 +136,7 @@ void student_grad(const void* const* teacher, int64_t n_teacher, const void* con
     for (int64_t i = vn; i < n; ++i) {
       A targets = 0;
       for (int64_t t = 0; t < n_teacher; ++t) {
-        if (t != v) targets += probs[t * n + i];
+        if (t != u) targets += probs[t * n + i];
       }
       const A q = std::exp(static_cast<A>(row[i]) * inv - lse);
       out[i] = static_cast<T>((weight * q - targets) * g);

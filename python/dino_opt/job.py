@@ -1,0 +1,583 @@
+"""The training job of ``dino-opt train``: :class:`CheckpointedDINOTrainer`.
+
+One run, restartable at any step: set-up (process group, hardware preset,
+run folder, the objects of :mod:`dino_opt.build`), resume (the complete state
+of a checkpoint, :meth:`CheckpointedDINOTrainer.load_state_dict`), epochs of
+steps of :class:`~dino_opt.trainer.MemoryOptimizedDINOTrainer`, logging
+(:class:`~dino_opt.runlog.RunLog`, health, profile), checkpoints
+(:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
+(the final checkpoint, the profile, the curves, the k-NN evaluation,
+``report.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .build import (
+    DataRoots,
+    build_loader,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_schedules,
+    data_roots,
+    trainer_options,
+)
+from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, run_metadata
+from .config import Config, apply_overrides, default_config, load_config, save_config
+from .data import MultiCropLoader
+from .evaluate import evaluate_run
+from .hardware import resolve_hardware
+from .health import HealthThresholds, NonFiniteError, TrainingHealthMonitor, teacher_entropy_per_row
+from .loss import DINOLoss
+from .memory import MemoryTracker
+from .plots import plot_training_curves
+from .profiler import Profiler, profile_summary
+from .runfiles import RunFolder
+from .runlog import RunLog
+from .runtime import (
+    GracefulStop,
+    all_reduce_metrics,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+    wrap_student,
+)
+from .schedules import Schedules
+from .trainer import DINOModel, MemoryOptimizedDINOTrainer
+
+__all__ = ["PROFILE_PHASES", "CheckpointedDINOTrainer", "ResumeError", "run_training"]
+
+# The phases of a training step that the job times (profile.json).
+PROFILE_PHASES = ("data_wait", "forward_backward", "optimizer_step")
+
+# Config keys that may differ between a checkpoint and the run resuming it:
+# where things go and how they are reported, not what is computed (the loader
+# gives the same batches whatever its thread count).
+_RESUME_MAY_DIFFER = ("logging.", "checkpoint.", "health.", "eval.", "hardware.device",
+                      "hardware.preset",
+                      "data.num_workers", "data.prefetch", "data.pin_memory")  # fmt: skip
+
+
+class ResumeError(ValueError):
+    """A checkpoint cannot continue this run (another config, a bad file)."""
+
+
+def _config_differences(saved: dict, current: dict) -> list[str]:
+    keys = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            name = f"{section}.{key}"
+            if a.get(key) != b.get(key) and not name.startswith(_RESUME_MAY_DIFFER):
+                keys.append(f"{name}: {a.get(key)!r} in the checkpoint, {b.get(key)!r} now")
+    return keys
+
+
+def _config_of(source, overrides: list[str]) -> Config:
+    """A Config from a Config, a dict, a YAML path or None (the defaults)."""
+    if source is None:
+        return apply_overrides(default_config(), overrides)
+    if isinstance(source, Config):
+        return apply_overrides(source, overrides) if overrides else source
+    if isinstance(source, dict):
+        return apply_overrides(Config.from_dict(source), overrides)
+    return load_config(source, overrides)
+
+
+@dataclass
+class _Parts:
+    """The objects of a run, built by set-up: the same whether fresh or resumed."""
+
+    roots: DataRoots
+    loader: MultiCropLoader
+    student: nn.Module
+    teacher: nn.Module
+    random_teacher: nn.Module  # the random-initialisation baseline of the evaluation
+    model: DINOModel
+    loss_fn: DINOLoss
+    optimizer: torch.optim.Optimizer
+    schedules: Schedules
+    trainer: MemoryOptimizedDINOTrainer
+
+
+class CheckpointedDINOTrainer:
+    """The training job of ``dino-opt train``, restartable at any step.
+
+    ``CheckpointedDINOTrainer(config, output_dir=..., auto_resume=True).train()``
+    builds the loader, student and teacher, loss, optimizer and
+    :class:`~dino_opt.trainer.MemoryOptimizedDINOTrainer` from a
+    :class:`~dino_opt.config.Config` (or a YAML path, or a dict), trains, and
+    returns the report (also written as ``report.json``). A hardware preset
+    in the config is resolved when training starts, once, on the first
+    process (:func:`~dino_opt.hardware.resolve_hardware`); the resolved
+    config is what every process trains with and what ``config.yaml`` holds.
+
+    Checkpoints go to ``<run>/checkpoints/`` (a
+    :class:`~dino_opt.checkpoint.CheckpointManager`, ``checkpoint_manager``)
+    at the end of every ``checkpoint.every_epochs`` epochs, every
+    ``checkpoint.every_steps`` optimizer steps, when a SIGTERM, SIGINT or
+    SIGUSR1 arrives (at the next step boundary, then the run stops cleanly:
+    ``report["stopped_by"]``), when the run stops on repeated non-finite
+    steps, and at the end.
+
+    The state (:meth:`state_dict`): student, teacher, optimizer, grad scaler,
+    loss center, the teacher's step, epoch and step, every process's loader
+    position and RNGs, the metrics so far, the resolved config, the versions
+    and the git commit. Resuming (``auto_resume`` / ``checkpoint.resume``)
+    restores all of it (:meth:`load_state_dict`), so on the CPU a resumed run
+    gives the same losses and the same final weights, bit for bit, as one
+    that never stopped. A checkpoint from a run with another config (other
+    than logging, checkpoint, health, eval, device and loader-thread
+    settings) is refused, naming the keys.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        config_path: str | os.PathLike | None = None,
+        overrides: Iterable[str] = (),
+        output_dir: str | os.PathLike | None = None,
+        auto_resume: bool = True,
+        quiet: bool = False,
+        enable_live_dashboard: bool | None = None,
+    ):
+        if config is not None and config_path is not None:
+            raise ValueError("give config or config_path, not both")
+        cfg = _config_of(config if config is not None else config_path, list(overrides))
+        if not auto_resume and cfg.checkpoint.resume == "auto":
+            cfg = apply_overrides(cfg, ["checkpoint.resume=null"])
+        if enable_live_dashboard is not None:
+            cfg = apply_overrides(cfg, [f"logging.tensorboard={bool(enable_live_dashboard)}"])
+        self.config = cfg
+        self.quiet = quiet
+        self.hardware_preset: str | None = None  # how the preset was resolved, if any
+        out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+        self._set_output_dir(Path(out))
+        self.epoch = self.step = 0
+        self.history: list[dict] = []
+        self._seconds_before = 0.0  # training time of the runs this one resumes
+        self._started = time.perf_counter()
+
+    def _set_output_dir(self, out: Path) -> None:
+        """The run folder and the manager of its ``checkpoints/``."""
+        ck = self.config.checkpoint
+        self.output_dir = out
+        self.folder = RunFolder(out)
+        self.checkpoint_manager = CheckpointManager(
+            self.folder.checkpoints, keep_last=ck.keep, milestone_every=ck.milestone_every
+        )
+
+    # ------------------------------------------------------------ set-up
+
+    def _setup(self) -> tuple[dict, Path] | None:
+        """Joins the process group, resolves the hardware preset (on the first
+        process, handed to the others), fixes the run folder and reads the
+        checkpoint to resume from (checked against this config)."""
+        info = init_distributed(self.config.hardware.device)
+        self.device, self.rank, self.world = info.device, info.rank, info.world_size
+        self.lead = self.rank == 0  # writes the run folder; every rank trains
+        if self.lead:
+            self.config, choice = resolve_hardware(self.config)
+            self.hardware_preset = choice.reason if choice is not None else None
+        self.config = broadcast_object(self.config)
+        if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
+            self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
+        torch.manual_seed(self.config.hardware.seed)
+        if self.lead:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self._checkpoint_to_resume()
+        if resumed is not None:
+            differences = _config_differences(resumed[0].get("config", {}), self.config.to_dict())
+            if differences:
+                raise ResumeError(
+                    f"checkpoint {str(resumed[1])!r} belongs to a run with another config: "
+                    + "; ".join(differences)
+                    + " (train in another run folder to start afresh)"
+                )
+        if self.lead:
+            save_config(self.config, self.folder.config)
+        return resumed
+
+    def _build(self) -> _Parts:
+        """The objects of the run (:mod:`dino_opt.build`), on this process's device."""
+        cfg, device = self.config, self.device
+        roots = data_roots(cfg)
+        loader = build_loader(cfg, roots.train, device, rank=self.rank, world_size=self.world)
+        student, teacher = build_models(cfg)
+        random_teacher = copy.deepcopy(teacher).eval()
+        student, teacher = student.to(device), teacher.to(device)
+        torch.manual_seed(cfg.hardware.seed + self.rank)  # same init everywhere, own drop paths
+        accumulation = cfg.optim.accumulation_steps
+        iters = len(loader) // accumulation
+        if iters < 1:
+            raise ValueError(
+                f"the data set gives {len(loader)} batches per epoch, fewer than "
+                f"optim.accumulation_steps={accumulation}"
+            )
+        schedules = build_schedules(cfg, iters, world_size=self.world)
+        model = DINOModel(student, teacher, schedules.momentum)
+        model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
+        loss_fn = build_loss(cfg).to(device)
+        optimizer = build_optimizer(cfg, student, device)
+        options = trainer_options(cfg)
+        trainer = MemoryOptimizedDINOTrainer(model, loss_fn, optimizer, options, device)
+        return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
+                      optimizer, schedules, trainer)  # fmt: skip
+
+    # ------------------------------------------------------------ resume
+
+    def _checkpoint_to_resume(self) -> tuple[dict, Path] | None:
+        resume = self.config.checkpoint.resume
+        manager = self.checkpoint_manager
+        if resume is None:
+            if manager.checkpoints():
+                raise ResumeError(
+                    f"run folder {str(self.output_dir)!r} already holds checkpoints; continue "
+                    "it with checkpoint.resume=auto, or choose another output folder"
+                )
+            return None
+        if resume == "auto":
+            return manager.load_latest()
+        path = Path(resume)
+        try:
+            if manager.sidecar_path(path).exists() or path.parent == manager.directory:
+                return manager.load(path), path
+            return manager.load(path, verify=False), path
+        except (ValueError, OSError) as e:
+            raise ResumeError(f"checkpoint.resume={resume!r}: {e}") from e
+
+    def state_dict(self) -> dict:
+        """The complete state of the run at the current step. Collective when
+        distributed: every process calls it at the same step (each one's
+        loader position and RNGs are gathered), and every process gets it."""
+        p = self.parts
+        return {
+            "student": p.student.state_dict(),
+            "teacher": p.teacher.state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "scaler": p.trainer.scaler.state_dict() if p.trainer.scaler is not None else None,
+            "loss": p.loss_fn.state_dict(),
+            "teacher_step": p.model.teacher_step,
+            "epoch": self.epoch,
+            "step": self.step,
+            "loader": gather_objects(p.loader.state_dict()),  # per rank
+            "rng": gather_objects(capture_rng_state()),  # per rank
+            "world_size": self.world,
+            "history": self.history,
+            "train_seconds": self._seconds_before + time.perf_counter() - self._started,
+            "config": self.config.to_dict(),
+            "metadata": self.metadata,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a state of :meth:`state_dict` (written by as many
+        processes as this run has) into the built run."""
+        p = self.parts
+        p.student.load_state_dict(state["student"])
+        p.teacher.load_state_dict(state["teacher"])
+        p.optimizer.load_state_dict(state["optimizer"])
+        p.loss_fn.load_state_dict(state["loss"])
+        if p.trainer.scaler is not None and state.get("scaler") is not None:
+            p.trainer.scaler.load_state_dict(state["scaler"])
+        p.model.teacher_step = int(state["teacher_step"])
+        if len(state["loader"]) != self.world:
+            raise ValueError(
+                f"it was written by {len(state['loader'])} processes, this run has {self.world}"
+            )
+        p.loader.load_state_dict(state["loader"][self.rank])
+        restore_rng_state(state["rng"][self.rank], strict=False)
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.history = list(state.get("history", []))
+        self._seconds_before = float(state.get("train_seconds", 0.0))
+
+    def _resume(self, resumed: tuple[dict, Path] | None) -> Path | None:
+        if resumed is None:
+            return None
+        state, path = resumed
+        try:
+            self.load_state_dict(state)
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise ResumeError(f"checkpoint {str(path)!r} cannot be resumed: {e}") from e
+        if self.lead:
+            print(f"resuming from {path} (epoch {self.epoch}, step {self.step})", file=sys.stderr)
+        return path
+
+    def _save(self, reason: str, *, end_of_epoch: bool = False) -> Path | None:
+        """Collective: every rank calls it at the same step; rank 0 writes,
+        then all learn whether the write succeeded, so that a full disk stops
+        them all."""
+        state = {**self.state_dict(), "reason": reason}
+        if not self.lead:
+            if all_reduce_metrics({"ok": 1.0})["ok"] < 1.0:
+                raise RuntimeError(f"rank 0 could not write the checkpoint of step {self.step}")
+            return None
+        try:
+            path = self.checkpoint_manager.save(
+                state, epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
+                milestone=True if reason == "final" else None,
+            )  # fmt: skip
+        except BaseException:
+            all_reduce_metrics({"ok": 0.0})
+            raise
+        all_reduce_metrics({"ok": 1.0})
+        return path
+
+    # ------------------------------------------------------------ the job
+
+    def train(self) -> dict:
+        """Trains (resuming when configured) and returns the report."""
+        resumed = self._setup()
+        self.parts = self._build()
+        self.trainer = self.parts.trainer
+        self.metadata = run_metadata()
+        resumed_from = self._resume(resumed)
+        del resumed  # the tensors now live in the models and the optimizer
+        self._start_logging()
+        stopped_by = None
+        try:
+            with GracefulStop() as stop:
+                for epoch in range(self.epoch, self.config.schedule.epochs):
+                    stopped_by = self._run_epoch(epoch, stop)
+                    if stopped_by is not None:
+                        break
+        except BaseException:
+            self.log.close()
+            self.parts.loader.close()
+            raise
+        return self._finish(stopped_by, resumed_from)
+
+    def _start_logging(self) -> None:
+        cfg = self.config
+        self.tracker = MemoryTracker(device=self.device)
+        self.monitor = None
+        if cfg.health.enabled:
+            self.monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
+        self.log = RunLog(
+            cfg, self.folder, lead=self.lead, step=self.step,
+            total=cfg.schedule.epochs * len(self.parts.loader), metadata=self.metadata,
+            history=self.history, quiet=self.quiet,
+        )  # fmt: skip
+        # The phases of each step as ranges of the native profiler: host clock
+        # and, on a GPU, CUDA events on the current stream, resolved only when
+        # read after training; push/pop never synchronise the device.
+        self.profiler = Profiler(self.device) if cfg.logging.profile and self.lead else None
+        self._first_step = self.step
+        self._started = time.perf_counter()
+        self._window = (self._started, self.step)
+        self._pending_stop: str | None = None
+
+    def _phase(self, name: str):
+        return self.profiler.range(name) if self.profiler is not None else contextlib.nullcontext()
+
+    def _run_epoch(self, epoch: int, stop: GracefulStop) -> str | None:
+        """One epoch (or the rest of one); returns the signal that stopped it, if any."""
+        loader = self.parts.loader
+        if epoch != loader.epoch:
+            loader.set_epoch(epoch)
+        self.parts.student.train()
+        batches = iter(loader)
+        while True:
+            with self._phase("data_wait"):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            self._train_step(batch, epoch, stop)
+            if self.trainer.at_step_boundary:
+                stopped_by = self._at_step_boundary(stop)
+                if stopped_by is not None:
+                    return stopped_by
+        every = self.config.checkpoint.every_epochs
+        if every and (epoch + 1) % every == 0 and epoch + 1 < self.config.schedule.epochs:
+            loader.set_epoch(epoch + 1)  # the position to resume from
+            self.epoch = epoch + 1
+            self._save("epoch", end_of_epoch=True)
+        return None
+
+    def _train_step(self, batch, epoch: int, stop: GracefulStop) -> None:
+        """One micro-batch: schedules, forward and backward, the optimizer
+        step when one is due, health observation, and the logging row."""
+        cfg, p = self.config, self.parts
+        self.epoch = epoch
+        it = min(self.step // cfg.optim.accumulation_steps, len(p.schedules.lr) - 1)
+        self.trainer.set_schedules(p.schedules, it)
+        total = cfg.schedule.epochs * len(p.loader)
+        logging_step = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == total
+        self.trainer.capture_outputs = logging_step and self.monitor is not None
+        with self._phase("forward_backward"):
+            loss, _ = self.trainer.train_step_optimized(batch.crops, epoch)
+        with self._phase("optimizer_step"):
+            stepped = self.trainer.optimize_step()
+        self.step += 1
+        self.log.advance()
+        if stepped and self.monitor is not None:
+            self._observe_health(loss, epoch)
+        if logging_step:
+            self._log_row(loss, epoch, it, stop)
+        if self.profiler is not None:
+            self.profiler.step(cfg.data.batch_size)
+
+    def _observe_health(self, loss: torch.Tensor, epoch: int) -> None:
+        trainer, loss_fn = self.trainer, self.parts.loss_fn
+        extra = {}
+        if trainer.captured:
+            c = trainer.captured
+            extra = dict(
+                teacher_logits=c["teacher_logits"], student_logits=c["student_logits"],
+                teacher_temp=loss_fn.teacher_temp(epoch), student_temp=loss_fn.student_temp,
+                center=loss_fn.center, features=c.get("features"),
+            )  # fmt: skip
+        self.monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=self.step, **extra)
+        if extra and self.config.logging.histograms and self.log.histograms:
+            entropy = teacher_entropy_per_row(
+                extra["teacher_logits"], loss_fn.center, extra["teacher_temp"]
+            )
+            self.log.histogram("health/teacher_entropy_per_image", entropy, self.step)
+        trainer.captured = {}
+
+    def _log_row(self, loss: torch.Tensor, epoch: int, it: int, stop: GracefulStop) -> None:
+        """The metrics of a logging step: one all-reduce (and host sync) for
+        the mean loss over ranks and whether any rank got a signal."""
+        cfg, s = self.config, self.parts.schedules
+        now = time.perf_counter()
+        images = (self.step - self._window[1]) * cfg.data.batch_size
+        reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested)})
+        if reduced["stop"] > 0 and self._pending_stop is None:
+            self._pending_stop = stop.signal_name or "SIGTERM"
+        row = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": reduced["loss"],
+            "lr": float(s.lr[it]),
+            "weight_decay": float(s.weight_decay[it]),
+            "momentum": float(s.momentum[it]),
+            "images_per_second": images / max(now - self._window[0], 1e-9),
+        }
+        row.update(self.tracker.get_memory_stats())
+        alerts = self._health_alerts(row)
+        self._window = (now, self.step)
+        self.history.append(row)
+        self.log.write(row)
+        self.log.alerts([a.message for a in alerts], self.step)
+
+    def _health_alerts(self, row: dict) -> list:
+        """This rank's health diagnostics into ``row`` (the loss stays the mean
+        over ranks) and the alerts they raise; on repeated non-finite steps,
+        the row is logged, a checkpoint saved, and NonFiniteError raised."""
+        if self.monitor is None:
+            return []
+        health = self.monitor.summary()
+        row.update({k: v for k, v in health.items() if k not in row})
+        try:
+            alerts = self.monitor.check_training_health(
+                {**row, "throughput": row["images_per_second"]}
+            )
+        except NonFiniteError:
+            self.history.append(row)
+            self.log.write(row)
+            self._save("nonfinite")
+            raise
+        if alerts:
+            row["alerts"] = [a.name for a in alerts]
+        return alerts
+
+    def _at_step_boundary(self, stop: GracefulStop) -> str | None:
+        """After an optimizer step: act on a stop signal (alone at once; with
+        several ranks at the next logging step, when all of them know of it),
+        or write the step checkpoint that is due."""
+        if self._pending_stop is None and stop.requested and self.world == 1:
+            self._pending_stop = stop.signal_name
+        if self._pending_stop is not None:
+            self._save(f"signal:{self._pending_stop}")
+            return self._pending_stop
+        cfg, loader = self.config, self.parts.loader
+        every = cfg.checkpoint.every_steps * cfg.optim.accumulation_steps  # in loader batches
+        # not at an epoch's end: the epoch checkpoint covers it
+        if every and self.step % every == 0 and 0 < loader.state_dict()["next_batch"] < len(loader):
+            self._save("step")
+        return None
+
+    # ------------------------------------------------------------ finish
+
+    def _finish(self, stopped_by: str | None, resumed_from: Path | None) -> dict:
+        """The report; for a finished run also the final checkpoint, the
+        profile, the curves and the evaluation (on rank 0)."""
+        cfg = self.config
+        self.parts.loader.close()
+        report = {
+            "epochs": cfg.schedule.epochs,
+            "steps": self.step,
+            "train_seconds": self._seconds_before + time.perf_counter() - self._started,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "device": str(self.device),
+        }
+        if self.hardware_preset is not None:
+            report["hardware_preset"] = self.hardware_preset
+        if resumed_from is not None:
+            report["resumed_from"] = str(resumed_from)
+        if stopped_by is not None:
+            report["stopped_by"] = stopped_by
+            report["checkpoint"] = str(self.checkpoint_manager.latest_path())
+            return self._write_report(report, final=False)
+        self.parts.loader.set_epoch(cfg.schedule.epochs)
+        self.epoch = cfg.schedule.epochs
+        report["checkpoint"] = str(self._save("final", end_of_epoch=True))
+        if not self.lead:  # rank 0 evaluates and writes the report
+            self.log.close()
+            return report
+        report.update(self._profile_report())
+        plot_training_curves(self.history, self.folder.training_curves)
+        p = self.parts
+        if p.roots.val is not None:
+            nets = (p.teacher.backbone, p.random_teacher.backbone)
+            report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder))
+        return self._write_report(report, final=True)
+
+    def _profile_report(self) -> dict:
+        """``profile.json`` and the report's per-phase shares of a step."""
+        if self.profiler is None or self.step <= self._first_step:
+            return {}
+        profile = profile_summary(self.profiler, PROFILE_PHASES)
+        self.folder.profile.write_text(json.dumps(profile, indent=2) + "\n")
+        shares = {p: v["share_of_step"] for p, v in profile["phases"].items()}
+        shares["other"] = profile["other_share_of_step"]
+        return {"profile": {p: None if v is None else round(v, 4) for p, v in shares.items()}}
+
+    def _write_report(self, report: dict, *, final: bool) -> dict:
+        if self.lead:
+            self.folder.report.write_text(json.dumps(report, indent=2) + "\n")
+        self.log.close(report if final else None)
+        return report
+
+
+def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict:
+    """The whole job of ``dino-opt train``:
+    ``CheckpointedDINOTrainer(cfg, output_dir=..., quiet=...).train()``.
+
+    Data (the built-in set when ``cfg.data.root`` is None), student and
+    teacher, the native loader, the fused loss and EMA, AMP, the DINO
+    schedules; metrics as JSONL (and TensorBoard) with health diagnostics,
+    the resolved config, checkpoints under ``checkpoints/`` (resumed per
+    ``cfg.checkpoint.resume``) and, at the end, k-NN top-1 of the trained
+    teacher beside the same network at random initialisation, on the val
+    and test splits. Returns the report (also written as report.json).
+
+    The run folder (:class:`~dino_opt.runfiles.RunFolder`) also gets
+    ``training_curves.png`` (the metrics over the steps), ``profile.json``
+    (time per step phase; ``logging.profile``) and, with a held-out split and
+    ``logging.tsne``, ``tsne_random_init.png`` and ``tsne_trained.png``
+    (t-SNE maps of the val features)."""
+    return CheckpointedDINOTrainer(cfg, output_dir=output_dir, quiet=quiet).train()

@@ -1,0 +1,100 @@
+"""The files of a run folder, named in one place.
+
+``dino-opt train`` writes, and ``dino-opt report`` / ``dino-opt knn`` read::
+
+    <run>/config.yaml              the resolved configuration
+    <run>/metrics.jsonl            one JSON row per logging step
+    <run>/report.json              the run's report (k-NN, time, profile shares)
+    <run>/profile.json             time per step phase
+    <run>/checkpoints/             checkpoints, their sidecars and index
+    <run>/tensorboard/             TensorBoard event files
+    <run>/wandb_id.txt             the Weights & Biases run id (resumed with the folder)
+    <run>/training_curves.png      the metrics over the steps
+    <run>/tsne_trained.png         t-SNE of held-out features, trained teacher
+    <run>/tsne_random_init.png     ... and the same network at random initialisation
+    <run>/checkpoint_report.json   written by dino-opt report
+    <run>/performance_report.json  written by dino-opt report
+    <run>/model_evolution.png      written by dino-opt report
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RunFolder"]
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The paths of the files of the run folder ``root``."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    CONFIG = "config.yaml"
+    METRICS = "metrics.jsonl"
+    REPORT = "report.json"
+    PROFILE = "profile.json"
+    CHECKPOINTS = "checkpoints"
+    TENSORBOARD = "tensorboard"
+    WANDB_ID = "wandb_id.txt"
+    TRAINING_CURVES = "training_curves.png"
+    CHECKPOINT_REPORT = "checkpoint_report.json"
+    PERFORMANCE_REPORT = "performance_report.json"
+    MODEL_EVOLUTION = "model_evolution.png"
+
+    @property
+    def config(self) -> Path:
+        return self.root / self.CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / self.METRICS
+
+    @property
+    def report(self) -> Path:
+        return self.root / self.REPORT
+
+    @property
+    def profile(self) -> Path:
+        return self.root / self.PROFILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / self.CHECKPOINTS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / self.TENSORBOARD
+
+    @property
+    def wandb_id(self) -> Path:
+        return self.root / self.WANDB_ID
+
+    @property
+    def training_curves(self) -> Path:
+        return self.root / self.TRAINING_CURVES
+
+    def tsne(self, which: str) -> Path:
+        """The t-SNE map of the ``which`` teacher ('trained' or 'random_init')."""
+        return self.root / f"tsne_{which}.png"
+
+    @property
+    def checkpoint_report(self) -> Path:
+        return self.root / self.CHECKPOINT_REPORT
+
+    @property
+    def performance_report(self) -> Path:
+        return self.root / self.PERFORMANCE_REPORT
+
+    @property
+    def model_evolution(self) -> Path:
+        return self.root / self.MODEL_EVOLUTION
+
+    def is_run(self) -> bool:
+        """Whether ``root`` looks like a run folder (metrics or checkpoints)."""
+        return self.metrics.is_file() or self.checkpoints.is_dir()

@@ -1,0 +1,200 @@
+"""The package's layering rule, checked on the source: every module has a
+layer (docs/design.md draws them), imports go only to lower layers (so there
+is no import circle), every import of the package is at the top of its module
+(none hidden in a function), and no module reads another module's private
+names."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "python" / "dino_opt"
+
+LAYERS = {
+    # L0: the native core and its operators
+    "dino_opt._C": 0,
+    "dino_opt.ops": 0,
+    # L1: foundations, each about one thing and needing nothing above the core
+    "dino_opt.schedules": 1,
+    "dino_opt.runtime": 1,
+    "dino_opt.checkpoint": 1,
+    "dino_opt.runfiles": 1,
+    "dino_opt.presets": 1,
+    "dino_opt.models": 1,
+    "dino_opt.datasets": 1,
+    "dino_opt.memory": 1,
+    "dino_opt.plots": 1,
+    # L2: the pieces
+    "dino_opt.config": 2,
+    "dino_opt.ema": 2,
+    "dino_opt.loss": 2,
+    "dino_opt.data": 2,
+    "dino_opt.profiler": 2,
+    # L3: the one-step engine and what watches or evaluates it
+    "dino_opt.trainer": 3,
+    "dino_opt.health": 3,
+    "dino_opt.knn": 3,
+    "dino_opt.optimize": 3,
+    # L4: from a config to objects
+    "dino_opt.build": 4,
+    # L5: tools around a run
+    "dino_opt.throughput": 5,
+    "dino_opt.evaluate": 5,
+    "dino_opt.analysis": 5,
+    "dino_opt.runlog": 5,
+    # L6: a configuration for this machine's hardware
+    "dino_opt.hardware": 6,
+    # L7: the training job
+    "dino_opt.job": 7,
+    # L8: starting several processes of it
+    "dino_opt.distributed": 8,
+    # faces: the command line, the course's names, the torchrun entry, the package
+    "dino_opt.cli": 9,
+    "dino_opt.lessons": 9,
+    "dino_opt.train": 10,
+    "dino_opt": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = ["dino_opt", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: its own entry, else its subpackage's."""
+    while module not in LAYERS:
+        if "." not in module:
+            raise KeyError(module)
+        module = module.rsplit(".", 1)[0]
+    return LAYERS[module]
+
+
+def subpackage(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def package_imports(path: Path):
+    """(imported module, names, node, at module level) for every import of
+    the package in ``path``."""
+    me = module_name(path)
+    here = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text(), str(path))
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here.split(".")[: len(here.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dino_opt"):
+            target = node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("dino_opt"):
+                    yield alias.name, [], node, id(node) in top
+            continue
+        else:
+            continue
+        names = [a.name for a in node.names]
+        if node.module is None:  # `from . import x`: modules
+            for name in names:
+                yield f"{target}.{name}", [], node, id(node) in top
+        else:
+            yield target, names, node, id(node) in top
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    missing = [module_name(p) for p in SOURCES if _unplaced(module_name(p))]
+    assert not missing, f"place these modules in LAYERS (and in docs/design.md): {missing}"
+
+
+def _unplaced(module: str) -> bool:
+    try:
+        layer_of(module)
+    except KeyError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_imports_go_down_and_sit_at_the_top(path):
+    me = module_name(path)
+    problems = []
+    for target, names, node, at_top in package_imports(path):
+        where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        if not at_top:
+            problems.append(f"{where}: import of {target} inside a function or class")
+        same_package = subpackage(target) == subpackage(me) and me != "dino_opt"
+        if not same_package and layer_of(target) >= layer_of(me):
+            problems.append(
+                f"{where}: {me} (layer {layer_of(me)}) imports {target} "
+                f"(layer {layer_of(target)}), which is not below it"
+            )
+        private = [n for n in names if n.startswith("_") and n != "_C"]
+        if private and not same_package:
+            problems.append(f"{where}: imports private names {private} of {target}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_no_private_names_of_other_modules(path):
+    """``module._name`` on a module of the package imported as a name."""
+    tree = ast.parse(path.read_text(), str(path))
+    modules = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level and node.module is None
+        for alias in node.names
+        if alias.name != "_C"
+    }
+    reads = [
+        f"{path.name}:{n.lineno}: {n.value.id}.{n.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in modules
+        and n.attr.startswith("_")
+    ]
+    assert not reads, reads
+
+
+def test_the_import_graph_has_no_circle():
+    graph = {module_name(p): set() for p in SOURCES}
+    for path in SOURCES:
+        for target, _, _, _ in package_imports(path):
+            if target in graph:
+                graph[module_name(path)].add(target)
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                raise AssertionError(" -> ".join([*stack, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = "done"
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
+    # The rule's own check: a module that imports upwards, inside a function,
+    # and a private name is reported on all three counts.
+    fake = tmp_path / "dino_opt"
+    fake.mkdir()
+    (fake / "schedules.py").write_text(
+        "from .job import _secret\n\ndef f():\n    from .config import Config\n"
+    )
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    with pytest.raises(AssertionError) as e:
+        test_imports_go_down_and_sit_at_the_top(fake / "schedules.py")
+    message = str(e.value)
+    assert "not below it" in message
+    assert "inside a function" in message
+    assert "private names ['_secret']" in message
