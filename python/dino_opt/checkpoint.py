@@ -447,9 +447,29 @@ class CheckpointManager:
         if milestone is None:
             milestone = self.is_milestone(epoch, end_of_epoch=end_of_epoch)
         path = self.path_for(epoch, step)
-        sidecar = self.sidecar_path(path)
+        tmp, sha, size = self._write_temporary(state, path)
+        record = CheckpointRecord(path, epoch, step, bool(milestone), sha, size, time.time())
+        self._publish(tmp, record)
+        doomed = self._update_index(record)
+        if doomed is None:  # the index could not be written: nothing is deleted
+            return path
+        for victim in doomed:
+            try:
+                _unlink_quietly(victim.path)
+                _unlink_quietly(self.sidecar_path(victim.path))
+            except OSError as e:
+                warnings.warn(
+                    f"cannot delete old checkpoint {str(victim.path)!r}: {e}", stacklevel=3
+                )
+        if doomed:
+            with contextlib.suppress(OSError):
+                fsync_dir(self.directory)
+        return path
 
-        # 1. The checkpoint bytes go to a temporary file; nothing visible changes.
+    def _write_temporary(self, state: dict, path: Path) -> tuple[str, str, int]:
+        """1. The checkpoint bytes go to a temporary file beside ``path``,
+        hashed as written; nothing visible changes. Returns (temporary file,
+        SHA-256, size)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
@@ -469,14 +489,14 @@ class CheckpointManager:
         except BaseException:  # KeyboardInterrupt mid-write: still no litter
             _unlink_quietly(tmp)
             raise
+        return tmp, writer.sha.hexdigest(), writer.size
 
-        record = CheckpointRecord(
-            path, epoch, step, bool(milestone), writer.sha.hexdigest(), writer.size, time.time()
-        )
+    def _publish(self, tmp: str, record: CheckpointRecord) -> None:
+        """2. Sidecar first, then the checkpoint: a checkpoint is never
+        visible without a record (an orphan sidecar is ignored by every
+        reader). On failure the old sidecar is put back and nothing changed."""
+        path, sidecar = record.path, self.sidecar_path(record.path)
         entry = record.to_json()
-
-        # 2. Sidecar first, then the checkpoint: a checkpoint is never visible
-        # without a record (an orphan sidecar is ignored by every reader).
         try:
             old_sidecar = sidecar.read_bytes() if sidecar.exists() else None
         except OSError:
@@ -499,11 +519,16 @@ class CheckpointManager:
                             atomic_write(sidecar, lambda w: w.write(old_sidecar))
             raise CheckpointWriteError(path, e) from e
 
-        # 3. Index, and the rotation decided from it. Old files are deleted
-        # only now that the new checkpoint is durable and recorded.
+    def _update_index(self, record: CheckpointRecord) -> list[CheckpointRecord] | None:
+        """3. The index with the new record, and the rotation decided from
+        it: the checkpoints to delete now that the new one is durable and
+        recorded. None (with a warning) when the index cannot be written: the
+        checkpoint and its sidecar are in place and verify, only the summary
+        is stale, so nothing is rotated."""
+        path = record.path
         index_data = self._read_index()
         index = {e["file"]: e for e in index_data["checkpoints"] if _valid_entry(e)}
-        index[path.name] = entry
+        index[path.name] = record.to_json()
         present = self._scan(index)
         doomed = self._rotation_victims(present, keep=path)
         doomed_names = {r.path.name for r in doomed}
@@ -515,10 +540,7 @@ class CheckpointManager:
         mine = [
             r.to_json() for r in present if r.sha256 is not None and r.path.name not in doomed_names
         ]
-        new_index = {
-            "version": _INDEX_VERSION,
-            "checkpoints": others + mine,
-        }
+        new_index = {"version": _INDEX_VERSION, "checkpoints": others + mine}
         try:
             atomic_write(
                 self.index_path,
@@ -526,28 +548,14 @@ class CheckpointManager:
             )
             fsync_dir(self.directory)
         except Exception as e:
-            # The checkpoint and its sidecar are in place and verify; only the
-            # summary is stale. Rotation is skipped so nothing is deleted.
             warnings.warn(
                 f"checkpoint {str(path)!r} saved, but the index {str(self.index_path)!r} "
                 f"could not be updated ({CheckpointWriteError(self.index_path, e, 'index')}); "
                 "its sidecar keeps it verifiable",
-                stacklevel=2,
+                stacklevel=3,
             )
-            return path
-
-        for victim in doomed:
-            try:
-                _unlink_quietly(victim.path)
-                _unlink_quietly(self.sidecar_path(victim.path))
-            except OSError as e:
-                warnings.warn(
-                    f"cannot delete old checkpoint {str(victim.path)!r}: {e}", stacklevel=2
-                )
-        if doomed:
-            with contextlib.suppress(OSError):
-                fsync_dir(self.directory)
-        return path
+            return None
+        return doomed
 
     def _rotation_victims(
         self, records: list[CheckpointRecord], keep: Path
