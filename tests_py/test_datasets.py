@@ -11,7 +11,7 @@ from dino_opt import datasets
 from dino_opt.datasets import BUILTIN_CLASSES, builtin_dataset, render_image
 from PIL import Image
 
-SMALL = dict(train_per_class=2, val_per_class=1, image_size=48)
+SMALL = dict(train_per_class=2, val_per_class=1, test_per_class=1, image_size=48)
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -49,9 +49,10 @@ def test_layout_manifest_and_images(small_root):
     assert manifest["seed"] == 0
     assert manifest["image_size"] == 48
     assert manifest["classes"] == list(BUILTIN_CLASSES)
-    assert manifest["counts"] == {"train": 2 * len(BUILTIN_CLASSES), "val": len(BUILTIN_CLASSES)}
-    assert sorted(p.name for p in small_root.iterdir()) == ["manifest.json", "train", "val"]
-    for split, per_class in (("train", 2), ("val", 1)):
+    n = len(BUILTIN_CLASSES)
+    assert manifest["counts"] == {"train": 2 * n, "val": n, "test": n}
+    assert sorted(p.name for p in small_root.iterdir()) == ["manifest.json", "test", "train", "val"]
+    for split, per_class in (("train", 2), ("val", 1), ("test", 1)):
         assert sorted(p.name for p in (small_root / split).iterdir()) == list(BUILTIN_CLASSES)
         for name in BUILTIN_CLASSES:
             files = sorted((small_root / split / name).iterdir())
@@ -63,10 +64,19 @@ def test_layout_manifest_and_images(small_root):
                     assert im.mode == "RGB"
                     assert im.size == (48, 48)
                     im.load()
-    # train and val are different images (held out, not copies)
-    train = {f.read_bytes() for f in (small_root / "train").rglob("*.jpg")}
-    val = {f.read_bytes() for f in (small_root / "val").rglob("*.jpg")}
-    assert not train & val
+    # train, val and test are different images (held out, from other seeds, not copies)
+    train, val, test = (
+        {f.read_bytes() for f in (small_root / split).rglob("*.jpg")}
+        for split in ("train", "val", "test")
+    )
+    assert not train & val and not train & test and not val & test
+
+
+def test_no_test_split_when_asked_for_none(tmp_path):
+    root = builtin_dataset(tmp_path / "ds", num_workers=0, **{**SMALL, "test_per_class": 0})
+    assert not (root / "test").exists()
+    assert json.loads((root / "manifest.json").read_text())["counts"]["test"] == 0
+    assert builtin_dataset(root, num_workers=0, **{**SMALL, "test_per_class": 0}) == root
 
 
 def test_reused_when_parameters_match(small_root):

@@ -294,8 +294,8 @@ def test_test_batch_repeats_and_cuts_the_first_batch(dino_model, loader):
 
 
 def test_a_native_loader_is_left_where_it_was(cfg, tmp_path, monkeypatch):
-    root = builtin_dataset(tmp_path / "ds", train_per_class=2, val_per_class=1, image_size=40,
-                           num_workers=0)  # fmt: skip
+    root = builtin_dataset(tmp_path / "ds", train_per_class=2, val_per_class=1, test_per_class=0,
+                           image_size=40, num_workers=0)  # fmt: skip
     monkeypatch.setattr(ThroughputOptimizer, "_measure", fake_measure(0.0, 2))
     torch.manual_seed(0)
     student, teacher = build_models(cfg)
@@ -454,8 +454,8 @@ def test_loader_for_a_dataset_is_the_lessons_dataloader(gen, monkeypatch):
 
 
 def test_loader_for_a_folder_is_the_native_loader(tmp_path, monkeypatch):
-    root = builtin_dataset(tmp_path / "ds", train_per_class=2, val_per_class=1, image_size=40,
-                           num_workers=0)  # fmt: skip
+    root = builtin_dataset(tmp_path / "ds", train_per_class=2, val_per_class=1, test_per_class=0,
+                           image_size=40, num_workers=0)  # fmt: skip
     crops = dict(global_size=32, local_size=16, n_local=N_LOCAL)
     with OptimizedDataLoader.create(str(root / "train"), 2, **crops) as loader:
         assert isinstance(loader, MultiCropLoader)

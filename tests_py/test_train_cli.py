@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dino_opt.cli import main
+from dino_opt.config import load_config
 from dino_opt.datasets import builtin_dataset
 from dino_opt.job import PROFILE_PHASES
 from dino_opt.profiler import Profiler, profile_summary
@@ -28,6 +29,7 @@ def tiny_data(tmp_path_factory):
         tmp_path_factory.mktemp("data") / "builtin",
         train_per_class=2,
         val_per_class=1,
+        test_per_class=1,
         image_size=40,
     )
 
@@ -63,6 +65,9 @@ def test_train_writes_a_complete_run_folder(run):
     assert report["steps"] == 2 * (20 // 8)  # 10 classes x 2 images, batch 8, drop_last
     assert report["final_loss"] is not None and report["final_loss"] > 0
     assert 0 <= report["knn_top1_trained"] <= 100 and 0 <= report["knn_top1_random_init"] <= 100
+    # the test split, never used for tuning, beside val
+    assert 0 <= report["knn_test_top1_trained"] <= 100
+    assert 0 <= report["knn_test_top1_random_init"] <= 100
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, report["steps"] + 1))
     assert all(r["loss"] > 0 for r in rows)
@@ -73,7 +78,13 @@ def test_train_writes_a_complete_run_folder(run):
     assert any((out / "tensorboard").iterdir())
     for name in ("training_curves.png", "tsne_random_init.png", "tsne_trained.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
-    assert json.loads(printed[printed.index("{") :])["steps"] == report["steps"]
+    body, summary = printed[printed.index("{") :].rstrip("\n").rsplit("\n", 1)
+    assert json.loads(body)["steps"] == report["steps"]
+    # then one line for a person: trained vs random init on val and test, time, folder
+    assert summary.startswith("dino-opt train: k-NN top-1 ")
+    assert f"{report['knn_top1_trained']:.1f} % trained vs" in summary
+    assert f"{report['knn_test_top1_trained']:.1f} % vs" in summary and "(test)" in summary
+    assert summary.endswith(f"run folder {out}")
 
 
 def test_profile_json_times_each_phase(run):
@@ -119,9 +130,15 @@ def test_knn_reproduces_the_report(run, tiny_data, capsys):
     report = json.loads((out / "report.json").read_text())
     teacher = _knn(capsys, "--checkpoint", str(out), "--device", "cpu")  # the run folder
     assert teacher["top1"] == report["knn_top1_trained"]  # same features, same vote
+    assert teacher["test_top1"] == report["knn_test_top1_trained"]
     assert teacher["which"] == "teacher" and teacher["image_size"] == 32
-    assert (teacher["n_train"], teacher["n_val"], teacher["k"]) == (20, 10, 20)
-    assert teacher["val"] == str(tiny_data / "val")
+    assert (teacher["n_train"], teacher["n_val"], teacher["n_test"], teacher["k"]) == (
+        20,
+        10,
+        10,
+        20,
+    )
+    assert teacher["val"] == str(tiny_data / "val") and teacher["test"] == str(tiny_data / "test")
     student = _knn(
         capsys, "--checkpoint", report["checkpoint"], "--data", str(tiny_data),
         "--which", "student", "--k", "5", "--image-size", "24", "--device", "cpu",
@@ -220,3 +237,20 @@ def test_wandb_offline_run(tiny_data, tmp_path, monkeypatch):
     run_id = (out / "wandb_id.txt").read_text().strip()
     (run_dir,) = (out / "wandb").glob(f"offline-run-*-{run_id}")
     assert any(run_dir.glob("*.wandb"))  # the offline log, to `wandb sync` later
+
+
+def test_a_hardware_preset_is_resolved_once_when_training_starts(tiny_data, tmp_path, capsys):
+    # The TINY keys are the config's own: the cpu row sets only what they leave
+    # (precision fp32, no checkpointing). The run folder's config is resolved
+    # (preset off), so it reloads to the same values on any machine.
+    out = tmp_path / "run"
+    args = ["train", "--output-dir", str(out), "--quiet", f"data.root={tiny_data / 'train'}"]
+    assert (
+        main([*args, *TINY, "hardware.preset=cpu", "schedule.epochs=1", "logging.tsne=false"]) == 0
+    )
+    capsys.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    assert report["hardware_preset"].startswith("preset cpu (named")
+    saved = load_config(out / "config.yaml")
+    assert saved.hardware.preset == "off" and saved.hardware.precision == "fp32"
+    assert (saved.model.backbone, saved.data.batch_size) == ("vit_tiny", 8)  # TINY's, not the row's

@@ -29,7 +29,7 @@ def tiny_train_only(tmp_path_factory) -> Path:
     beside it, so that a run ends without the k-NN evaluation."""
     root = builtin_dataset(
         tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        image_size=40,
+        test_per_class=0, image_size=40,
     )  # fmt: skip
     train = tmp_path_factory.mktemp("trainonly") / "train"
     train.symlink_to(root / "train")

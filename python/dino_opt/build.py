@@ -74,10 +74,7 @@ def data_roots(cfg: Config) -> DataRoots:
     """The folders of a config: the built-in data set's ``train``, ``val`` and
     ``test`` when ``cfg.data.root`` is None, else ``cfg.data.root`` and its
     sibling ``val`` and ``test`` folders where they exist."""
-    if cfg.data.root is None:
-        root = builtin_dataset()
-        return DataRoots(root / "train", root / "val", root / "test")
-    train = Path(cfg.data.root)
+    train = builtin_dataset() / "train" if cfg.data.root is None else Path(cfg.data.root)
     val, test = train.parent / "val", train.parent / "test"
     return DataRoots(train, val if val.is_dir() else None, test if test.is_dir() else None)
 

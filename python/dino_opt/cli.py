@@ -171,9 +171,32 @@ def _train(args: argparse.Namespace) -> int:
     else:
         report = run_training(cfg, output_dir=args.output_dir, quiet=args.quiet)
     print(json.dumps(report, indent=2))
+    print(summary_line(report))
     if report.get("stopped_by"):  # checkpointed and stopped on a signal: the shell's code for it
         return 128 + signal.Signals[report["stopped_by"]].value
     return 0
+
+
+def summary_line(report: dict) -> str:
+    """One line for a person: the k-NN of the trained teacher against the
+    same network at random initialisation (val, and test where there is
+    one), the training time and the run folder."""
+    parts = []
+    if "knn_top1_trained" in report:
+        parts.append(
+            f"k-NN top-1 {report['knn_top1_trained']:.1f} % trained vs "
+            f"{report['knn_top1_random_init']:.1f} % at random init (val)"
+        )
+    if "knn_test_top1_trained" in report:
+        parts.append(
+            f"{report['knn_test_top1_trained']:.1f} % vs "
+            f"{report['knn_test_top1_random_init']:.1f} % (test)"
+        )
+    if report.get("stopped_by"):
+        parts.append(f"stopped by {report['stopped_by']} after {report['steps']} steps")
+    parts.append(f"{report['train_seconds']:.0f} s of training")
+    parts.append(f"run folder {report.get('run_folder', '?')}")
+    return "dino-opt train: " + "; ".join(parts)
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -523,6 +523,7 @@ class CheckpointedDINOTrainer:
             "train_seconds": self._seconds_before + time.perf_counter() - self._started,
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "device": str(self.device),
+            "run_folder": str(self.output_dir),
         }
         if self.hardware_preset is not None:
             report["hardware_preset"] = self.hardware_preset
