@@ -1,5 +1,5 @@
 """Baseline multi-crop pipelines for the loader benchmark, written from the
-augmentation of the original DINO (DESIGN.md section 4):
+augmentation of the original DINO (docs/design.md, "The algorithm"):
 
 - :class:`PILMultiCrop`: torchvision.transforms on PIL images, blur with PIL's
   ``ImageFilter.GaussianBlur(radius=uniform(0.1, 2.0))`` as DINO did.

@@ -6,7 +6,7 @@ parameters on tensors, on DINO's crops of one batch of 64 images (2 global
     python bench/bench_photometric.py [--device cpu|cuda] [--json PATH] [--images N]
                                       [--threads N]
 
-Parameters are sampled as DINO's DataAugmentationDINO does (DESIGN.md 4):
+Parameters are sampled as DINO's DataAugmentationDINO does (docs/design.md, "The algorithm"):
 flip 0.5, colour jitter 0.8 in random order, grayscale 0.2, blur with sigma
 in [0.1, 2] (p = 1 on global crop 1, 0.1 on global crop 2, 0.5 on local crops),
 solarisation 0.2 on global crop 2. Inputs are uint8 [N, H, W, 3] crops, as the

@@ -114,7 +114,7 @@ LABELS = {
     "all": "all together",
 }
 
-# The DINO recipe (DESIGN.md section 4).
+# The DINO recipe (docs/design.md, "The algorithm").
 LR, MIN_LR, WD, WD_END, MOMENTUM, CLIP = 0.0005, 1e-6, 0.04, 0.4, 0.996, 3.0
 TEACHER_TEMP, STUDENT_TEMP, EPOCHS, WARMUP_EPOCHS = 0.04, 0.1, 100, 10
 

@@ -1,6 +1,6 @@
 """The DINO training step as the original code runs it, in plain PyTorch:
-the baseline of bench/bench_train.py, written from the paper and DESIGN.md
-section 4 (not copied from any code base).
+the baseline of bench/bench_train.py, written from the paper and the recipe in
+docs/design.md ("The algorithm"; not copied from any code base).
 
 One step of :class:`ReferenceDINOTrainer`:
 

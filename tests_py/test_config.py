@@ -33,7 +33,7 @@ def write(tmp_path, text, name="cfg.yaml"):
 
 def test_defaults_are_dinos_vit_s16_recipe():
     c = default_config()
-    # facebookresearch/dino main_dino.py defaults and DESIGN.md section 4.
+    # facebookresearch/dino main_dino.py defaults (docs/design.md, "The algorithm").
     assert (c.model.backbone, c.model.patch_size) == ("vit_small", 16)
     assert c.model.out_dim == 65536
     assert c.model.norm_last_layer is True and c.model.use_bn_in_head is False

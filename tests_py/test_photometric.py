@@ -140,7 +140,7 @@ def sample_images(gen, sizes=((96, 96), (37, 61))):
 
 
 def dino_rows(n, gen, blur_p=0.5, solarize_p=0.2):
-    """Parameters sampled as DINO's augmentation samples them (DESIGN.md 4)."""
+    """Parameters sampled as DINO's augmentation samples them (docs/design.md, "The algorithm")."""
 
     def u():
         return float(torch.rand((), generator=gen))

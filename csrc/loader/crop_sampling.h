@@ -1,7 +1,7 @@
 #pragma once
 // Everything random about one sample: its crop rectangles (torchvision's
 // RandomResizedCrop sampling) and each crop's photometric parameters (DINO's
-// per-crop probabilities, DESIGN.md section 4). Every sample draws from its own
+// per-crop probabilities, docs/design.md). Every sample draws from its own
 // counter-based stream keyed by (seed, epoch, position), so the output does
 // not depend on how many threads produced it. Free of torch headers.
 #include <cstdint>
@@ -41,7 +41,7 @@ struct CropRect {
 CropRect sample_resized_crop(Rng& rng, int height, int width, double scale_lo, double scale_hi,
                              double ratio_lo = 3.0 / 4.0, double ratio_hi = 4.0 / 3.0);
 
-// The multi-crop recipe; defaults are DINO's (DESIGN.md section 4).
+// The multi-crop recipe; defaults are DINO's (docs/design.md, "The algorithm").
 struct AugmentConfig {
   int global_size = 224;
   int local_size = 96;

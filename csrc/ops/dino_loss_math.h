@@ -57,13 +57,14 @@ DINO_OPT_HD inline A combine_lse(const A* maxes, const A* sums, int64_t count) {
   return m + log(s);
 }
 
-// One term p * log q of the cross-entropy, with 0 * log 0 = 0: a target
-// probability that is exactly 0 (underflowed, or a teacher logit of -inf)
-// contributes nothing even where the student's log-probability is -inf. NaN
-// propagates.
+// The log-probability factor of a cross-entropy term p * log q, with
+// 0 * log 0 = 0: where the target probability is exactly 0 (underflowed, or
+// a teacher logit of -inf) the factor is 0, so the term adds nothing even
+// where the student's log-probability is -inf. `acc += p * log_factor(p, x)`
+// still contracts to one fused multiply-add. NaN propagates.
 template <typename A>
-DINO_OPT_HD inline A cross_term(A p, A log_q) {
-  return p == A(0) ? A(0) : p * log_q;
+DINO_OPT_HD inline A log_factor(A p, A log_q) {
+  return p == A(0) ? A(0) : log_q;
 }
 
 }  // namespace dino_opt::dino_loss_detail

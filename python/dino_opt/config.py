@@ -135,7 +135,7 @@ class DataConfig:
 
 @dataclass
 class AugmentationConfig:
-    """DINO's multi-crop and photometric augmentation (DESIGN.md section 4)."""
+    """DINO's multi-crop and photometric augmentation (docs/design.md, "The algorithm")."""
 
     global_crop_size: int = _opt(224, "side of the 2 global crops", ge=1)
     local_crop_size: int = _opt(96, "side of the local crops", ge=1)

@@ -213,7 +213,9 @@ __global__ void __launch_bounds__(kThreads)
       if (t < s.teacher_views) {
         A acc = 0;
 #pragma unroll
-        for (int j = 0; j < kPairPerThread; ++j) acc += dino_loss_detail::cross_term(p[t][j], x[j]);
+        for (int j = 0; j < kPairPerThread; ++j) {
+          acc += p[t][j] * dino_loss_detail::log_factor(p[t][j], x[j]);
+        }
         acc = warp_reduce(acc, [](A p0, A q0) { return p0 + q0; });
         if (lane == 0) smem[warp][t] = acc;
       }

@@ -91,15 +91,16 @@ void pair_dots(const void* const* teacher, int64_t n_teacher, const void* const*
     for (int64_t i = 0; i < vn; i += V::size()) {
       const V log_q = load_acc(row + i) * V(inv) - V(lse);  // student log-softmax
       for (int64_t t = 0; t < n_teacher; ++t) {
-        // cross_term's 0 * log 0 = 0: where p is 0, add 0 (not 0 * -inf = NaN).
+        // log_factor's 0 * log 0 = 0: where p is 0, multiply by 0 (not by -inf).
         const V p = V::loadu(probs + t * n + i);
-        acc[t] = acc[t] + V::blendv(p * log_q, V(A(0)), p == V(A(0)));
+        acc[t] = at::vec::fmadd(p, V::blendv(log_q, V(A(0)), p == V(A(0))), acc[t]);
       }
     }
     for (int64_t t = 0; t < n_teacher; ++t) {
       A total = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc[t]);
       for (int64_t i = vn; i < n; ++i) {
-        total += dino_loss_detail::cross_term(probs[t * n + i], static_cast<A>(row[i]) * inv - lse);
+        const A p = probs[t * n + i];
+        total += p * dino_loss_detail::log_factor(p, static_cast<A>(row[i]) * inv - lse);
       }
       out[v * n_teacher + t] = total;
     }
