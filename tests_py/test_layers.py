@@ -198,3 +198,26 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     assert "not below it" in message
     assert "inside a function" in message
     assert "private names ['_secret']" in message
+
+
+# Imports that may sit inside a function: optional dependencies only (an
+# extra, or a package the feature does without).
+OPTIONAL = {"wandb", "torchvision"}
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_only_optional_dependencies_are_imported_inside_functions(path):
+    tree = ast.parse(path.read_text(), str(path))
+    top = set(map(id, tree.body))
+    inner = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
+            inner += [
+                f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] not in OPTIONAL
+            ]
+    assert not inner, inner

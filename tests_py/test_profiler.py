@@ -187,7 +187,7 @@ def test_cuda_device_time_of_a_known_kernel_and_no_hidden_syncs():
 
 
 @pytest.mark.cuda
-def test_cuda_ranges_on_a_side_stream_while_the_default_stream_is_busy():
+def test_cuda_ranges_on_a_side_stream_while_the_default_stream_is_busy(tmp_path):
     # The profiler's reference event is recorded on the default stream behind a
     # long kernel; ranges on a side stream finish first. Resolving them against
     # the unfinished reference raised cudaErrorNotReady inside step().
@@ -208,7 +208,7 @@ def test_cuda_ranges_on_a_side_stream_while_the_default_stream_is_busy():
     ranges = p.ranges()  # waits for every event, the reference included
     assert [r["name"] for r in ranges] == ["side"] * 3
     assert all(r["device_ms"] is not None and r["device_ms"] >= 0 for r in ranges)
-    trace = json.loads(p._native.chrome_trace())
+    trace = json.loads(p.export_chrome_trace(tmp_path / "trace.json").read_text())
     assert sum(e.get("pid") == 1 and e["name"] == "side" for e in trace["traceEvents"]) == 3
     assert torch.equal(y, x * 2)
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from .checkpoint import CheckpointManager
 from .plots import MEMORY_KEYS, plot_training_curves, read_metrics, style_step_panel
@@ -649,8 +651,6 @@ def _plot_evolution(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     """PNG of the evolution rows against the step: the student's weight
     norm, its drift from the previous and the first checkpoint, the
     teacher-student distance, and each module's drift from the first."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 8), dpi=100)
     FigureCanvasAgg(fig)

@@ -22,6 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from PIL import Image
 
 from .data import find_images
@@ -526,9 +529,6 @@ def tsne_plot(
     ``labels`` (names from ``class_names``) to ``path``; returns the path.
     Uses matplotlib's object API and the Agg canvas (no pyplot state), so it
     works on machines without a display and leaves the caller's figures alone."""
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     labels = torch.as_tensor(labels).reshape(-1).cpu()
     if len(labels) != len(features):

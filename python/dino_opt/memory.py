@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
 from . import _C
 
@@ -169,7 +170,6 @@ class MemoryTracker:
         """Host RSS and, with a GPU, the allocator's allocated and reserved
         memory and the device's used memory over the sampled timeline (GiB);
         saved to ``path`` (PNG) when given. Returns the matplotlib figure."""
-        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
         samples = self.timeline()
         if not samples:

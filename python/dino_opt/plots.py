@@ -16,6 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
+from matplotlib.ticker import MaxNLocator
+
 __all__ = ["MEMORY_KEYS", "plot_training_curves", "read_metrics"]
 
 # Memory keys of MemoryTracker.get_memory_stats() drawn in the memory panel
@@ -79,7 +83,6 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], l
 def style_step_panel(ax, title: str, ylabel: str, drawn: int, *, legend: bool) -> bool:
     """Title, labels and grid of one panel over training steps; "no data"
     written in it when no series was drawn. Returns whether one was."""
-    from matplotlib.ticker import MaxNLocator
 
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -109,8 +112,6 @@ def plot_training_curves(
     some rows is drawn where present; a panel with no data says so; a single
     row is drawn as points.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     rows = [r for r in rows if isinstance(r, Mapping)]
     fig = Figure(figsize=(15, 8), dpi=100)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
 from . import _C
 from .memory import device_index
@@ -94,6 +95,14 @@ class Profiler:
     def throughput(self) -> float:
         """Samples per second over the finished steps."""
         return self._native.throughput()
+
+    def current_step(self) -> int:
+        """The index of the step in progress (steps marked so far)."""
+        return self._native.current_step()
+
+    def range_count(self) -> int:
+        """Finished ranges held (``clear()`` empties them)."""
+        return self._native.range_count()
 
     def synchronizations(self) -> int:
         """Device synchronisations the profiler has made (only when results are read)."""
@@ -240,11 +249,11 @@ class DINOProfiler:
             optimizer.zero_grad(set_to_none=True)
         with self.profile_block("teacher_update"):
             model.update_teacher()
-        step = self.profiler._native.current_step()
+        step = self.profiler.current_step()
         self.profiler.step(int(crops[0].shape[0]) if crops else 0)
         # Only the ranges finished since the last call: reading all of them
         # each step would cost O(steps) per step.
-        if self._ranges_read > self.profiler._native.range_count():  # cleared meanwhile
+        if self._ranges_read > self.profiler.range_count():  # cleared meanwhile
             self._ranges_read = 0
         new = self.profiler.ranges(self._ranges_read)
         self._ranges_read += len(new)
@@ -278,7 +287,6 @@ class DINOProfiler:
         """The lesson's 2x2 figure: time per block, memory per block, time over
         steps, and consistency (1 / (1 + coefficient of variation)). Saved to
         ``path`` (PNG) when given; returns the matplotlib figure."""
-        from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
         timings = self.timings
         names = list(timings)
