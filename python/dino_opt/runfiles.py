@@ -26,6 +26,10 @@ from pathlib import Path
 __all__ = ["RunFolder"]
 
 
+def _entry(name: str) -> property:
+    return property(lambda self: self.root / name, doc=f"``<run>/{name}``")
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """The paths of the files of the run folder ``root``."""
@@ -47,53 +51,21 @@ class RunFolder:
     PERFORMANCE_REPORT = "performance_report.json"
     MODEL_EVOLUTION = "model_evolution.png"
 
-    @property
-    def config(self) -> Path:
-        return self.root / self.CONFIG
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / self.METRICS
-
-    @property
-    def report(self) -> Path:
-        return self.root / self.REPORT
-
-    @property
-    def profile(self) -> Path:
-        return self.root / self.PROFILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / self.CHECKPOINTS
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / self.TENSORBOARD
-
-    @property
-    def wandb_id(self) -> Path:
-        return self.root / self.WANDB_ID
-
-    @property
-    def training_curves(self) -> Path:
-        return self.root / self.TRAINING_CURVES
+    config = _entry(CONFIG)
+    metrics = _entry(METRICS)
+    report = _entry(REPORT)
+    profile = _entry(PROFILE)
+    checkpoints = _entry(CHECKPOINTS)
+    tensorboard = _entry(TENSORBOARD)
+    wandb_id = _entry(WANDB_ID)
+    training_curves = _entry(TRAINING_CURVES)
+    checkpoint_report = _entry(CHECKPOINT_REPORT)
+    performance_report = _entry(PERFORMANCE_REPORT)
+    model_evolution = _entry(MODEL_EVOLUTION)
 
     def tsne(self, which: str) -> Path:
         """The t-SNE map of the ``which`` teacher ('trained' or 'random_init')."""
         return self.root / f"tsne_{which}.png"
-
-    @property
-    def checkpoint_report(self) -> Path:
-        return self.root / self.CHECKPOINT_REPORT
-
-    @property
-    def performance_report(self) -> Path:
-        return self.root / self.PERFORMANCE_REPORT
-
-    @property
-    def model_evolution(self) -> Path:
-        return self.root / self.MODEL_EVOLUTION
 
     def is_run(self) -> bool:
         """Whether ``root`` looks like a run folder (metrics or checkpoints)."""
