@@ -43,8 +43,9 @@ LAYERS = {
     "dino_opt.evaluate": 5,
     "dino_opt.analysis": 5,
     "dino_opt.runlog": 5,
-    # L6: a configuration for this machine's hardware
+    # L6: a configuration for this machine's hardware; weights in and out of other formats
     "dino_opt.hardware": 6,
+    "dino_opt.weights": 6,
     # L7: the training job
     "dino_opt.job": 7,
     # L8: starting several processes of it

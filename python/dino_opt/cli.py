@@ -4,7 +4,10 @@
 config: the demo recipe on the built-in data set, sized for a 2-core CPU);
 ``dino-opt config --print-defaults`` prints the full default configuration.
 ``dino-opt knn --checkpoint RUN [--data ROOT]`` prints the
-k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON.
+k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON
+(``--weights PATH --data ROOT``: of weights in another format).
+``dino-opt export RUN --format timm|hf|dino --output PATH`` writes a run's
+teacher (or student) in a format other tools load.
 ``dino-opt report RUN`` analyses a run folder (convergence, weight drift
 between checkpoints, throughput) and writes its reports and plots there.
 ``dino-opt presets [--memory GB] [--measure]`` prints the hardware presets
@@ -39,6 +42,7 @@ from .hardware import measure_batch_size, resolve_hardware, resolve_preset
 from .job import run_training
 from .presets import PRESETS
 from .runtime import launched_world
+from .weights import FORMATS, evaluate_weights, export_weights
 
 __all__ = ["main", "prepare_dataset"]
 
@@ -267,16 +271,28 @@ def _print_presets(report: dict, choice, name: str) -> None:
 
 
 def _knn(args: argparse.Namespace) -> int:
-    result = evaluate_checkpoint(
-        args.checkpoint,
-        data=args.data,
-        image_size=args.image_size,
-        k=args.k,
-        temperature=args.temperature,
-        device=args.device,
-        which=args.which,
-    )
+    options = {"image_size": args.image_size, "k": args.k, "temperature": args.temperature}
+    if args.weights is not None:
+        if args.data is None:
+            raise ValueError("--weights needs --data ROOT (a folder holding train/ and val/)")
+        given = {key: value for key, value in options.items() if value is not None}
+        result = evaluate_weights(args.weights, args.data, device=args.device, which=args.which,
+                                  **given)  # fmt: skip
+    else:
+        result = evaluate_checkpoint(args.checkpoint, data=args.data, device=args.device,
+                                     which=args.which, **options)  # fmt: skip
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    result = export_weights(
+        args.source, args.format, args.output, which=args.which, full=args.full,
+        image_size=args.image_size, force=args.force,
+    )  # fmt: skip
+    print(json.dumps(result.to_json(), indent=2))
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
@@ -347,10 +363,14 @@ def _add_presets(sub) -> None:
 
 def _add_knn(sub) -> None:
     k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
-    k.add_argument(
+    source = k.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--checkpoint",
-        required=True,
         help="a dino-opt train run folder (its newest good checkpoint) or a checkpoint file",
+    )
+    source.add_argument(
+        "--weights",
+        help="weights in any format model.init_from reads (timm, hf, dino); needs --data",
     )
     k.add_argument(
         "--data",
@@ -358,7 +378,10 @@ def _add_knn(sub) -> None:
         "the checkpoint's config: the built-in data set, or data.root and its siblings)",
     )
     k.add_argument(
-        "--image-size", type=int, help="evaluation crop side (default: the global crop size)"
+        "--image-size",
+        type=int,
+        help="evaluation crop side (default: the global crop size; for --weights, the size "
+        "they were exported for)",
     )
     k.add_argument("--k", type=int, help="neighbours (default: the config's eval.knn_k, 20)")
     k.add_argument(
@@ -371,6 +394,30 @@ def _add_knn(sub) -> None:
         "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
     )
     k.set_defaults(run=_knn)
+
+
+def _add_export(sub) -> None:
+    e = sub.add_parser("export", help="write a run's weights for timm, Hugging Face or DINO")
+    e.add_argument("source", help="a dino-opt train run folder or checkpoint file")
+    e.add_argument("--format", required=True, choices=FORMATS, help="the target's format")
+    e.add_argument("--output", required=True, help="file (timm, dino) or folder (hf) to write")
+    e.add_argument(
+        "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
+    )
+    e.add_argument(
+        "--full",
+        action="store_true",
+        help="--format dino: the whole training checkpoint (student, teacher, optimizer, "
+        "epoch, dino_loss) instead of the backbone",
+    )
+    e.add_argument(
+        "--image-size",
+        type=int,
+        default=224,
+        help="ViT input side the position embeddings are exported for (default 224)",
+    )
+    e.add_argument("--force", action="store_true", help="replace an existing output")
+    e.set_defaults(run=_export)
 
 
 def _add_report(sub) -> None:
@@ -390,12 +437,13 @@ def _add_report(sub) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn, _add_report):
+    for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn, _add_export,
+                _add_report):  # fmt: skip
         add(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
 
 

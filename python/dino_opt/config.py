@@ -174,6 +174,12 @@ class ModelConfig:
     use_bn_in_head: bool = _opt(False, "batch norm in the head's MLP")
     hidden_dim: int = _opt(2048, "hidden width of the head's MLP", ge=1)
     bottleneck_dim: int = _opt(256, "bottleneck width before the last layer", ge=1)
+    init_from: str | None = _opt(
+        None,
+        "weights a fresh run starts from (continued pretraining): a timm or Hugging Face "
+        "export, an original DINO file, a dino_opt checkpoint or run folder",
+        check="nonempty",
+    )
 
 
 @dataclass

@@ -57,6 +57,7 @@ from .runtime import (
 )
 from .schedules import Schedules
 from .trainer import DINOModel, MemoryOptimizedDINOTrainer
+from .weights import init_from
 
 __all__ = ["PROFILE_PHASES", "CheckpointedDINOTrainer", "ResumeError", "run_training"]
 
@@ -67,7 +68,7 @@ PROFILE_PHASES = ("data_wait", "forward_backward", "optimizer_step")
 # where things go and how they are reported, not what is computed (the loader
 # gives the same batches whatever its thread count).
 _RESUME_MAY_DIFFER = ("logging.", "checkpoint.", "health.", "eval.", "hardware.device",
-                      "hardware.preset",
+                      "hardware.preset", "model.init_from",
                       "data.num_workers", "data.prefetch", "data.pin_memory")  # fmt: skip
 
 
@@ -165,6 +166,7 @@ class CheckpointedDINOTrainer:
         self.config = cfg
         self.quiet = quiet
         self.hardware_preset: str | None = None  # how the preset was resolved, if any
+        self.init_notes: list[str] = []  # what model.init_from loaded, if anything
         out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
         self._set_output_dir(Path(out))
         self.epoch = self.step = 0
@@ -316,6 +318,17 @@ class CheckpointedDINOTrainer:
             print(f"resuming from {path} (epoch {self.epoch}, step {self.step})", file=sys.stderr)
         return path
 
+    def _init_from(self, path: str) -> None:
+        """A fresh run's start from existing weights (``model.init_from``):
+        student, teacher (and the loss's center where the file has one)."""
+        p = self.parts
+        try:
+            self.init_notes = init_from(path, p.student, p.teacher, p.loss_fn)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.init_from={path!r}: {e}") from e
+        if self.lead:
+            print("starting from " + "; ".join(self.init_notes), file=sys.stderr)
+
     def _save(self, reason: str, *, end_of_epoch: bool = False) -> Path | None:
         """Collective: every rank calls it at the same step; rank 0 writes,
         then all learn whether the write succeeded, so that a full disk stops
@@ -345,6 +358,8 @@ class CheckpointedDINOTrainer:
         self.trainer = self.parts.trainer
         self.metadata = run_metadata()
         resumed_from = self._resume(resumed)
+        if resumed is None and self.config.model.init_from is not None:
+            self._init_from(self.config.model.init_from)
         del resumed  # the tensors now live in the models and the optimizer
         self._start_logging()
         stopped_by = None
@@ -529,6 +544,8 @@ class CheckpointedDINOTrainer:
             report["hardware_preset"] = self.hardware_preset
         if resumed_from is not None:
             report["resumed_from"] = str(resumed_from)
+        elif self.init_notes:
+            report["init_from"] = self.init_notes
         if stopped_by is not None:
             report["stopped_by"] = stopped_by
             report["checkpoint"] = str(self.checkpoint_manager.latest_path())

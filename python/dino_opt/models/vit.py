@@ -28,6 +28,8 @@ __all__ = [
     "PatchEmbed",
     "VisionTransformer",
     "drop_path",
+    "pos_embed_grid",
+    "resize_pos_embed",
     "vit_base",
     "vit_small",
     "vit_tiny",
@@ -207,16 +209,10 @@ class VisionTransformer(nn.Module):
         (B, 1 + n, C): the learned table itself at the native grid, otherwise the
         patch part resized bicubically to the new grid (the CLS entry is kept)."""
         npatch = x.shape[1] - 1
-        n = self.pos_embed.shape[1] - 1
         gh, gw = h // self.patch_size, w // self.patch_size
-        g = math.isqrt(n)
-        if gh == g and gw == g and npatch == n:
+        if npatch == self.pos_embed.shape[1] - 1 and (gh, gw) == pos_embed_grid(self.pos_embed):
             return self.pos_embed
-        cls_pos = self.pos_embed[:, :1]
-        patch_pos = self.pos_embed[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2)
-        patch_pos = F.interpolate(patch_pos, size=(gh, gw), mode="bicubic", align_corners=False)
-        patch_pos = patch_pos.permute(0, 2, 3, 1).reshape(1, gh * gw, -1)
-        return torch.cat((cls_pos, patch_pos), dim=1)
+        return resize_pos_embed(self.pos_embed, (gh, gw))
 
     def prepare_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> CLS + patch tokens with position embeddings (B, 1 + n, C)."""
@@ -262,6 +258,31 @@ class VisionTransformer(nn.Module):
             x = self._run_block(block, x)
         last = self.blocks[-1]
         return last.attn.attention_weights(last.norm1(x))
+
+
+def pos_embed_grid(pos_embed: torch.Tensor) -> tuple[int, int]:
+    """The (square) patch grid of a position table (1, 1 + g * g, C)."""
+    g = math.isqrt(pos_embed.shape[1] - 1)
+    if g * g != pos_embed.shape[1] - 1:
+        raise ValueError(
+            f"a position table of {pos_embed.shape[1] - 1} patches is not a square grid"
+        )
+    return g, g
+
+
+def resize_pos_embed(pos_embed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """A position table (1, 1 + n, C) for a ``grid`` of (rows, cols) patches:
+    the CLS entry kept, the patch entries resized bicubically (no antialias,
+    align_corners False). What the ViT does for inputs of another size, so a
+    table exported at that size gives the same features."""
+    g, _ = pos_embed_grid(pos_embed)
+    if tuple(grid) == (g, g):
+        return pos_embed
+    cls_pos = pos_embed[:, :1]
+    patch_pos = pos_embed[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2)
+    patch_pos = F.interpolate(patch_pos, size=tuple(grid), mode="bicubic", align_corners=False)
+    patch_pos = patch_pos.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)
+    return torch.cat((cls_pos, patch_pos), dim=1)
 
 
 def _init_weights(m: nn.Module) -> None:
