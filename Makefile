@@ -15,14 +15,17 @@ STAMPS      := $(VENV)/.stamps
 # One persistent build directory per Python and torch: rebuilds are incremental.
 BUILD_TAG    = $(shell $(PY) -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split(\"+\")[0]}')")
 BUILD_DIR    = build/$(BUILD_TAG)
-NATIVE_SRCS := CMakeLists.txt pyproject.toml $(shell find csrc tests_cpp cmake -type f 2>/dev/null)
-CXX_FILES   := $(shell find csrc tests_cpp fuzz -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
-PY_DIRS     := python tests_py bench scripts
+NATIVE_SRCS := CMakeLists.txt pyproject.toml $(shell find csrc tests_cpp cmake build_support -type f -not -name '*.pyc' 2>/dev/null)
+CXX_FILES   := $(shell find csrc tests_cpp fuzz examples -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+PY_DIRS     := python tests_py bench scripts build_support
 export CCACHE_DIR ?= $(HOME)/.cache/ccache
+# Paths relative to the build folder in ccache's keys: the editable build, the
+# wheel's and the C++ package's share their compiled objects.
+export CCACHE_BASEDIR := $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
 .PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo lint format gpu-check \
-        gpu-debs gpu-rehearsal clean
+        gpu-debs gpu-rehearsal wheel wheel-smoke cpp-install cpp-example clean
 
 setup: $(STAMPS)/build
 
@@ -46,7 +49,7 @@ $(STAMPS)/torch: | $(PY)
 
 # The Python dependencies pinned in pyproject.toml (runtime, test, lint, build).
 $(STAMPS)/deps: pyproject.toml $(STAMPS)/torch
-	$(PY) -m pip install -q $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + [r for v in p['optional-dependencies'].values() for r in v]))")
+	$(PY) -m pip install -q $$($(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); p = t['project']; print(' '.join(t['tool']['dynamic-metadata'][0]['requires'] + [r for v in p['optional-dependencies'].values() for r in v]))")
 	@touch $@
 
 # Editable install into the persistent build directory, with ccache; re-run
@@ -80,6 +83,46 @@ fuzz: setup
 	mkdir -p $(FUZZ_DIR)/corpus
 	cd $(FUZZ_DIR) && ./fuzz_multicrop -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
 	  -rss_limit_mb=2048 -close_fd_mask=2 -print_final_stats=1 corpus seeds
+
+# A wheel built against this environment's torch; its metadata pins that
+# torch's series (torch==X.Y.*), the only ABI its compiled core loads with.
+# Built as `pip install .` builds, in pip's build isolation, which
+# build_support/torch_pin.py sees past to find the installed torch.
+WHEEL_DIR ?= dist
+wheel: setup
+	rm -f $(WHEEL_DIR)/dino_opt-*.whl
+	$(PY) -m pip wheel -q --no-deps . -w $(WHEEL_DIR) -Cbuild-dir=build/wheel-$(BUILD_TAG)
+	@ls -l $(WHEEL_DIR)/dino_opt-*.whl
+
+# The wheel in a fresh environment: its requirements come from $(VENV)
+# through a .pth file and nothing is downloaded (--no-index); torch is linked
+# beside it, where a wheel's C++ library looks for LibTorch. Then
+# scripts/smoke_test.py and the C++ example against the wheel's package.
+SMOKE_VENV := build/wheel-smoke
+PURELIB    := import sysconfig; print(sysconfig.get_paths()['purelib'])
+wheel-smoke: wheel
+	rm -rf $(SMOKE_VENV)
+	$(PY) -m venv --without-pip $(SMOKE_VENV)
+	site=$$($(SMOKE_VENV)/bin/python -c "$(PURELIB)") deps=$$($(PY) -c "$(PURELIB)"); \
+	  echo "$$deps" >"$$site/requirements.pth" && ln -s "$$deps/torch" "$$site/torch"
+	$(PY) -m pip --python $(SMOKE_VENV)/bin/python install -q --no-index $(WHEEL_DIR)/dino_opt-*.whl
+	cd build && ../$(SMOKE_VENV)/bin/python ../scripts/smoke_test.py --expect-under ../$(SMOKE_VENV)
+	bash scripts/cpp_example.sh $(SMOKE_VENV)/bin/python \
+	  "$$($(SMOKE_VENV)/bin/python -c 'import dino_opt; print(dino_opt.cmake_prefix_path)')" \
+	  build/example-wheel
+
+# The C++ package alone (cmake --install: lib/, include/dino_opt/,
+# lib/cmake/dino_opt/), then examples/cpp built against it and run.
+CPP_BUILD  = build/cpp-$(BUILD_TAG)
+CPP_PREFIX = build/cpp-prefix-$(BUILD_TAG)
+cpp-install: setup
+	cmake -S . -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_INSTALL_PREFIX=$(abspath $(CPP_PREFIX)) >/dev/null
+	cmake --build $(CPP_BUILD) --target dino_opt_core
+	cmake --install $(CPP_BUILD) >/dev/null
+
+cpp-example: cpp-install
+	bash scripts/cpp_example.sh $(PY) $(abspath $(CPP_PREFIX)) build/example
 
 # The main job: set up, then train DINO on the built-in data set (the demo
 # preset), evaluate by k-NN against random initialisation, write runs/demo.
@@ -115,15 +158,20 @@ REPORT_DIR ?= build/gpu-report
 gpu-check:
 	STAGE="$(STAGE)" REPORT_DIR="$(REPORT_DIR)" bash scripts/gpu_check.sh
 
-# The .deb files the GPU build unpacks: nothing else is carried.
+# The .deb files the GPU build unpacks, and the build backend's wheel for a
+# machine whose scikit-build-core is older than pyproject.toml needs: nothing
+# else is carried.
 GPU_DEBS := libturbojpeg0 libturbojpeg0-dev libgtest-dev
-gpu-debs:
+GPU_SKBUILD := scikit-build-core==1.1.2
+gpu-debs: | $(PY)
 	@mkdir -p third_party/debs
 	@cd third_party/debs && missing=$$(for p in $(GPU_DEBS); do ls $${p}_*.deb >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  apt-get download $$missing 2>/dev/null || { \
 	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -q && apt-get download $$missing; }; \
 	fi
+	@ls third_party/debs/scikit_build_core-*.whl >/dev/null 2>&1 || \
+	  $(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_SKBUILD) -d third_party/debs
 
 # The same script, stage by stage, here: system OpenCV, libjpeg-turbo and
 # GoogleTest hidden from CMake, a separate build folder and Python environment,
@@ -132,7 +180,8 @@ gpu-debs:
 # machine's Python and torch instead (from PyPI). The report goes to
 # build/gpu-rehearsal*/report.
 GPU_STACK ?=
-GPU_STACK_VARS := REHEARSAL_PYTHON=3.12 REHEARSAL_TORCH=2.11.0 REHEARSAL_TORCHVISION=0.26.0
+GPU_STACK_VARS := REHEARSAL_PYTHON=3.12 REHEARSAL_TORCH=2.11.0 REHEARSAL_TORCHVISION=0.26.0 \
+                  REHEARSAL_SKBUILD=0.11.6
 gpu-rehearsal: setup gpu-debs
 	$(if $(GPU_STACK),$(GPU_STACK_VARS)) PYTHON=$(PY) STAGE="$(STAGE)" bash scripts/gpu_rehearsal.sh
 

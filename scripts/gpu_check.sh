@@ -76,7 +76,8 @@ step() {
 
 # A digest of everything the native build reads: equal digests, same build.
 sources_digest() {
-  find csrc tests_cpp cmake CMakeLists.txt pyproject.toml -type f -print0 | sort -z |
+  find csrc tests_cpp cmake build_support CMakeLists.txt pyproject.toml -type f \
+    ! -name '*.pyc' -print0 | sort -z |
     xargs -0 sha256sum | sha256sum | cut -d' ' -f1
 }
 
@@ -85,6 +86,18 @@ built_objects() {
   site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
   ls "$BUILD_DIR"/libdino_opt_core.so "$BUILD_DIR"/_C*.so "$BUILD_DIR"/dino_opt_tests \
     "$site"/dino_opt/*.so 2>/dev/null
+}
+
+# pyproject.toml needs scikit-build-core >= 1.1 (its [[tool.dynamic-metadata]]
+# pins torch in the metadata). A machine with an older one gets the carried
+# wheel (make gpu-debs), on PYTHONPATH for this build only.
+ensure_build_backend() {
+  local check="import scikit_build_core as s; from packaging.version import Version as V; assert V(s.__version__) >= V('1.1')"
+  "$PY" -c "$check" 2>/dev/null && return 0
+  local wheels=("$DEBS"/scikit_build_core-*.whl)
+  step build-backend 60 -- "$PY" -m pip install -q --no-index --no-deps --upgrade \
+    --target "$PREFIX/python" "${wheels[0]}" || return 1
+  export PYTHONPATH="$PREFIX/python${PYTHONPATH:+:$PYTHONPATH}"
 }
 
 # Unpacks the carried .deb files and builds (pip's editable install, CMake and
@@ -98,6 +111,7 @@ build_native() {
     echo "== $stage: no .deb files in $DEBS (run 'make gpu-debs' where apt works and carry them)" |
       tee -a "$LOG"
   fi
+  ensure_build_backend || return 1
   local defines=(-Ccmake.define.DINO_OPT_BUILD_TESTS=ON -Ccmake.define.DINO_OPT_WITH_OPENCV=OFF
                  "-Ccmake.define.DINO_OPT_CUDA_ARCHS=$ARCHS")
   local d

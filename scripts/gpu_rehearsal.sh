@@ -6,7 +6,9 @@
 #     checkout's .venv made visible through a .pth file; with REHEARSAL_TORCH
 #     (and REHEARSAL_PYTHON, REHEARSAL_TORCHVISION) the GPU machine's own
 #     Python and torch, installed from PyPI, with the CUDA 13 libraries of
-#     .venv standing in for torch's (same sonames);
+#     .venv standing in for torch's (same sonames); REHEARSAL_SKBUILD, an
+#     older scikit-build-core than the build needs, so that the carried one
+#     is used as it would be on a machine with such;
 #   - the .deb files of third_party/debs unpacked into a prefix of its own;
 #   - CMake told to ignore the system prefixes / and /usr
 #     (CMAKE_IGNORE_PREFIX_PATH), so the system's OpenCV, libjpeg-turbo and
@@ -51,7 +53,8 @@ make_stack_env() {
   local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" --no-deps --only-binary=:all: "torch==$TORCH" \
     ${REHEARSAL_TORCHVISION:+"torchvision==$REHEARSAL_TORCHVISION"}
-  "${pip[@]}" numpy pillow pyyaml tqdm matplotlib tensorboard pytest scikit-build-core \
+  "${pip[@]}" numpy pillow pyyaml tqdm matplotlib tensorboard pytest safetensors timm \
+    "scikit-build-core${REHEARSAL_SKBUILD:+==$REHEARSAL_SKBUILD}" \
     cmake ninja sympy networkx jinja2 fsspec filelock typing-extensions
   ln -s "$tools/nvidia" "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/nvidia"
 }

@@ -4,6 +4,8 @@ The hot paths are a C++/CUDA core registered as PyTorch operators
 (``torch.ops.dino_opt.*``); this package is the thin Python API over them.
 """
 
+import os
+
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, ops  # noqa: F401  (_C loads the core library, which registers the ops)
@@ -13,11 +15,17 @@ from .schedules import cosine_scheduler
 
 __version__ = "0.1.0"
 
+#: Where an installed wheel keeps the C++ package (``find_package(dino_opt)``):
+#: put it on ``CMAKE_PREFIX_PATH`` beside ``torch.utils.cmake_prefix_path``.
+#: (An editable install has none; ``cmake --install`` makes one anywhere.)
+cmake_prefix_path = os.path.join(os.path.dirname(__file__), "share", "cmake")
+
 __all__ = [
     "DINOLoss",
     "EMATeacher",
     "NonFiniteLossError",
     "build_info",
+    "cmake_prefix_path",
     "cosine_scheduler",
     "dino_loss",
     "update_teacher",
