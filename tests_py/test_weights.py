@@ -276,3 +276,14 @@ def test_resnet_exports_only_as_dino(tmp_path, gen):
     missing = net.load_state_dict(torch.load(r.path, weights_only=True), strict=False)
     assert set(missing.missing_keys) == {"fc.weight", "fc.bias"} and not missing.unexpected_keys
     assert read_weights(r.path).backbone == "resnet18"
+
+
+def test_the_format_is_read_from_the_file_not_its_name(tmp_path, gen):
+    source, _ = _checkpoint(tmp_path, gen)
+    timm_file = export_weights(source, "timm", tmp_path / "weights.bin").path
+    dino_file = export_weights(source, "dino", tmp_path / "weights.safetensors").path
+    assert read_weights(timm_file).format == "timm" and read_weights(dino_file).format == "dino"
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{ not json or a zip")
+    with pytest.raises(ValueError, match=str(junk)):
+        read_weights(junk)

@@ -324,7 +324,8 @@ def _torch_load(path: Path) -> dict:
     # The original DINO code pickles its argparse arguments into checkpoints.
     with torch.serialization.safe_globals([argparse.Namespace]):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            with open(path, "rb") as f:  # a file object: whatever its name, torch's format
+                return torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
             raise ValueError(f"{path}: not a weights file torch can read safely ({e})") from e
 
@@ -348,20 +349,35 @@ def _backbone_name(sd: dict) -> tuple[str, int | None]:
     raise ValueError(f"the weights are neither a ViT nor a ResNet (keys {sorted(sd)[:4]} ...)")
 
 
+def _read_safetensors(path: Path) -> dict:
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - no items()
+    except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file starts with the little-endian length of its JSON
+    header, then the header's ``{``; torch's files are zip archives (``PK``)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    return head[8:9] == b"{" and 0 < size <= path.stat().st_size - 8
+
+
 def _read_raw(path: Path) -> tuple[str, dict, dict, torch.Tensor | None]:
     """(format, student state, teacher state, center) of a file or folder."""
     if path.is_dir() and (path / "config.json").is_file():
-        with safe_open(str(path / "model.safetensors"), "pt") as f:
-            sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
+        sd = _read_safetensors(path / "model.safetensors")
         net = {"backbone": _from_hf(sd), "head": None}
         return "hf", net, net, None
     if path.is_dir():  # a dino_opt run folder or checkpoints/ folder
         ckpt = load_checkpoint(path, keys=("student", "teacher"))
         center = ckpt.get("loss", {}).get("center")
         return "dino_opt", _split(ckpt["student"]), _split(ckpt["teacher"]), center
-    if path.suffix == ".safetensors":
-        with safe_open(str(path), "pt") as f:
-            sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if _is_safetensors(path):
+        sd = _read_safetensors(path)
         if any(k.startswith(("embeddings.", "vit.embeddings.")) for k in sd):
             net = {"backbone": _from_hf(sd), "head": None}
             return "hf", net, net, None
