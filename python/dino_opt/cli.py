@@ -291,8 +291,6 @@ def _export(args: argparse.Namespace) -> int:
         image_size=args.image_size, force=args.force,
     )  # fmt: skip
     print(json.dumps(result.to_json(), indent=2))
-    for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
