@@ -93,6 +93,8 @@ def test_to_dict_is_plain_and_yaml_safe():
         "checkpoint",
         "eval",
         "health",
+        "distributed",
+        "debug",
     ]
     assert d["augmentation"]["global_crops_scale"] == [0.4, 1.0]
     assert isinstance(d["augmentation"]["blur_sigma"], list)

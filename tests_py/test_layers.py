@@ -19,6 +19,7 @@ LAYERS = {
     "dino_opt.schedules": 1,
     "dino_opt.runtime": 1,
     "dino_opt.checkpoint": 1,
+    "dino_opt.watchdog": 1,
     "dino_opt.runfiles": 1,
     "dino_opt.presets": 1,
     "dino_opt.models": 1,

@@ -126,6 +126,61 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(reference, train_root,
     _assert_same_state(_final(out), _final(reference))
 
 
+# In the training process: every checkpoint write pauses 0.4 s between its
+# bytes and its rename (in the writer's thread), so that a write is in flight
+# most of the time, its temporary file beside the checkpoints.
+_SLOW_WRITES = """
+import sys, time
+import torch
+from dino_opt.cli import main
+save = torch.save
+def slow_save(*args, **kwargs):
+    save(*args, **kwargs)
+    time.sleep(0.4)
+torch.save = slow_save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_while_an_async_write_is_in_flight_loses_nothing(reference, train_root, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    manager = CheckpointManager(out / "checkpoints")
+    in_flight = 0
+    for target in (3, 8):
+        p = subprocess.Popen(
+            [sys.executable, "-c", _SLOW_WRITES, *_args(out, train_root)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        # a temporary file beside the checkpoints: a write has begun and is not done
+        started = _wait_for(
+            lambda t=target: (
+                any(r.step >= t for r in manager.checkpoints())
+                and any(f.name.endswith(".tmp") for f in (out / "checkpoints").iterdir())
+            ),
+            p,
+        )
+        if started:
+            p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=120)
+        in_flight += started and p.returncode == -signal.SIGKILL
+        for record in manager.checkpoints():  # what the index holds is complete
+            assert manager.verify(record.path), record.path
+    assert in_flight >= 1, "no run was killed with a write in flight; the test proved nothing"
+    done = _run(out, train_root)
+    assert done.returncode == 0, done.stderr
+    assert _losses(out) == _losses(reference)
+    _assert_same_state(_final(out), _final(reference))
+
+
+def test_synchronous_checkpoints_train_the_same_weights(reference, train_root, tmp_path):
+    out = tmp_path / "run"
+    done = _run(out, train_root, "checkpoint.async=false")
+    assert done.returncode == 0, done.stderr
+    assert _losses(out) == _losses(reference)
+    _assert_same_state(_final(out), _final(reference))
+
+
 def test_sigterm_checkpoints_and_stops_then_resumes_exactly(reference, train_root, tmp_path):
     out = tmp_path / "run"
     # no periodic checkpoints: the only one before the end is the emergency one
@@ -202,7 +257,12 @@ def test_repeated_nonfinite_steps_stop_with_a_checkpoint(train_root, tmp_path, m
     monkeypatch.setattr(DINOLoss, "forward", nan_loss)
     out = tmp_path / "run"
     with pytest.raises(NonFiniteError, match="consecutive"):
-        main(_args(out, train_root, "health.max_nonfinite_steps=2", "checkpoint.every_steps=0"))
+        main(
+            _args(
+                out, train_root, "health.max_nonfinite_steps=2", "checkpoint.every_steps=0",
+                "health.on_nonfinite=stop",
+            )
+        )  # fmt: skip
     records = CheckpointManager(out / "checkpoints").checkpoints()
     state = torch.load(records[-1].path, weights_only=True)
     assert state["reason"] == "nonfinite"

@@ -42,6 +42,11 @@ The manager assumes one writer per directory (rank 0 in distributed runs).
 Several managers with different prefixes may share a directory: the index
 keeps the records of other prefixes untouched.
 
+:class:`AsyncCheckpointWriter` puts the writing of a manager's checkpoints
+in a background thread: the caller waits only while the state is copied
+(to pinned host memory when it lives on a GPU); at most one write is in
+flight, and its error (if any) surfaces at the next save or ``wait()``.
+
 Also here: :func:`atomic_write` (the temporary-file, fsync, rename
 discipline for any file), :func:`capture_rng_state` /
 :func:`restore_rng_state` (every RNG a training step draws from, in a form
@@ -52,6 +57,7 @@ that ``torch.load(weights_only=True)`` accepts) and :func:`run_metadata`
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -67,6 +73,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -76,6 +83,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "AsyncCheckpointWriter",
     "CheckpointManager",
     "CheckpointRecord",
     "CheckpointWriteError",
@@ -676,6 +684,137 @@ class CheckpointManager:
             except (ValueError, OSError) as e:
                 warnings.warn(f"{e}; falling back to an older checkpoint", stacklevel=2)
         return None
+
+
+# ------------------------------------------------------------ asynchronous
+
+
+class _SnapshotPool:
+    """Host buffers for the tensors of a state, reused from one snapshot to
+    the next (in the order the state is walked) when shape and dtype match,
+    so a save does not page in fresh memory each time; pinned when the
+    tensor lives on a GPU, so its copy is a DMA that does not block."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+
+    def start(self) -> None:
+        self._next = 0
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        i, self._next = self._next, self._next + 1
+        t = t.detach()
+        buf = self._buffers[i] if i < len(self._buffers) else None
+        pin = t.device.type == "cuda"
+        if (
+            buf is None
+            or buf.shape != t.shape
+            or buf.dtype != t.dtype
+            or buf.is_pinned() != pin
+            or t.layout != torch.strided
+        ):
+            if t.layout != torch.strided:  # sparse and friends: a plain copy each time
+                buf = t.to("cpu", copy=True)
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            if i < len(self._buffers):
+                self._buffers[i] = buf
+            else:
+                self._buffers.append(buf)
+            if t.layout != torch.strided:
+                return buf
+        buf.copy_(t, non_blocking=pin)
+        return buf
+
+
+def _snapshot(obj: Any, pool: _SnapshotPool) -> Any:
+    """A copy of ``obj`` that later training cannot change: containers
+    rebuilt, tensors copied to host buffers, other leaves deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return pool.copy(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _snapshot(v, pool)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_snapshot(v, pool) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_snapshot(v, pool) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return copy.deepcopy(obj)
+
+
+class AsyncCheckpointWriter:
+    """Writes the checkpoints of ``manager`` in a background thread.
+
+    :meth:`save` takes the arguments of :meth:`CheckpointManager.save`. It
+    first waits for the write before it (so at most one is in flight) and
+    raises that write's error, if it had one; then it copies the state (the
+    only part the caller waits for: tensors to host buffers, pinned and
+    reused between saves, one device synchronisation on a GPU) and hands
+    the copy to a thread that writes, hashes, renames and rotates exactly
+    as a synchronous save does. The index records a checkpoint only once
+    its write is complete, so a process killed mid-write loses only that
+    write. :meth:`wait` returns the path of the last write or raises its
+    error. The thread is not a daemon: an interpreter that exits on an
+    exception still finishes the write in flight.
+    """
+
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
+        self._pool = _SnapshotPool()
+        self._thread: threading.Thread | None = None
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self.last_copy_seconds = 0.0  # what the caller of the last save waited for the copy
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a write is still going on."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Waits for the write in flight (at most ``timeout`` seconds; then
+        TimeoutError) and returns its path (None when there was none); raises
+        its error (:class:`CheckpointWriteError`) once."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"checkpoint write still in flight after {timeout} s")
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._result
+
+    def save(self, state: dict, **kwargs) -> Path:
+        """Starts writing ``state`` (see :meth:`CheckpointManager.save` for
+        the keywords) and returns the path it will have."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        self.wait()
+        start = time.perf_counter()
+        self._pool.start()
+        snapshot = _snapshot(state, self._pool)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies to pinned memory are complete
+        self.last_copy_seconds = time.perf_counter() - start
+        self._result = None
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, kwargs), name="dino_opt-checkpoint", daemon=False
+        )
+        self._thread.start()
+        return self.manager.path_for(kwargs["epoch"], kwargs["step"])
+
+    def _write(self, snapshot: dict, kwargs: dict) -> None:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self._result = self.manager.save(snapshot, **kwargs)
+            for w in caught:  # a stale index: say so on stderr, as a save in the loop would
+                print(f"warning: {w.message}", file=sys.stderr)
+        except BaseException as e:  # surfaced by the next save() or wait()
+            self._error = e
 
 
 # --------------------------------------------------------------------- RNG

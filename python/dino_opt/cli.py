@@ -42,6 +42,7 @@ from .hardware import measure_batch_size, resolve_hardware, resolve_preset
 from .job import run_training
 from .presets import PRESETS
 from .runtime import launched_world
+from .watchdog import EXIT_HANG, TrainingHungError
 from .weights import FORMATS, evaluate_weights, export_weights
 
 __all__ = ["main", "prepare_dataset"]
@@ -443,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
+    except TrainingHungError as e:
+        parser.exit(EXIT_HANG, f"dino-opt {args.command}: {e}\n")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DebugConfig",
+    "DistributedConfig",
     "EvalConfig",
     "HardwareConfig",
     "HealthConfig",
@@ -80,15 +82,18 @@ def _opt(
     le: float | None = None,
     lt: float | None = None,
     check: str | None = None,
+    key: str | None = None,
 ) -> Any:
     """A dataclass field with its documentation and its allowed values.
 
     ``ge``/``gt``/``le``/``lt`` bound a number (or both ends of a pair);
     ``check`` names a special rule: ``"scale"`` (0 < lo <= hi <= 1),
-    ``"pair"`` (lo <= hi), ``"device"``, ``"nonempty"``.
+    ``"pair"`` (lo <= hi), ``"device"``, ``"nonempty"``. ``key``: the name
+    in YAML and overrides when it cannot be the attribute's (a Python
+    keyword: ``checkpoint.async`` is the attribute ``async_``).
     """
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    meta["check"] = check
+    meta["check"], meta["key"] = check, key
     return field(default=default, metadata=meta)
 
 
@@ -281,6 +286,12 @@ class CheckpointConfig:
         "one; a checkpoint path; null: start fresh (refused if the run folder has checkpoints)",
         check="nonempty",
     )
+    async_: bool = _opt(
+        True,
+        "write checkpoints in a background thread: the step waits only for a copy of the "
+        "state (to pinned host memory on a GPU); one write in flight at a time",
+        key="async",
+    )
 
 
 @dataclass
@@ -324,8 +335,66 @@ class HealthConfig:
         3, "logging intervals averaged for the throughput check (first vs last)", ge=1
     )
     max_nonfinite_steps: int = _opt(
-        20, "stop after more than this many consecutive steps with a NaN/inf loss or gradient", ge=0
+        20,
+        "act (health.on_nonfinite) after more than this many consecutive steps with a NaN/inf "
+        "loss or gradient",
+        ge=0,
     )
+    on_nonfinite: str = _opt(
+        "rollback",
+        "after too many non-finite steps: rollback (reload the last good checkpoint, skip the "
+        "failing batches, go on), stop (save and stop), skip (skip their updates, go on)",
+        choices=("rollback", "stop", "skip"),
+    )
+    on_collapse: str = _opt(
+        "warn",
+        "on a collapse alert sustained for health.collapse_patience logging intervals: warn, "
+        "or rollback (reload the last good checkpoint at a lower learning rate)",
+        choices=("warn", "rollback"),
+    )
+    collapse_patience: int = _opt(
+        3, "consecutive logging intervals with a collapse alert before on_collapse acts", ge=1
+    )
+    max_rollbacks: int = _opt(
+        3, "rollbacks allowed in a run; one more failure stops it, its checkpoints kept", ge=0
+    )
+    rollback_lr_scale: float = _opt(
+        1.0, "each rollback multiplies the learning rate from then on by this", gt=0, le=1
+    )
+
+
+@dataclass
+class DistributedConfig:
+    """Several processes: collective timeouts and hang detection."""
+
+    timeout_s: float = _opt(
+        1800.0, "timeout of a collective of the process group (NCCL, gloo), seconds", gt=0
+    )
+    hang_timeout_s: float = _opt(
+        900.0,
+        "a rank without progress for this long ends the job, naming the stuck rank and its "
+        "last completed step (the checkpoint in flight finished first); 0: off",
+        ge=0,
+    )
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, for testing the fault tolerance of a run."""
+
+    inject_nonfinite_at_step: int | None = _opt(
+        None,
+        "make the batch of this step (as the metrics count steps) all NaN, as a corrupt image "
+        "would: the loss, the teacher's output and the center become non-finite",
+        ge=1,
+    )
+    inject_hang_at_step: int | None = _opt(
+        None,
+        "at this step, rank debug.inject_hang_rank stops (sleeps) just before the metrics "
+        "all-reduce, so the other ranks wait in it",
+        ge=1,
+    )
+    inject_hang_rank: int = _opt(0, "the rank that stops at debug.inject_hang_at_step", ge=0)
 
 
 # Section name -> section class, in the order they are written out.
@@ -340,6 +409,8 @@ _SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,
     "health": HealthConfig,
+    "distributed": DistributedConfig,
+    "debug": DebugConfig,
 }
 
 
@@ -363,6 +434,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     given_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -371,7 +444,7 @@ class Config:
         for name in _SECTIONS:
             section = getattr(self, name)
             out[name] = {
-                f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)
+                key: _plain(getattr(section, spec.attr)) for key, spec in _SPECS[name].items()
             }
         return out
 
@@ -400,6 +473,7 @@ def _plain(value: Any) -> Any:
 @dataclass(frozen=True)
 class _Spec:
     kind: str  # "int", "float", "bool", "str" or "pair"
+    attr: str  # the dataclass attribute (the key, unless that is a Python keyword)
     optional: bool
     meta: typing.Mapping[str, Any]
     default: Any
@@ -425,7 +499,8 @@ def _build_specs() -> dict[str, dict[str, _Spec]]:
         specs[name] = {}
         for f in dataclasses.fields(cls):
             kind, optional = _spec_of(hints[f.name])
-            specs[name][f.name] = _Spec(kind, optional, f.metadata, f.default)
+            key = f.metadata.get("key") or f.name
+            specs[name][key] = _Spec(kind, f.name, optional, f.metadata, f.default)
     return specs
 
 
@@ -603,6 +678,7 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
         )
     errors: list[str] = []
     sections: dict[str, Any] = {}
+    given_keys: list[str] = []
     for sname, values in d.items():
         if sname not in _SECTIONS:
             errors.append(_unknown_section(sname))
@@ -624,13 +700,14 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
                 errors.append(_unknown_key(sname, key))
                 continue
             try:
-                kwargs[key] = _convert(f"{sname}.{key}", spec, value)
+                kwargs[spec.attr] = _convert(f"{sname}.{key}", spec, value)
+                given_keys.append(f"{sname}.{key}")
             except ConfigError as e:
                 errors.extend(e.errors)
         sections[sname] = kwargs
     if errors:
         raise ConfigError(errors)
-    given = frozenset(f"{sname}.{key}" for sname, keys in sections.items() for key in keys)
+    given = frozenset(given_keys)
     cfg = Config(**{s: _SECTIONS[s](**sections.get(s, {})) for s in _SECTIONS}, given_keys=given)
     _check_relations(cfg)
     return cfg
@@ -655,9 +732,8 @@ def validate(cfg: Config) -> Config:
             continue
         for key, spec in _SPECS[sname].items():
             try:
-                converted.append(
-                    (section, key, _convert(f"{sname}.{key}", spec, getattr(section, key)))
-                )
+                value = _convert(f"{sname}.{key}", spec, getattr(section, spec.attr))
+                converted.append((section, spec.attr, value))
             except ConfigError as e:
                 errors.extend(e.errors)
     if errors:
@@ -696,6 +772,12 @@ def _check_relations(cfg: Config) -> None:
         errors.append(
             f"model.patch_size applies to ViT backbones only; model.backbone is "
             f"{m.backbone!r} (leave model.patch_size at its default)"
+        )
+    h = cfg.health
+    if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:
+        errors.append(
+            "health.on_collapse=rollback needs health.rollback_lr_scale < 1 (a rollback at "
+            "the same learning rate replays the same steps into the same collapse)"
         )
     if errors:
         raise ConfigError(errors)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .checkpoint import atomic_write, fsync_dir
@@ -42,6 +43,7 @@ from .data import MultiCropLoader
 from .hardware import resolve_hardware
 from .job import CheckpointedDINOTrainer
 from .runtime import all_reduce_metrics, barrier, init_distributed, wrap_student
+from .watchdog import EXIT_HANG, TrainingHungError
 
 __all__ = ["DistributedDINOTrainer", "launch_distributed_training"]
 
@@ -164,7 +166,8 @@ def launch_distributed_training(
 ) -> dict:
     """Trains with ``num_gpus`` processes on this node through torchrun's
     launcher (``torch.distributed.launcher``: failures of one rank stop the
-    others and are raised here). Without CUDA the processes run on the CPU
+    others and are raised here; :class:`~dino_opt.watchdog.TrainingHungError`
+    when the hang watchdog ended them). Without CUDA the processes run on the CPU
     with gloo. Returns rank 0's report. ``master_port`` None: a free port.
 
     ``config_path``: a YAML path, a dict of sections, a
@@ -204,6 +207,15 @@ def launch_distributed_training(
         kept = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
     try:
         results = elastic_launch(launch, _train_entry)(cfg, output_dir)
+    except ChildFailedError as e:
+        if EXIT_HANG in {f.exitcode for f in e.failures.values()}:
+            raise TrainingHungError(
+                f"the hang watchdog ended the run (distributed.hang_timeout_s="
+                f"{cfg.distributed.hang_timeout_s:g}); its diagnosis is above and in "
+                f"{os.path.join(output_dir or '<run folder>', 'hang.json')}; run the same "
+                "command again to resume from the last checkpoint"
+            ) from None
+        raise
     finally:
         for sig, handler in kept.items():
             signal.signal(sig, handler)

@@ -56,6 +56,7 @@ from .profiler import PerformanceMonitor
 __all__ = [
     "HealthAlert",
     "HealthThresholds",
+    "CollapseError",
     "NonFiniteError",
     "TrainingHealthMonitor",
     "step_is_finite",
@@ -73,7 +74,12 @@ class NonFiniteError(FloatingPointError):
     steps where that run of steps began and ended."""
 
     def __init__(
-        self, consecutive: int, first_step: int | None, last_step: int | None, limit: int
+        self,
+        consecutive: int,
+        first_step: int | None,
+        last_step: int | None,
+        limit: int,
+        note: str | None = None,
     ) -> None:
         self.consecutive = consecutive
         self.first_step = first_step
@@ -83,10 +89,23 @@ class NonFiniteError(FloatingPointError):
         super().__init__(
             f"{consecutive} consecutive non-finite steps (loss or gradient norm NaN or inf)"
             f"{where}, more than max_nonfinite_steps={limit}: training "
-            "has diverged. Resume from the last good checkpoint with a lower learning rate "
+            + (f"has diverged; {note}. " if note else "has diverged. ")
+            + "Resume from the last good checkpoint with a lower learning rate "
             "(or a longer warm-up, or stronger gradient clipping); with fp16 autocast, use "
             "bf16 instead (hardware.precision=bf16), whose range does not overflow."
         )
+
+    def __reduce__(self):
+        return (type(self), (self.consecutive, self.first_step, self.last_step, self.limit))
+
+
+class CollapseError(RuntimeError):
+    """A collapse that rollbacks did not cure: ``alerts`` names the collapse
+    alerts of the last logging interval."""
+
+    def __init__(self, message: str, alerts: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.alerts = list(alerts)
 
 
 @dataclass(frozen=True)
@@ -552,6 +571,11 @@ class TrainingHealthMonitor:
         self._use_device([c])
         with torch.no_grad():
             self._record_steps(c, step)
+
+    def current_streak(self) -> int:
+        """The current run of consecutive non-finite steps (one host sync;
+        0 before any step). The window is left as it is."""
+        return 0 if self._state is None else int(self._state[_STREAK].item())
 
     # ------------------------------------------------------------ at logging intervals
 

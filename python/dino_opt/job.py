@@ -35,12 +35,25 @@ from .build import (
     data_roots,
     trainer_options,
 )
-from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, run_metadata
+from .checkpoint import (
+    AsyncCheckpointWriter,
+    CheckpointManager,
+    atomic_write,
+    capture_rng_state,
+    restore_rng_state,
+    run_metadata,
+)
 from .config import Config, apply_overrides, default_config, load_config, save_config
 from .data import MultiCropLoader
 from .evaluate import evaluate_run
 from .hardware import resolve_hardware
-from .health import HealthThresholds, NonFiniteError, TrainingHealthMonitor, teacher_entropy_per_row
+from .health import (
+    CollapseError,
+    HealthThresholds,
+    NonFiniteError,
+    TrainingHealthMonitor,
+    teacher_entropy_per_row,
+)
 from .loss import DINOLoss
 from .memory import MemoryTracker
 from .plots import plot_training_curves
@@ -57,6 +70,7 @@ from .runtime import (
 )
 from .schedules import Schedules
 from .trainer import DINOModel, MemoryOptimizedDINOTrainer
+from .watchdog import HangWatchdog, host_store, join_store
 from .weights import init_from
 
 __all__ = ["PROFILE_PHASES", "CheckpointedDINOTrainer", "ResumeError", "run_training"]
@@ -68,12 +82,32 @@ PROFILE_PHASES = ("data_wait", "forward_backward", "optimizer_step")
 # where things go and how they are reported, not what is computed (the loader
 # gives the same batches whatever its thread count).
 _RESUME_MAY_DIFFER = ("logging.", "checkpoint.", "health.", "eval.", "hardware.device",
-                      "hardware.preset", "model.init_from",
+                      "hardware.preset", "model.init_from", "distributed.", "debug.",
                       "data.num_workers", "data.prefetch", "data.pin_memory")  # fmt: skip
+
+# Saves made even while the run is unhealthy (a non-finite streak, or a
+# collapse that may be rolled back); the others wait, so that every
+# checkpoint is one to go back to.
+_NEVER_HELD_BACK = ("final", "nonfinite")
 
 
 class ResumeError(ValueError):
     """A checkpoint cannot continue this run (another config, a bad file)."""
+
+
+class _Rollback(Exception):
+    """Raised inside the epoch loop to go back to the last good checkpoint.
+    ``iterations``: the (first, last) optimizer iterations to skip, or None."""
+
+    def __init__(
+        self,
+        reason: str,
+        iterations: tuple[int, int] | None,
+        detail: str,
+        error: NonFiniteError | None = None,
+    ):
+        super().__init__(detail)
+        self.reason, self.iterations, self.detail, self.error = reason, iterations, detail, error
 
 
 def _config_differences(saved: dict, current: dict) -> list[str]:
@@ -171,6 +205,10 @@ class CheckpointedDINOTrainer:
         self._set_output_dir(Path(out))
         self.epoch = self.step = 0
         self.history: list[dict] = []
+        self.rollbacks: list[dict] = []  # one record per rollback, in the state
+        self._collapse_streak = 0  # logging intervals in a row with a collapse alert
+        self.writer: AsyncCheckpointWriter | None = None  # rank 0, checkpoint.async
+        self.watchdog: HangWatchdog | None = None
         self._seconds_before = 0.0  # training time of the runs this one resumes
         self._started = time.perf_counter()
 
@@ -189,7 +227,9 @@ class CheckpointedDINOTrainer:
         """Joins the process group, resolves the hardware preset (on the first
         process, handed to the others), fixes the run folder and reads the
         checkpoint to resume from (checked against this config)."""
-        info = init_distributed(self.config.hardware.device)
+        info = init_distributed(
+            self.config.hardware.device, timeout_s=self.config.distributed.timeout_s
+        )
         self.device, self.rank, self.world = info.device, info.rank, info.world_size
         self.lead = self.rank == 0  # writes the run folder; every rank trains
         if self.lead:
@@ -280,6 +320,7 @@ class CheckpointedDINOTrainer:
             "rng": gather_objects(capture_rng_state()),  # per rank
             "world_size": self.world,
             "history": self.history,
+            "rollbacks": self.rollbacks,
             "train_seconds": self._seconds_before + time.perf_counter() - self._started,
             "config": self.config.to_dict(),
             "metadata": self.metadata,
@@ -304,6 +345,7 @@ class CheckpointedDINOTrainer:
         restore_rng_state(state["rng"][self.rank], strict=False)
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.history = list(state.get("history", []))
+        self.rollbacks = list(state.get("rollbacks", []))
         self._seconds_before = float(state.get("train_seconds", 0.0))
 
     def _resume(self, resumed: tuple[dict, Path] | None) -> Path | None:
@@ -329,25 +371,59 @@ class CheckpointedDINOTrainer:
         if self.lead:
             print("starting from " + "; ".join(self.init_notes), file=sys.stderr)
 
-    def _save(self, reason: str, *, end_of_epoch: bool = False) -> Path | None:
-        """Collective: every rank calls it at the same step; rank 0 writes,
-        then all learn whether the write succeeded, so that a full disk stops
-        them all."""
-        state = {**self.state_dict(), "reason": reason}
-        if not self.lead:
-            if all_reduce_metrics({"ok": 1.0})["ok"] < 1.0:
-                raise RuntimeError(f"rank 0 could not write the checkpoint of step {self.step}")
+    def _collective(self, name: str):
+        """Marks a collective for the hang watchdog (what the ranks wait in)."""
+        return self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext()
+
+    def _save(self, reason: str, *, end_of_epoch: bool = False, wait: bool = False):
+        """Collective: every rank calls it at the same step. Rank 0 writes
+        (in the background with ``checkpoint.async`` unless ``wait``); then
+        all learn whether its write, or the previous one, failed, so that a
+        full disk stops them all. Returns the checkpoint's path on rank 0
+        (None elsewhere, or when held back while the run is unhealthy)."""
+        if reason not in _NEVER_HELD_BACK and self._unhealthy():
+            if self.lead:
+                print(f"step {self.step}: {reason} checkpoint held back: the run is unhealthy "
+                      "(a checkpoint must be one to roll back to)", file=sys.stderr)  # fmt: skip
             return None
-        try:
-            path = self.checkpoint_manager.save(
-                state, epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
-                milestone=True if reason == "final" else None,
-            )  # fmt: skip
-        except BaseException:
-            all_reduce_metrics({"ok": 0.0})
-            raise
-        all_reduce_metrics({"ok": 1.0})
+        with self._collective("checkpoint state"):
+            state = {**self.state_dict(), "reason": reason}
+        path, error = None, None
+        if self.lead:
+            try:
+                path = self._write(state, reason, end_of_epoch, wait)
+            except BaseException as e:  # reported to every rank first
+                error = e
+        del state
+        with self._collective("checkpoint result"):
+            ok = all_reduce_metrics({"ok": float(error is None)})["ok"]
+        if error is not None:
+            raise error
+        if ok < 1.0:
+            raise RuntimeError(f"rank 0 could not write a checkpoint (at step {self.step})")
         return path
+
+    def _write(self, state: dict, reason: str, end_of_epoch: bool, wait: bool) -> Path:
+        """Rank 0: one checkpoint, synchronously or through the writer (whose
+        save first raises the error of the write before, if any)."""
+        kwargs = dict(epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
+                      milestone=True if reason == "final" else None)  # fmt: skip
+        if self.writer is None:
+            return self.checkpoint_manager.save(state, **kwargs)
+        path = self.writer.save(state, **kwargs)
+        if wait:
+            self.writer.wait()
+        return path
+
+    def _unhealthy(self) -> bool:
+        """Collective: whether any rank is in a non-finite streak or (with
+        ``health.on_collapse=rollback``) a collapse, so saves wait."""
+        if self.monitor is None:
+            return False
+        local = self.monitor.current_streak() > 0
+        local |= self.config.health.on_collapse == "rollback" and self._collapse_streak > 0
+        with self._collective("health"):
+            return all_reduce_metrics({"unhealthy": float(local)})["unhealthy"] > 0
 
     # ------------------------------------------------------------ the job
 
@@ -362,18 +438,97 @@ class CheckpointedDINOTrainer:
             self._init_from(self.config.model.init_from)
         del resumed  # the tensors now live in the models and the optimizer
         self._start_logging()
-        stopped_by = None
+        if self.lead and self.config.checkpoint.async_:
+            self.writer = AsyncCheckpointWriter(self.checkpoint_manager)
+        self.watchdog = self._start_watchdog()
         try:
             with GracefulStop() as stop:
+                if self.step == 0 and self._may_roll_back():
+                    self._save("start")  # a checkpoint to go back to
+                stopped_by = self._train_epochs(stop)
+        except BaseException:
+            self._abandon()
+            raise
+        return self._finish(stopped_by, resumed_from)
+
+    def _abandon(self) -> None:
+        """After an error: the write in flight finishes (its own error, if
+        any, is printed: the one being raised matters more), sinks close."""
+        self._stop_watchdog()
+        self.log.close()
+        self.parts.loader.close()
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except Exception as e:
+                print(f"the checkpoint write in flight failed too: {e}", file=sys.stderr)
+
+    def _may_roll_back(self) -> bool:
+        h = self.config.health
+        return h.enabled and "rollback" in (h.on_nonfinite, h.on_collapse)
+
+    def _train_epochs(self, stop: GracefulStop) -> str | None:
+        """The epochs from the current one on, going back to the last good
+        checkpoint when the health checks ask for it. Returns the signal
+        that stopped the run, if any."""
+        while True:
+            try:
                 for epoch in range(self.epoch, self.config.schedule.epochs):
                     stopped_by = self._run_epoch(epoch, stop)
                     if stopped_by is not None:
-                        break
-        except BaseException:
-            self.log.close()
-            self.parts.loader.close()
-            raise
-        return self._finish(stopped_by, resumed_from)
+                        return stopped_by
+                return None
+            except _Rollback as r:
+                self._rollback(r)
+
+    # ------------------------------------------------------------ hangs
+
+    def _start_watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog (``distributed.hang_timeout_s``), with a
+        heartbeat store hosted by rank 0 when there are several ranks."""
+        timeout = self.config.distributed.hang_timeout_s
+        if not timeout:
+            return None
+        store = None
+        if self.world > 1:
+            store = host_store() if self.lead else None
+            port = broadcast_object(store.port if store is not None else None)
+            if store is None:
+                store = join_store(os.environ.get("MASTER_ADDR", "localhost"), port)
+        watchdog = HangWatchdog(timeout, rank=self.rank, world_size=self.world, store=store,
+                                on_hang=self._on_hang)  # fmt: skip
+        return watchdog.start()
+
+    def _on_hang(self, message: str, stuck: list[int]) -> str:
+        """In the watchdog's thread, before the process ends: the write in
+        flight finishes, ``hang.json`` names what hung and what is on disk."""
+        notes = []
+        if self.writer is not None and self.writer.in_flight:
+            try:
+                notes.append(f"the checkpoint write in flight finished: {self.writer.wait(300)}")
+            except Exception as e:
+                notes.append(f"the checkpoint write in flight did not finish: {e}")
+        records = self.checkpoint_manager.checkpoints()
+        last = records[-1] if records else None
+        notes.append(
+            f"last checkpoint on disk: {last.path} (step {last.step}); run the same command "
+            "again to resume from it"
+            if last
+            else "no checkpoint on disk yet"
+        )
+        if self.lead:
+            hang = {
+                "message": message,
+                "stuck_ranks": stuck,
+                "world_size": self.world,
+                "checkpoint": str(last.path) if last else None,
+                "checkpoint_step": last.step if last else None,
+                "time": time.time(),
+            }
+            with contextlib.suppress(OSError):
+                text = json.dumps(hang, indent=2) + "\n"
+                atomic_write(self.folder.hang, lambda w: w.write(text.encode()))
+        return "\n".join(notes)
 
     def _start_logging(self) -> None:
         cfg = self.config
@@ -410,7 +565,13 @@ class CheckpointedDINOTrainer:
                 batch = next(batches, None)
             if batch is None:
                 break
-            self._train_step(batch, epoch, stop)
+            if self._skipped(self.step):
+                self._skip_batch(epoch)
+            else:
+                self._train_step(batch, epoch, stop)
+            if self.watchdog is not None:
+                self.watchdog.progress(self.step)
+                self.watchdog.arm()  # from the first step on (not during compilation)
             if self.trainer.at_step_boundary:
                 stopped_by = self._at_step_boundary(stop)
                 if stopped_by is not None:
@@ -422,18 +583,99 @@ class CheckpointedDINOTrainer:
             self._save("epoch", end_of_epoch=True)
         return None
 
+    # ------------------------------------------------------------ rollback
+
+    def _skipped(self, step: int) -> bool:
+        """Whether the micro-batch after ``step`` belongs to an optimizer
+        iteration a rollback skips."""
+        it = step // self.config.optim.accumulation_steps
+        return any(r["skipped_iterations"] and r["skipped_iterations"][0] <= it
+                   <= r["skipped_iterations"][1] for r in self.rollbacks)  # fmt: skip
+
+    def _skip_batch(self, epoch: int) -> None:
+        """A skipped micro-batch: read, not trained on; the step count and
+        the teacher's momentum schedule move on as if it had been."""
+        self.epoch = epoch
+        self.step += 1
+        self.log.advance()
+        if self.step % self.config.optim.accumulation_steps == 0:
+            self.parts.model.teacher_step += 1
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning-rate factor of the rollbacks so far."""
+        return self.config.health.rollback_lr_scale ** len(self.rollbacks)
+
+    def _rollback(self, r: _Rollback) -> None:
+        """Back to the newest checkpoint before the failure, every rank at
+        once: its complete state, with the rollbacks so far (this one
+        included) kept, so the batches that failed are skipped and a resumed
+        run makes the same choices."""
+        h = self.config.health
+        if self.writer is not None:
+            self.writer.wait()  # the write in flight is a good checkpoint too
+        if len(self.rollbacks) >= h.max_rollbacks:
+            self._give_up(r)
+        first_bad = r.iterations[0] * self.config.optim.accumulation_steps if r.iterations else None
+        state, path = self._rollback_target(first_bad, r)
+        record = {"event": "rollback", "step": int(state["step"]), "epoch": int(state["epoch"]),
+                  "reason": r.reason, "detail": r.detail, "at_step": self.step,
+                  "skipped_iterations": list(r.iterations) if r.iterations else None,
+                  "checkpoint": path.name, "rollback": len(self.rollbacks) + 1}  # fmt: skip
+        rollbacks = [*self.rollbacks, record]
+        before = len(state.get("rollbacks", []))
+        self.load_state_dict(state)
+        self.rollbacks = rollbacks
+        self.history += [e for e in rollbacks[before:-1]]  # earlier events after that checkpoint
+        record["lr_scale"] = self.lr_scale
+        self.trainer.discard_accumulation()
+        self._collapse_streak = 0
+        self.log.close()
+        self._start_logging()  # metrics and TensorBoard rewound to the checkpoint, as on resume
+        self.history.append(record)
+        self.log.event(record)
+        if self.lead:
+            print(f"rollback {record['rollback']}/{h.max_rollbacks} at step {record['at_step']}: "
+                  f"{r.detail}; back to {path.name} (step {self.step}), skipping optimizer "
+                  f"iterations {record['skipped_iterations']}, lr x{self.lr_scale:g}",
+                  file=sys.stderr)  # fmt: skip
+
+    def _rollback_target(self, first_bad: int | None, r: _Rollback) -> tuple[dict, Path]:
+        """The newest checkpoint that loads and was written before step
+        ``first_bad`` (before this step when None)."""
+        limit = self.step - 1 if first_bad is None else first_bad
+        for record in reversed(self.checkpoint_manager.checkpoints()):
+            if record.step <= limit:
+                with contextlib.suppress(ValueError, OSError):
+                    return self.checkpoint_manager.load(record.path), record.path
+        self._give_up(r, f"no checkpoint written before step {limit + 1} loads")
+
+    def _give_up(self, r: _Rollback, why: str | None = None):
+        why = why or f"health.max_rollbacks={self.config.health.max_rollbacks} rollbacks done"
+        records = self.checkpoint_manager.checkpoints()
+        kept = f"; the last good checkpoint is kept: {records[-1].path}" if records else ""
+        if r.reason == "collapse":
+            alerts = [a.name for a in self.monitor.last_alerts]
+            raise CollapseError(f"{r.detail}; cannot roll back: {why}{kept}", alerts)
+        e = r.error
+        raise NonFiniteError(e.consecutive, e.first_step, e.last_step, e.limit,
+                             note=f"cannot roll back: {why}{kept}")  # fmt: skip
+
     def _train_step(self, batch, epoch: int, stop: GracefulStop) -> None:
         """One micro-batch: schedules, forward and backward, the optimizer
         step when one is due, health observation, and the logging row."""
         cfg, p = self.config, self.parts
         self.epoch = epoch
         it = min(self.step // cfg.optim.accumulation_steps, len(p.schedules.lr) - 1)
-        self.trainer.set_schedules(p.schedules, it)
+        self.trainer.set_schedules(p.schedules, it, self.lr_scale)
         total = cfg.schedule.epochs * len(p.loader)
         logging_step = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == total
         self.trainer.capture_outputs = logging_step and self.monitor is not None
+        crops = batch.crops
+        if cfg.debug.inject_nonfinite_at_step == self.step + 1:
+            crops = [torch.full_like(crops[0], float("nan")), *crops[1:]]  # a corrupt batch
         with self._phase("forward_backward"):
-            loss, _ = self.trainer.train_step_optimized(batch.crops, epoch)
+            loss, _ = self.trainer.train_step_optimized(crops, epoch)
         with self._phase("optimizer_step"):
             stepped = self.trainer.optimize_step()
         self.step += 1
@@ -464,50 +706,94 @@ class CheckpointedDINOTrainer:
         trainer.captured = {}
 
     def _log_row(self, loss: torch.Tensor, epoch: int, it: int, stop: GracefulStop) -> None:
-        """The metrics of a logging step: one all-reduce (and host sync) for
-        the mean loss over ranks and whether any rank got a signal."""
+        """The metrics of a logging step: this rank's health check, then one
+        all-reduce (and host sync) for the mean loss over ranks, whether any
+        rank got a signal, diverged or sees a collapse; then the health
+        policy acts on what the ranks saw together."""
         cfg, s = self.config, self.parts.schedules
         now = time.perf_counter()
-        images = (self.step - self._window[1]) * cfg.data.batch_size
-        reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested)})
+        ips = (self.step - self._window[1]) * cfg.data.batch_size / max(now - self._window[0], 1e-9)
+        health, alerts, diverged = self._check_health(loss, ips)
+        collapsed = any(a.name.startswith("collapse") for a in alerts)
+        self._injected_hang()
+        with self._collective("metrics"):
+            reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),
+                                          "diverged": float(diverged is not None),
+                                          "collapsed": float(collapsed)})  # fmt: skip
         if reduced["stop"] > 0 and self._pending_stop is None:
             self._pending_stop = stop.signal_name or "SIGTERM"
-        row = {
-            "step": self.step,
-            "epoch": epoch,
-            "loss": reduced["loss"],
-            "lr": float(s.lr[it]),
-            "weight_decay": float(s.weight_decay[it]),
-            "momentum": float(s.momentum[it]),
-            "images_per_second": images / max(now - self._window[0], 1e-9),
-        }
+        row = {"step": self.step, "epoch": epoch, "loss": reduced["loss"],
+               "lr": float(s.lr[it]) * self.lr_scale, "weight_decay": float(s.weight_decay[it]),
+               "momentum": float(s.momentum[it]), "images_per_second": ips}  # fmt: skip
         row.update(self.tracker.get_memory_stats())
-        alerts = self._health_alerts(row)
+        row.update({k: v for k, v in health.items() if k not in row})
+        if alerts:
+            row["alerts"] = [a.name for a in alerts]
         self._window = (now, self.step)
         self.history.append(row)
         self.log.write(row)
         self.log.alerts([a.message for a in alerts], self.step)
+        self._act_on_health(reduced, diverged)
 
-    def _health_alerts(self, row: dict) -> list:
-        """This rank's health diagnostics into ``row`` (the loss stays the mean
-        over ranks) and the alerts they raise; on repeated non-finite steps,
-        the row is logged, a checkpoint saved, and NonFiniteError raised."""
+    def _check_health(self, loss: torch.Tensor, ips: float):
+        """This rank's health diagnostics of the window, the alerts they
+        raise, and the NonFiniteError when the non-finite streak is too long
+        (returned, not raised: the ranks decide together)."""
         if self.monitor is None:
-            return []
+            return {}, [], None
         health = self.monitor.summary()
-        row.update({k: v for k, v in health.items() if k not in row})
         try:
-            alerts = self.monitor.check_training_health(
-                {**row, "throughput": row["images_per_second"]}
-            )
-        except NonFiniteError:
-            self.history.append(row)
-            self.log.write(row)
-            self._save("nonfinite")
-            raise
-        if alerts:
-            row["alerts"] = [a.name for a in alerts]
-        return alerts
+            alerts = self.monitor.check_training_health({**health, "loss": loss, "throughput": ips})
+        except NonFiniteError as e:
+            return health, self.monitor.last_alerts, e
+        return health, alerts, None
+
+    def _injected_hang(self) -> None:
+        """``debug.inject_hang_at_step``: this rank stops before the metrics
+        all-reduce (until the hang watchdog ends the process)."""
+        d = self.config.debug
+        if d.inject_hang_at_step == self.step and self.rank == d.inject_hang_rank:
+            print(f"rank {self.rank}: debug.inject_hang_at_step={self.step}: stopping",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            while True:
+                time.sleep(60)
+
+    def _act_on_health(self, reduced: dict, diverged: NonFiniteError | None) -> None:
+        """``health.on_nonfinite`` when any rank diverged, ``health.on_collapse``
+        when the ranks saw a collapse ``health.collapse_patience`` intervals in a row."""
+        h = self.config.health
+        if reduced.get("diverged", 0) > 0 and h.on_nonfinite != "skip":
+            error = diverged or NonFiniteError(
+                h.max_nonfinite_steps + 1, None, None, h.max_nonfinite_steps,
+                note="another process saw it",
+            )  # fmt: skip
+            if h.on_nonfinite == "stop":
+                self._save("nonfinite", wait=True)
+                raise error
+            detail = (f"{error.consecutive} consecutive non-finite steps"
+                      + (f" (steps {error.first_step}-{error.last_step})"
+                         if error.last_step is not None else ""))  # fmt: skip
+            raise _Rollback("nonfinite", self._failed_iterations(diverged), detail, error)
+        self._collapse_streak = self._collapse_streak + 1 if reduced.get("collapsed") else 0
+        if h.on_collapse == "rollback" and self._collapse_streak >= h.collapse_patience:
+            names = sorted({a.name for a in self.monitor.last_alerts})
+            detail = (f"collapse ({', '.join(names) or 'on another rank'}) for "
+                      f"{self._collapse_streak} logging intervals")  # fmt: skip
+            raise _Rollback("collapse", None, detail)
+
+    def _failed_iterations(self, diverged: NonFiniteError | None) -> tuple[int, int]:
+        """Collective: the optimizer iterations of the non-finite streak, over
+        every rank that saw one (iteration i trains micro-batches
+        i*accumulation ... (i+1)*accumulation - 1)."""
+        accumulation = self.config.optim.accumulation_steps
+        local = None
+        if diverged is not None:
+            last_step = diverged.last_step if diverged.last_step is not None else self.step
+            last = last_step // accumulation - 1
+            local = (last - diverged.consecutive + 1, last)
+        with self._collective("rollback"):
+            spans = [x for x in gather_objects(local) if x is not None]
+        return min(a for a, _ in spans), max(b for _, b in spans)
 
     def _at_step_boundary(self, stop: GracefulStop) -> str | None:
         """After an optimizer step: act on a stop signal (alone at once; with
@@ -516,7 +802,7 @@ class CheckpointedDINOTrainer:
         if self._pending_stop is None and stop.requested and self.world == 1:
             self._pending_stop = stop.signal_name
         if self._pending_stop is not None:
-            self._save(f"signal:{self._pending_stop}")
+            self._save(f"signal:{self._pending_stop}", wait=True)
             return self._pending_stop
         cfg, loader = self.config, self.parts.loader
         every = cfg.checkpoint.every_steps * cfg.optim.accumulation_steps  # in loader batches
@@ -532,13 +818,15 @@ class CheckpointedDINOTrainer:
         profile, the curves and the evaluation (on rank 0)."""
         cfg = self.config
         self.parts.loader.close()
+        losses = [row["loss"] for row in self.history if "loss" in row]
         report = {
             "epochs": cfg.schedule.epochs,
             "steps": self.step,
             "train_seconds": self._seconds_before + time.perf_counter() - self._started,
-            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "final_loss": losses[-1] if losses else None,
             "device": str(self.device),
             "run_folder": str(self.output_dir),
+            "rollbacks": self.rollbacks,
         }
         if self.hardware_preset is not None:
             report["hardware_preset"] = self.hardware_preset
@@ -547,12 +835,14 @@ class CheckpointedDINOTrainer:
         elif self.init_notes:
             report["init_from"] = self.init_notes
         if stopped_by is not None:
+            self._stop_watchdog()
             report["stopped_by"] = stopped_by
             report["checkpoint"] = str(self.checkpoint_manager.latest_path())
             return self._write_report(report, final=False)
         self.parts.loader.set_epoch(cfg.schedule.epochs)
         self.epoch = cfg.schedule.epochs
-        report["checkpoint"] = str(self._save("final", end_of_epoch=True))
+        report["checkpoint"] = str(self._save("final", end_of_epoch=True, wait=True))
+        self._stop_watchdog()  # not during the evaluation
         if not self.lead:  # rank 0 evaluates and writes the report
             self.log.close()
             return report
@@ -563,6 +853,10 @@ class CheckpointedDINOTrainer:
             nets = (p.teacher.backbone, p.random_teacher.backbone)
             report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder))
         return self._write_report(report, final=True)
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def _profile_report(self) -> dict:
         """``profile.json`` and the report's per-phase shares of a step."""

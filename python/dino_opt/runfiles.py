@@ -7,6 +7,7 @@
     <run>/report.json              the run's report (k-NN, time, profile shares)
     <run>/profile.json             time per step phase
     <run>/checkpoints/             checkpoints, their sidecars and index
+    <run>/hang.json                written when the hang watchdog ended the run
     <run>/tensorboard/             TensorBoard event files
     <run>/wandb_id.txt             the Weights & Biases run id (resumed with the folder)
     <run>/training_curves.png      the metrics over the steps
@@ -50,6 +51,7 @@ class RunFolder:
     CHECKPOINT_REPORT = "checkpoint_report.json"
     PERFORMANCE_REPORT = "performance_report.json"
     MODEL_EVOLUTION = "model_evolution.png"
+    HANG = "hang.json"
 
     config = _entry(CONFIG)
     metrics = _entry(METRICS)
@@ -62,6 +64,7 @@ class RunFolder:
     checkpoint_report = _entry(CHECKPOINT_REPORT)
     performance_report = _entry(PERFORMANCE_REPORT)
     model_evolution = _entry(MODEL_EVOLUTION)
+    hang = _entry(HANG)
 
     def tsne(self, which: str) -> Path:
         """The t-SNE map of the ``which`` teacher ('trained' or 'random_init')."""

@@ -109,6 +109,18 @@ class RunLog:
         self._bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
                               ips=f"{row['images_per_second']:.0f}", mem=f"{mem:.2f}G")  # fmt: skip
 
+    def event(self, row: dict[str, Any]) -> None:
+        """A row that is not a metrics row (``step``, ``epoch``, ``event`` and
+        what it says): in ``metrics.jsonl`` among the rows, and as
+        TensorBoard text under ``events``."""
+        self._write_line(row)
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.add_text(f"events/{row['event']}", json.dumps(row), row["step"])
+        if self._wandb is not None:
+            self._wandb.log({f"events/{row['event']}": json.dumps(row)}, step=row["step"])
+
     def alerts(self, messages: Sequence[str], step: int) -> None:
         """Health alerts, as TensorBoard text."""
         if self._tb is not None:

@@ -132,7 +132,10 @@ def init_distributed(
     """Joins the process group the launcher describes (torchrun or SLURM
     variables; see :func:`launched_world`), once; a single process stays
     alone. ``device`` 'auto' is ``cuda:LOCAL_RANK`` when CUDA is available,
-    else the CPU; ``backend`` defaults to NCCL on CUDA and gloo on the CPU."""
+    else the CPU; ``backend`` defaults to NCCL on CUDA and gloo on the CPU.
+    ``timeout_s``: how long a collective may wait before it fails (NCCL's
+    asynchronous error handling is switched on, unless the environment
+    chooses otherwise)."""
 
     placed = launched_world()
     if placed is None or placed[1] == 1:
@@ -160,6 +163,10 @@ def init_distributed(
                     "first node's host name) and MASTER_PORT before srun"
                 )
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        if use_cuda and backend in (None, "nccl"):
+            # a failed or timed-out NCCL collective aborts the communicator
+            # and raises, instead of blocking the process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group(
             backend or ("nccl" if use_cuda else "gloo"),
             rank=r,

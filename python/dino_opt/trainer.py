@@ -262,16 +262,23 @@ class MemoryOptimizedDINOTrainer:
             self.model.teacher_step += 1  # the momentum schedule stays aligned with the steps
         return True
 
+    def discard_accumulation(self) -> None:
+        """Drops the gradients of micro-batches not yet stepped (a rollback
+        abandons them), so the next micro-batch starts an optimizer step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_steps = 0
+        self.captured = {}
+
     @property
     def at_step_boundary(self) -> bool:
         """Whether no micro-batch is waiting for an optimizer step (true after
         :meth:`optimize_step` has stepped, and before the first micro-batch)."""
         return self._micro_steps == 0
 
-    def set_schedules(self, schedules: Schedules, iteration: int) -> None:
-        """Applies the lr and weight decay of ``iteration`` to the optimizer
-        (weight decay only to the group that has it, as DINO does)."""
+    def set_schedules(self, schedules: Schedules, iteration: int, lr_scale: float = 1.0) -> None:
+        """Applies the lr (times ``lr_scale``) and weight decay of ``iteration``
+        to the optimizer (weight decay only to the group that has it, as DINO does)."""
         for i, group in enumerate(self.optimizer.param_groups):
-            group["lr"] = float(schedules.lr[iteration])
+            group["lr"] = float(schedules.lr[iteration]) * lr_scale
             if i == 0:
                 group["weight_decay"] = float(schedules.weight_decay[iteration])
