@@ -7,7 +7,8 @@ steps of :class:`~dino_opt.trainer.MemoryOptimizedDINOTrainer`, logging
 (:class:`~dino_opt.runlog.RunLog`, health, profile), checkpoints
 (:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
 (the final checkpoint, the profile, the curves, the k-NN evaluation,
-``report.json``).
+``report.json``); and what keeps a long run alive: asynchronous
+checkpoints, rollback to the last good checkpoint, the hang watchdog.
 """
 
 from __future__ import annotations
@@ -161,12 +162,23 @@ class CheckpointedDINOTrainer:
     config is what every process trains with and what ``config.yaml`` holds.
 
     Checkpoints go to ``<run>/checkpoints/`` (a
-    :class:`~dino_opt.checkpoint.CheckpointManager`, ``checkpoint_manager``)
-    at the end of every ``checkpoint.every_epochs`` epochs, every
-    ``checkpoint.every_steps`` optimizer steps, when a SIGTERM, SIGINT or
-    SIGUSR1 arrives (at the next step boundary, then the run stops cleanly:
-    ``report["stopped_by"]``), when the run stops on repeated non-finite
-    steps, and at the end.
+    :class:`~dino_opt.checkpoint.CheckpointManager`, ``checkpoint_manager``;
+    written in the background by an
+    :class:`~dino_opt.checkpoint.AsyncCheckpointWriter` with
+    ``checkpoint.async``) at the end of every ``checkpoint.every_epochs``
+    epochs, every ``checkpoint.every_steps`` optimizer steps, when a
+    SIGTERM, SIGINT or SIGUSR1 arrives (at the next step boundary, then the
+    run stops cleanly: ``report["stopped_by"]``), when the run stops on
+    repeated non-finite steps, at step 0 when a rollback policy is on, and
+    at the end; periodic ones are held back while the run is unhealthy.
+
+    Health (``health.on_nonfinite``, ``health.on_collapse``): too many
+    non-finite steps in a row, or a sustained collapse, send every rank back
+    to the last good checkpoint, skipping the failed iterations and scaling
+    the learning rate (the rollbacks are part of the state), or stop the
+    run. A hang watchdog (``distributed.hang_timeout_s``,
+    :class:`~dino_opt.watchdog.HangWatchdog`) ends a run whose rank stopped
+    making progress, naming it.
 
     The state (:meth:`state_dict`): student, teacher, optimizer, grad scaler,
     loss center, the teacher's step, epoch and step, every process's loader

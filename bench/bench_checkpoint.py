@@ -1,0 +1,208 @@
+"""What frequent checkpoints cost a training step: synchronous writes
+(``checkpoint.async=false``: the step waits for torch.save, the SHA-256, the
+fsync and the renames) against dino_opt's asynchronous writer (the step
+waits only for the copy of the state to host buffers), with
+``checkpoint.every_steps`` in {1, 10, 100}, on the demo model and on
+ViT-S/16 with DINO's head (out_dim 65536) and crops (2x224 + 8x96).
+
+The loop is the training job's: the trainer's step on synthetic crops, and
+every N steps the job's state (student, teacher, optimizer, loss center)
+saved through a ``CheckpointManager`` (sync) or an ``AsyncCheckpointWriter``
+(async) into a temporary folder beside the results (the disk a run would
+use). Each row is the mean step time over a window of steps with saves
+against the same window without (interleaved, best of ``--repeats``). A
+row marked ``derived`` (every_steps above ``--direct-max``) is the extra
+time of one save measured at every_steps=10 spread over N steps.
+
+    python bench/bench_checkpoint.py [--models demo,vit_small] [--batch-size 64,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, machine, print_table, write_json  # noqa: E402
+from dino_opt.build import (  # noqa: E402
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_schedules,
+    trainer_options,  # noqa: E402
+)
+from dino_opt.checkpoint import AsyncCheckpointWriter, CheckpointManager  # noqa: E402
+from dino_opt.cli import DEMO_PRESET  # noqa: E402
+from dino_opt.config import Config, apply_overrides  # noqa: E402
+from dino_opt.trainer import DINOModel, MemoryOptimizedDINOTrainer  # noqa: E402
+
+MODELS = {
+    "demo": lambda: Config.from_dict(DEMO_PRESET),
+    # DINO's ViT-S/16 recipe: 2 x 224 + 8 x 96 crops, head out_dim 65536
+    "vit_small": lambda: apply_overrides(Config(), []),
+}
+
+
+class _Loop:
+    """The training step and the job's checkpoint state of one model."""
+
+    def __init__(self, cfg: Config, batch: int, device: torch.device):
+        cfg = apply_overrides(cfg, [f"data.batch_size={batch}", "hardware.device=cpu"])
+        torch.manual_seed(0)
+        student, teacher = build_models(cfg)
+        self.student, self.teacher = student.to(device), teacher.to(device)
+        schedules = build_schedules(cfg, 1000)
+        model = DINOModel(self.student, self.teacher, schedules.momentum)
+        self.loss = build_loss(cfg).to(device)
+        self.optimizer = build_optimizer(cfg, self.student, device)
+        self.trainer = MemoryOptimizedDINOTrainer(
+            model, self.loss, self.optimizer, trainer_options(cfg), device
+        )
+        self.trainer.set_schedules(schedules, 100)
+        a = cfg.augmentation
+        g, lc = a.global_crop_size, a.local_crop_size
+        self.crops = [torch.randn(batch, 3, g, g, device=device) for _ in range(2)]
+        self.crops += [torch.randn(batch, 3, lc, lc, device=device)
+                       for _ in range(a.num_local_views)]  # fmt: skip
+        self.step = 0
+
+    def train_step(self) -> None:
+        self.trainer.train_step_optimized(self.crops, epoch=1)
+        self.trainer.optimize_step()
+        self.step += 1
+
+    def state(self) -> dict:
+        return {"student": self.student.state_dict(), "teacher": self.teacher.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "loss": self.loss.state_dict(),
+                "step": self.step}  # fmt: skip
+
+    def sync(self) -> None:
+        if self.crops[0].is_cuda:
+            torch.cuda.synchronize()
+
+
+def _window(loop: _Loop, steps: int, every: int, save) -> float:
+    """Seconds per step over ``steps`` steps, saving every ``every`` (0: never)."""
+    loop.sync()
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        loop.train_step()
+        if every and i % every == 0:
+            save(loop.state(), i)
+    loop.sync()
+    return (time.perf_counter() - start) / steps
+
+
+def _measure(loop: _Loop, folder: Path, every: int, steps: int, repeats: int) -> dict:
+    """Step time without saves, with synchronous and with asynchronous ones."""
+    manager = CheckpointManager(folder, keep_last=2)
+    writer = AsyncCheckpointWriter(manager)
+    modes = {
+        "none": None,
+        "sync": lambda state, i: manager.save(state, epoch=0, step=loop.step),
+        "async": lambda state, i: writer.save(state, epoch=0, step=loop.step),
+    }
+    best = {m: float("inf") for m in modes}
+    copy = float("inf")
+    for _ in range(repeats):
+        for mode, save in modes.items():
+            t = _window(loop, steps, every if save else 0, save)
+            if mode == "async":
+                t_wait = time.perf_counter()
+                writer.wait()  # the write of the window's last save, if still going
+                t += (time.perf_counter() - t_wait) / steps
+                copy = min(copy, writer.last_copy_seconds)
+            best[mode] = min(best[mode], t)
+    return {**best, "copy_seconds": copy}
+
+
+def _rows_for(name: str, loop: _Loop, args, tmp: Path) -> list[dict]:
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(loop.state()))
+    rows, per_save = [], None
+    for every in (1, 10, 100):
+        if every <= args.direct_max:
+            steps = max(every * args.saves, args.min_steps)
+            m = _measure(loop, tmp / f"{name}-{every}", every, steps, args.repeats)
+            base = m["none"]
+            row = {"model": name, "every_steps": every, "how": "measured", "steps": steps,
+                   "step_s": base, "sync_step_s": m["sync"], "async_step_s": m["async"],
+                   "copy_s": m["copy_seconds"]}  # fmt: skip
+            if every == 10:
+                per_save = {k: (m[k] - base) * every for k in ("sync", "async")}
+        else:
+            base = rows[-1]["step_s"]
+            row = {"model": name, "every_steps": every, "how": "derived", "steps": None,
+                   "step_s": base, "sync_step_s": base + per_save["sync"] / every,
+                   "async_step_s": base + per_save["async"] / every, "copy_s": None}  # fmt: skip
+        row["state_mb"] = nbytes / 1e6
+        row["sync_overhead"] = row["sync_step_s"] / base - 1
+        row["async_overhead"] = row["async_step_s"] / base - 1
+        rows.append(row)
+        _print_row(row)
+    return rows
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _print_row(r: dict) -> None:
+    print(f"  {r['model']} every {r['every_steps']}: step {r['step_s']:.3f} s, sync "
+          f"{100 * r['sync_overhead']:+.1f} %, async {100 * r['async_overhead']:+.1f} % "
+          f"({r['how']})", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,vit_small")
+    parser.add_argument("--batch-size", default="64,4", help="one per model")
+    parser.add_argument("--saves", type=int, default=3, help="saves per measured window")
+    parser.add_argument("--min-steps", type=int, default=6)
+    parser.add_argument("--direct-max", default="100,10",
+                        help="per model: every_steps above this are derived")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = args.models.split(",")
+    batches = [int(b) for b in args.batch_size.split(",")]
+    limits = [int(x) for x in args.direct_max.split(",")]
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench_checkpoint.", dir=RESULTS_DIR.parent.parent))
+    try:
+        for name, batch, limit in zip(names, batches, limits, strict=True):
+            print(f"{name}: batch {batch} on {device}", flush=True)
+            loop = _Loop(MODELS[name](), batch, device)
+            run = argparse.Namespace(**{**vars(args), "direct_max": limit})
+            rows += [{**r, "batch": batch} for r in _rows_for(name, loop, run, tmp)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print_table(
+        f"Step time with checkpoints every N steps, sync vs async ({device.type})",
+        ["model", "batch", "state MB", "every N", "step s", "sync s", "async s",
+         "sync overhead", "async overhead", "async copy s", "how"],
+        [[r["model"], r["batch"], round(r["state_mb"]), r["every_steps"], r["step_s"],
+          r["sync_step_s"], r["async_step_s"], f"{100 * r['sync_overhead']:+.1f} %",
+          f"{100 * r['async_overhead']:+.1f} %",
+          "-" if r["copy_s"] is None else f"{r['copy_s']:.3f}", r["how"]] for r in rows],
+    )  # fmt: skip
+    slug = device.type if device.type == "cpu" else torch.cuda.get_device_name().replace(" ", "_")
+    path = args.json or RESULTS_DIR / f"checkpoint_{slug}.json"
+    write_json(path, {"machine": machine(), "device": str(device), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
