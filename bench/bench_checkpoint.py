@@ -125,7 +125,7 @@ def _measure(loop: _Loop, folder: Path, every: int, steps: int, repeats: int) ->
 def _rows_for(name: str, loop: _Loop, args, tmp: Path) -> list[dict]:
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(loop.state()))
     rows, per_save = [], None
-    for every in (1, 10, 100):
+    for every in args.every:
         if every <= args.direct_max:
             steps = max(every * args.saves, args.min_steps)
             m = _measure(loop, tmp / f"{name}-{every}", every, steps, args.repeats)
@@ -174,9 +174,11 @@ def main() -> None:
     parser.add_argument("--direct-max", default="100,10",
                         help="per model: every_steps above this are derived")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--every", default="1,10,100", help="checkpoint.every_steps values")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.every = [int(n) for n in args.every.split(",")]
     names = args.models.split(",")
     batches = [int(b) for b in args.batch_size.split(",")]
     limits = [int(x) for x in args.direct_max.split(",")]

@@ -117,6 +117,22 @@ def test_a_failed_async_write_is_raised_by_the_next_save_and_by_wait(tmp_path):
         writer.wait()
 
 
+@pytest.mark.cuda
+def test_async_write_of_gpu_tensors_goes_through_reused_pinned_buffers(tmp_path):
+    manager = CheckpointManager(tmp_path / "ck", keep_last=None)
+    writer = AsyncCheckpointWriter(manager)
+    weights = torch.randn(1 << 20, device="cuda")
+    expected = weights.cpu()
+    writer.save({"w": weights, "step": torch.tensor(1)}, epoch=0, step=1)
+    weights.mul_(2)  # queued after the copy on the same stream: the snapshot keeps the old values
+    first = writer.wait()
+    writer.save({"w": weights, "step": torch.tensor(2)}, epoch=0, step=2)
+    second = writer.wait()
+    assert torch.equal(manager.load(first)["w"], expected)
+    assert torch.equal(manager.load(second)["w"], expected * 2)
+    assert manager.load(second)["w"].device.type == "cpu"
+
+
 # ---------------------------------------------------------------- the watchdog
 
 
