@@ -15,6 +15,7 @@ row marked ``derived`` (every_steps above ``--direct-max``) is the extra
 time of one save measured at every_steps=10 spread over N steps.
 
     python bench/bench_checkpoint.py [--models demo,vit_small] [--batch-size 64,4]
+        [--every 1,10,100] [--direct-max 100,10] [--repeats 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ MODELS = {
     # DINO's ViT-S/16 recipe: 2 x 224 + 8 x 96 crops, head out_dim 65536
     "vit_small": lambda: apply_overrides(Config(), []),
 }
+
+
+DEFAULT_BATCH = {"demo": 64, "vit_small": 4}  # a CPU's sizes; on a GPU give --batch-size 64
+DEFAULT_DIRECT_MAX = {"demo": 100, "vit_small": 10}
+
+
+def _per_model(text: str | None, names: list[str], defaults: dict) -> list[int]:
+    if text is None:
+        return [defaults[n] for n in names]
+    values = [int(x) for x in text.split(",")]
+    if len(values) == 1:
+        return values * len(names)
+    if len(values) != len(names):
+        raise SystemExit(f"give one value, or one per model ({len(names)}), not {text!r}")
+    return values
 
 
 class _Loop:
@@ -168,11 +184,14 @@ def _print_row(r: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="demo,vit_small")
-    parser.add_argument("--batch-size", default="64,4", help="one per model")
+    parser.add_argument(
+        "--batch-size", default=None, help="one per model (default 64 demo, 4 vit_small)"
+    )
     parser.add_argument("--saves", type=int, default=3, help="saves per measured window")
     parser.add_argument("--min-steps", type=int, default=6)
-    parser.add_argument("--direct-max", default="100,10",
-                        help="per model: every_steps above this are derived")  # fmt: skip
+    parser.add_argument("--direct-max", default=None,
+                        help="per model: every_steps above this are derived (default 100 demo, 10 "
+                             "vit_small)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--every", default="1,10,100", help="checkpoint.every_steps values")
     parser.add_argument("--json", type=Path, default=None)
@@ -180,8 +199,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.every = [int(n) for n in args.every.split(",")]
     names = args.models.split(",")
-    batches = [int(b) for b in args.batch_size.split(",")]
-    limits = [int(x) for x in args.direct_max.split(",")]
+    batches = _per_model(args.batch_size, names, DEFAULT_BATCH)
+    limits = _per_model(args.direct_max, names, DEFAULT_DIRECT_MAX)
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="bench_checkpoint.", dir=RESULTS_DIR.parent.parent))
     try:

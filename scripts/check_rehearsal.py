@@ -24,7 +24,7 @@ STAGE_STEPS = {
     "build": ["unpack", "build", "closure", "import"],
     "cuda-tests": ["ctest", "pytest_cuda"],
     "bench": ["bench_ema", "bench_loss", "bench_profiler", "bench_photometric", "bench_loader"],
-    "e2e": ["presets", "bench_train"],
+    "e2e": ["presets", "bench_train", "bench_checkpoint"],
 }
 # The cache entries that say where the carried dependencies were found.
 CARRIED = ("TURBOJPEG_INCLUDE_DIR", "TURBOJPEG_LIBRARY", "GTest_DIR")

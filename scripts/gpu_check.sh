@@ -193,6 +193,9 @@ stage_e2e() {
   local train=(--config recipe --repeats 1 --steps 15 --warmup 5)
   [ "$QUICK" = 1 ] && train=(--config cpu --quick --only baseline,all)
   bench_step bench_train 270 bench/bench_train.py "${train[@]}"
+  # After it (it matters more): checkpoints every 1/10/100 steps, sync vs async, ViT-S/16.
+  bench_step bench_checkpoint 90 bench/bench_checkpoint.py --models vit_small --batch-size 64 \
+    --repeats 1 -- --models demo --batch-size 8 --every 1,10 --saves 1 --min-steps 2
 }
 
 run_stage() {
