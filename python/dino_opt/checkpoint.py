@@ -696,7 +696,7 @@ class _SnapshotPool:
     tensor lives on a GPU, so its copy is a DMA that does not block."""
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor | None] = []
         self._next = 0
 
     def start(self) -> None:
@@ -705,25 +705,13 @@ class _SnapshotPool:
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         i, self._next = self._next, self._next + 1
         t = t.detach()
-        buf = self._buffers[i] if i < len(self._buffers) else None
+        if t.layout != torch.strided:  # sparse and friends: a plain copy each time
+            return t.to("cpu", copy=True)
+        self._buffers += [None] * (i + 1 - len(self._buffers))
         pin = t.device.type == "cuda"
-        if (
-            buf is None
-            or buf.shape != t.shape
-            or buf.dtype != t.dtype
-            or buf.is_pinned() != pin
-            or t.layout != torch.strided
-        ):
-            if t.layout != torch.strided:  # sparse and friends: a plain copy each time
-                buf = t.to("cpu", copy=True)
-            else:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            if i < len(self._buffers):
-                self._buffers[i] = buf
-            else:
-                self._buffers.append(buf)
-            if t.layout != torch.strided:
-                return buf
+        buf = self._buffers[i]
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
+            buf = self._buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
         buf.copy_(t, non_blocking=pin)
         return buf
 

@@ -638,7 +638,7 @@ class CheckpointedDINOTrainer:
         before = len(state.get("rollbacks", []))
         self.load_state_dict(state)
         self.rollbacks = rollbacks
-        self.history += [e for e in rollbacks[before:-1]]  # earlier events after that checkpoint
+        self.history += rollbacks[before:-1]  # earlier events after that checkpoint
         record["lr_scale"] = self.lr_scale
         self.trainer.discard_accumulation()
         self._collapse_streak = 0

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from .checkpoint import atomic_write, fsync_dir
@@ -202,9 +202,8 @@ def _check_output(output: Path, force: bool) -> None:
 
 
 def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    atomic_write(path, lambda f: f.write(data))
     fsync_dir(path.parent)
 
 
