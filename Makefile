@@ -52,9 +52,15 @@ $(STAMPS)/deps: pyproject.toml $(STAMPS)/torch
 	$(PY) -m pip install -q $$($(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); p = t['project']; print(' '.join(t['tool']['dynamic-metadata'][0]['requires'] + [r for v in p['optional-dependencies'].values() for r in v]))")
 	@touch $@
 
+# The package's list of modules: the editable install maps each module to its
+# file, so adding, moving or removing one needs a reinstall (editing does not).
+PY_MODULES := $(STAMPS)/py-modules
+$(shell mkdir -p $(STAMPS) && find python -name '*.py' | sort >$(PY_MODULES).new && \
+  { cmp -s $(PY_MODULES).new $(PY_MODULES) && rm $(PY_MODULES).new || mv $(PY_MODULES).new $(PY_MODULES); })
+
 # Editable install into the persistent build directory, with ccache; re-run
-# only when a native source changed.
-$(STAMPS)/build: $(NATIVE_SRCS) $(STAMPS)/deps | apt-packages
+# only when a native source or the list of modules changed.
+$(STAMPS)/build: $(NATIVE_SRCS) $(PY_MODULES) $(STAMPS)/deps | apt-packages
 	$(PY) -m pip install --no-build-isolation --no-deps -e . \
 	  -Cbuild-dir=$(BUILD_DIR) -Ccmake.define.DINO_OPT_BUILD_TESTS=ON
 	@touch $@

@@ -25,11 +25,13 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, machine, print_table, write_json  # noqa: E402
-from dino_opt.build import build_models, data_roots  # noqa: E402
 from dino_opt.config import Config  # noqa: E402
-from dino_opt.evaluate import load_checkpoint  # noqa: E402
-from dino_opt.knn import EvalImageFolder  # noqa: E402
+from dino_opt.eval import (
+    EvalImageFolder,  # noqa: E402
+    load_checkpoint,  # noqa: E402
+)
 from dino_opt.models import VisionTransformer  # noqa: E402
+from dino_opt.train import build_models, data_roots  # noqa: E402
 from dino_opt.weights import evaluate_weights, export_weights  # noqa: E402
 
 

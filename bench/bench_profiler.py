@@ -32,8 +32,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dino_opt  # noqa: E402
 from common import RESULTS_DIR, device_slug, machine, print_table, write_json  # noqa: E402
-from dino_opt.memory import MemoryTracker  # noqa: E402
-from dino_opt.profiler import DINOProfiler  # noqa: E402
+from dino_opt.observe import (
+    DINOProfiler,  # noqa: E402
+    MemoryTracker,  # noqa: E402
+)
 
 BLOCKS = [
     "data_movement",

@@ -36,7 +36,7 @@ Configurations: ``recipe`` (GPU): ViT-S/16, 2x224^2 + 8x96^2 crops, out_dim
 or ``--data``; ``max_batch`` (GPU): the same at the largest batch each row
 fits (searched with real training steps on random crops: doubling from 64,
 then bisection to multiples of 32); ``cpu``: ViT-T/16, 2x64^2 + 4x32^2, out_dim
-4096, batch 32, on the built-in data set (dino_opt.datasets.builtin_dataset).
+4096, batch 32, on the built-in data set (dino_opt.data.builtin_dataset).
 Default: ``recipe`` and ``max_batch`` when CUDA is available, else ``cpu``.
 
 Method: each row runs in a fresh Python process (``--no-isolate``: one after
@@ -227,9 +227,8 @@ class Job:
         self, s: dict, toggles: list[str] | None, batch_size: int, niter_per_epoch: int
     ) -> None:
         from dino_opt import DINOLoss
-        from dino_opt.build import build_models
-        from dino_opt.schedules import Schedules
-        from dino_opt.trainer import DINOModel, MemoryOptimizedDINOTrainer, param_groups
+        from dino_opt.ops import Schedules
+        from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, build_models, param_groups
 
         self.baseline = toggles is None
         use = set(toggles or ())
@@ -668,7 +667,7 @@ def resolve_data(s: dict, args, min_images: int) -> None:
         root = Path(args.data)
         desc = {"source": str(root), "kind": "ImageFolder"}
     elif s["data"] == "builtin":
-        from dino_opt.datasets import builtin_dataset
+        from dino_opt.data import builtin_dataset
 
         root = builtin_dataset() / "train"
         desc = {"source": str(root), "kind": "dino_opt built-in data set (train split)"}

@@ -28,7 +28,7 @@ One step of :class:`ReferenceDINOTrainer`:
 The pieces are also used one by one by the benchmark, to switch a single
 optimisation off in dino_opt's trainer: :class:`ReferenceDINOLoss` is a
 drop-in for ``dino_opt.DINOLoss``, :class:`LoopEMAModel` for
-``dino_opt.trainer.DINOModel``, and :func:`make_pil_loader` gives DINO's
+``dino_opt.train.DINOModel``, and :func:`make_pil_loader` gives DINO's
 torchvision (PIL) multi-crop pipeline through ``torch.utils.data.DataLoader``
 (bench/baseline_augment.py).
 """
@@ -48,8 +48,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests_py"))
 from baseline_augment import PILMultiCrop, collate_multicrop, list_image_folder  # noqa: E402
-from dino_opt.loss import DINOLoss  # noqa: E402
-from dino_opt.trainer import DINOModel  # noqa: E402
+from dino_opt.ops import DINOLoss  # noqa: E402
+from dino_opt.train import DINOModel  # noqa: E402
 from reference import dino_loss_reference  # noqa: E402
 
 __all__ = [
@@ -182,7 +182,7 @@ def momentum_at(schedule, step: int) -> float:
 
 
 class LoopEMAModel(DINOModel):
-    """``dino_opt.trainer.DINOModel`` whose ``update_teacher`` is the
+    """``dino_opt.train.DINOModel`` whose ``update_teacher`` is the
     per-parameter Python loop (:func:`ema_update_loop`) instead of the fused
     operator; same momentum schedule, same step counting."""
 

@@ -18,8 +18,7 @@ import dino_opt
 import torch
 from dino_opt import ops
 from dino_opt.config import apply_overrides, default_config
-from dino_opt.data import MultiCropLoader
-from dino_opt.datasets import builtin_dataset
+from dino_opt.data import MultiCropLoader, builtin_dataset
 from dino_opt.job import run_training
 
 

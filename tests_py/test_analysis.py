@@ -1,4 +1,4 @@
-"""Post-training analysis (dino_opt.analysis, `dino-opt report`): convergence
+"""Post-training analysis (dino_opt.observe.analysis, `dino-opt report`): convergence
 of synthetic losses with known answers, weight drift of hand-built
 checkpoints with known distances, a corrupted checkpoint reported as skipped,
 clear errors, and the reports of a real tiny training run."""
@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-from dino_opt.analysis import DINOTrainingAnalyzer, format_report
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
+from dino_opt.observe import DINOTrainingAnalyzer, format_report
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dino_opt import checkpoint as ckpt
 from dino_opt.checkpoint import (
     CheckpointManager,
     CheckpointWriteError,
@@ -21,6 +20,7 @@ from dino_opt.checkpoint import (
     restore_rng_state,
     run_metadata,
 )
+from dino_opt.checkpoint import files as ckpt
 from dino_opt.runtime import GracefulStop
 
 REPO = Path(__file__).resolve().parents[1]

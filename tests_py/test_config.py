@@ -6,7 +6,6 @@ import re
 
 import pytest
 import yaml
-from dino_opt import config as config_module
 from dino_opt.config import (
     Config,
     ConfigError,
@@ -18,6 +17,7 @@ from dino_opt.config import (
     save_config,
     validate,
 )
+from dino_opt.config import load as config_module
 
 
 def write(tmp_path, text, name="cfg.yaml"):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dino_opt import datasets
-from dino_opt.datasets import BUILTIN_CLASSES, builtin_dataset, render_image
+from dino_opt.data import BUILTIN_CLASSES, builtin_dataset, render_image
+from dino_opt.data import builtin as datasets
 from PIL import Image
 
 SMALL = dict(train_per_class=2, val_per_class=1, test_per_class=1, image_size=48)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from dino_opt.checkpoint import AsyncCheckpointWriter, CheckpointManager, CheckpointWriteError
 from dino_opt.cli import main
-from dino_opt.health import CollapseError, NonFiniteError
-from dino_opt.watchdog import EXIT_HANG, HangWatchdog, describe_hang
+from dino_opt.observe import CollapseError, NonFiniteError
+from dino_opt.runtime import EXIT_HANG, HangWatchdog, describe_hang
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from dino_opt.config import Config, ConfigError, default_config
-from dino_opt.health import (
+from dino_opt.observe import (
     HealthAlert,
     HealthThresholds,
     NonFiniteError,
@@ -194,14 +194,15 @@ def test_constant_features_trigger_constant_collapse(gen, caplog):
     step = healthy_step(gen)
     step["features"] = torch.randn(1, 64, generator=gen).expand(32, 64)
     monitor.observe(**step)
-    with caplog.at_level(logging.WARNING, logger="dino_opt.health"):
+    with caplog.at_level(logging.WARNING, logger="dino_opt.observe.health"):
         alerts = monitor.check_training_health()
     assert names(alerts) == {"collapse_constant"}
     (a,) = alerts
     assert isinstance(a, HealthAlert) and a.severity == "error"
     assert a.value == pytest.approx(0.0, abs=1e-5) and a.threshold == 0.1
     assert any(
-        r.name == "dino_opt.health" and "collapse_constant" in r.message for r in caplog.records
+        r.name == "dino_opt.observe.health" and "collapse_constant" in r.message
+        for r in caplog.records
     )
 
 
@@ -264,7 +265,7 @@ def test_nan_loss_is_counted_and_too_many_in_a_row_raise(caplog):
     monitor.observe(loss=torch.tensor(2.0), grad_norm=torch.tensor(1.0))  # step 0
     for _ in range(3):  # steps 1-3
         monitor.observe(loss=torch.tensor(float("nan")), grad_norm=torch.tensor(1.0))
-    with caplog.at_level(logging.WARNING, logger="dino_opt.health"):
+    with caplog.at_level(logging.WARNING, logger="dino_opt.observe.health"):
         alerts = monitor.check_training_health()  # 3 in a row: tolerated
     assert names(alerts) == {"nonfinite"}
     assert alerts[0].value == 3 and alerts[0].severity == "warning"
@@ -317,7 +318,7 @@ def test_record_nonfinite_with_device_counts_and_across_windows():
 
 def test_lesson_dict_gives_the_three_alerts(caplog):
     monitor = TrainingHealthMonitor(throughput_baseline=100)
-    with caplog.at_level(logging.WARNING, logger="dino_opt.health"):
+    with caplog.at_level(logging.WARNING, logger="dino_opt.observe.health"):
         alerts = monitor.check_training_health(
             {"feature_diversity": 0.05, "grad_norm": 20.0, "throughput": 50}
         )
@@ -329,7 +330,7 @@ def test_lesson_dict_gives_the_three_alerts(caplog):
     )
     assert by_name["gradient_explosion"].threshold == 10.0
     assert by_name["throughput_degradation"].threshold == pytest.approx(80.0)
-    assert len([r for r in caplog.records if r.name == "dino_opt.health"]) == 3
+    assert len([r for r in caplog.records if r.name == "dino_opt.observe.health"]) == 3
     assert monitor.last_alerts == alerts
     healthy = {"feature_diversity": 0.5, "grad_norm": 2.0, "throughput": torch.tensor(95.0)}
     assert monitor.check_training_health(healthy) == []

@@ -7,15 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dino_opt.knn import (
+from dino_opt.eval import (
     EvalImageFolder,
     extract_features,
     knn_classify,
     knn_evaluate,
     tsne,
-    tsne_affinities,
     tsne_plot,
 )
+from dino_opt.eval.knn import tsne_affinities
 from PIL import Image
 
 

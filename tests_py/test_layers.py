@@ -12,50 +12,35 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "dino_opt"
 
 LAYERS = {
-    # L0: the native core and its operators
+    # L0: the native core, and the old module paths kept importable
     "dino_opt._C": 0,
-    "dino_opt.ops": 0,
-    # L1: foundations, each about one thing and needing nothing above the core
-    "dino_opt.schedules": 1,
-    "dino_opt.runtime": 1,
-    "dino_opt.checkpoint": 1,
-    "dino_opt.watchdog": 1,
-    "dino_opt.runfiles": 1,
-    "dino_opt.presets": 1,
-    "dino_opt.models": 1,
-    "dino_opt.datasets": 1,
-    "dino_opt.memory": 1,
-    "dino_opt.plots": 1,
-    # L2: the pieces
-    "dino_opt.config": 2,
-    "dino_opt.ema": 2,
-    "dino_opt.loss": 2,
+    "dino_opt._compat": 0,
+    # L1: foundations, each folder about one thing and needing only the core
+    "dino_opt.ops": 1,  # operators' Python side, the DINO loss, the EMA, the schedules
+    "dino_opt.models": 1,  # networks
+    "dino_opt.checkpoint": 1,  # checkpoint files, manager, background writer, RNG state
+    "dino_opt.runtime": 1,  # device, precision, process group, signals, hang watchdog
+    # L2: images in; the configuration (pure: parsing never looks at a device)
     "dino_opt.data": 2,
-    "dino_opt.profiler": 2,
-    # L3: the one-step engine and what watches or evaluates it
-    "dino_opt.trainer": 3,
-    "dino_opt.health": 3,
-    "dino_opt.knn": 3,
-    "dino_opt.optimize": 3,
-    # L4: from a config to objects
-    "dino_opt.build": 4,
-    # L5: tools around a run
-    "dino_opt.throughput": 5,
-    "dino_opt.evaluate": 5,
-    "dino_opt.analysis": 5,
-    "dino_opt.runlog": 5,
-    # L6: a configuration for this machine's hardware; weights in and out of other formats
-    "dino_opt.hardware": 6,
+    "dino_opt.config": 2,
+    # L3: what watches a run: memory, profiler, health, run folder, log, plots, reports
+    "dino_opt.observe": 3,
+    # L4: the one-step engine and the config-to-objects builders
+    "dino_opt.train": 4,
+    # L5: tools around the engine: k-NN evaluation; speed-ups, batch search, presets
+    "dino_opt.eval": 5,
+    "dino_opt.tune": 5,
+    # L6: weights in and out of other formats
     "dino_opt.weights": 6,
     # L7: the training job
     "dino_opt.job": 7,
     # L8: starting several processes of it
     "dino_opt.distributed": 8,
-    # faces: the command line, the course's names, the torchrun entry, the package
+    # faces: the command line, the course's names, the package; the torchrun entry
     "dino_opt.cli": 9,
     "dino_opt.lessons": 9,
-    "dino_opt.train": 10,
     "dino_opt": 9,
+    "dino_opt.train.__main__": 10,
 }
 
 
@@ -163,39 +148,108 @@ def test_no_private_names_of_other_modules(path):
     assert not reads, reads
 
 
-def test_the_import_graph_has_no_circle():
-    graph = {module_name(p): set() for p in SOURCES}
-    for path in SOURCES:
+def import_graph(sources) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a folder's ``__init__``
+    counts as the folder)."""
+    graph = {module_name(p): set() for p in sources}
+    for path in sources:
         for target, _, _, _ in package_imports(path):
             if target in graph:
                 graph[module_name(path)].add(target)
+    return graph
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as a path, or None."""
     state = {}
 
     def visit(node, stack):
         state[node] = "open"
-        for nxt in graph[node]:
+        for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                raise AssertionError(" -> ".join([*stack, node, nxt]))
+                return [*stack, node, nxt]
             if nxt not in state:
-                visit(nxt, [*stack, node])
+                found = visit(nxt, [*stack, node])
+                if found:
+                    return found
         state[node] = "done"
+        return None
 
-    for node in graph:
+    for node in sorted(graph):
         if node not in state:
-            visit(node, [])
+            found = visit(node, [])
+            if found:
+                return found
+    return None
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same graph between folders (sub-packages and top-level modules)."""
+    folders: dict[str, set[str]] = {}
+    for me, targets in graph.items():
+        if me == "dino_opt":
+            continue
+        edges = folders.setdefault(subpackage(me), set())
+        edges |= {subpackage(t) for t in targets if subpackage(t) != subpackage(me)}
+    return folders
+
+
+def test_the_import_graph_has_no_circle():
+    graph = import_graph(SOURCES)
+    circle = find_circle(graph)
+    assert circle is None, " -> ".join(circle)
+
+
+def test_the_folders_import_each_other_without_a_circle():
+    # The torchrun entry (train/__main__) is the face of its folder: it
+    # starts the command line, above every folder.
+    graph = import_graph([p for p in SOURCES if module_name(p) != "dino_opt.train.__main__"])
+    circle = find_circle(folder_graph(graph))
+    assert circle is None, " -> ".join(circle)
+
+
+def test_the_house_stays_small():
+    """At most 8 modules at the top, 10 in a folder, 800 lines in a file."""
+    top = [p for p in PACKAGE.glob("*.py")]
+    assert len(top) <= 8, sorted(p.name for p in top)
+    for folder in [d for d in PACKAGE.iterdir() if (d / "__init__.py").exists()]:
+        modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        assert len(modules) <= 10, f"{folder.name}/ holds {len(modules)} modules"
+    long = {str(p.relative_to(PACKAGE)): n for p in SOURCES
+            if (n := len(p.read_text().splitlines())) > 800}  # fmt: skip
+    assert not long, f"files over 800 lines: {long}"
+
+
+def test_the_checker_sees_a_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "dino_opt"
+    (fake / "ops").mkdir(parents=True)
+    (fake / "ops" / "a.py").write_text("from .b import x\n")
+    (fake / "ops" / "b.py").write_text("from .a import y\n")
+    (fake / "data").mkdir()
+    (fake / "data" / "c.py").write_text("from ..ops import a\n")
+    (fake / "ops" / "__init__.py").write_text("")
+    (fake / "data" / "__init__.py").write_text("")
+    (fake / "ops" / "d.py").write_text("from ..data import c\n")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    sources = sorted(fake.rglob("*.py"))
+    circle = find_circle(import_graph(sources))
+    assert circle is not None and set(circle) >= {"dino_opt.ops.a", "dino_opt.ops.b"}
+    folders = find_circle(folder_graph(import_graph(sources)))
+    assert folders is not None and set(folders) == {"dino_opt.ops", "dino_opt.data"}
 
 
 def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     # The rule's own check: a module that imports upwards, inside a function,
     # and a private name is reported on all three counts.
+    # Folders: ops/ (layer 1) reaching up into job/ (layer 7).
     fake = tmp_path / "dino_opt"
-    fake.mkdir()
-    (fake / "schedules.py").write_text(
-        "from .job import _secret\n\ndef f():\n    from .config import Config\n"
+    (fake / "ops").mkdir(parents=True)
+    (fake / "ops" / "schedules.py").write_text(
+        "from ..job import _secret\n\ndef f():\n    from ..config import Config\n"
     )
     monkeypatch.setitem(globals(), "PACKAGE", fake)
     with pytest.raises(AssertionError) as e:
-        test_imports_go_down_and_sit_at_the_top(fake / "schedules.py")
+        test_imports_go_down_and_sit_at_the_top(fake / "ops" / "schedules.py")
     message = str(e.value)
     assert "not below it" in message
     assert "inside a function" in message

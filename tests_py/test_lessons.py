@@ -6,24 +6,24 @@ import inspect
 import dino_opt.lessons as lessons
 
 COURSE_NAMES = {  # name -> where it lives
-    "MemoryOptimizedDINOTrainer": "dino_opt.trainer",
-    "MemoryTracker": "dino_opt.memory",
-    "VRAMProfiler": "dino_opt.memory",
+    "MemoryOptimizedDINOTrainer": "dino_opt.train.trainer",
+    "MemoryTracker": "dino_opt.observe.memory",
+    "VRAMProfiler": "dino_opt.observe.memory",
     "DataLoadingOptimizer": "dino_opt.data",
-    "ModelOptimizer": "dino_opt.optimize",
-    "DINOProfiler": "dino_opt.profiler",
-    "PerformanceMonitor": "dino_opt.profiler",
-    "PerformanceProfiler": "dino_opt.profiler",
-    "TrainingProfiler": "dino_opt.profiler",
-    "ThroughputOptimizer": "dino_opt.throughput",
-    "OptimizedDataLoader": "dino_opt.throughput",
-    "dynamic_batch_size": "dino_opt.throughput",
+    "ModelOptimizer": "dino_opt.tune.optimize",
+    "DINOProfiler": "dino_opt.observe.profiler",
+    "PerformanceMonitor": "dino_opt.observe.profiler",
+    "PerformanceProfiler": "dino_opt.observe.profiler",
+    "TrainingProfiler": "dino_opt.observe.profiler",
+    "ThroughputOptimizer": "dino_opt.tune.throughput",
+    "OptimizedDataLoader": "dino_opt.tune.throughput",
+    "dynamic_batch_size": "dino_opt.tune.throughput",
     "DistributedDINOTrainer": "dino_opt.distributed",
     "launch_distributed_training": "dino_opt.distributed",
     "CheckpointedDINOTrainer": "dino_opt.job",
     "CheckpointManager": "dino_opt.checkpoint",
-    "TrainingHealthMonitor": "dino_opt.health",
-    "DINOTrainingAnalyzer": "dino_opt.analysis",
+    "TrainingHealthMonitor": "dino_opt.observe.health",
+    "DINOTrainingAnalyzer": "dino_opt.observe.analysis",
 }
 
 

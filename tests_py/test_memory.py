@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 from dino_opt import _C
-from dino_opt.memory import GB, MemoryTracker, VRAMProfiler, memory_snapshot
+from dino_opt.observe import MemoryTracker, VRAMProfiler, memory_snapshot
+from dino_opt.observe.memory import GB
 
 BIG = 256 * 2**20  # above glibc's largest mmap threshold: freed memory goes back to the OS
 
@@ -116,7 +117,7 @@ def test_cuda_allocator_peaks_match_torch(tmp_path):
 FIRST_CUDA_CALL = """
 import time, warnings
 import torch
-from dino_opt.memory import MemoryTracker
+from dino_opt.observe import MemoryTracker
 assert not torch.cuda.is_initialized()
 tracker = MemoryTracker(0, sample_period=0.01)
 tracker.start_step()

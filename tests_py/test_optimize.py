@@ -1,4 +1,4 @@
-"""Tests of dino_opt.optimize: fused attention, channels_last, torch.compile."""
+"""Tests of dino_opt.tune.optimize: fused attention, channels_last, torch.compile."""
 
 import copy
 import io
@@ -8,9 +8,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from dino_opt import optimize as opt_module
 from dino_opt.models import vit_tiny
-from dino_opt.optimize import (
+from dino_opt.tune import (
     COMPILE_MODES,
     ModelOptimizer,
     SDPAForward,
@@ -20,6 +19,7 @@ from dino_opt.optimize import (
     optimize_model_report,
     restore_attention,
 )
+from dino_opt.tune import optimize as opt_module
 from torch import nn
 
 # ----------------------------------------------------------------- test models
@@ -395,7 +395,7 @@ def test_channels_last_on_a_cnn():
 
 def test_channels_last_not_on_a_vit(caplog):
     vit = vit_tiny(img_size=32, patch_size=8)
-    with caplog.at_level(logging.INFO, logger="dino_opt.optimize"):
+    with caplog.at_level(logging.INFO, logger="dino_opt.tune.optimize"):
         _, report = optimize_model_report(vit, {"channels_last": True, "optimize_attention": True})
     w = vit.patch_embed.proj.weight
     assert w.is_contiguous() and not w.is_contiguous(memory_format=torch.channels_last)

@@ -5,7 +5,7 @@ import json
 import math
 
 import pytest
-from dino_opt.plots import plot_training_curves, read_metrics
+from dino_opt.observe import plot_training_curves, read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,6 +1,6 @@
-"""Hardware presets: the table (dino_opt.presets), the choice by memory, how a
+"""Hardware presets: the table (dino_opt.config.presets), the choice by memory, how a
 preset enters a config in the one explicit resolution step
-(dino_opt.hardware.resolve_hardware: explicit keys win, loading never probes),
+(dino_opt.tune.resolve_hardware: explicit keys win, loading never probes),
 and `dino-opt presets`."""
 
 import copy
@@ -8,19 +8,19 @@ import json
 
 import pytest
 import torch
-from dino_opt import distributed as distributed_mod
-from dino_opt import hardware
 from dino_opt.cli import DEMO_PRESET, main
 from dino_opt.config import (
+    PRESET_KEYS,
+    PRESETS,
     Config,
     ConfigError,
     apply_overrides,
     load_config,
+    preset_for_memory,
     save_config,
 )
-from dino_opt.hardware import resolve_hardware, resolve_preset
-from dino_opt.presets import PRESET_KEYS, PRESETS, preset_for_memory
-from dino_opt.throughput import dynamic_batch_size
+from dino_opt.distributed import launch as distributed_mod
+from dino_opt.tune import dynamic_batch_size, hardware, resolve_hardware, resolve_preset
 
 
 def resolved(cfg: Config) -> Config:

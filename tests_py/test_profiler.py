@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from dino_opt import DINOLoss, EMATeacher
-from dino_opt.profiler import DINOProfiler, PerformanceMonitor, PerformanceProfiler, Profiler
+from dino_opt.observe import DINOProfiler, PerformanceMonitor, PerformanceProfiler, Profiler
 from torch import nn
 
 
@@ -224,7 +224,7 @@ class StepModel(nn.Module):
 
 @pytest.mark.parametrize("handler", ["chrome", "tensorboard"])
 def test_training_profiler_writes_traces(tmp_path, handler):
-    from dino_opt.profiler import TrainingProfiler
+    from dino_opt.observe import TrainingProfiler
 
     model = StepModel()
     profiler = TrainingProfiler(tmp_path, wait=1, warmup=1, active=2, handler=handler)

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 from dino_opt import DINOLoss
-from dino_opt.build import build_models
 from dino_opt.config import apply_overrides, default_config
-from dino_opt.schedules import Schedules
-from dino_opt.trainer import DINOModel, MemoryOptimizedDINOTrainer, param_groups
+from dino_opt.ops import Schedules
+from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, build_models, param_groups
 from torch import nn
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"

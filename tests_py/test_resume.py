@@ -17,8 +17,8 @@ import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
-from dino_opt.health import NonFiniteError
-from dino_opt.loss import DINOLoss
+from dino_opt.observe import NonFiniteError
+from dino_opt.ops import DINOLoss
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 
@@ -269,8 +269,8 @@ def test_repeated_nonfinite_steps_stop_with_a_checkpoint(train_root, tmp_path, m
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["nonfinite_streak"] >= 3
     # every step was skipped: the student is still its initialisation
-    from dino_opt.build import build_models
     from dino_opt.config import Config, apply_overrides
+    from dino_opt.train import build_models
 
     cfg = apply_overrides(Config.from_dict(state["config"]), [])
     torch.manual_seed(cfg.hardware.seed)

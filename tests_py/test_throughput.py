@@ -9,13 +9,11 @@ import pytest
 import torch
 from dino_opt import _C, DINOLoss
 from dino_opt import data as data_mod
-from dino_opt import throughput as throughput_mod
-from dino_opt.build import build_models
 from dino_opt.config import apply_overrides, default_config
-from dino_opt.data import MultiCropLoader, multicrop_collate
-from dino_opt.datasets import builtin_dataset
-from dino_opt.throughput import OptimizedDataLoader, ThroughputOptimizer, dynamic_batch_size
-from dino_opt.trainer import DINOModel
+from dino_opt.data import MultiCropLoader, builtin_dataset, multicrop_collate
+from dino_opt.train import DINOModel, build_models
+from dino_opt.tune import OptimizedDataLoader, ThroughputOptimizer, dynamic_batch_size
+from dino_opt.tune import throughput as throughput_mod
 
 N_LOCAL = 2
 N_CROPS = 2 + N_LOCAL
@@ -280,7 +278,7 @@ def test_memory_fraction_too_high_for_the_smallest(dino_model, loader, monkeypat
 
 def test_test_batch_repeats_and_cuts_the_first_batch(dino_model, loader):
     opt = ThroughputOptimizer(dino_model, "cpu")
-    from dino_opt.throughput import _first_batch
+    from dino_opt.tune.throughput import _first_batch
 
     first = next(iter(loader))["crops"]
     opt._sample = _first_batch(loader)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from dino_opt.cli import main
 from dino_opt.config import load_config
-from dino_opt.datasets import builtin_dataset
+from dino_opt.data import builtin_dataset
 from dino_opt.job import PROFILE_PHASES
-from dino_opt.profiler import Profiler, profile_summary
+from dino_opt.observe import Profiler, profile_summary
 from tiny import TINY as TINY_BASE
 
 TINY = [*TINY_BASE, "data.num_workers=2"]

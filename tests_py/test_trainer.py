@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from dino_opt import DINOLoss
-from dino_opt.schedules import Schedules
-from dino_opt.trainer import DINOModel, MemoryOptimizedDINOTrainer, param_groups
+from dino_opt.ops import Schedules
+from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, param_groups
 from reference import dino_loss_reference
 from torch import nn
 

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from dino_opt.build import build_models, build_optimizer
 from dino_opt.cli import main
 from dino_opt.config import apply_overrides, default_config
-from dino_opt.datasets import builtin_dataset
+from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
+from dino_opt.train import build_models, build_optimizer
 from dino_opt.weights import evaluate_weights, export_weights, init_from, read_weights
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file

@@ -4,7 +4,7 @@ bar; and a tiny built-in data set. Tests add their own overrides."""
 
 from pathlib import Path
 
-from dino_opt.datasets import builtin_dataset
+from dino_opt.data import builtin_dataset
 
 TINY = [
     "data.batch_size=8",

@@ -9,11 +9,19 @@ import os
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, ops  # noqa: F401  (_C loads the core library, which registers the ops)
-from .ema import EMATeacher, update_teacher
-from .loss import DINOLoss, NonFiniteLossError, dino_loss
-from .schedules import cosine_scheduler
+from ._compat import install_module_aliases
+from .ops import (
+    DINOLoss,
+    EMATeacher,
+    NonFiniteLossError,
+    cosine_scheduler,
+    dino_loss,
+    update_teacher,
+)
 
 __version__ = "0.1.0"
+
+install_module_aliases()
 
 #: Where an installed wheel keeps the C++ package (``find_package(dino_opt)``):
 #: put it on ``CMAKE_PREFIX_PATH`` beside ``torch.utils.cmake_prefix_path``.

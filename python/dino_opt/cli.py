@@ -33,16 +33,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import _C
-from .analysis import DINOTrainingAnalyzer, format_report
-from .config import Config, config_to_yaml, default_config, load_config
+from .config import PRESETS, Config, config_to_yaml, default_config, load_config
 from .data import find_images
 from .distributed import launch_distributed_training
-from .evaluate import evaluate_checkpoint
-from .hardware import measure_batch_size, resolve_hardware, resolve_preset
+from .eval import evaluate_checkpoint
 from .job import run_training
-from .presets import PRESETS
-from .runtime import launched_world
-from .watchdog import EXIT_HANG, TrainingHungError
+from .observe import DINOTrainingAnalyzer, format_report
+from .runtime import EXIT_HANG, TrainingHungError, launched_world
+from .tune import measure_batch_size, resolve_hardware, resolve_preset
 from .weights import FORMATS, evaluate_weights, export_weights
 
 __all__ = ["main", "prepare_dataset"]

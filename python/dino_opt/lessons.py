@@ -4,22 +4,27 @@
 the lessons use, with the lessons' signatures, each implemented where it
 belongs in dino_opt (the module is named beside it)."""
 
-from .analysis import DINOTrainingAnalyzer  # checkpoint and performance reports
 from .checkpoint import CheckpointManager  # atomic, verified checkpoint files
 from .data import DataLoadingOptimizer  # multi-crop DataLoader set-up
 from .distributed import DistributedDINOTrainer, launch_distributed_training  # DDP
-from .health import TrainingHealthMonitor  # collapse, gradient, throughput checks
 from .job import CheckpointedDINOTrainer  # the fault-tolerant training job
-from .memory import MemoryTracker, VRAMProfiler  # memory statistics
-from .optimize import ModelOptimizer  # compile, channels_last, SDPA attention
-from .profiler import (  # timing of training phases
+from .observe import (  # memory statistics
     DINOProfiler,
+    DINOTrainingAnalyzer,  # checkpoint and performance reports
+    MemoryTracker,
     PerformanceMonitor,
     PerformanceProfiler,
+    TrainingHealthMonitor,  # collapse, gradient, throughput checks
     TrainingProfiler,
+    VRAMProfiler,
 )
-from .throughput import OptimizedDataLoader, ThroughputOptimizer, dynamic_batch_size
-from .trainer import MemoryOptimizedDINOTrainer  # AMP, checkpointing, crop batching
+from .train import MemoryOptimizedDINOTrainer  # AMP, checkpointing, crop batching
+from .tune import (
+    ModelOptimizer,  # compile, channels_last, SDPA attention
+    OptimizedDataLoader,
+    ThroughputOptimizer,
+    dynamic_batch_size,
+)
 
 __all__ = [
     "CheckpointManager",

@@ -1,0 +1,142 @@
+"""Asynchronous checkpoints: the step waits only for a copy of the state into
+reused host buffers (pinned on a GPU); a thread writes it through the manager."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .manager import CheckpointManager
+
+__all__ = ["AsyncCheckpointWriter"]
+
+
+# ------------------------------------------------------------ asynchronous
+
+
+class _SnapshotPool:
+    """Host buffers for the tensors of a state, reused from one snapshot to
+    the next (in the order the state is walked) when shape and dtype match,
+    so a save does not page in fresh memory each time; pinned when the
+    tensor lives on a GPU, so its copy is a DMA that does not block."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = []
+        self._next = 0
+
+    def start(self) -> None:
+        self._next = 0
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        i, self._next = self._next, self._next + 1
+        t = t.detach()
+        if t.layout != torch.strided:  # sparse and friends: a plain copy each time
+            return t.to("cpu", copy=True)
+        self._buffers += [None] * (i + 1 - len(self._buffers))
+        pin = t.device.type == "cuda"
+        buf = self._buffers[i]
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
+            buf = self._buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        buf.copy_(t, non_blocking=pin)
+        return buf
+
+
+def _snapshot(obj: Any, pool: _SnapshotPool) -> Any:
+    """A copy of ``obj`` that later training cannot change: containers
+    rebuilt, tensors copied to host buffers, other leaves deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return pool.copy(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _snapshot(v, pool)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_snapshot(v, pool) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_snapshot(v, pool) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return copy.deepcopy(obj)
+
+
+class AsyncCheckpointWriter:
+    """Writes the checkpoints of ``manager`` in a background thread.
+
+    :meth:`save` takes the arguments of :meth:`CheckpointManager.save`. It
+    first waits for the write before it (so at most one is in flight) and
+    raises that write's error, if it had one; then it copies the state (the
+    only part the caller waits for: tensors to host buffers, pinned and
+    reused between saves, one device synchronisation on a GPU) and hands
+    the copy to a thread that writes, hashes, renames and rotates exactly
+    as a synchronous save does. The index records a checkpoint only once
+    its write is complete, so a process killed mid-write loses only that
+    write. :meth:`wait` returns the path of the last write or raises its
+    error. The thread is not a daemon: an interpreter that exits on an
+    exception still finishes the write in flight. On Linux it runs at a
+    lower priority (``nice``, default 10), so that on a machine whose cores
+    the training step keeps busy (a CPU run) it takes the gaps rather than
+    the step's time.
+    """
+
+    def __init__(self, manager: CheckpointManager, nice: int = 10):
+        self.manager = manager
+        self.nice = nice  # the writer thread's scheduling priority on Linux (0: as the caller)
+        self._pool = _SnapshotPool()
+        self._thread: threading.Thread | None = None
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self.last_copy_seconds = 0.0  # what the caller of the last save waited for the copy
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a write is still going on."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Waits for the write in flight (at most ``timeout`` seconds; then
+        TimeoutError) and returns its path (None when there was none); raises
+        its error (:class:`CheckpointWriteError`) once."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"checkpoint write still in flight after {timeout} s")
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._result
+
+    def save(self, state: dict, **kwargs) -> Path:
+        """Starts writing ``state`` (see :meth:`CheckpointManager.save` for
+        the keywords) and returns the path it will have."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        self.wait()
+        start = time.perf_counter()
+        self._pool.start()
+        snapshot = _snapshot(state, self._pool)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies to pinned memory are complete
+        self.last_copy_seconds = time.perf_counter() - start
+        self._result = None
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, kwargs), name="dino_opt-checkpoint", daemon=False
+        )
+        self._thread.start()
+        return self.manager.path_for(kwargs["epoch"], kwargs["step"])
+
+    def _write(self, snapshot: dict, kwargs: dict) -> None:
+        if sys.platform.startswith("linux"):  # a nice value per thread on Linux only
+            # yield the CPU to the training threads where they need it all
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        try:
+            self._result = self.manager.save(snapshot, **kwargs)
+        except BaseException as e:  # surfaced by the next save() or wait()
+            self._error = e

@@ -1,0 +1,421 @@
+"""The configuration's fields: one dataclass per section, each field with its
+help, default and allowed values, and the per-key specs derived from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .presets import PRESET_NAMES
+
+__all__ = [
+    "AugmentationConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DebugConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "HardwareConfig",
+    "HealthConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used. ``errors`` holds one message per
+    problem found (the message of the exception joins them)."""
+
+    def __init__(self, errors: str | list[str]):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    check: str | None = None,
+    key: str | None = None,
+) -> Any:
+    """A dataclass field with its documentation and its allowed values.
+
+    ``ge``/``gt``/``le``/``lt`` bound a number (or both ends of a pair);
+    ``check`` names a special rule: ``"scale"`` (0 < lo <= hi <= 1),
+    ``"pair"`` (lo <= hi), ``"device"``, ``"nonempty"``. ``key``: the name
+    in YAML and overrides when it cannot be the attribute's (a Python
+    keyword: ``checkpoint.async`` is the attribute ``async_``).
+    """
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    meta["check"], meta["key"] = check, key
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------
+# The schema
+# ---------------------------------------------------------------------------
+
+_BACKBONES = ("vit_tiny", "vit_small", "vit_base", "resnet18", "resnet50")
+
+
+@dataclass
+class DataConfig:
+    """Where the images come from and how the loader delivers them."""
+
+    root: str | None = _opt(
+        None,
+        "ImageFolder directory (or a directory of images); null: the built-in data set",
+        check="nonempty",
+    )
+    batch_size: int = _opt(64, "images per batch per GPU (DINO: 64)", ge=1)
+    num_workers: int | None = _opt(None, "loader threads; null: the cores available", ge=1)
+    pin_memory: bool = _opt(True, "batches in pinned memory for faster copies to the GPU")
+    persistent_workers: bool = _opt(True, "keep the loader's workers alive between epochs")
+    prefetch: int = _opt(4, "batches prepared ahead of the training step", ge=1)
+    dtype: str = _opt(
+        "float32",
+        "dtype of the crops the loader outputs",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    photometric: str = _opt(
+        "cpu",
+        "where colour augmentation runs: loader threads or a GPU kernel",
+        choices=("cpu", "gpu"),
+    )
+    on_error: str = _opt(
+        "raise",
+        "an unreadable image: raise, or skip it (replaced by another image)",
+        choices=("raise", "skip"),
+    )
+    max_side: int | None = _opt(
+        None, "prepared data: resize images so that their longer side is at most this", ge=1
+    )
+
+
+@dataclass
+class AugmentationConfig:
+    """DINO's multi-crop and photometric augmentation (docs/design.md, "The algorithm")."""
+
+    global_crop_size: int = _opt(224, "side of the 2 global crops", ge=1)
+    local_crop_size: int = _opt(96, "side of the local crops", ge=1)
+    num_local_views: int = _opt(8, "local crops per image (DINO: 8)", ge=0)
+    global_crops_scale: tuple[float, float] = _opt(
+        (0.4, 1.0), "area fraction range of the global crops", check="scale"
+    )
+    local_crops_scale: tuple[float, float] = _opt(
+        (0.05, 0.4), "area fraction range of the local crops", check="scale"
+    )
+    flip_p: float = _opt(0.5, "horizontal flip probability", ge=0, le=1)
+    jitter_p: float = _opt(0.8, "colour jitter probability", ge=0, le=1)
+    brightness: float = _opt(0.4, "colour jitter brightness strength", ge=0)
+    contrast: float = _opt(0.4, "colour jitter contrast strength", ge=0)
+    saturation: float = _opt(0.2, "colour jitter saturation strength", ge=0)
+    hue: float = _opt(0.1, "colour jitter hue strength", ge=0, le=0.5)
+    grayscale_p: float = _opt(0.2, "grayscale probability", ge=0, le=1)
+    blur_sigma: tuple[float, float] = _opt(
+        (0.1, 2.0), "Gaussian blur sigma range", gt=0, check="pair"
+    )
+    blur_p_global1: float = _opt(1.0, "blur probability, global crop 1", ge=0, le=1)
+    blur_p_global2: float = _opt(0.1, "blur probability, global crop 2", ge=0, le=1)
+    blur_p_local: float = _opt(0.5, "blur probability, local crops", ge=0, le=1)
+    solarize_p_global2: float = _opt(0.2, "solarisation probability, global crop 2", ge=0, le=1)
+
+
+@dataclass
+class ModelConfig:
+    """Backbone and DINO head."""
+
+    backbone: str = _opt("vit_small", "backbone architecture", choices=_BACKBONES)
+    patch_size: int = _opt(16, "ViT patch size (ViT backbones only)", choices=(8, 16))
+    drop_path_rate: float = _opt(0.1, "stochastic depth rate of the ViT blocks", ge=0, lt=1)
+    out_dim: int = _opt(65536, "dimension of the head's output (prototypes)", ge=1)
+    norm_last_layer: bool = _opt(True, "fix the norm of the head's weight-normalised last layer")
+    use_bn_in_head: bool = _opt(False, "batch norm in the head's MLP")
+    hidden_dim: int = _opt(2048, "hidden width of the head's MLP", ge=1)
+    bottleneck_dim: int = _opt(256, "bottleneck width before the last layer", ge=1)
+    init_from: str | None = _opt(
+        None,
+        "weights a fresh run starts from (continued pretraining): a timm or Hugging Face "
+        "export, an original DINO file, a dino_opt checkpoint or run folder",
+        check="nonempty",
+    )
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser; lr is per 256 images (see effective_lr)."""
+
+    optimizer: str = _opt("adamw", "optimiser", choices=("adamw", "sgd"))
+    lr: float = _opt(
+        0.0005, "peak learning rate per 256 images (scaled by global batch / 256)", gt=0
+    )
+    min_lr: float = _opt(1e-6, "learning rate at the end of the cosine schedule", ge=0)
+    weight_decay: float = _opt(0.04, "weight decay at the start (cosine schedule)", ge=0)
+    weight_decay_end: float = _opt(0.4, "weight decay at the end", ge=0)
+    clip_grad: float = _opt(3.0, "global gradient norm clip; 0 disables", ge=0)
+    freeze_last_layer: int = _opt(1, "epochs during which the head's last layer is frozen", ge=0)
+    accumulation_steps: int = _opt(1, "micro-batches per optimiser step", ge=1)
+    fused: bool | None = _opt(None, "fused optimiser kernel; null: where torch offers it")
+
+
+@dataclass
+class ScheduleConfig:
+    """Epochs, warm-ups, teacher momentum and the loss's temperatures."""
+
+    epochs: int = _opt(100, "training epochs", ge=1)
+    warmup_epochs: int = _opt(10, "linear learning rate warm-up epochs", ge=0)
+    momentum_teacher: float = _opt(
+        0.996, "teacher EMA momentum at the start (cosine to 1)", ge=0, le=1
+    )
+    teacher_temp: float = _opt(0.04, "teacher temperature after the warm-up", gt=0)
+    warmup_teacher_temp: float = _opt(0.04, "teacher temperature at the start", gt=0)
+    warmup_teacher_temp_epochs: int = _opt(
+        0, "epochs of linear teacher temperature warm-up (DINO: optionally 30, to 0.07)", ge=0
+    )
+    student_temp: float = _opt(0.1, "student temperature", gt=0)
+    center_momentum: float = _opt(0.9, "momentum of the teacher output centre", ge=0, le=1)
+
+
+@dataclass
+class HardwareConfig:
+    """Device, numerics and memory/speed trade-offs."""
+
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N", check="device")
+    precision: str = _opt(
+        "auto",
+        "autocast precision; auto: bf16 where supported, else fp32",
+        choices=("auto", "bf16", "fp16", "fp32"),
+    )
+    grad_checkpointing: bool = _opt(False, "recompute ViT blocks in backward to save memory")
+    crop_batch_size: int | None = _opt(
+        None, "crops' worth per backbone pass; null: all crops at once", ge=1
+    )
+    channels_last: bool = _opt(False, "channels_last memory format (convolutional backbones)")
+    preset: str = _opt(
+        "off",
+        "set batch size, local crops, backbone, precision and checkpointing from the device's "
+        "memory (auto) or a named row (dino-opt presets); keys set in the config win",
+        choices=PRESET_NAMES,
+    )
+    compile: bool = _opt(False, "torch.compile the model")
+    seed: int = _opt(0, "seed of every random choice", ge=0, le=2**32 - 1)
+
+
+@dataclass
+class LoggingConfig:
+    """Run folder and what goes into it."""
+
+    output_dir: str | None = _opt(None, "run folder; null: runs/<timestamp>", check="nonempty")
+    log_every: int = _opt(10, "steps between logged metrics", ge=1)
+    tensorboard: bool = _opt(True, "write TensorBoard logs")
+    progress: bool = _opt(True, "show a progress bar")
+    profile: bool = _opt(True, "write the profile summary")
+    tsne: bool = _opt(True, "plot a t-SNE map of held-out features before and after training")
+    histograms: bool = _opt(
+        False, "TensorBoard histograms of the per-image teacher entropy at each logging step"
+    )
+    wandb: bool = _opt(
+        False,
+        "also log to Weights & Biases (pip install 'dino_opt[wandb]'; WANDB_MODE=offline "
+        "works without a network)",
+    )
+    wandb_project: str = _opt("dino_opt", "Weights & Biases project", check="nonempty")
+
+
+@dataclass
+class CheckpointConfig:
+    """When to save, how many to keep, what to resume from."""
+
+    every_epochs: int = _opt(1, "epochs between checkpoints; 0: only at the end", ge=0)
+    every_steps: int = _opt(
+        0, "optimizer steps between checkpoints inside an epoch (resume mid-epoch); 0: off", ge=0
+    )
+    keep: int = _opt(3, "most recent checkpoints kept (milestones are kept as well)", ge=1)
+    milestone_every: int = _opt(
+        0, "every this many epochs an end-of-epoch checkpoint is kept for good; 0: none", ge=0
+    )
+    resume: str | None = _opt(
+        "auto",
+        "auto: continue from the newest good checkpoint of the run folder when there is "
+        "one; a checkpoint path; null: start fresh (refused if the run folder has checkpoints)",
+        check="nonempty",
+    )
+    async_: bool = _opt(
+        True,
+        "write checkpoints in a background thread: the step waits only for a copy of the "
+        "state (to pinned host memory on a GPU); one write in flight at a time",
+        key="async",
+    )
+
+
+@dataclass
+class EvalConfig:
+    """k-NN evaluation on teacher features, as in DINO."""
+
+    knn_k: int = _opt(20, "neighbours of the weighted k-NN vote", ge=1)
+    knn_temperature: float = _opt(0.07, "temperature of the k-NN vote weights", gt=0)
+    every_epochs: int = _opt(0, "epochs between evaluations; 0: only at the end", ge=0)
+
+
+@dataclass
+class HealthConfig:
+    """Training health checks at each logging interval (dino_opt.observe.health)."""
+
+    enabled: bool = _opt(True, "check collapse, gradients, throughput and NaN steps while training")
+    feature_std_min: float = _opt(
+        0.1,
+        "collapse alert below this std of the L2-normalised features x sqrt(dim) "
+        "(isotropic features: 1)",
+        ge=0,
+    )
+    entropy_uniform_max: float = _opt(
+        0.98, "uniform-collapse alert above this teacher entropy / log(out_dim)", ge=0, le=1
+    )
+    entropy_dominant_min: float = _opt(
+        1.0,
+        "dominant-dimension alert below this entropy (nats) of the batch-mean teacher output",
+        ge=0,
+    )
+    grad_norm_max: float = _opt(
+        10.0, "gradient-explosion alert above this gradient norm (before clipping)", ge=0
+    )
+    throughput_drop: float = _opt(
+        0.8,
+        "throughput alert below this fraction of the first logged throughput; 0 disables",
+        ge=0,
+        le=1,
+    )
+    throughput_window: int = _opt(
+        3, "logging intervals averaged for the throughput check (first vs last)", ge=1
+    )
+    max_nonfinite_steps: int = _opt(
+        20,
+        "act (health.on_nonfinite) after more than this many consecutive steps with a NaN/inf "
+        "loss or gradient",
+        ge=0,
+    )
+    on_nonfinite: str = _opt(
+        "rollback",
+        "after too many non-finite steps: rollback (reload the last good checkpoint, skip the "
+        "failing batches, go on), stop (save and stop), skip (skip their updates, go on)",
+        choices=("rollback", "stop", "skip"),
+    )
+    on_collapse: str = _opt(
+        "warn",
+        "on a collapse alert sustained for health.collapse_patience logging intervals: warn, "
+        "or rollback (reload the last good checkpoint at a lower learning rate)",
+        choices=("warn", "rollback"),
+    )
+    collapse_patience: int = _opt(
+        3, "consecutive logging intervals with a collapse alert before on_collapse acts", ge=1
+    )
+    max_rollbacks: int = _opt(
+        3, "rollbacks allowed in a run; one more failure stops it, its checkpoints kept", ge=0
+    )
+    rollback_lr_scale: float = _opt(
+        1.0, "each rollback multiplies the learning rate from then on by this", gt=0, le=1
+    )
+
+
+@dataclass
+class DistributedConfig:
+    """Several processes: collective timeouts and hang detection."""
+
+    timeout_s: float = _opt(
+        1800.0, "timeout of a collective of the process group (NCCL, gloo), seconds", gt=0
+    )
+    hang_timeout_s: float = _opt(
+        900.0,
+        "a rank without progress for this long ends the job, naming the stuck rank and its "
+        "last completed step (the checkpoint in flight finished first); 0: off",
+        ge=0,
+    )
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, for testing the fault tolerance of a run."""
+
+    inject_nonfinite_at_step: int | None = _opt(
+        None,
+        "make the batch of this step (as the metrics count steps) all NaN, as a corrupt image "
+        "would: the loss, the teacher's output and the center become non-finite",
+        ge=1,
+    )
+    inject_hang_at_step: int | None = _opt(
+        None,
+        "at this step, rank debug.inject_hang_rank stops (sleeps) just before the metrics "
+        "all-reduce, so the other ranks wait in it",
+        ge=1,
+    )
+    inject_hang_rank: int = _opt(0, "the rank that stops at debug.inject_hang_at_step", ge=0)
+
+
+# Section name -> section class, in the order they are written out.
+_SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "augmentation": AugmentationConfig,
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "hardware": HardwareConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "health": HealthConfig,
+    "distributed": DistributedConfig,
+    "debug": DebugConfig,
+}
+
+
+# ---------------------------------------------------------------------------
+# Field types and per-field checks
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    kind: str  # "int", "float", "bool", "str" or "pair"
+    attr: str  # the dataclass attribute (the key, unless that is a Python keyword)
+    optional: bool
+    meta: typing.Mapping[str, Any]
+    default: Any
+
+
+def _spec_of(tp: Any) -> tuple[str, bool]:
+    """The kind of a field's annotation and whether it may be None."""
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        (tp,) = args
+    if typing.get_origin(tp) is tuple:
+        return "pair", optional
+    kinds = {int: "int", float: "float", bool: "bool", str: "str"}
+    return kinds[tp], optional
+
+
+def _build_specs() -> dict[str, dict[str, _Spec]]:
+    specs: dict[str, dict[str, _Spec]] = {}
+    for name, cls in _SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        specs[name] = {}
+        for f in dataclasses.fields(cls):
+            kind, optional = _spec_of(hints[f.name])
+            key = f.metadata.get("key") or f.name
+            specs[name][key] = _Spec(kind, f.name, optional, f.metadata, f.default)
+    return specs
+
+
+_SPECS = _build_specs()

@@ -1,0 +1,270 @@
+"""Configurations in and out: ``key=value`` overrides, YAML files read strictly
+and written atomically, and the learning rate scaled by the batch size."""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..checkpoint import atomic_write, fsync_dir
+from .fields import _SECTIONS, _SPECS, ConfigError
+from .schema import (
+    Config,
+    _from_dict,
+    _plain,
+    _suggest_section,
+    _unknown_key,
+    _unknown_section,
+    validate,
+)
+
+__all__ = ["apply_overrides", "config_to_yaml", "effective_lr", "load_config", "save_config"]
+
+
+# ---------------------------------------------------------------------------
+# Overrides
+# ---------------------------------------------------------------------------
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value), the value read as YAML."""
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(
+            f"override {item!r} must be key=value with a dotted key, e.g. data.batch_size=32"
+        )
+    dotted, text = item.split("=", 1)
+    dotted = dotted.strip()
+    parts = dotted.split(".")
+    if len(parts) != 2 or not all(parts):
+        hint = _suggest_section(dotted) if len(parts) == 1 else ""
+        raise ConfigError(
+            f"override key {dotted!r} must be section.key, e.g. data.batch_size "
+            f"({hint}known sections: {', '.join(_SECTIONS)})"
+        )
+    sname, key = parts
+    if sname not in _SECTIONS:
+        raise ConfigError(_unknown_section(sname))
+    spec = _SPECS[sname].get(key)
+    if spec is None:
+        raise ConfigError(_unknown_key(sname, key))
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text  # left to the type check, which names the key
+    if spec.kind == "str" and value is not None and not isinstance(value, str):
+        # `logging.output_dir=2024` means the text, not the int.
+        value = text.strip()
+    if spec.optional and isinstance(value, str) and value.strip().lower() == "none":
+        value = None  # Python's spelling of YAML's null
+    return sname, key, value
+
+
+def _merge_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    if isinstance(overrides, str):  # a lone string would be iterated by character
+        overrides = [overrides]
+    errors = []
+    for item in overrides:
+        try:
+            sname, key, value = _parse_override(item)
+        except ConfigError as e:
+            errors.extend(e.errors)
+            continue
+        section = d.get(sname)
+        if not isinstance(section, dict):
+            # None (empty in the file) takes the override; anything else is
+            # reported by from_dict, so keep it when it is not a mapping.
+            if section is not None and not isinstance(section, typing.Mapping):
+                continue
+            section = dict(section or {})
+            d[sname] = section
+        section[key] = value
+    if errors:
+        raise ConfigError(errors)
+    return d
+
+
+def _given_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The values of ``cfg`` that count as set by it: its given keys and every
+    key that differs from its default (a config changed in code)."""
+    d = cfg.to_dict()
+    return {
+        sname: {
+            key: value
+            for key, value in values.items()
+            if f"{sname}.{key}" in cfg.given_keys or value != _plain(_SPECS[sname][key].default)
+        }
+        for sname, values in d.items()
+    }
+
+
+def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
+    """A new Config: ``cfg`` with ``section.key=value`` overrides applied and checked.
+
+    Values are read as YAML (``32``, ``0.5``, ``true``, ``[0.3, 1.0]``,
+    ``null``); a string field takes the text as written. The overrides join
+    the keys the config sets itself (:attr:`Config.given_keys`).
+    """
+    d = _given_dict(cfg)
+    for sname, values in _merge_overrides({}, overrides).items():  # parsed and checked alone
+        d[sname].update(values)
+    return _from_dict(d)
+
+
+# ---------------------------------------------------------------------------
+# YAML
+# ---------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML
+    otherwise keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` may be overridden by explicit keys
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key!r}",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path is a directory, not a file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        context = getattr(e, "context", None)
+        detail = f"{context}: {problem}" if context else problem
+        raise ConfigError(f"{where}: malformed YAML ({detail})") from None
+
+
+def load_config(
+    path: str | os.PathLike | typing.Mapping | None = None, overrides: typing.Iterable[str] = ()
+) -> Config:
+    """Reads a YAML config (None, or an empty file: the defaults; a mapping
+    of sections: that config), applies ``section.key=value`` overrides,
+    checks the result.
+
+    Raises :class:`ConfigError` naming the file (not found; malformed YAML
+    with its line and column) or the keys at fault.
+    """
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    d: Any = {}
+    if isinstance(path, typing.Mapping):
+        d = {k: dict(v) if isinstance(v, typing.Mapping) else v for k, v in path.items()}
+        path = None
+    elif path is not None:
+        path = Path(path)
+        d = _read_yaml(path)
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections "
+                f"({', '.join(_SECTIONS)}), got {type(d).__name__}"
+            )
+    d = _merge_overrides(d, overrides)  # errors in an override name the override
+    try:
+        return _from_dict(d)
+    except ConfigError as e:
+        if path is None:
+            raise
+        origin = f"{path} with overrides" if overrides else str(path)
+        raise ConfigError([f"{origin}: {msg}" for msg in e.errors]) from None
+
+
+class _Dumper(yaml.SafeDumper):
+    """Sections in block style, pairs in flow style (``[0.4, 1.0]``)."""
+
+    def represent_list(self, data):
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+
+
+_Dumper.add_representer(list, _Dumper.represent_list)
+
+
+def config_to_yaml(cfg: Config, comments: bool = True) -> str:
+    """The config as YAML that :func:`load_config` reads back to an equal
+    config; with ``comments``, each key carries its documentation."""
+    validate(cfg)
+    text = yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False, width=1 << 30)
+    if not comments:
+        return text
+    lines, section = [], None
+    for line in text.splitlines():
+        top = re.match(r"^(\w+):", line)
+        if top:
+            section = top.group(1)
+            if lines:
+                lines.append("")
+            doc = (_SECTIONS[section].__doc__ or "").strip().splitlines()[0]
+            lines.append(f"# {doc}")
+        sub = re.match(r"^  (\w+):", line)
+        if sub and section is not None:
+            meta = _SPECS[section][sub.group(1)].meta
+            allowed = f" ({' | '.join(map(str, meta['choices']))})" if meta["choices"] else ""
+            line = f"{line}  # {meta['help']}{allowed}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> Path:
+    """Writes ``cfg`` as YAML to ``path`` atomically (a temporary file in the
+    same folder, fsync, rename; :func:`~dino_opt.checkpoint.atomic_write`), so
+    a crash never leaves a half-written config. Creates the parent folders.
+    Returns the path."""
+    path = Path(path)
+    text = config_to_yaml(cfg).encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: f.write(text))
+    fsync_dir(path.parent)
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Derived values
+# ---------------------------------------------------------------------------
+
+
+def effective_lr(cfg: Config, world_size: int = 1) -> float:
+    """The peak learning rate by DINO's linear scaling rule.
+
+    ``optim.lr`` is the rate for 256 images per optimiser step; DINO scales it
+    linearly with the images that make one step: ``lr * batch_size *
+    world_size * accumulation_steps / 256`` (main_dino.py: ``args.lr *
+    (args.batch_size_per_gpu * get_world_size()) / 256``; accumulated
+    micro-batches add to the step's batch the same way). The defaults give
+    0.0005 * 64 * 16 / 256 = 0.002 on 16 GPUs. ``optim.min_lr`` is not scaled,
+    as in DINO.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    return cfg.optim.lr * cfg.data.batch_size * world_size * cfg.optim.accumulation_steps / 256

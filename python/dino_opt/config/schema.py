@@ -1,0 +1,365 @@
+"""The ``Config`` dataclass and its checks: types, ranges, choices and the
+relations between fields, each failure a :class:`ConfigError` naming the key."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .fields import (
+    _SECTIONS,
+    _SPECS,
+    AugmentationConfig,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    DebugConfig,
+    DistributedConfig,
+    EvalConfig,
+    HardwareConfig,
+    HealthConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ScheduleConfig,
+    _Spec,
+)
+
+__all__ = ["Config", "default_config", "validate"]
+
+
+@dataclass
+class Config:
+    """The whole configuration: one dataclass per section.
+
+    ``given_keys`` holds the ``section.key`` names that the source of this
+    config set explicitly (a YAML file, a mapping, overrides, or values that
+    differ from the defaults); a hardware preset sets only the others. It is
+    not part of the config's value (equality, YAML, ``to_dict``).
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    given_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict of builtins (tuples as lists), safe for YAML and JSON."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            out[name] = {
+                key: _plain(getattr(section, spec.attr)) for key, spec in _SPECS[name].items()
+            }
+        return out
+
+    @classmethod
+    def from_dict(cls, d: typing.Mapping[str, Any] | None) -> Config:
+        """Builds and validates a Config; missing sections and keys take their defaults.
+
+        Raises :class:`ConfigError` listing every unknown key and bad value.
+        """
+        return _from_dict(d)
+
+    def validate(self) -> Config:
+        """Checks this (possibly mutated) config; returns it, converted in place."""
+        return validate(self)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+_KIND_NAMES = {
+    "int": "an int",
+    "float": "a number",
+    "bool": "a bool (true or false)",
+    "str": "a string",
+    "pair": "a pair of numbers [lo, hi]",
+}
+
+
+def _to_float(value: Any) -> float | None:
+    """A finite float from an int, float or numeric string; None otherwise.
+
+    Strings count because PyYAML reads ``1e-6`` (no dot) as a string."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _bounds_text(meta: typing.Mapping[str, Any]) -> str | None:
+    lo = meta["ge"] if meta["ge"] is not None else meta["gt"]
+    hi = meta["le"] if meta["le"] is not None else meta["lt"]
+    if lo is not None and hi is not None:
+        left = "[" if meta["ge"] is not None else "("
+        right = "]" if meta["le"] is not None else ")"
+        return f"in {left}{_num(lo)}, {_num(hi)}{right}"
+    if lo is not None:
+        return f">= {_num(lo)}" if meta["ge"] is not None else f"> {_num(lo)}"
+    if hi is not None:
+        return f"<= {_num(hi)}" if meta["le"] is not None else f"< {_num(hi)}"
+    return None
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _in_bounds(x: float, meta: typing.Mapping[str, Any]) -> bool:
+    return not (
+        (meta["ge"] is not None and x < meta["ge"])
+        or (meta["gt"] is not None and x <= meta["gt"])
+        or (meta["le"] is not None and x > meta["le"])
+        or (meta["lt"] is not None and x >= meta["lt"])
+    )
+
+
+def _convert(key: str, spec: _Spec, value: Any) -> Any:
+    """Converts ``value`` to the field's type and checks its range; raises
+    ConfigError naming ``key`` (``section.name``)."""
+    if value is None:
+        if spec.optional:
+            return None
+        raise ConfigError(f"{key} must be {_KIND_NAMES[spec.kind]}, got null")
+    meta = spec.meta
+    expected = _KIND_NAMES[spec.kind] + (" or null" if spec.optional else "")
+    bad_type = ConfigError(f"{key} must be {expected}, got {value!r}")
+
+    if spec.kind == "bool":
+        if not isinstance(value, bool):
+            raise bad_type
+        return value
+    if spec.kind == "str":
+        if not isinstance(value, str):
+            raise bad_type
+        out: Any = value
+    elif spec.kind == "int":
+        # bool is an int subclass, but `batch_size: true` is a mistake.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_type
+        out = value
+    elif spec.kind == "float":
+        out = _to_float(value)
+        if out is None:
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    else:  # pair
+        if isinstance(value, str) and "," in value:
+            value = value.strip("()[] ").split(",")
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise bad_type
+        lo, hi = (_to_float(v) for v in value)
+        if lo is None or hi is None:
+            raise bad_type
+        out = (lo, hi)
+
+    choices = meta["choices"]
+    if choices is not None and out not in choices:
+        listed = ", ".join(str(c) for c in choices)
+        hint = ""
+        if isinstance(out, str):
+            close = difflib.get_close_matches(out, [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{key} must be one of {listed}; got {out!r}{hint}")
+
+    bounds = _bounds_text(meta)
+    if bounds is not None:
+        numbers = out if spec.kind == "pair" else (out,)
+        if not all(_in_bounds(x, meta) for x in numbers):
+            what = "both ends of " + key if spec.kind == "pair" else key
+            raise ConfigError(f"{what} must be {bounds}, got {_plain(out)!r}")
+
+    check = meta["check"]
+    if check == "scale" and not 0 < out[0] <= out[1] <= 1:
+        raise ConfigError(f"{key} must be [lo, hi] with 0 < lo <= hi <= 1, got {list(out)}")
+    if check == "pair" and not out[0] <= out[1]:
+        raise ConfigError(f"{key} must be [lo, hi] with lo <= hi, got {list(out)}")
+    if check == "device" and not _DEVICE_RE.match(out):
+        raise ConfigError(f"{key} must be auto, cpu, cuda or cuda:N (N a GPU index), got {out!r}")
+    if check == "nonempty" and not out.strip():
+        raise ConfigError(f"{key} must be a non-empty string or null, got {out!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Unknown names
+# ---------------------------------------------------------------------------
+
+
+def _unknown_section(name: Any) -> str:
+    known = ", ".join(_SECTIONS)
+    hint = _suggest_section(str(name))
+    return f"unknown section {str(name)!r} ({hint}known sections: {known})"
+
+
+def _suggest_section(name: str) -> str:
+    close = difflib.get_close_matches(name, list(_SECTIONS), n=1)
+    if close:
+        return f"did you mean '{close[0]}'? "
+    # A key written at the top level, e.g. `batch_size: 32`.
+    owners = [s for s, keys in _SPECS.items() if name in keys]
+    if owners:
+        return f"did you mean '{owners[0]}.{name}'? "
+    return ""
+
+
+def _unknown_key(section: str, name: Any) -> str:
+    name = str(name)
+    keys = list(_SPECS[section])
+    close = difflib.get_close_matches(name, keys, n=1)
+    if close:
+        hint = f"did you mean '{section}.{close[0]}'? "
+    else:
+        # The right key in the wrong section, e.g. `optim.epochs`.
+        owners = [s for s, k in _SPECS.items() if name in k]
+        hint = f"did you mean '{owners[0]}.{name}'? " if owners else ""
+    return f"unknown key '{section}.{name}' ({hint}known keys in {section}: {', '.join(keys)})"
+
+
+# ---------------------------------------------------------------------------
+# Building and validating
+# ---------------------------------------------------------------------------
+
+
+def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
+    if d is None:
+        d = {}
+    if not isinstance(d, typing.Mapping):
+        raise ConfigError(
+            f"a config must be a mapping of sections ({', '.join(_SECTIONS)}), "
+            f"got {type(d).__name__}"
+        )
+    errors: list[str] = []
+    sections: dict[str, Any] = {}
+    given_keys: list[str] = []
+    for sname, values in d.items():
+        if sname not in _SECTIONS:
+            errors.append(_unknown_section(sname))
+            continue
+        if values is None:  # `data:` with nothing under it
+            continue
+        if sname == "hardware" and isinstance(values, str):
+            values = {"preset": values}  # `hardware: auto`
+        if not isinstance(values, typing.Mapping):
+            errors.append(
+                f"section {sname!r} must be a mapping of keys "
+                f"({', '.join(_SPECS[sname])}), got {values!r}"
+            )
+            continue
+        kwargs = {}
+        for key, value in values.items():
+            spec = _SPECS[sname].get(key) if isinstance(key, str) else None
+            if spec is None:
+                errors.append(_unknown_key(sname, key))
+                continue
+            try:
+                kwargs[spec.attr] = _convert(f"{sname}.{key}", spec, value)
+                given_keys.append(f"{sname}.{key}")
+            except ConfigError as e:
+                errors.extend(e.errors)
+        sections[sname] = kwargs
+    if errors:
+        raise ConfigError(errors)
+    given = frozenset(given_keys)
+    cfg = Config(**{s: _SECTIONS[s](**sections.get(s, {})) for s in _SECTIONS}, given_keys=given)
+    _check_relations(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> Config:
+    """Checks every field of ``cfg`` (types, ranges, choices) and the relations
+    between fields; converts in place where lossless (an int where a float
+    belongs, a list where a pair belongs). Returns ``cfg``.
+
+    Use it after changing a config's attributes in code; the loading
+    functions call it themselves.
+    """
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"expected a Config, got {type(cfg).__name__}")
+    errors: list[str] = []
+    converted: list[tuple[Any, str, Any]] = []
+    for sname, cls in _SECTIONS.items():
+        section = getattr(cfg, sname)
+        if not isinstance(section, cls):
+            errors.append(f"section {sname!r} must be a {cls.__name__}, got {section!r}")
+            continue
+        for key, spec in _SPECS[sname].items():
+            try:
+                value = _convert(f"{sname}.{key}", spec, getattr(section, spec.attr))
+                converted.append((section, spec.attr, value))
+            except ConfigError as e:
+                errors.extend(e.errors)
+    if errors:
+        raise ConfigError(errors)
+    for section, key, value in converted:
+        setattr(section, key, value)
+    _check_relations(cfg)
+    return cfg
+
+
+def _check_relations(cfg: Config) -> None:
+    """Checks between fields (each field alone is already valid)."""
+    errors = []
+    s, o, m, a = cfg.schedule, cfg.optim, cfg.model, cfg.augmentation
+    if s.warmup_epochs > s.epochs:
+        errors.append(
+            f"schedule.warmup_epochs ({s.warmup_epochs}) must be <= schedule.epochs ({s.epochs})"
+        )
+    if s.warmup_teacher_temp_epochs > s.epochs:
+        errors.append(
+            f"schedule.warmup_teacher_temp_epochs ({s.warmup_teacher_temp_epochs}) must be "
+            f"<= schedule.epochs ({s.epochs})"
+        )
+    if o.min_lr > o.lr:
+        errors.append(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
+    if m.backbone.startswith("vit"):
+        # The crops must tile into whole patches.
+        for key in ("global_crop_size", "local_crop_size"):
+            size = getattr(a, key)
+            if size % m.patch_size:
+                errors.append(
+                    f"augmentation.{key} ({size}) must be a multiple of model.patch_size "
+                    f"({m.patch_size}) for a ViT backbone"
+                )
+    elif m.patch_size != _SPECS["model"]["patch_size"].default:
+        errors.append(
+            f"model.patch_size applies to ViT backbones only; model.backbone is "
+            f"{m.backbone!r} (leave model.patch_size at its default)"
+        )
+    h = cfg.health
+    if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:
+        errors.append(
+            "health.on_collapse=rollback needs health.rollback_lr_scale < 1 (a rollback at "
+            "the same learning rate replays the same steps into the same collapse)"
+        )
+    if errors:
+        raise ConfigError(errors)
+
+
+def default_config() -> Config:
+    """The original DINO recipe for ViT-S/16 (a fresh object each call)."""
+    return Config()

@@ -1,0 +1,625 @@
+"""DINO's multi-crop data pipeline on native threads.
+
+``MultiCropLoader`` decodes (libjpeg-turbo, DCT-scaled where every crop
+allows), crops and resizes (PIL's anti-aliased bicubic), augments (DINO's
+photometric recipe with torchvision's semantics) and normalises in a pool of
+C++ threads, writing whole batches straight into pinned memory. Each sample's
+randomness derives from ``(seed, epoch, position)``, so the batches are the
+same whatever the thread count, and a run resumes mid-epoch exactly.
+
+``MultiCropDataset`` runs the same per-image pipeline as a ``torch`` Dataset
+for users who keep ``torch.utils.data.DataLoader``;
+``DataLoadingOptimizer.create_optimized_dataloader`` is the lesson's entry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _C
+from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
+
+__all__ = [
+    "AUGMENT_KEYS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
+    "Batch",
+    "DataLoadingOptimizer",
+    "ImageError",
+    "LoaderError",
+    "MultiCropDataset",
+    "MultiCropLoader",
+    "find_images",
+    "multicrop_collate",
+]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+
+#: A batch that holds an unreadable file (``on_error="raise"``), or a closed loader.
+LoaderError = _C.LoaderError
+#: An image that cannot be decoded or written (``dino-opt prepare``, the image helpers).
+ImageError = _C.ImageError
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: The photometric options ``augment={...}`` takes (names as in the config's
+#: ``augmentation`` section).
+AUGMENT_KEYS = (
+    "flip_p",
+    "jitter_p",
+    "brightness",
+    "contrast",
+    "saturation",
+    "hue",
+    "grayscale_p",
+    "blur_sigma",
+    "blur_p_global1",
+    "blur_p_global2",
+    "blur_p_local",
+    "solarize_p_global2",
+)
+_DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit
+# What must match for a loader state to resume this loader.
+_STATE_KEYS = ("seed", "num_samples", "batch_size", "rank", "world_size", "shuffle", "drop_last")
+
+
+class Batch(NamedTuple):
+    """One batch: ``crops`` is ``[global_1, global_2, local_1, ..., local_n]``,
+    each ``[B, 3, H, W]`` (or, with ``group_by_resolution=True``, one tensor per
+    resolution: ``[2B, 3, G, G]`` and ``[n_local * B, 3, L, L]``, crop-major as
+    ``torch.cat`` of the list would give); ``labels`` and ``indices`` (data set
+    indices, after any ``on_error="skip"`` replacement) are int64 ``[B]``."""
+
+    crops: list[torch.Tensor]
+    labels: torch.Tensor
+    indices: torch.Tensor
+
+
+def find_images(
+    source: str | os.PathLike | Sequence[str | os.PathLike], labels: Sequence[int] | None = None
+) -> tuple[list[str], list[int], list[str]]:
+    """``(paths, labels, classes)`` of a data set.
+
+    ``source`` is an ImageFolder directory (one sub-directory per class, sorted
+    class names give the labels; files found recursively, symlinks followed),
+    a directory of images without class folders (labels -1), or a sequence of
+    file paths with optional ``labels``. Raises ``FileNotFoundError`` for a
+    missing directory and ``ValueError`` for one with no image files.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        if labels is not None:
+            raise ValueError("labels are given by the class folders when source is a directory")
+        root = Path(source)
+        if not root.is_dir():
+            raise FileNotFoundError(f"data set directory {str(root)!r} does not exist")
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        paths: list[str] = []
+        out_labels: list[int] = []
+        for label, name in enumerate(classes):
+            found = _walk_images(root / name)
+            paths += found
+            out_labels += [label] * len(found)
+        direct = sorted(
+            str(root / e.name)
+            for e in os.scandir(root)
+            if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)
+        )
+        if direct and not paths:
+            return direct, [-1] * len(direct), []
+        if not paths:
+            raise ValueError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
+        return paths, out_labels, classes
+    paths = [os.fspath(p) for p in source]
+    if not paths:
+        raise ValueError("the list of image paths is empty")
+    if labels is None:
+        return paths, [-1] * len(paths), []
+    out_labels = [int(v) for v in labels]
+    if len(out_labels) != len(paths):
+        raise ValueError(f"labels has {len(out_labels)} entries for {len(paths)} paths")
+    return paths, out_labels, []
+
+
+def _walk_images(folder: Path) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames.sort()
+        found += [
+            os.path.join(dirpath, f)
+            for f in sorted(filenames)
+            if f.lower().endswith(IMAGE_EXTENSIONS)
+        ]
+    return found
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _pair(name: str, value: Sequence[float]) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a pair of floats, got {value!r}") from None
+    return lo, hi
+
+
+def _native_loader(
+    source,
+    labels,
+    batch_size: int,
+    *,
+    global_size: int,
+    local_size: int,
+    n_local: int,
+    global_scale,
+    local_scale,
+    num_threads: int | None,
+    prefetch: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    pad_shards: bool,
+    dtype: torch.dtype,
+    channels_last: bool,
+    photometric: str,
+    pin_memory: bool,
+    on_error: str,
+    max_pixels: int,
+    mean,
+    std,
+    augment: dict | None,
+    dct_scaling: bool,
+):
+    """Checks the Python-side arguments, then builds the native loader (which
+    checks the ranges and raises ValueError naming the argument)."""
+    _check_choice("photometric", photometric, ("cpu", "gpu"))
+    _check_choice("on_error", on_error, ("raise", "skip"))
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    options = dict(augment or {})
+    unknown = sorted(set(options) - set(AUGMENT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(AUGMENT_KEYS)}")
+    if "blur_sigma" in options:
+        options["blur_sigma"] = _pair("augment['blur_sigma']", options["blur_sigma"])
+    options.update(
+        global_size=int(global_size),
+        local_size=int(local_size),
+        n_local=int(n_local),
+        global_scale=_pair("global_scale", global_scale),
+        local_scale=_pair("local_scale", local_scale),
+    )
+    if len(mean) != 3 or len(std) != 3:
+        raise ValueError(f"mean and std need 3 values each, got {len(mean)} and {len(std)}")
+    paths, label_list, classes = find_images(source, labels)
+    native = _C.MultiCropLoader(
+        paths,
+        label_list,
+        batch_size=batch_size,
+        augment=options,
+        num_threads=0 if num_threads is None else int(num_threads),
+        prefetch=int(prefetch),
+        seed=int(seed),
+        rank=int(rank),
+        world_size=int(world_size),
+        shuffle=bool(shuffle),
+        drop_last=bool(drop_last),
+        pad_shards=bool(pad_shards),
+        dtype=_DTYPES[dtype],
+        channels_last=bool(channels_last),
+        photometric=photometric == "cpu",
+        pin_memory=bool(pin_memory),
+        skip_errors=on_error == "skip",
+        max_pixels=int(max_pixels),
+        mean=[float(v) for v in mean],
+        std=[float(v) for v in std],
+        dct_scaling=bool(dct_scaling),
+    )
+    return native, paths, classes
+
+
+class MultiCropLoader:
+    """Multi-crop batches for DINO from native threads.
+
+    Args:
+        source: an ImageFolder directory, a directory of images, or a list of
+            paths (see :func:`find_images`); ``labels`` goes with a list.
+        batch_size: samples per batch (per rank).
+        global_size, local_size, n_local, global_scale, local_scale: the crops
+            (DINO: 2 global 224² with scale (0.4, 1), 8 local 96² with (0.05, 0.4)).
+        num_threads: decoding threads (default: the cores this process may use).
+        prefetch: batches prepared ahead of the consumer.
+        seed: the seed of every random choice; ``set_epoch`` reshuffles.
+        rank, world_size: this process's shard, as ``DistributedSampler``
+            makes them; ``pad_shards`` pads the shards to equal length by
+            wrapping around (True) or drops the tail (False).
+        shuffle, drop_last: as ``DataLoader`` (drop_last: this rank's last
+            partial batch).
+        dtype, channels_last: the crops' dtype (float32, bfloat16, float16)
+            and memory format.
+        photometric: ``"cpu"``: the threads augment and normalise; ``"gpu"``:
+            the threads write uint8 crops and their sampled parameters and the
+            operator ``dino_opt.ops.multicrop_photometric`` augments on
+            ``device`` (default ``"cuda"``; ``"cpu"`` runs its CPU kernel) —
+            4x fewer bytes to copy and less CPU work.
+        on_error: ``"raise"``: a batch holding an unreadable file raises
+            :class:`LoaderError` naming the path and cause (the loader stays
+            usable and closable); ``"skip"``: the sample is replaced by another
+            drawn deterministically, and counted in ``stats()``.
+        pin_memory: batches in pinned memory (default: when CUDA is available).
+        group_by_resolution: yield one tensor per resolution instead of one per crop.
+        max_pixels: images with more pixels are refused from their header.
+        mean, std: normalisation.
+        augment: overrides of the photometric probabilities and strengths
+            (keys ``flip_p``, ``jitter_p``, ``brightness``, ``contrast``,
+            ``saturation``, ``hue``, ``grayscale_p``, ``blur_sigma``,
+            ``blur_p_global1``, ``blur_p_global2``, ``blur_p_local``,
+            ``solarize_p_global2``).
+        dct_scaling: decode JPEGs at 1/2, 1/4 or 1/8 size when every crop
+            still has at least its output resolution.
+
+    Iterating yields :class:`Batch` ``(crops, labels, indices)`` for the
+    current epoch, from its next unseen batch (the position ``state_dict()``
+    saves; an epoch iterated to its end starts again from its first batch).
+    Call ``set_epoch`` before each epoch (as with ``DistributedSampler``),
+    ``close()`` at the end (or use ``with``).
+    """
+
+    def __init__(
+        self,
+        source,
+        batch_size: int,
+        global_size: int = 224,
+        local_size: int = 96,
+        n_local: int = 8,
+        global_scale: Sequence[float] = (0.4, 1.0),
+        local_scale: Sequence[float] = (0.05, 0.4),
+        num_threads: int | None = None,
+        prefetch: int = 4,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        photometric: str = "cpu",
+        on_error: str = "raise",
+        *,
+        labels: Sequence[int] | None = None,
+        device: str | torch.device | None = None,
+        pin_memory: bool | None = None,
+        pad_shards: bool = True,
+        group_by_resolution: bool = False,
+        max_pixels: int = _DEFAULT_MAX_PIXELS,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        augment: dict | None = None,
+        dct_scaling: bool = True,
+    ):
+        self._native = None  # so that close() in __del__ works if a check below fails
+        if photometric == "gpu":
+            device = torch.device(device if device is not None else "cuda")
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(
+                    "photometric='gpu' needs CUDA; pass device='cpu' to run the operator there"
+                )
+        elif device is not None:
+            raise ValueError("device applies to photometric='gpu' only")
+        self.device = device
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available() and (device is None or device.type == "cuda")
+        self._native, self.paths, self.classes = _native_loader(
+            source,
+            labels,
+            batch_size,
+            global_size=global_size,
+            local_size=local_size,
+            n_local=n_local,
+            global_scale=global_scale,
+            local_scale=local_scale,
+            num_threads=num_threads,
+            prefetch=prefetch,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            pad_shards=pad_shards,
+            dtype=dtype,
+            channels_last=channels_last,
+            photometric=photometric,
+            pin_memory=pin_memory,
+            on_error=on_error,
+            max_pixels=max_pixels,
+            mean=mean,
+            std=std,
+            augment=augment,
+            dct_scaling=dct_scaling,
+        )
+        self.batch_size = batch_size
+        self.n_local = int(n_local)
+        self.seed = int(seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.dtype, self.channels_last = dtype, bool(channels_last)
+        self.photometric = photometric
+        self.group_by_resolution = bool(group_by_resolution)
+        self.mean, self.std = [float(v) for v in mean], [float(v) for v in std]
+        self.pin_memory = bool(pin_memory)
+        self._epoch = 0
+        self._next_batch = 0  # within the epoch: where iteration (or a resume) starts
+
+    # ------------------------------------------------------------ iteration
+    def __len__(self) -> int:
+        return self._native.num_batches
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the data set (all ranks)."""
+        return self._native.num_samples
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch's shuffle and augmentation; iteration starts at its first batch."""
+        self._epoch = int(epoch)
+        self._next_batch = 0
+
+    def epoch_indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's data set indices for ``epoch``, in iteration order."""
+        return self._native.epoch_indices(self._epoch if epoch is None else int(epoch))
+
+    def __iter__(self) -> Iterator[Batch]:
+        native = self._require_open()
+        native.start_epoch(self._epoch, self._next_batch)
+        while True:
+            raw = native.next()
+            if raw is None:
+                self._next_batch = 0
+                return
+            groups, params, labels, indices, batch_index = raw
+            self._next_batch = batch_index + 1
+            yield self._finish(groups, params, labels, indices)
+
+    def _finish(self, groups, params, labels, indices) -> Batch:
+        if self.photometric == "gpu":
+            non_blocking = self.pin_memory and self.device.type == "cuda"
+            groups = [
+                multicrop_photometric(
+                    g.to(self.device, non_blocking=non_blocking),
+                    p.to(self.device, non_blocking=non_blocking),
+                    mean=self.mean,
+                    std=self.std,
+                    dtype=self.dtype,
+                    channels_last=self.channels_last,
+                )
+                for g, p in zip(groups, params, strict=True)
+            ]
+        if self.group_by_resolution:
+            return Batch(list(groups), labels, indices)
+        b = labels.shape[0]
+        crops = [groups[0][:b], groups[0][b:]]
+        if len(groups) > 1:
+            crops += list(groups[1].split(b))
+        return Batch(crops, labels, indices)
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Where iteration stands: the next unseen batch of the current epoch."""
+        return {
+            "epoch": self._epoch,
+            "next_batch": self._next_batch,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resumes at ``state``'s next unseen batch: the next ``iter()`` yields
+        exactly the batches an uninterrupted run would have. Raises
+        ``ValueError`` when the data set or the sharding differ."""
+        for key in _STATE_KEYS:
+            if key not in state:
+                raise ValueError(f"loader state lacks {key!r}")
+            mine = getattr(self, key)
+            if state[key] != mine:
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has {mine!r}"
+                )
+        next_batch = int(state["next_batch"])
+        if not 0 <= next_batch <= len(self):
+            raise ValueError(f"loader state next_batch={next_batch} is outside 0..{len(self)}")
+        self._epoch = int(state["epoch"])
+        self._next_batch = next_batch
+
+    def stats(self) -> dict:
+        """Throughput and where the time goes.
+
+        ``images_per_second`` (produced, over the time the threads were
+        producing), ``decode_seconds``, ``crop_seconds``, ``augment_seconds``
+        (thread-seconds per stage), ``wait_seconds`` (the consumer blocked on an
+        unfinished batch: starvation), ``starvation`` (that wait over the
+        elapsed time), ``images``, ``batches``, ``skipped`` and
+        ``skipped_files`` (``"path: cause"``, the first 100), ``num_threads``.
+        """
+        s = self._require_open().stats()
+        elapsed = s["elapsed_seconds"]
+        s["images_per_second"] = s["images"] / elapsed if elapsed > 0 else 0.0
+        s["starvation"] = s["wait_seconds"] / elapsed if elapsed > 0 else 0.0
+        return s
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stops and joins every thread (promptly, mid-epoch too); idempotent."""
+        if self._native is not None:
+            self._native.close()
+
+    def __enter__(self) -> MultiCropLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _require_open(self):
+        if self._native is None:
+            raise LoaderError("the loader was not constructed")
+        return self._native
+
+
+class MultiCropDataset(torch.utils.data.Dataset):
+    """The loader's per-image pipeline as a map-style Dataset.
+
+    ``dataset[i]`` is ``{"crops": [global_1, global_2, local_1, ...],
+    "label": int, "index": int}`` with each crop ``[3, H, W]``; its randomness
+    derives from ``(seed, epoch, i)`` (``set_epoch`` selects the epoch; with
+    ``persistent_workers`` the workers keep the epoch they were started with).
+    Arguments as :class:`MultiCropLoader`; ``photometric`` is always ``"cpu"``.
+    """
+
+    def __init__(
+        self,
+        source,
+        global_size: int = 224,
+        local_size: int = 96,
+        n_local: int = 8,
+        global_scale: Sequence[float] = (0.4, 1.0),
+        local_scale: Sequence[float] = (0.05, 0.4),
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        on_error: str = "raise",
+        *,
+        labels: Sequence[int] | None = None,
+        max_pixels: int = _DEFAULT_MAX_PIXELS,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        augment: dict | None = None,
+        dct_scaling: bool = True,
+    ):
+        self._args = dict(
+            source=source,
+            labels=labels,
+            batch_size=1,
+            global_size=global_size,
+            local_size=local_size,
+            n_local=n_local,
+            global_scale=global_scale,
+            local_scale=local_scale,
+            num_threads=1,
+            prefetch=1,
+            seed=seed,
+            rank=0,
+            world_size=1,
+            shuffle=False,
+            drop_last=False,
+            pad_shards=True,
+            dtype=dtype,
+            channels_last=False,
+            photometric="cpu",
+            pin_memory=False,
+            on_error=on_error,
+            max_pixels=max_pixels,
+            mean=mean,
+            std=std,
+            augment=augment,
+            dct_scaling=dct_scaling,
+        )
+        self.epoch = 0
+        self._build()
+
+    def _build(self) -> None:
+        args = dict(self._args)
+        self._native, self.paths, self.classes = _native_loader(
+            args.pop("source"), args.pop("labels"), args.pop("batch_size"), **args
+        )
+
+    def __getstate__(self) -> dict:
+        # The native object does not pickle; spawned DataLoader workers rebuild it.
+        return {"_args": self._args, "epoch": self.epoch}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._build()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self._native.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is outside the data set of {len(self)} samples")
+        index = index % len(self)
+        groups, _, labels, indices, _ = self._native.load_sample(index, self.epoch)
+        crops = list(groups[0].unbind(0))
+        if len(groups) > 1:
+            crops += list(groups[1].unbind(0))
+        return {"crops": crops, "label": int(labels[0]), "index": int(indices[0])}
+
+
+def multicrop_collate(samples: Sequence[dict]) -> dict:
+    """Stacks the samples of :class:`MultiCropDataset` crop-wise:
+    ``{"crops": [[B, 3, H, W], ...], "labels": [B], "indices": [B]}``."""
+    n_crops = len(samples[0]["crops"])
+    return {
+        "crops": [torch.stack([s["crops"][c] for s in samples]) for c in range(n_crops)],
+        "labels": torch.tensor([s.get("label", -1) for s in samples], dtype=torch.long),
+        "indices": torch.tensor([s.get("index", -1) for s in samples], dtype=torch.long),
+    }
+
+
+class DataLoadingOptimizer:
+    """The lesson's data-loading helper."""
+
+    @staticmethod
+    def create_optimized_dataloader(
+        dataset: torch.utils.data.Dataset,
+        batch_size: int,
+        num_workers: int | None = None,
+        pin_memory: bool = True,
+        prefetch_factor: int = 2,
+    ) -> torch.utils.data.DataLoader:
+        """A DataLoader for a multi-crop dataset (samples ``{"crops": [...], ...}``,
+        e.g. :class:`MultiCropDataset`): shuffled, last partial batch dropped,
+        crops stacked crop-wise by :func:`multicrop_collate`, persistent
+        workers. ``num_workers`` defaults to the cores this process may use
+        (at most 8); ``pin_memory`` applies only when CUDA is available."""
+        if num_workers is None:
+            num_workers = min(8, _C.available_cores())
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        workers = num_workers > 0
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=num_workers,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            prefetch_factor=prefetch_factor if workers else None,
+            persistent_workers=workers,
+            collate_fn=multicrop_collate,
+            drop_last=True,
+        )

@@ -1,0 +1,797 @@
+"""The training job of ``dino-opt train``: :class:`CheckpointedDINOTrainer`.
+
+One run, restartable at any step: set-up (process group, hardware preset,
+run folder, the objects of :mod:`dino_opt.train.build`), resume (the complete state
+of a checkpoint, :meth:`CheckpointedDINOTrainer.load_state_dict`), epochs of
+steps of :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`, logging
+(:class:`~dino_opt.observe.RunLog`, health, profile), checkpoints
+(:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
+(the final checkpoint, the profile, the curves, the k-NN evaluation,
+``report.json``); and what keeps a long run alive: asynchronous
+checkpoints, rollback to the last good checkpoint, the hang watchdog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import (
+    AsyncCheckpointWriter,
+    CheckpointManager,
+    capture_rng_state,
+    restore_rng_state,
+    run_metadata,
+)
+from ..config import apply_overrides, save_config
+from ..eval import evaluate_run
+from ..observe import (
+    CollapseError,
+    HealthThresholds,
+    MemoryTracker,
+    NonFiniteError,
+    Profiler,
+    RunFolder,
+    RunLog,
+    TrainingHealthMonitor,
+    plot_training_curves,
+    profile_summary,
+    teacher_entropy_per_row,
+)
+from ..runtime import (
+    GracefulStop,
+    HangWatchdog,
+    all_reduce_metrics,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+    wrap_student,
+)
+from ..train import (
+    DINOModel,
+    MemoryOptimizedDINOTrainer,
+    build_loader,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_schedules,
+    data_roots,
+    trainer_options,
+)
+from ..tune import resolve_hardware
+from ..weights import init_from
+from .hang import injected_hang, report_hang, start_watchdog
+from .parts import (
+    _NEVER_HELD_BACK,
+    PROFILE_PHASES,
+    ResumeError,
+    _config_differences,
+    _config_of,
+    _Parts,
+    _Rollback,
+)
+
+__all__ = ["CheckpointedDINOTrainer", "run_training"]
+
+
+class CheckpointedDINOTrainer:
+    """The training job of ``dino-opt train``, restartable at any step.
+
+    ``CheckpointedDINOTrainer(config, output_dir=..., auto_resume=True).train()``
+    builds the loader, student and teacher, loss, optimizer and
+    :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` from a
+    :class:`~dino_opt.config.Config` (or a YAML path, or a dict), trains, and
+    returns the report (also written as ``report.json``). A hardware preset
+    in the config is resolved when training starts, once, on the first
+    process (:func:`~dino_opt.tune.resolve_hardware`); the resolved
+    config is what every process trains with and what ``config.yaml`` holds.
+
+    Checkpoints go to ``<run>/checkpoints/`` (a
+    :class:`~dino_opt.checkpoint.CheckpointManager`, ``checkpoint_manager``;
+    written in the background by an
+    :class:`~dino_opt.checkpoint.AsyncCheckpointWriter` with
+    ``checkpoint.async``) at the end of every ``checkpoint.every_epochs``
+    epochs, every ``checkpoint.every_steps`` optimizer steps, when a
+    SIGTERM, SIGINT or SIGUSR1 arrives (at the next step boundary, then the
+    run stops cleanly: ``report["stopped_by"]``), when the run stops on
+    repeated non-finite steps, at step 0 when a rollback policy is on, and
+    at the end; periodic ones are held back while the run is unhealthy.
+
+    Health (``health.on_nonfinite``, ``health.on_collapse``): too many
+    non-finite steps in a row, or a sustained collapse, send every rank back
+    to the last good checkpoint, skipping the failed iterations and scaling
+    the learning rate (the rollbacks are part of the state), or stop the
+    run. A hang watchdog (``distributed.hang_timeout_s``,
+    :class:`~dino_opt.runtime.HangWatchdog`) ends a run whose rank stopped
+    making progress, naming it.
+
+    The state (:meth:`state_dict`): student, teacher, optimizer, grad scaler,
+    loss center, the teacher's step, epoch and step, every process's loader
+    position and RNGs, the metrics so far, the resolved config, the versions
+    and the git commit. Resuming (``auto_resume`` / ``checkpoint.resume``)
+    restores all of it (:meth:`load_state_dict`), so on the CPU a resumed run
+    gives the same losses and the same final weights, bit for bit, as one
+    that never stopped. A checkpoint from a run with another config (other
+    than logging, checkpoint, health, eval, device and loader-thread
+    settings) is refused, naming the keys.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        config_path: str | os.PathLike | None = None,
+        overrides: Iterable[str] = (),
+        output_dir: str | os.PathLike | None = None,
+        auto_resume: bool = True,
+        quiet: bool = False,
+        enable_live_dashboard: bool | None = None,
+    ):
+        if config is not None and config_path is not None:
+            raise ValueError("give config or config_path, not both")
+        cfg = _config_of(config if config is not None else config_path, list(overrides))
+        if not auto_resume and cfg.checkpoint.resume == "auto":
+            cfg = apply_overrides(cfg, ["checkpoint.resume=null"])
+        if enable_live_dashboard is not None:
+            cfg = apply_overrides(cfg, [f"logging.tensorboard={bool(enable_live_dashboard)}"])
+        self.config = cfg
+        self.quiet = quiet
+        self.hardware_preset: str | None = None  # how the preset was resolved, if any
+        self.init_notes: list[str] = []  # what model.init_from loaded, if anything
+        out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+        self._set_output_dir(Path(out))
+        self.epoch = self.step = 0
+        self.history: list[dict] = []
+        self.rollbacks: list[dict] = []  # one record per rollback, in the state
+        self._collapse_streak = 0  # logging intervals in a row with a collapse alert
+        self.writer: AsyncCheckpointWriter | None = None  # rank 0, checkpoint.async
+        self.watchdog: HangWatchdog | None = None
+        self._seconds_before = 0.0  # training time of the runs this one resumes
+        self._started = time.perf_counter()
+
+    def _set_output_dir(self, out: Path) -> None:
+        """The run folder and the manager of its ``checkpoints/``."""
+        ck = self.config.checkpoint
+        self.output_dir = out
+        self.folder = RunFolder(out)
+        self.checkpoint_manager = CheckpointManager(
+            self.folder.checkpoints, keep_last=ck.keep, milestone_every=ck.milestone_every
+        )
+
+    # ------------------------------------------------------------ set-up
+
+    def _setup(self) -> tuple[dict, Path] | None:
+        """Joins the process group, resolves the hardware preset (on the first
+        process, handed to the others), fixes the run folder and reads the
+        checkpoint to resume from (checked against this config)."""
+        info = init_distributed(
+            self.config.hardware.device, timeout_s=self.config.distributed.timeout_s
+        )
+        self.device, self.rank, self.world = info.device, info.rank, info.world_size
+        self.lead = self.rank == 0  # writes the run folder; every rank trains
+        if self.lead:
+            self.config, choice = resolve_hardware(self.config)
+            self.hardware_preset = choice.reason if choice is not None else None
+        self.config = broadcast_object(self.config)
+        if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
+            self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
+        torch.manual_seed(self.config.hardware.seed)
+        if self.lead:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self._checkpoint_to_resume()
+        if resumed is not None:
+            differences = _config_differences(resumed[0].get("config", {}), self.config.to_dict())
+            if differences:
+                raise ResumeError(
+                    f"checkpoint {str(resumed[1])!r} belongs to a run with another config: "
+                    + "; ".join(differences)
+                    + " (train in another run folder to start afresh)"
+                )
+        if self.lead:
+            save_config(self.config, self.folder.config)
+        return resumed
+
+    def _build(self) -> _Parts:
+        """The objects of the run (:mod:`dino_opt.train.build`), on this process's device."""
+        cfg, device = self.config, self.device
+        roots = data_roots(cfg)
+        loader = build_loader(cfg, roots.train, device, rank=self.rank, world_size=self.world)
+        student, teacher = build_models(cfg)
+        random_teacher = copy.deepcopy(teacher).eval()
+        student, teacher = student.to(device), teacher.to(device)
+        torch.manual_seed(cfg.hardware.seed + self.rank)  # same init everywhere, own drop paths
+        accumulation = cfg.optim.accumulation_steps
+        iters = len(loader) // accumulation
+        if iters < 1:
+            raise ValueError(
+                f"the data set gives {len(loader)} batches per epoch, fewer than "
+                f"optim.accumulation_steps={accumulation}"
+            )
+        schedules = build_schedules(cfg, iters, world_size=self.world)
+        model = DINOModel(student, teacher, schedules.momentum)
+        model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
+        loss_fn = build_loss(cfg).to(device)
+        optimizer = build_optimizer(cfg, student, device)
+        options = trainer_options(cfg)
+        trainer = MemoryOptimizedDINOTrainer(model, loss_fn, optimizer, options, device)
+        return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
+                      optimizer, schedules, trainer)  # fmt: skip
+
+    # ------------------------------------------------------------ resume
+
+    def _checkpoint_to_resume(self) -> tuple[dict, Path] | None:
+        resume = self.config.checkpoint.resume
+        manager = self.checkpoint_manager
+        if resume is None:
+            if manager.checkpoints():
+                raise ResumeError(
+                    f"run folder {str(self.output_dir)!r} already holds checkpoints; continue "
+                    "it with checkpoint.resume=auto, or choose another output folder"
+                )
+            return None
+        if resume == "auto":
+            return manager.load_latest()
+        path = Path(resume)
+        try:
+            if manager.sidecar_path(path).exists() or path.parent == manager.directory:
+                return manager.load(path), path
+            return manager.load(path, verify=False), path
+        except (ValueError, OSError) as e:
+            raise ResumeError(f"checkpoint.resume={resume!r}: {e}") from e
+
+    def state_dict(self) -> dict:
+        """The complete state of the run at the current step. Collective when
+        distributed: every process calls it at the same step (each one's
+        loader position and RNGs are gathered), and every process gets it."""
+        p = self.parts
+        return {
+            "student": p.student.state_dict(),
+            "teacher": p.teacher.state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "scaler": p.trainer.scaler.state_dict() if p.trainer.scaler is not None else None,
+            "loss": p.loss_fn.state_dict(),
+            "teacher_step": p.model.teacher_step,
+            "epoch": self.epoch,
+            "step": self.step,
+            "loader": gather_objects(p.loader.state_dict()),  # per rank
+            "rng": gather_objects(capture_rng_state()),  # per rank
+            "world_size": self.world,
+            "history": self.history,
+            "rollbacks": self.rollbacks,
+            "train_seconds": self._seconds_before + time.perf_counter() - self._started,
+            "config": self.config.to_dict(),
+            "metadata": self.metadata,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a state of :meth:`state_dict` (written by as many
+        processes as this run has) into the built run."""
+        p = self.parts
+        p.student.load_state_dict(state["student"])
+        p.teacher.load_state_dict(state["teacher"])
+        p.optimizer.load_state_dict(state["optimizer"])
+        p.loss_fn.load_state_dict(state["loss"])
+        if p.trainer.scaler is not None and state.get("scaler") is not None:
+            p.trainer.scaler.load_state_dict(state["scaler"])
+        p.model.teacher_step = int(state["teacher_step"])
+        if len(state["loader"]) != self.world:
+            raise ValueError(
+                f"it was written by {len(state['loader'])} processes, this run has {self.world}"
+            )
+        p.loader.load_state_dict(state["loader"][self.rank])
+        restore_rng_state(state["rng"][self.rank], strict=False)
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.history = list(state.get("history", []))
+        self.rollbacks = list(state.get("rollbacks", []))
+        self._seconds_before = float(state.get("train_seconds", 0.0))
+
+    def _resume(self, resumed: tuple[dict, Path] | None) -> Path | None:
+        if resumed is None:
+            return None
+        state, path = resumed
+        try:
+            self.load_state_dict(state)
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise ResumeError(f"checkpoint {str(path)!r} cannot be resumed: {e}") from e
+        if self.lead:
+            print(f"resuming from {path} (epoch {self.epoch}, step {self.step})", file=sys.stderr)
+        return path
+
+    def _init_from(self, path: str) -> None:
+        """A fresh run's start from existing weights (``model.init_from``):
+        student, teacher (and the loss's center where the file has one)."""
+        p = self.parts
+        try:
+            self.init_notes = init_from(path, p.student, p.teacher, p.loss_fn)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.init_from={path!r}: {e}") from e
+        if self.lead:
+            print("starting from " + "; ".join(self.init_notes), file=sys.stderr)
+
+    def _collective(self, name: str):
+        """Marks a collective for the hang watchdog (what the ranks wait in)."""
+        return self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext()
+
+    def _save(self, reason: str, *, end_of_epoch: bool = False, wait: bool = False):
+        """Collective: every rank calls it at the same step. Rank 0 writes
+        (in the background with ``checkpoint.async`` unless ``wait``); then
+        all learn whether its write, or the previous one, failed, so that a
+        full disk stops them all. Returns the checkpoint's path on rank 0
+        (None elsewhere, or when held back while the run is unhealthy)."""
+        if reason not in _NEVER_HELD_BACK and self._unhealthy():
+            if self.lead:
+                print(f"step {self.step}: {reason} checkpoint held back: the run is unhealthy "
+                      "(a checkpoint must be one to roll back to)", file=sys.stderr)  # fmt: skip
+            return None
+        with self._collective("checkpoint state"):
+            state = {**self.state_dict(), "reason": reason}
+        path, error = None, None
+        if self.lead:
+            try:
+                path = self._write(state, reason, end_of_epoch, wait)
+            except BaseException as e:  # reported to every rank first
+                error = e
+        del state
+        with self._collective("checkpoint result"):
+            ok = all_reduce_metrics({"ok": float(error is None)})["ok"]
+        if error is not None:
+            raise error
+        if ok < 1.0:
+            raise RuntimeError(f"rank 0 could not write a checkpoint (at step {self.step})")
+        return path
+
+    def _write(self, state: dict, reason: str, end_of_epoch: bool, wait: bool) -> Path:
+        """Rank 0: one checkpoint, synchronously or through the writer (whose
+        save first raises the error of the write before, if any)."""
+        kwargs = dict(epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
+                      milestone=True if reason == "final" else None)  # fmt: skip
+        if self.writer is None:
+            return self.checkpoint_manager.save(state, **kwargs)
+        path = self.writer.save(state, **kwargs)
+        if wait:
+            self.writer.wait()
+        return path
+
+    def _unhealthy(self) -> bool:
+        """Collective: whether any rank is in a non-finite streak or (with
+        ``health.on_collapse=rollback``) a collapse, so saves wait."""
+        if self.monitor is None:
+            return False
+        local = self.monitor.current_streak() > 0
+        local |= self.config.health.on_collapse == "rollback" and self._collapse_streak > 0
+        with self._collective("health"):
+            return all_reduce_metrics({"unhealthy": float(local)})["unhealthy"] > 0
+
+    # ------------------------------------------------------------ the job
+
+    def train(self) -> dict:
+        """Trains (resuming when configured) and returns the report."""
+        resumed = self._setup()
+        self.parts = self._build()
+        self.trainer = self.parts.trainer
+        self.metadata = run_metadata()
+        resumed_from = self._resume(resumed)
+        if resumed is None and self.config.model.init_from is not None:
+            self._init_from(self.config.model.init_from)
+        del resumed  # the tensors now live in the models and the optimizer
+        self._start_logging()
+        if self.lead and self.config.checkpoint.async_:
+            self.writer = AsyncCheckpointWriter(self.checkpoint_manager)
+        self.watchdog = self._start_watchdog()
+        try:
+            with GracefulStop() as stop:
+                if self.step == 0 and self._may_roll_back():
+                    self._save("start")  # a checkpoint to go back to
+                stopped_by = self._train_epochs(stop)
+        except BaseException:
+            self._abandon()
+            raise
+        return self._finish(stopped_by, resumed_from)
+
+    def _abandon(self) -> None:
+        """After an error: the write in flight finishes (its own error, if
+        any, is printed: the one being raised matters more), sinks close."""
+        self._stop_watchdog()
+        self.log.close()
+        self.parts.loader.close()
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except Exception as e:
+                print(f"the checkpoint write in flight failed too: {e}", file=sys.stderr)
+
+    def _may_roll_back(self) -> bool:
+        h = self.config.health
+        return h.enabled and "rollback" in (h.on_nonfinite, h.on_collapse)
+
+    def _train_epochs(self, stop: GracefulStop) -> str | None:
+        """The epochs from the current one on, going back to the last good
+        checkpoint when the health checks ask for it. Returns the signal
+        that stopped the run, if any."""
+        while True:
+            try:
+                for epoch in range(self.epoch, self.config.schedule.epochs):
+                    stopped_by = self._run_epoch(epoch, stop)
+                    if stopped_by is not None:
+                        return stopped_by
+                return None
+            except _Rollback as r:
+                self._rollback(r)
+
+    # ------------------------------------------------------------ hangs
+
+    def _start_watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog (``distributed.hang_timeout_s``), or None."""
+        return start_watchdog(
+            self.config.distributed.hang_timeout_s, self.rank, self.world, self._on_hang
+        )
+
+    def _on_hang(self, message: str, stuck: list[int]) -> str:
+        """In the watchdog's thread, before the process ends: the write in
+        flight finishes, ``hang.json`` names what hung and what is on disk."""
+        return report_hang(
+            message, stuck, self.writer, self.checkpoint_manager,
+            self.folder.hang if self.lead else None, self.world,
+        )  # fmt: skip
+
+    def _start_logging(self) -> None:
+        cfg = self.config
+        self.tracker = MemoryTracker(device=self.device)
+        self.monitor = None
+        if cfg.health.enabled:
+            self.monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
+        self.log = RunLog(
+            cfg, self.folder, lead=self.lead, step=self.step,
+            total=cfg.schedule.epochs * len(self.parts.loader), metadata=self.metadata,
+            history=self.history, quiet=self.quiet,
+        )  # fmt: skip
+        # The phases of each step as ranges of the native profiler: host clock
+        # and, on a GPU, CUDA events on the current stream, resolved only when
+        # read after training; push/pop never synchronise the device.
+        self.profiler = Profiler(self.device) if cfg.logging.profile and self.lead else None
+        self._first_step = self.step
+        self._started = time.perf_counter()
+        self._window = (self._started, self.step)
+        self._pending_stop: str | None = None
+
+    def _phase(self, name: str):
+        return self.profiler.range(name) if self.profiler is not None else contextlib.nullcontext()
+
+    def _run_epoch(self, epoch: int, stop: GracefulStop) -> str | None:
+        """One epoch (or the rest of one); returns the signal that stopped it, if any."""
+        loader = self.parts.loader
+        if epoch != loader.epoch:
+            loader.set_epoch(epoch)
+        self.parts.student.train()
+        batches = iter(loader)
+        while True:
+            with self._phase("data_wait"):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            if self._skipped(self.step):
+                self._skip_batch(epoch)
+            else:
+                self._train_step(batch, epoch, stop)
+            if self.watchdog is not None:
+                self.watchdog.progress(self.step)
+                self.watchdog.arm()  # from the first step on (not during compilation)
+            if self.trainer.at_step_boundary:
+                stopped_by = self._at_step_boundary(stop)
+                if stopped_by is not None:
+                    return stopped_by
+        every = self.config.checkpoint.every_epochs
+        if every and (epoch + 1) % every == 0 and epoch + 1 < self.config.schedule.epochs:
+            loader.set_epoch(epoch + 1)  # the position to resume from
+            self.epoch = epoch + 1
+            self._save("epoch", end_of_epoch=True)
+        return None
+
+    # ------------------------------------------------------------ rollback
+
+    def _skipped(self, step: int) -> bool:
+        """Whether the micro-batch after ``step`` belongs to an optimizer
+        iteration a rollback skips."""
+        it = step // self.config.optim.accumulation_steps
+        return any(r["skipped_iterations"] and r["skipped_iterations"][0] <= it
+                   <= r["skipped_iterations"][1] for r in self.rollbacks)  # fmt: skip
+
+    def _skip_batch(self, epoch: int) -> None:
+        """A skipped micro-batch: read, not trained on; the step count and
+        the teacher's momentum schedule move on as if it had been."""
+        self.epoch = epoch
+        self.step += 1
+        self.log.advance()
+        if self.step % self.config.optim.accumulation_steps == 0:
+            self.parts.model.teacher_step += 1
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning-rate factor of the rollbacks so far."""
+        return self.config.health.rollback_lr_scale ** len(self.rollbacks)
+
+    def _rollback(self, r: _Rollback) -> None:
+        """Back to the newest checkpoint before the failure, every rank at
+        once: its complete state, with the rollbacks so far (this one
+        included) kept, so the batches that failed are skipped and a resumed
+        run makes the same choices."""
+        h = self.config.health
+        if self.writer is not None:
+            self.writer.wait()  # the write in flight is a good checkpoint too
+        if len(self.rollbacks) >= h.max_rollbacks:
+            self._give_up(r)
+        first_bad = r.iterations[0] * self.config.optim.accumulation_steps if r.iterations else None
+        state, path = self._rollback_target(first_bad, r)
+        record = {"event": "rollback", "step": int(state["step"]), "epoch": int(state["epoch"]),
+                  "reason": r.reason, "detail": r.detail, "at_step": self.step,
+                  "skipped_iterations": list(r.iterations) if r.iterations else None,
+                  "checkpoint": path.name, "rollback": len(self.rollbacks) + 1}  # fmt: skip
+        rollbacks = [*self.rollbacks, record]
+        before = len(state.get("rollbacks", []))
+        self.load_state_dict(state)
+        self.rollbacks = rollbacks
+        self.history += rollbacks[before:-1]  # earlier events after that checkpoint
+        record["lr_scale"] = self.lr_scale
+        self.trainer.discard_accumulation()
+        self._collapse_streak = 0
+        self.log.close()
+        self._start_logging()  # metrics and TensorBoard rewound to the checkpoint, as on resume
+        self.history.append(record)
+        self.log.event(record)
+        if self.lead:
+            print(f"rollback {record['rollback']}/{h.max_rollbacks} at step {record['at_step']}: "
+                  f"{r.detail}; back to {path.name} (step {self.step}), skipping optimizer "
+                  f"iterations {record['skipped_iterations']}, lr x{self.lr_scale:g}",
+                  file=sys.stderr)  # fmt: skip
+
+    def _rollback_target(self, first_bad: int | None, r: _Rollback) -> tuple[dict, Path]:
+        """The newest checkpoint that loads and was written before step
+        ``first_bad`` (before this step when None)."""
+        limit = self.step - 1 if first_bad is None else first_bad
+        for record in reversed(self.checkpoint_manager.checkpoints()):
+            if record.step <= limit:
+                with contextlib.suppress(ValueError, OSError):
+                    return self.checkpoint_manager.load(record.path), record.path
+        self._give_up(r, f"no checkpoint written before step {limit + 1} loads")
+
+    def _give_up(self, r: _Rollback, why: str | None = None):
+        why = why or f"health.max_rollbacks={self.config.health.max_rollbacks} rollbacks done"
+        records = self.checkpoint_manager.checkpoints()
+        kept = f"; the last good checkpoint is kept: {records[-1].path}" if records else ""
+        if r.reason == "collapse":
+            alerts = [a.name for a in self.monitor.last_alerts]
+            raise CollapseError(f"{r.detail}; cannot roll back: {why}{kept}", alerts)
+        e = r.error
+        raise NonFiniteError(e.consecutive, e.first_step, e.last_step, e.limit,
+                             note=f"cannot roll back: {why}{kept}")  # fmt: skip
+
+    def _train_step(self, batch, epoch: int, stop: GracefulStop) -> None:
+        """One micro-batch: schedules, forward and backward, the optimizer
+        step when one is due, health observation, and the logging row."""
+        cfg, p = self.config, self.parts
+        self.epoch = epoch
+        it = min(self.step // cfg.optim.accumulation_steps, len(p.schedules.lr) - 1)
+        self.trainer.set_schedules(p.schedules, it, self.lr_scale)
+        total = cfg.schedule.epochs * len(p.loader)
+        logging_step = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == total
+        self.trainer.capture_outputs = logging_step and self.monitor is not None
+        crops = batch.crops
+        if cfg.debug.inject_nonfinite_at_step == self.step + 1:
+            crops = [torch.full_like(crops[0], float("nan")), *crops[1:]]  # a corrupt batch
+        with self._phase("forward_backward"):
+            loss, _ = self.trainer.train_step_optimized(crops, epoch)
+        with self._phase("optimizer_step"):
+            stepped = self.trainer.optimize_step()
+        self.step += 1
+        self.log.advance()
+        if stepped and self.monitor is not None:
+            self._observe_health(loss, epoch)
+        if logging_step:
+            self._log_row(loss, epoch, it, stop)
+        if self.profiler is not None:
+            self.profiler.step(cfg.data.batch_size)
+
+    def _observe_health(self, loss: torch.Tensor, epoch: int) -> None:
+        trainer, loss_fn = self.trainer, self.parts.loss_fn
+        extra = {}
+        if trainer.captured:
+            c = trainer.captured
+            extra = dict(
+                teacher_logits=c["teacher_logits"], student_logits=c["student_logits"],
+                teacher_temp=loss_fn.teacher_temp(epoch), student_temp=loss_fn.student_temp,
+                center=loss_fn.center, features=c.get("features"),
+            )  # fmt: skip
+        self.monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=self.step, **extra)
+        if extra and self.config.logging.histograms and self.log.histograms:
+            entropy = teacher_entropy_per_row(
+                extra["teacher_logits"], loss_fn.center, extra["teacher_temp"]
+            )
+            self.log.histogram("health/teacher_entropy_per_image", entropy, self.step)
+        trainer.captured = {}
+
+    def _log_row(self, loss: torch.Tensor, epoch: int, it: int, stop: GracefulStop) -> None:
+        """The metrics of a logging step: this rank's health check, then one
+        all-reduce (and host sync) for the mean loss over ranks, whether any
+        rank got a signal, diverged or sees a collapse; then the health
+        policy acts on what the ranks saw together."""
+        cfg, s = self.config, self.parts.schedules
+        now = time.perf_counter()
+        ips = (self.step - self._window[1]) * cfg.data.batch_size / max(now - self._window[0], 1e-9)
+        health, alerts, diverged = self._check_health(loss, ips)
+        collapsed = any(a.name.startswith("collapse") for a in alerts)
+        injected_hang(self.config.debug, self.step, self.rank)
+        with self._collective("metrics"):
+            reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),
+                                          "diverged": float(diverged is not None),
+                                          "collapsed": float(collapsed)})  # fmt: skip
+        if reduced["stop"] > 0 and self._pending_stop is None:
+            self._pending_stop = stop.signal_name or "SIGTERM"
+        row = {"step": self.step, "epoch": epoch, "loss": reduced["loss"],
+               "lr": float(s.lr[it]) * self.lr_scale, "weight_decay": float(s.weight_decay[it]),
+               "momentum": float(s.momentum[it]), "images_per_second": ips}  # fmt: skip
+        row.update(self.tracker.get_memory_stats())
+        row.update({k: v for k, v in health.items() if k not in row})
+        if alerts:
+            row["alerts"] = [a.name for a in alerts]
+        self._window = (now, self.step)
+        self.history.append(row)
+        self.log.write(row)
+        self.log.alerts([a.message for a in alerts], self.step)
+        self._act_on_health(reduced, diverged)
+
+    def _check_health(self, loss: torch.Tensor, ips: float):
+        """This rank's health diagnostics of the window, the alerts they
+        raise, and the NonFiniteError when the non-finite streak is too long
+        (returned, not raised: the ranks decide together)."""
+        if self.monitor is None:
+            return {}, [], None
+        health = self.monitor.summary()
+        try:
+            alerts = self.monitor.check_training_health({**health, "loss": loss, "throughput": ips})
+        except NonFiniteError as e:
+            return health, self.monitor.last_alerts, e
+        return health, alerts, None
+
+    def _act_on_health(self, reduced: dict, diverged: NonFiniteError | None) -> None:
+        """``health.on_nonfinite`` when any rank diverged, ``health.on_collapse``
+        when the ranks saw a collapse ``health.collapse_patience`` intervals in a row."""
+        h = self.config.health
+        if reduced.get("diverged", 0) > 0 and h.on_nonfinite != "skip":
+            error = diverged or NonFiniteError(
+                h.max_nonfinite_steps + 1, None, None, h.max_nonfinite_steps,
+                note="another process saw it",
+            )  # fmt: skip
+            if h.on_nonfinite == "stop":
+                self._save("nonfinite", wait=True)
+                raise error
+            detail = (f"{error.consecutive} consecutive non-finite steps"
+                      + (f" (steps {error.first_step}-{error.last_step})"
+                         if error.last_step is not None else ""))  # fmt: skip
+            raise _Rollback("nonfinite", self._failed_iterations(diverged), detail, error)
+        self._collapse_streak = self._collapse_streak + 1 if reduced.get("collapsed") else 0
+        if h.on_collapse == "rollback" and self._collapse_streak >= h.collapse_patience:
+            names = sorted({a.name for a in self.monitor.last_alerts})
+            detail = (f"collapse ({', '.join(names) or 'on another rank'}) for "
+                      f"{self._collapse_streak} logging intervals")  # fmt: skip
+            raise _Rollback("collapse", None, detail)
+
+    def _failed_iterations(self, diverged: NonFiniteError | None) -> tuple[int, int]:
+        """Collective: the optimizer iterations of the non-finite streak, over
+        every rank that saw one (iteration i trains micro-batches
+        i*accumulation ... (i+1)*accumulation - 1)."""
+        accumulation = self.config.optim.accumulation_steps
+        local = None
+        if diverged is not None:
+            last_step = diverged.last_step if diverged.last_step is not None else self.step
+            last = last_step // accumulation - 1
+            local = (last - diverged.consecutive + 1, last)
+        with self._collective("rollback"):
+            spans = [x for x in gather_objects(local) if x is not None]
+        return min(a for a, _ in spans), max(b for _, b in spans)
+
+    def _at_step_boundary(self, stop: GracefulStop) -> str | None:
+        """After an optimizer step: act on a stop signal (alone at once; with
+        several ranks at the next logging step, when all of them know of it),
+        or write the step checkpoint that is due."""
+        if self._pending_stop is None and stop.requested and self.world == 1:
+            self._pending_stop = stop.signal_name
+        if self._pending_stop is not None:
+            self._save(f"signal:{self._pending_stop}", wait=True)
+            return self._pending_stop
+        cfg, loader = self.config, self.parts.loader
+        every = cfg.checkpoint.every_steps * cfg.optim.accumulation_steps  # in loader batches
+        # not at an epoch's end: the epoch checkpoint covers it
+        if every and self.step % every == 0 and 0 < loader.state_dict()["next_batch"] < len(loader):
+            self._save("step")
+        return None
+
+    # ------------------------------------------------------------ finish
+
+    def _finish(self, stopped_by: str | None, resumed_from: Path | None) -> dict:
+        """The report; for a finished run also the final checkpoint, the
+        profile, the curves and the evaluation (on rank 0)."""
+        cfg = self.config
+        self.parts.loader.close()
+        losses = [row["loss"] for row in self.history if "loss" in row]
+        report = {
+            "epochs": cfg.schedule.epochs,
+            "steps": self.step,
+            "train_seconds": self._seconds_before + time.perf_counter() - self._started,
+            "final_loss": losses[-1] if losses else None,
+            "device": str(self.device),
+            "run_folder": str(self.output_dir),
+            "rollbacks": self.rollbacks,
+        }
+        if self.hardware_preset is not None:
+            report["hardware_preset"] = self.hardware_preset
+        if resumed_from is not None:
+            report["resumed_from"] = str(resumed_from)
+        elif self.init_notes:
+            report["init_from"] = self.init_notes
+        if stopped_by is not None:
+            self._stop_watchdog()
+            report["stopped_by"] = stopped_by
+            report["checkpoint"] = str(self.checkpoint_manager.latest_path())
+            return self._write_report(report, final=False)
+        self.parts.loader.set_epoch(cfg.schedule.epochs)
+        self.epoch = cfg.schedule.epochs
+        report["checkpoint"] = str(self._save("final", end_of_epoch=True, wait=True))
+        self._stop_watchdog()  # not during the evaluation
+        if not self.lead:  # rank 0 evaluates and writes the report
+            self.log.close()
+            return report
+        report.update(self._profile_report())
+        plot_training_curves(self.history, self.folder.training_curves)
+        p = self.parts
+        if p.roots.val is not None:
+            nets = (p.teacher.backbone, p.random_teacher.backbone)
+            report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder))
+        return self._write_report(report, final=True)
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def _profile_report(self) -> dict:
+        """``profile.json`` and the report's per-phase shares of a step."""
+        if self.profiler is None or self.step <= self._first_step:
+            return {}
+        profile = profile_summary(self.profiler, PROFILE_PHASES)
+        self.folder.profile.write_text(json.dumps(profile, indent=2) + "\n")
+        shares = {p: v["share_of_step"] for p, v in profile["phases"].items()}
+        shares["other"] = profile["other_share_of_step"]
+        return {"profile": {p: None if v is None else round(v, 4) for p, v in shares.items()}}
+
+    def _write_report(self, report: dict, *, final: bool) -> dict:
+        if self.lead:
+            self.folder.report.write_text(json.dumps(report, indent=2) + "\n")
+        self.log.close(report if final else None)
+        return report
+
+
+def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: bool = False) -> dict:
+    """The whole job of ``dino-opt train``:
+    ``CheckpointedDINOTrainer(cfg, output_dir=..., quiet=...).train()``.
+
+    Data (the built-in set when ``cfg.data.root`` is None), student and
+    teacher, the native loader, the fused loss and EMA, AMP, the DINO
+    schedules; metrics as JSONL (and TensorBoard) with health diagnostics,
+    the resolved config, checkpoints under ``checkpoints/`` (resumed per
+    ``cfg.checkpoint.resume``) and, at the end, k-NN top-1 of the trained
+    teacher beside the same network at random initialisation, on the val
+    and test splits. Returns the report (also written as report.json).
+
+    The run folder (:class:`~dino_opt.observe.RunFolder`) also gets
+    ``training_curves.png`` (the metrics over the steps), ``profile.json``
+    (time per step phase; ``logging.profile``) and, with a held-out split and
+    ``logging.tsne``, ``tsne_random_init.png`` and ``tsne_trained.png``
+    (t-SNE maps of the val features)."""
+    return CheckpointedDINOTrainer(cfg, output_dir=output_dir, quiet=quiet).train()

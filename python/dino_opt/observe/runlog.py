@@ -1,0 +1,150 @@
+"""Where a training run reports to: ``metrics.jsonl``, TensorBoard, Weights &
+Biases and the progress bar, as one object (:class:`RunLog`) that the
+training job writes rows to. Only the first process of a run writes; the
+others get a :class:`RunLog` that writes nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from ..config import Config
+from .runfiles import RunFolder
+
+__all__ = ["RunLog"]
+
+
+def _start_wandb(cfg: Config, folder: RunFolder, metadata: dict):
+    """A Weights & Biases run for this run folder (resumed with it: the id
+    is kept in the folder). WANDB_MODE=offline logs without a network."""
+    try:
+        import wandb  # optional dependency: the `wandb` extra
+    except ImportError as e:
+        raise ImportError(
+            "logging.wandb=true needs the wandb package: pip install 'dino_opt[wandb]'"
+        ) from e
+    run_id = folder.wandb_id.read_text().strip() if folder.wandb_id.exists() else None
+    run = wandb.init(
+        project=cfg.logging.wandb_project,
+        dir=str(folder.root),
+        id=run_id,
+        resume="allow",
+        name=folder.root.name,
+        config={**cfg.to_dict(), "metadata": metadata},
+    )
+    folder.wandb_id.write_text(run.id + "\n")
+    return run
+
+
+class RunLog:
+    """The sinks of one run. ``write(row)`` appends a metrics row to
+    ``metrics.jsonl`` (flushed), TensorBoard scalars and W&B;
+    ``alerts``/``histogram`` add health alerts and per-image histograms;
+    ``advance()`` moves the progress bar. ``close(report)`` closes them all,
+    handing the report to W&B as the run's summary.
+
+    Args:
+        cfg: the run's config (``logging`` says which sinks are on).
+        folder: the run folder.
+        lead: whether this process writes (the first of a run).
+        step: the step the run starts from (a resumed run continues its
+            TensorBoard curves from there).
+        total: the steps of the whole run, for the progress bar.
+        metadata: versions and commit, for W&B.
+        history: the rows of a resumed run so far, written again first.
+        quiet: no progress bar.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        folder: RunFolder,
+        *,
+        lead: bool,
+        step: int,
+        total: int,
+        metadata: dict,
+        history: Sequence[dict] = (),
+        quiet: bool = False,
+    ) -> None:
+        log = cfg.logging
+        self.lead = lead
+        self._file = open(folder.metrics, "w") if lead else None  # closed in close()
+        self._tb = None
+        if log.tensorboard and lead:
+            self._tb = SummaryWriter(str(folder.tensorboard), purge_step=step + 1 if step else None)
+        self._wandb = _start_wandb(cfg, folder, metadata) if log.wandb and lead else None
+        self._bar = tqdm(total=total, initial=step, unit="batch", desc="train",
+                         disable=quiet or not log.progress or not lead)  # fmt: skip
+        for row in history:  # a resumed run's metrics so far, then its own
+            self._write_line(row)
+
+    def _write_line(self, row: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+
+    def advance(self) -> None:
+        """One more batch on the progress bar."""
+        self._bar.update()
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One metrics row (``step`` and ``epoch`` keys, numbers and lists)."""
+        self._write_line(row)
+        if self._file is not None:
+            self._file.flush()
+        step = row["step"]
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "epoch") and isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"train/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        # memory: the GPU allocator's peak on a GPU, else the process's RSS
+        mem = row.get("gpu_memory_peak_gb", row.get("host_rss_gb", 0.0))
+        self._bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
+                              ips=f"{row['images_per_second']:.0f}", mem=f"{mem:.2f}G")  # fmt: skip
+
+    def event(self, row: dict[str, Any]) -> None:
+        """A row that is not a metrics row (``step``, ``epoch``, ``event`` and
+        what it says): in ``metrics.jsonl`` among the rows, and as
+        TensorBoard text under ``events``."""
+        self._write_line(row)
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.add_text(f"events/{row['event']}", json.dumps(row), row["step"])
+        if self._wandb is not None:
+            self._wandb.log({f"events/{row['event']}": json.dumps(row)}, step=row["step"])
+
+    def alerts(self, messages: Sequence[str], step: int) -> None:
+        """Health alerts, as TensorBoard text."""
+        if self._tb is not None:
+            for message in messages:
+                self._tb.add_text("health/alerts", message, step)
+
+    @property
+    def histograms(self) -> bool:
+        """Whether histograms have somewhere to go (TensorBoard)."""
+        return self._tb is not None
+
+    def histogram(self, name: str, values: torch.Tensor, step: int) -> None:
+        if self._tb is not None:
+            self._tb.add_histogram(name, values, step)
+
+    def close(self, report: dict | None = None) -> None:
+        """Closes every sink; ``report`` (a finished run's) becomes the W&B summary."""
+        self._bar.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            if report is not None:
+                self._wandb.summary.update({k: v for k, v in report.items() if k != "profile"})
+            self._wandb.finish()

@@ -1,0 +1,50 @@
+"""A run's process: device, precision, process group, collectives, signals, watchdog."""
+
+from .device import resolve_device, resolve_precision
+from .process import (
+    DistInfo,
+    all_reduce_metrics,
+    barrier,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+    is_distributed,
+    launched_world,
+    no_sync,
+    rank,
+    world_size,
+    wrap_student,
+)
+from .signals import GracefulStop
+from .watchdog import (
+    EXIT_HANG,
+    HangWatchdog,
+    TrainingHungError,
+    describe_hang,
+    host_store,
+    join_store,
+)
+
+__all__ = [
+    "DistInfo",
+    "EXIT_HANG",
+    "GracefulStop",
+    "HangWatchdog",
+    "TrainingHungError",
+    "all_reduce_metrics",
+    "barrier",
+    "broadcast_object",
+    "describe_hang",
+    "gather_objects",
+    "host_store",
+    "init_distributed",
+    "is_distributed",
+    "join_store",
+    "launched_world",
+    "no_sync",
+    "rank",
+    "resolve_device",
+    "resolve_precision",
+    "world_size",
+    "wrap_student",
+]
