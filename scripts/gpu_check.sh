@@ -6,7 +6,7 @@
 #               this machine's torch without OpenCV, with the C++ tests; check
 #               with ldd that every built object loads from the prefix, torch's
 #               own libraries or the C/C++ runtime; import it
-#   cuda-tests  ctest (GoogleTest) and the `cuda`-marked Python tests
+#   cuda-tests  dino-opt doctor, ctest (GoogleTest) and the `cuda`-marked Python tests
 #   bench       the five piece benchmarks (EMA, loss, profiler, photometric, loader)
 #   e2e         `dino-opt presets --measure` and the end-to-end recipe bench
 #
@@ -149,6 +149,8 @@ ensure_built() {
 
 stage_cuda_tests() {
   ensure_built || return 1
+  # The first check a user runs: every fused operator on the device against its plain form.
+  step doctor 90 -- "$PY" -m dino_opt.doctor
   step ctest 120 --junit "$REPORT_DIR/ctest_gtest.xml" -- env \
     GTEST_OUTPUT="xml:$REPORT_DIR/ctest_gtest.xml" ctest --test-dir "$BUILD_DIR" \
     --output-on-failure --no-tests=error

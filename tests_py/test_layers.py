@@ -34,8 +34,9 @@ LAYERS = {
     "dino_opt.weights": 6,
     # L7: the training job
     "dino_opt.job": 7,
-    # L8: starting several processes of it
+    # L8: starting several processes of it; the install's self-check
     "dino_opt.distributed": 8,
+    "dino_opt.doctor": 8,
     # faces: the command line, the course's names, the package; the torchrun entry
     "dino_opt.cli": 9,
     "dino_opt.lessons": 9,

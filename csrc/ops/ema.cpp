@@ -19,18 +19,9 @@ TORCH_LIBRARY_FRAGMENT(dino_opt, m) {
   m.def("ema_update_(Tensor(a!)[] teacher, Tensor[] student, float momentum) -> ()");
 }
 
-// Reached when there is no tensor to dispatch on (empty lists) or when the
-// tensors live on a backend without a kernel.
-void ema_update_without_kernel(at::TensorList teacher, at::TensorList student, double momentum) {
-  TORCH_CHECK(teacher.empty() && student.empty(), "ema_update_: no kernel for tensors on ",
-              (teacher.empty() ? student : teacher)[0].device(),
-              "; dino_opt has CPU and CUDA kernels");
-  ema_detail::check_args(teacher, student, momentum, c10::DeviceType::CPU);
-}
-
-TORCH_LIBRARY_IMPL(dino_opt, CompositeExplicitAutograd, m) {
-  m.impl("ema_update_", &ema_update_without_kernel);
-}
+// Devices without a compiled kernel (and empty lists, which have no device)
+// reach the plain-torch kernel that the Python package registers under
+// CompositeExplicitAutograd (dino_opt.ops.fallback).
 
 // As for native in-place ops: bump the version counters of the mutated
 // teacher tensors, so that autograd refuses a backward through values that
@@ -52,6 +43,10 @@ TORCH_LIBRARY_IMPL(dino_opt, ADInplaceOrView, m) {
 }
 
 void ema_update_(at::TensorList teacher, at::TensorList student, double momentum) {
+  if (teacher.empty() && student.empty()) {  // nothing to dispatch on, nothing to do
+    ema_detail::check_args(teacher, student, momentum, c10::DeviceType::CPU);
+    return;
+  }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("dino_opt::ema_update_", "")
                        .typed<void(at::TensorList, at::TensorList, double)>();

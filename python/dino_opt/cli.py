@@ -12,6 +12,9 @@ teacher (or student) in a format other tools load.
 between checkpoints, throughput) and writes its reports and plots there.
 ``dino-opt presets [--memory GB] [--measure]`` prints the hardware presets
 and what ``hardware.preset=auto`` picks on this machine.
+``dino-opt doctor [--device D]`` prints the versions, the kernels of this
+build by device, and checks every fused operator on the device (exit 1 on a
+mismatch).
 ``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
 once at a bounded size (JPEG), keeping its folder layout, so that every epoch
 after decodes small files; the loader reads SRC or DST alike.
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import _C
+from . import _C, doctor
 from .config import PRESETS, Config, config_to_yaml, default_config, load_config
 from .data import find_images
 from .distributed import launch_distributed_training
@@ -431,11 +434,19 @@ def _add_report(sub) -> None:
     r.set_defaults(run=_report)
 
 
+def _add_doctor(sub) -> None:
+    d = sub.add_parser(
+        "doctor", help="versions, kernels by device, and a self-check of every operator here"
+    )
+    doctor.add_arguments(d)
+    d.set_defaults(run=doctor.run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn, _add_export,
-                _add_report):  # fmt: skip
+                _add_report, _add_doctor):  # fmt: skip
         add(sub)
     args = parser.parse_args(argv)
     try:

@@ -1,14 +1,18 @@
 """Python side of the native operators: fake (meta) kernels for torch.compile
 and thin, documented wrappers. The schemas and real kernels live in csrc/ops/."""
 
+import importlib.metadata
 from collections.abc import Sequence
 
 import torch
+
+from .. import _C
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "PHOTOMETRIC_PARAM_COLUMNS",
+    "build_info",
     "dino_loss",
     "ema_update_",
     "multicrop_photometric",
@@ -196,3 +200,34 @@ def multicrop_photometric(
         dtype,
         bool(channels_last),
     )
+
+
+def build_info() -> dict:
+    """How the native core was built, and what this process sees at run time.
+
+    Keys: ``version``, ``torch_version`` (running), ``torch_version_built``,
+    ``cuda_compiled`` (bool), ``cuda_archs`` (list of ints), ``cxx_compiler``,
+    ``cuda_compiler``, ``openmp`` (the OpenMP spec date, empty if none),
+    ``parallel_info`` (ATen's threading report), ``cpu_kernels`` (the
+    instruction set of the CPU kernels chosen at run time), ``image_formats``
+    (the formats the native loader decodes: all five, or only JPEG in a build
+    configured with ``DINO_OPT_WITH_OPENCV=OFF``), ``cuda_available``,
+    ``device_name``.
+    """
+    native = _C.build_info()
+    archs = [int(a) for a in native["cuda_archs"].split(";") if a]
+    return {
+        "version": importlib.metadata.version("dino_opt"),
+        "torch_version": torch.__version__,
+        "torch_version_built": native["torch_version_built"],
+        "cuda_compiled": native["cuda_compiled"] == "yes",
+        "cuda_archs": archs,
+        "cxx_compiler": native["cxx_compiler"],
+        "cuda_compiler": native["cuda_compiler"],
+        "openmp": native["openmp"],
+        "parallel_info": native["parallel_info"],
+        "cpu_kernels": native["cpu_kernels"],
+        "image_formats": native["image_formats"].split(", "),
+        "cuda_available": torch.cuda.is_available(),
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }

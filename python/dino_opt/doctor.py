@@ -1,0 +1,263 @@
+"""``dino-opt doctor`` (or ``python -m dino_opt.doctor``): what this install
+is and whether its operators are right on this machine, in a few seconds.
+
+It prints the versions (dino_opt, torch running and built against, CUDA,
+the driver), which kernels the build compiled for which devices, the device,
+then runs every fused operator on the device against its plain-torch form on
+fresh random inputs, values and gradients, one line per check. Where the
+device has no compiled kernel (the operator runs its plain-torch form), the
+check compares with the CPU kernel instead. Exit status 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .ops import (
+    PHOTOMETRIC_PARAM_COLUMNS,
+    build_info,
+    dino_loss_backward_torch,
+    dino_loss_torch,
+    ema_update_torch,
+    photometric_torch,
+)
+from .runtime import resolve_device
+
+__all__ = ["Check", "add_arguments", "environment", "kernel_table", "main", "run", "run_checks"]
+
+
+@dataclasses.dataclass
+class Check:
+    """One operator checked on one device: the largest difference from the
+    reference against its tolerance."""
+
+    name: str
+    error: float
+    tolerance: float
+    seconds: float
+    reference: str
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance  # False for NaN
+
+    def line(self) -> str:
+        verdict = "ok  " if self.ok else "FAIL"
+        versus = f"(tolerance {self.tolerance:.0e}, vs {self.reference})"
+        return f"{verdict} {self.name:<34} max|diff| {self.error:.2e} {versus} {self.ms:7.1f} ms"
+
+    @property
+    def ms(self) -> float:
+        return 1000 * self.seconds
+
+
+def _driver() -> str:
+    """The NVIDIA driver's version from nvidia-smi, or why there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return "none (no nvidia-smi)"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+
+
+def _device_text(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{device} ({torch.cuda.get_device_name(device)}, sm_{major}{minor})"
+    return str(device)
+
+
+def environment(device: torch.device) -> list[tuple[str, str]]:
+    """(what, value) rows: versions, the build, the device."""
+    info = build_info()
+    return [
+        ("dino_opt", info["version"]),
+        (
+            "torch",
+            f"{info['torch_version']} (dino_opt built against {info['torch_version_built']})",
+        ),
+        ("python", sys.version.split()[0]),
+        ("torch CUDA", torch.version.cuda or "none (a CPU build of torch)"),
+        ("NVIDIA driver", _driver()),
+        ("compilers", f"{info['cxx_compiler']}; CUDA: {info['cuda_compiler'] or 'none'}"),
+        ("CPU kernels", f"{info['cpu_kernels']}, {torch.get_num_threads()} threads"),
+        ("image formats", ", ".join(info["image_formats"])),
+        ("device", _device_text(device)),
+    ]
+
+
+def kernel_table(device: torch.device) -> list[tuple[str, str]]:
+    """(device type, what runs there) for CPU, CUDA and this device."""
+    info = build_info()
+    archs = ", ".join(f"sm_{a}" for a in info["cuda_archs"])
+    rows = [("cpu", f"compiled ({info['cpu_kernels']})")]
+    if info["cuda_compiled"]:
+        rows.append(("cuda", f"compiled for {archs}"))
+    else:
+        rows.append(("cuda", "not compiled: plain-torch forms (install the CUDA toolkit, rebuild)"))
+    if device.type not in ("cpu", "cuda"):
+        rows.append((device.type, "not compiled: plain-torch forms"))
+    return rows
+
+
+def _compiled_for(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and build_info()["cuda_compiled"])
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    diff = (a.detach().double().cpu() - b.detach().double().cpu()).abs().max()
+    if scale is not None:
+        diff = diff / scale.double().cpu().abs().max().clamp_min(1e-30)
+    return float(diff)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def _loss_inputs(device, dtype, gen, batch, dim, views):
+    student = torch.randn(views * batch, dim, generator=gen) * 3
+    teacher = torch.randn(2 * batch, dim, generator=gen) * 3
+    center = torch.randn(dim, generator=gen) * 0.1
+    return [x.to(device=device, dtype=dtype) for x in (student, teacher)] + [center.to(device)]
+
+
+def _check_loss(device, dtype, gen, size) -> Check:
+    """The loss and its gradient, the operator with autograd vs the plain form."""
+    student, teacher, center = _loss_inputs(device, dtype, gen, *size)
+    args = (0.1, 0.04, size[2])
+    x = student.clone().requires_grad_(True)
+
+    def fused():
+        loss = torch.ops.dino_opt.dino_loss(x, teacher, center, *args)[0]
+        loss.backward()
+        return loss
+
+    loss, seconds = _timed(fused, device)
+    ref_device = device if _compiled_for(device) else torch.device("cpu")
+    s, t, c = (v.to(ref_device) for v in (student, teacher, center))
+    ref_loss, s_lse, t_lse = dino_loss_torch(s, t, c, *args)
+    one = torch.ones((), device=ref_device)
+    ref_grad = dino_loss_backward_torch(one, s, t, c, s_lse, t_lse, *args)
+    error = max(_max_diff(loss, ref_loss, ref_loss), _max_diff(x.grad, ref_grad, ref_grad))
+    tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+    name = f"dino_loss fwd+bwd {str(dtype)[6:]} {size[0]}x{size[1]}x{size[2]}"
+    return Check(name, error, tol, seconds, _reference(device))
+
+
+def _reference(device: torch.device) -> str:
+    return "plain torch" if _compiled_for(device) else "the CPU kernel"
+
+
+def _check_ema(device, dtype, gen, numel) -> Check:
+    shapes = [(numel,), (37, 5), (3, 64, 7), (1,)]
+    teacher = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    student = [torch.randn(s, generator=gen).to(device) for s in shapes]  # float32: mixed pairs
+    expected = [t.clone() for t in teacher]
+    _, seconds = _timed(lambda: torch.ops.dino_opt.ema_update_(teacher, student, 0.996), device)
+    if _compiled_for(device):
+        ema_update_torch(expected, student, 0.996)
+    else:
+        cpu = [t.cpu() for t in expected]
+        torch.ops.dino_opt.ema_update_(cpu, [s.cpu() for s in student], 0.996)
+        expected = cpu
+    error = max(_max_diff(a, b, b) for a, b in zip(teacher, expected, strict=True))
+    tol = 1e-6 if dtype in (torch.float32, torch.float64) else 1e-2
+    return Check(f"ema_update_ {str(dtype)[6:]} teacher", error, tol, seconds, _reference(device))
+
+
+def _photometric_params(n: int, gen: torch.Generator) -> torch.Tensor:
+    rows = torch.zeros(n, len(PHOTOMETRIC_PARAM_COLUMNS))
+    rand = torch.rand(n, 6, generator=gen)
+    rows[:, 0] = rand[:, 0] < 0.5  # flip
+    rows[:, 1] = rand[:, 1] < 0.8  # jitter
+    rows[:, 2:5] = 0.6 + 0.8 * torch.rand(n, 3, generator=gen)  # brightness, contrast, saturation
+    rows[:, 5] = 0.2 * torch.rand(n, generator=gen) - 0.1  # hue
+    rows[:, 6:10] = torch.stack([torch.randperm(4, generator=gen) for _ in range(n)])
+    rows[:, 10] = rand[:, 2] < 0.2  # grayscale
+    rows[:, 11] = torch.where(rand[:, 3] < 0.5, 0.1 + 1.9 * rand[:, 4], 0.0)  # blur sigma
+    rows[:, 12] = rand[:, 5] < 0.2  # solarize
+    return rows
+
+
+def _check_photometric(device, gen, size) -> Check:
+    images = torch.randint(0, 256, (8, size, size, 3), generator=gen, dtype=torch.uint8)
+    params = _photometric_params(8, gen)
+    images, params = images.to(device), params.to(device)
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    op = torch.ops.dino_opt.multicrop_photometric
+    out, seconds = _timed(lambda: op(images, params, mean, std, torch.float32, False), device)
+    if _compiled_for(device):
+        ref = photometric_torch(images, params, mean, std, torch.float32, False)
+    else:
+        ref = op(images.cpu(), params.cpu(), mean, std, torch.float32, False)
+    name = f"multicrop_photometric 8x{size}x{size}"
+    return Check(name, _max_diff(out, ref), 1e-4, seconds, _reference(device))
+
+
+def run_checks(device: torch.device, seed: int = 0) -> list[Check]:
+    """Every fused operator on ``device`` against its reference; sizes a GPU
+    trains with on a GPU, small ones on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    loss_size = (64, 65536, 10) if device.type == "cuda" else (8, 2048, 4)
+    checks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        checks.append(_check_loss(device, dtype, gen, loss_size))
+    for dtype in (torch.float32, torch.bfloat16):
+        checks.append(_check_ema(device, dtype, gen, 1 << 16))
+    checks.append(_check_photometric(device, gen, 96 if device.type != "cpu" else 32))
+    return checks
+
+
+def _print_rows(title: str, rows: Sequence[tuple[str, str]]) -> None:
+    print(title)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, "
+                        "cuda, cuda:N, mps, xpu")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the report; 0 when every check passed, else 1."""
+    device = resolve_device("auto") if args.device == "auto" else torch.device(args.device)
+    _print_rows("dino_opt doctor", environment(device))
+    _print_rows("kernels", kernel_table(device))
+    print(f"self-check on {device} (seed {args.seed}):")
+    checks = run_checks(device, args.seed)
+    for check in checks:
+        print("  " + check.line())
+    failed = [c.name for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dino-opt doctor", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

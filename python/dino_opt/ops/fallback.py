@@ -1,0 +1,227 @@
+"""The fused operators in plain PyTorch, registered as their kernels for every
+device this build has no compiled kernel for (a CUDA torch built without nvcc,
+Apple MPS, Intel XPU, a ROCm torch): the same results, slower, and a warning,
+once per operator and device type, naming both.
+
+The dispatcher picks a compiled kernel (CPU, and CUDA when built with nvcc)
+before these: they are registered under ``CompositeExplicitAutograd``, which
+serves only the devices without a kernel of their own, and autograd, the fake
+kernels for ``torch.compile`` and the version counters stay the operators'.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .photometric_torch import photometric_torch
+
+__all__ = [
+    "FALLBACK_OPS",
+    "dino_loss_backward_torch",
+    "dino_loss_torch",
+    "ema_update_torch",
+    "fallback_warned",
+]
+
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(op: str, device: torch.device) -> None:
+    key = (op, device.type)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(  # stacklevel: the caller of the operator
+        f"dino_opt::{op}: this build has no {device.type} kernel; running its plain-torch form "
+        "(same results, slower). `dino-opt doctor` lists the kernels of this build.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def fallback_warned() -> set[tuple[str, str]]:
+    """The (operator, device type) pairs that have run their fallback."""
+    return set(_warned)
+
+
+# ------------------------------------------------------------------ DINO loss
+
+
+def _views(ncrops: int, view_offset: int, total_views: int) -> tuple[int, int]:
+    """(view_offset, total_views) checked as the kernels check them."""
+    if total_views == -1:
+        if ncrops < 2:
+            raise RuntimeError(
+                f"dino_loss: ncrops (student views) must be at least 2, got {ncrops}"
+            )
+        if view_offset != 0:
+            raise RuntimeError(f"dino_loss: view_offset={view_offset} needs total_views")
+        return 0, ncrops
+    if total_views < 2 or ncrops < 1 or view_offset < 0 or view_offset + ncrops > total_views:
+        raise RuntimeError(
+            f"dino_loss: student views [{view_offset}, {view_offset + ncrops}) are not within "
+            f"the {total_views} views of the step (total_views >= 2)"
+        )
+    return view_offset, total_views
+
+
+def _shape(student, teacher, center, ncrops: int) -> tuple[int, int, int]:
+    """(teacher views T, batch B, dim K), with the kernels' argument checks."""
+    for name, t in (("student", student), ("teacher", teacher)):
+        if t.dim() != 2 or t.dtype not in _FLOATS:
+            raise RuntimeError(f"dino_loss: {name} must be a 2-D float tensor, got "
+                               f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
+    if student.dtype != teacher.dtype:
+        raise RuntimeError(f"dino_loss: student is {student.dtype} but teacher is {teacher.dtype}")
+    rows, dim = student.shape
+    if ncrops < 1 or rows % ncrops or teacher.shape[1] != dim or center.numel() != dim:
+        raise RuntimeError(
+            f"dino_loss: student {tuple(student.shape)} with ncrops={ncrops}, teacher "
+            f"{tuple(teacher.shape)} and center {tuple(center.shape)} do not fit together"
+        )
+    batch = rows // ncrops
+    if batch == 0 or teacher.shape[0] % batch:
+        raise RuntimeError(f"dino_loss: teacher rows {teacher.shape[0]} are not views of {batch}")
+    return teacher.shape[0] // batch, batch, dim
+
+
+def _pair_weights(views: int, teachers: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """[S, T]: 1 where this call's student view v is paired with teacher view t."""
+    v = torch.arange(views, device=like.device)[:, None] + offset
+    t = torch.arange(teachers, device=like.device)[None, :]
+    return (v != t).to(like.dtype)
+
+
+def _log_probs(student, teacher, center, student_temp, teacher_temp):
+    acc = torch.float64 if student.dtype == torch.float64 else torch.float32
+    s = student.to(acc) * (1.0 / student_temp)
+    t = (teacher.to(acc) - center.to(acc).reshape(1, -1)) * (1.0 / teacher_temp)
+    return s, t, torch.logsumexp(s, -1), torch.logsumexp(t, -1)
+
+
+def _targets(t, teacher_lse, weights, batch):
+    """[S, B, K]: the sum of the teacher probabilities paired with each student view."""
+    p = torch.exp(t - teacher_lse[:, None]).view(weights.shape[1], batch, -1)
+    return torch.einsum("st,tbk->sbk", weights, p)
+
+
+@torch.no_grad()
+def dino_loss_torch(
+    student, teacher, center, student_temp, teacher_temp, ncrops, view_offset=0, total_views=-1
+):
+    """``dino_opt::dino_loss`` in plain torch: (loss, student_lse, teacher_lse),
+    in float32 (float64 for float64 inputs)."""
+    offset, total = _views(ncrops, view_offset, total_views)
+    teachers, batch, _ = _shape(student, teacher, center, ncrops)
+    s, t, student_lse, teacher_lse = _log_probs(
+        student, teacher, center, student_temp, teacher_temp
+    )
+    weights = _pair_weights(ncrops, teachers, offset, s)
+    target = _targets(t, teacher_lse, weights, batch)
+    log_q = (s - student_lse[:, None]).view(ncrops, batch, -1)
+    terms = target * torch.where(target == 0, torch.zeros_like(log_q), log_q)  # 0 log 0 = 0
+    loss = -terms.sum() / (teachers * (total - 1) * batch)
+    return loss, student_lse, teacher_lse
+
+
+@torch.no_grad()
+def dino_loss_backward_torch(
+    grad, student, teacher, center, student_lse, teacher_lse, student_temp, teacher_temp,
+    ncrops, view_offset=0, total_views=-1,
+):  # fmt: skip
+    """``dino_opt::dino_loss_backward`` in plain torch: the student's gradient,
+    ``scale * (w_v softmax(s_v) - P_v) / student_temp`` with ``P_v`` the
+    paired teachers' probabilities and ``w_v`` their count."""
+    offset, total = _views(ncrops, view_offset, total_views)
+    teachers, batch, _ = _shape(student, teacher, center, ncrops)
+    s, t, _, _ = _log_probs(student, teacher, center, student_temp, teacher_temp)
+    weights = _pair_weights(ncrops, teachers, offset, s)
+    target = _targets(t, teacher_lse.to(s.dtype), weights, batch)
+    q = torch.exp(s - student_lse.to(s.dtype)[:, None]).view(ncrops, batch, -1)
+    scale = grad.to(s.dtype) / (teachers * (total - 1) * batch * student_temp)
+    g = (weights.sum(1)[:, None, None] * q - target) * scale
+    return g.reshape(student.shape).to(student.dtype)
+
+
+# ------------------------------------------------------------------ EMA
+
+
+def _check_ema(teacher: Sequence[torch.Tensor], student: Sequence[torch.Tensor], momentum: float):
+    if len(teacher) != len(student):
+        raise RuntimeError(
+            f"ema_update_: teacher has {len(teacher)} tensors but student has {len(student)}"
+        )
+    if not (math.isfinite(momentum) and 0.0 <= momentum <= 1.0):
+        raise RuntimeError(f"ema_update_: momentum must be in [0, 1], got {momentum}")
+    for i, (t, s) in enumerate(zip(teacher, student, strict=True)):
+        where = f"ema_update_: teacher[{i}]"
+        if s.device != t.device or t.device != teacher[0].device:
+            devices = f"student[{i}] on {s.device}, teacher[0] on {teacher[0].device}"
+            raise RuntimeError(f"{where} is on {t.device}, {devices}: one device for all")
+        if t.dtype not in _FLOATS or s.dtype not in _FLOATS:
+            raise RuntimeError(f"{where} is {t.dtype} and student[{i}] {s.dtype}: floats only")
+        if t.shape != s.shape:
+            raise RuntimeError(f"{where} has shape {tuple(t.shape)} but student[{i}] has "
+                               f"shape {tuple(s.shape)}")  # fmt: skip
+        if t.requires_grad:
+            raise RuntimeError(
+                f"{where} requires grad; the teacher is updated in place and must not "
+                "require grad (call teacher.requires_grad_(False))"
+            )
+
+
+@torch.no_grad()
+def ema_update_torch(teacher, student, momentum):
+    """``dino_opt::ema_update_`` in plain torch: ``torch._foreach_lerp_`` for
+    pairs of one dtype, float32 (float64) arithmetic for mixed pairs."""
+    _check_ema(teacher, student, momentum)
+    if not teacher:
+        return
+    weight = 1.0 - momentum
+    same = [i for i, (t, s) in enumerate(zip(teacher, student, strict=True)) if t.dtype == s.dtype]
+    if same:
+        torch._foreach_lerp_([teacher[i] for i in same], [student[i] for i in same], weight)
+    for i in sorted(set(range(len(teacher))) - set(same)):
+        t, s = teacher[i], student[i]
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        t.copy_(torch.lerp(t.to(acc), s.to(acc), weight))
+
+
+@torch.no_grad()
+def _photometric(images, params, mean, std, dtype=None, channels_last=False):
+    out_dtype = dtype if dtype is not None else torch.float32
+    return photometric_torch(images, params, mean, std, out_dtype, channels_last)
+
+
+#: Operator -> its plain-torch form, and the argument whose device it runs on.
+FALLBACK_OPS = {
+    "dino_opt::dino_loss": (dino_loss_torch, lambda args: args[0].device),
+    "dino_opt::dino_loss_backward": (dino_loss_backward_torch, lambda args: args[1].device),
+    "dino_opt::ema_update_": (
+        ema_update_torch,
+        lambda args: args[0][0].device if args[0] else None,
+    ),
+    "dino_opt::multicrop_photometric": (_photometric, lambda args: args[0].device),
+}
+
+
+def _kernel(op: str, form, device_of):
+    """The registered kernel: warns once per device type, then the plain form."""
+    name = op.split("::")[1]
+
+    def kernel(*args):
+        device = device_of(args)
+        if device is not None:  # None: empty lists, nothing runs
+            _warn_once(name, device)
+        return form(*args)
+
+    return kernel
+
+
+for _op, (_form, _device_of) in FALLBACK_OPS.items():
+    torch.library.register_kernel(_op, None, _kernel(_op, _form, _device_of))
