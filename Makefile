@@ -25,7 +25,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
 .PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo lint format gpu-check \
-        gpu-debs gpu-rehearsal wheel wheel-smoke cpp-install cpp-example clean
+        gpu-debs gpu-rehearsal wheel wheel-smoke build-no-cuda-toolkit cpp-install cpp-example clean
 
 setup: $(STAMPS)/build
 
@@ -116,6 +116,47 @@ wheel-smoke: wheel
 	bash scripts/cpp_example.sh $(SMOKE_VENV)/bin/python \
 	  "$$($(SMOKE_VENV)/bin/python -c 'import dino_opt; print(dino_opt.cmake_prefix_path)')" \
 	  build/example-wheel
+
+# What `pip install .` gives on a machine without the CUDA toolkit, with this
+# CUDA build of torch. scripts/no_cuda_toolkit.sh hides the toolkit in a mount
+# namespace of its own and checks that neither PATH nor CMake finds nvcc;
+# there, a wheel is built as `pip install .` builds it (pip's build isolation,
+# a fresh build folder of its own each time, the compiled objects from ccache
+# when run again) and its output must hold, once, the line saying the CUDA
+# kernels were left out. The wheel then goes into a fresh environment as in
+# wheel-smoke where, the toolkit still hidden, dino_opt must import with
+# cuda_compiled False and run its loss forward and backward on CPU tensors,
+# and the C++ example must build against its package and run.
+# Worked out once, on first use (BUILD_TAG imports torch).
+NOCUDA_DIR    = $(eval NOCUDA_DIR := build/nocuda-$$(BUILD_TAG))$(NOCUDA_DIR)
+NOCUDA_VENV   = $(NOCUDA_DIR)/venv
+NOCUDA_LINE  := dino_opt: CUDA kernels left out (CPU-only build)
+NOCUDA_CHECK := import dino_opt, torch; info = dino_opt.build_info(); \
+  assert info["cuda_compiled"] is False, info; \
+  s = torch.randn(12, 32, requires_grad=True); \
+  loss = dino_opt.dino_loss(s, torch.randn(6, 32), torch.zeros(1, 32), 0.1, 0.04, 4); \
+  loss.backward(); \
+  assert torch.isfinite(loss) and torch.isfinite(s.grad).all(), "loss"; \
+  print(f"build-no-cuda-toolkit: {dino_opt.__file__}: cuda_compiled False, CPU loss {loss.item():.4f}")
+build-no-cuda-toolkit: $(STAMPS)/deps | apt-packages
+	rm -rf $(NOCUDA_DIR)
+	mkdir -p $(NOCUDA_DIR)
+	scripts/no_cuda_toolkit.sh $(PY) -m pip wheel -v --no-deps . -w $(NOCUDA_DIR)/dist \
+	  -Cbuild-dir=$(NOCUDA_DIR)/build >$(NOCUDA_DIR)/build.log 2>&1 || \
+	  { tail -n 40 $(NOCUDA_DIR)/build.log; echo "build-no-cuda-toolkit: the build failed ($(NOCUDA_DIR)/build.log)"; exit 1; }
+	@head -n 1 $(NOCUDA_DIR)/build.log
+	@n=$$(grep -c -F "$(NOCUDA_LINE)" $(NOCUDA_DIR)/build.log || true); \
+	  if [ "$$n" != 1 ]; then \
+	    echo "build-no-cuda-toolkit: '$(NOCUDA_LINE)' printed $$n times, not once ($(NOCUDA_DIR)/build.log)"; exit 1; \
+	  fi; grep -F "$(NOCUDA_LINE)" $(NOCUDA_DIR)/build.log
+	$(PY) -m venv --without-pip $(NOCUDA_VENV)
+	site=$$($(NOCUDA_VENV)/bin/python -c "$(PURELIB)") deps=$$($(PY) -c "$(PURELIB)"); \
+	  echo "$$deps" >"$$site/requirements.pth" && ln -s "$$deps/torch" "$$site/torch"
+	$(PY) -m pip --python $(NOCUDA_VENV)/bin/python install -q --no-index $(NOCUDA_DIR)/dist/dino_opt-*.whl
+	cd build && ../scripts/no_cuda_toolkit.sh ../$(NOCUDA_VENV)/bin/python -c '$(NOCUDA_CHECK)'
+	scripts/no_cuda_toolkit.sh bash scripts/cpp_example.sh $(NOCUDA_VENV)/bin/python \
+	  "$$($(NOCUDA_VENV)/bin/python -c 'import dino_opt; print(dino_opt.cmake_prefix_path)')" \
+	  $(NOCUDA_DIR)/example
 
 # The C++ package alone (cmake --install: lib/, include/dino_opt/,
 # lib/cmake/dino_opt/), then examples/cpp built against it and run.

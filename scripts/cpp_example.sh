@@ -25,7 +25,9 @@ if cmake -S examples/cpp -B "$build/no-torch" "-DCMAKE_PREFIX_PATH=$prefix" >"$b
   cat "$build/no-torch.log" >&2
   exit 1
 fi
-cmake -S examples/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+launcher=() # ccache where there is one, as for the core
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+cmake -S examples/cpp -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   "-DCMAKE_PREFIX_PATH=$prefix;$torch_prefix" >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; exit 1; }
 cmake --build "$build"
