@@ -37,6 +37,7 @@ add_library(dino_opt_loader_core STATIC
     ${DINO_OPT_LOADER_DIR}/image_decode.cpp
     ${DINO_OPT_LOADER_DIR}/photometric.cpp
     ${DINO_OPT_LOADER_DIR}/crop_sampling.cpp
+    ${DINO_OPT_LOADER_DIR}/masking.cpp
     ${DINO_OPT_LOADER_DIR}/resample.cpp
     ${DINO_OPT_LOADER_DIR}/multicrop_pipeline.cpp
     ${DINO_OPT_LOADER_DIR}/prepare.cpp)

@@ -12,6 +12,7 @@
 
 #include "loader/crop_sampling.h"
 #include "loader/image_decode.h"
+#include "loader/masking.h"
 #include "loader/multicrop_loader.h"
 #include "loader/resample.h"
 #include "test_util.h"
@@ -196,6 +197,69 @@ TEST_F(LoaderThreads, ABadFileFailsItsBatchOnly) {
   }
   EXPECT_TRUE(loader.next().has_value());
   EXPECT_FALSE(loader.next().has_value());
+}
+
+// Every batch's masks, copied (the loader reuses its pageable batches).
+std::vector<std::pair<at::Tensor, at::Tensor>> masks_and_crops(MultiCropLoader& loader,
+                                                               int64_t epoch, int64_t first = 0) {
+  loader.start_epoch(epoch, first);
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  while (auto batch = loader.next()) {
+    out.emplace_back(batch->masks.defined() ? batch->masks.clone() : at::Tensor(),
+                     batch->groups[0].clone());
+  }
+  return out;
+}
+
+TEST_F(LoaderThreads, MasksFollowThePlanWhateverTheThreadCount) {
+  LoaderOptions o = small_options();
+  o.seed = 5;
+  o.drop_last = false;  // 12 samples: batches of 5, 5 and 2
+  o.masks.enabled = true;
+  o.masks.patch_size = 2;  // a 12 x 12 grid
+  o.batch_size = 5;
+  MultiCropLoader three(samples_, o);
+  const auto got = masks_and_crops(three, 1);
+  o.num_threads = 1;
+  MultiCropLoader one(samples_, o);
+  const auto single = masks_and_crops(one, 1);
+  ASSERT_EQ(got.size(), 3u);
+  ASSERT_EQ(single.size(), got.size());
+  const BlockMasker masker(o.masks, 24);
+  for (size_t k = 0; k < got.size(); ++k) {
+    const at::Tensor& m = got[k].first;
+    const int64_t b = k < 2 ? 5 : 2;
+    ASSERT_EQ(m.sizes(), (at::IntArrayRef{2 * b, 12, 12}));
+    ASSERT_EQ(m.scalar_type(), at::kBool);
+    EXPECT_TRUE(at::equal(m, single[k].first)) << "batch " << k;
+    // Exactly the plan of (seed, epoch, rank, batch), each crop from its own stream.
+    Rng plan_rng = mask_plan_stream(5, 1, 0, static_cast<int64_t>(k));
+    const auto plan = plan_mask_counts(plan_rng, static_cast<int>(2 * b), 144, o.masks);
+    int64_t masked_crops = 0;
+    for (int64_t n = 0; n < 2 * b; ++n) {
+      const int64_t row = n % b, view = n / b;
+      std::vector<uint8_t> expected(144);
+      Rng rng = mask_stream(5, 1, static_cast<uint64_t>(k * 5 + row), static_cast<int>(view));
+      masker.generate(rng, plan[n], expected.data());
+      const at::Tensor mine = m[n].flatten().to(at::kByte).contiguous();
+      ASSERT_TRUE(std::equal(expected.begin(), expected.end(), mine.data_ptr<uint8_t>()));
+      ASSERT_LE(mine.sum().item<int64_t>(), plan[n]);
+      masked_crops += mine.sum().item<int64_t>() > 0;
+    }
+    EXPECT_LE(masked_crops, static_cast<int64_t>(2 * b * 0.5));
+  }
+  // The crops do not change when masks are drawn.
+  o.masks.enabled = false;
+  MultiCropLoader plain(samples_, o);
+  const auto without = masks_and_crops(plain, 1);
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_FALSE(without[k].first.defined());
+    EXPECT_TRUE(at::equal(without[k].second, got[k].second)) << "batch " << k;
+  }
+  // A resumed epoch gives the same masks.
+  const auto resumed = masks_and_crops(one, 1, 1);
+  ASSERT_EQ(resumed.size(), 2u);
+  EXPECT_TRUE(at::equal(resumed[0].first, got[1].first));
 }
 
 }  // namespace

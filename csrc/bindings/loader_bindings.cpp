@@ -4,10 +4,12 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "bindings/bindings.h"
 #include "loader/crop_sampling.h"
 #include "loader/image_decode.h"
+#include "loader/masking.h"
 #include "loader/multicrop_loader.h"
 #include "loader/prepare.h"
 #include "loader/resample.h"
@@ -74,10 +76,39 @@ void apply_augment(AugmentConfig& c, const py::dict& overrides) {
   }
 }
 
+// Mask fields by name; an empty dict leaves masks off. Python's
+// dino_opt.data.masking.mask_options fills in the defaults first.
+MaskConfig parse_masks(const py::dict& options) {
+  MaskConfig c;
+  c.enabled = !options.empty();
+  for (const auto& [key, value] : options) {
+    const std::string k = py::cast<std::string>(key);
+    if (k == "patch_size") {
+      c.patch_size = py::cast<int>(value);
+    } else if (k == "ratio") {
+      std::tie(c.ratio_min, c.ratio_max) = py::cast<std::pair<double, double>>(value);
+    } else if (k == "probability") {
+      c.probability = py::cast<double>(value);
+    } else if (k == "min_num_patches") {
+      c.min_num_patches = py::cast<double>(value);
+    } else if (k == "max_num_patches") {
+      c.max_num_patches = value.is_none() ? 0.0 : py::cast<double>(value);
+    } else if (k == "min_aspect") {
+      c.min_aspect = py::cast<double>(value);
+    } else if (k == "max_aspect") {
+      c.max_aspect = value.is_none() ? 0.0 : py::cast<double>(value);
+    } else {
+      throw std::invalid_argument("unknown mask option '" + k + "'");
+    }
+  }
+  return c;
+}
+
 py::object to_python(std::optional<LoaderBatch> batch) {
   if (!batch) return py::none();
+  const py::object masks = batch->masks.defined() ? py::cast(batch->masks) : py::none();
   return py::make_tuple(batch->groups, batch->params, batch->labels, batch->indices,
-                        batch->batch_index);
+                        batch->batch_index, masks);
 }
 
 py::dict to_dict(const LoaderStats& s) {
@@ -127,7 +158,8 @@ void bind_loader(py::module_& m) {
                        uint64_t seed, int rank, int world_size, bool shuffle, bool drop_last,
                        bool pad_shards, const std::string& dtype, bool channels_last,
                        bool photometric, bool pin_memory, bool skip_errors, int64_t max_pixels,
-                       std::vector<float> mean, std::vector<float> std, bool dct_scaling) {
+                       std::vector<float> mean, std::vector<float> std, bool dct_scaling,
+                       const py::dict& masks) {
              if (labels.size() != paths.size()) {
                throw std::invalid_argument("labels has " + std::to_string(labels.size()) +
                                            " entries for " + std::to_string(paths.size()) +
@@ -160,6 +192,7 @@ void bind_loader(py::module_& m) {
              o.channels_last = channels_last;
              o.pin_memory = pin_memory;
              o.skip_errors = skip_errors;
+             o.masks = parse_masks(masks);
              return std::make_unique<MultiCropLoader>(std::move(samples), std::move(o));
            }),
            py::arg("paths"), py::arg("labels"), py::arg("batch_size"), py::arg("augment"),
@@ -167,7 +200,7 @@ void bind_loader(py::module_& m) {
            py::arg("world_size"), py::arg("shuffle"), py::arg("drop_last"), py::arg("pad_shards"),
            py::arg("dtype"), py::arg("channels_last"), py::arg("photometric"),
            py::arg("pin_memory"), py::arg("skip_errors"), py::arg("max_pixels"), py::arg("mean"),
-           py::arg("std"), py::arg("dct_scaling"))
+           py::arg("std"), py::arg("dct_scaling"), py::arg("masks") = py::dict())
       .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
       .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)
       .def_property_readonly("num_batches", &MultiCropLoader::num_batches)
@@ -267,6 +300,26 @@ void bind_loader(py::module_& m) {
       py::arg("augment") = py::dict(),
       "Draws `count` samples' crop plans: rects [count, crops, 4] (top, left, height, width) and "
       "params");
+  m.def(
+      "sample_masks",
+      [](uint64_t seed, const std::vector<int>& counts, int height, int width,
+         double max_num_patches, double min_num_patches, double min_aspect, double max_aspect) {
+        const BlockMasker masker(height, width, min_num_patches, max_num_patches, min_aspect,
+                                 max_aspect);
+        const auto n = static_cast<int64_t>(counts.size());
+        at::Tensor masks = at::empty({n, height, width}, at::kBool);
+        auto* out = static_cast<uint8_t*>(masks.data_ptr());
+        for (int64_t i = 0; i < n; ++i) {
+          Rng rng(seed, 0, static_cast<uint64_t>(i));
+          masker.generate(rng, counts[i], out + i * masker.num_patches());
+        }
+        return masks;
+      },
+      py::arg("seed"), py::arg("counts"), py::arg("height"), py::arg("width"),
+      py::arg("max_num_patches"), py::arg("min_num_patches") = 4.0, py::arg("min_aspect") = 0.3,
+      py::arg("max_aspect") = 0.0,
+      "Block masks drawn by the loader's generator: mask i ([height, width] bool) asks for "
+      "counts[i] patches (max_aspect 0: 1 / min_aspect)");
   m.def(
       "reencode_image",
       [](const std::string& src, const std::string& dst, int max_side, int quality,

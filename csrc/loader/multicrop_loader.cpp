@@ -55,6 +55,12 @@ std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64
   return targets;
 }
 
+// Row `row`'s two global crops in a plan of a batch of `b` (zeros without one).
+std::array<int, 2> row_mask_counts(const std::vector<int>& plan, int64_t row, int64_t b) {
+  if (plan.empty()) return {0, 0};
+  return {plan[row], plan[b + row]};
+}
+
 bool unshared(const at::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
 
 }  // namespace
@@ -84,6 +90,7 @@ void LoaderOptions::validate() const {
     if (!(pipeline.normalization.std[c] != 0.0f)) fail("std must be nonzero in every channel");
   }
   pipeline.augment.validate();
+  masks.validate(pipeline.augment.global_size);
 }
 
 struct MultiCropLoader::Slot {
@@ -91,6 +98,7 @@ struct MultiCropLoader::Slot {
   int64_t size = 0;
   int64_t done = 0;
   LoaderBatch out;
+  std::vector<int> mask_counts;  // the batch's plan: requested patches per global crop
   int64_t error_row = std::numeric_limits<int64_t>::max();
   std::string error;
 };
@@ -142,6 +150,7 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
       bool free = unshared(pooled.labels) && unshared(pooled.indices);
       for (const auto& t : pooled.groups) free = free && unshared(t);
       for (const auto& t : pooled.params) free = free && unshared(t);
+      free = free && (!pooled.masks.defined() || unshared(pooled.masks));
       if (free) return pooled;
     }
   }
@@ -162,6 +171,10 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
       batch.params.push_back(
           at::empty({counts[g], kPhotometricParamCount}, host.dtype(at::kFloat)));
     }
+  }
+  if (options_.masks.enabled) {
+    const int64_t g = options_.masks.grid(config.global_size);
+    batch.masks = at::empty({2 * b, g, g}, host.dtype(at::kBool));
   }
   batch.labels = at::empty({b}, host.dtype(at::kLong));
   batch.indices = at::empty({b}, host.dtype(at::kLong));
@@ -207,6 +220,24 @@ MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, 
                                             key * 64 + static_cast<uint64_t>(attempt)) %
                                    static_cast<uint64_t>(num_samples()));
     }
+  }
+}
+
+std::vector<int> MultiCropLoader::plan_masks(int64_t batch, int64_t b, int64_t epoch) const {
+  if (!options_.masks.enabled) return {};
+  const int g = options_.masks.grid(options_.pipeline.augment.global_size);
+  Rng rng = mask_plan_stream(options_.seed, epoch, options_.rank, batch);
+  return plan_mask_counts(rng, static_cast<int>(2 * b), g * g, options_.masks);
+}
+
+void MultiCropLoader::fill_masks(const LoaderBatch& batch, int64_t row, int64_t b, uint64_t key,
+                                 int64_t epoch, const std::array<int, 2>& counts) const {
+  if (!batch.masks.defined()) return;
+  const BlockMasker masker(options_.masks, options_.pipeline.augment.global_size);
+  auto* masks = static_cast<uint8_t*>(batch.masks.data_ptr());  // bool: one byte, 0 or 1
+  for (int view = 0; view < 2; ++view) {
+    Rng rng = mask_stream(options_.seed, epoch, key, view);
+    masker.generate(rng, counts[view], masks + (view * b + row) * masker.num_patches());
   }
 }
 
@@ -273,18 +304,21 @@ void MultiCropLoader::worker_loop() {
         slot.error = std::string("cannot allocate the batch: ") + e.what();
         slot.error_row = -1;
       }
+      slot.mask_counts = plan_masks(batch, slot.size, epoch_);
     }
     const bool allocated = !slot.out.groups.empty();
     const LoaderBatch out = slot.out;  // handles, so the tensors outlive a reset of the slot
     const int64_t size = slot.size;
+    const int64_t row = task - batch * b;
+    const std::array<int, 2> mask_counts = row_mask_counts(slot.mask_counts, row, size);
     ++busy_;
     lk.unlock();
 
     FillResult result;
-    const int64_t row = task - batch * b;
     if (allocated) {
       const uint64_t position = static_cast<uint64_t>(task) * options_.world_size + options_.rank;
       result = fill_row(out, row, size, order_[task], position, epoch_);
+      fill_masks(out, row, size, position, epoch_, mask_counts);
     }
 
     lk.lock();
@@ -372,7 +406,9 @@ LoaderBatch MultiCropLoader::load_sample(int64_t index, int64_t epoch) {
     std::lock_guard<std::mutex> lk(mu_);
     batch = allocate_batch(1);
   }
-  FillResult result = fill_row(batch, 0, 1, index, static_cast<uint64_t>(index), epoch);
+  const uint64_t key = static_cast<uint64_t>(index);
+  FillResult result = fill_row(batch, 0, 1, index, key, epoch);
+  fill_masks(batch, 0, 1, key, epoch, row_mask_counts(plan_masks(index, 1, epoch), 0, 1));
   {
     std::lock_guard<std::mutex> lk(mu_);
     record(result, true);

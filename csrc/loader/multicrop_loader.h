@@ -5,6 +5,7 @@
 // only on (seed, epoch, sample position), never on the thread count.
 #include <ATen/ATen.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "loader/masking.h"
 #include "loader/multicrop_pipeline.h"
 
 namespace dino_opt::loader {
@@ -47,6 +49,7 @@ struct LoaderOptions {
   bool pin_memory = false;
   bool skip_errors = false;  // on_error="skip"
   int max_skip_attempts = 16;
+  MaskConfig masks;  // DINOv2's block masks of the global crops (off by default)
 
   // Throws std::invalid_argument naming the option that is out of range.
   void validate() const;
@@ -56,9 +59,12 @@ struct LoaderOptions {
 // (global crop 1 of every sample, then global crop 2), groups[1] is
 // [n_local * B, 3, L, L], in `dtype`. Deferred: groups are uint8
 // [N, H, W, 3] and params[g] the [N, 13] float32 parameters of each crop.
+// With masks enabled, masks is bool [2B, g, g] (g = global_size /
+// patch_size), row n the mask of global crop n of groups[0].
 struct LoaderBatch {
   std::vector<at::Tensor> groups;
   std::vector<at::Tensor> params;
+  at::Tensor masks;    // undefined when masks are off
   at::Tensor labels;   // int64 [B]
   at::Tensor indices;  // int64 [B], data set indices (after skip replacements)
   int64_t batch_index = 0;
@@ -105,7 +111,8 @@ class MultiCropLoader {
   // Sample `index` alone, on the calling thread, through the same pipeline
   // (a batch of one: [2, 3, G, G] and [n_local, 3, L, L], or raw + params),
   // its random stream keyed by (seed, epoch, index); for a torch Dataset.
-  // Throws LoaderError as next() does.
+  // With masks on, its two global crops' masks follow a plan of their own
+  // (a batch of one, keyed by the index). Throws LoaderError as next() does.
   LoaderBatch load_sample(int64_t index, int64_t epoch);
 
  private:
@@ -122,6 +129,12 @@ class MultiCropLoader {
   // Runs sample `index` (random stream `key`) into row `row` of a batch of `b`.
   FillResult fill_row(const LoaderBatch& batch, int64_t row, int64_t b, int64_t index, uint64_t key,
                       int64_t epoch) const;
+  // The requested mask sizes of the 2b global crops of batch `batch` (empty
+  // when masks are off), and the masks of row `row`'s two global crops
+  // (`counts` from that plan, `key` the sample's stream key).
+  std::vector<int> plan_masks(int64_t batch, int64_t b, int64_t epoch) const;
+  void fill_masks(const LoaderBatch& batch, int64_t row, int64_t b, uint64_t key, int64_t epoch,
+                  const std::array<int, 2>& counts) const;
   LoaderBatch allocate_batch(int64_t size);
   int64_t batch_size_of(int64_t batch) const;
 

@@ -23,6 +23,7 @@ import torch
 
 from .. import _C
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
+from .masking import mask_options, mask_targets
 
 __all__ = [
     "AUGMENT_KEYS",
@@ -68,16 +69,41 @@ _DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit
 _STATE_KEYS = ("seed", "num_samples", "batch_size", "rank", "world_size", "shuffle", "drop_last")
 
 
-class Batch(NamedTuple):
+class _BatchTuple(NamedTuple):
+    crops: list[torch.Tensor]
+    labels: torch.Tensor
+    indices: torch.Tensor
+
+
+class Batch(_BatchTuple):
     """One batch: ``crops`` is ``[global_1, global_2, local_1, ..., local_n]``,
     each ``[B, 3, H, W]`` (or, with ``group_by_resolution=True``, one tensor per
     resolution: ``[2B, 3, G, G]`` and ``[n_local * B, 3, L, L]``, crop-major as
     ``torch.cat`` of the list would give); ``labels`` and ``indices`` (data set
-    indices, after any ``on_error="skip"`` replacement) are int64 ``[B]``."""
+    indices, after any ``on_error="skip"`` replacement) are int64 ``[B]``.
 
-    crops: list[torch.Tensor]
-    labels: torch.Tensor
-    indices: torch.Tensor
+    ``masks`` (an attribute, not a tuple element, so that ``crops, labels,
+    indices = batch`` keeps working) is None, or with the loader's ``masks``
+    option bool ``[2B, gh, gw]``: row ``n`` masks the patches of global crop
+    ``n`` of ``torch.cat(crops[:2])`` (rows ``:B`` global_1, ``B:`` global_2).
+    """
+
+    masks: torch.Tensor | None = None
+
+    def __new__(cls, crops, labels, indices, masks: torch.Tensor | None = None):
+        batch = super().__new__(cls, crops, labels, indices)
+        batch.masks = masks
+        return batch
+
+    def __getnewargs__(self):
+        return (*self, self.masks)
+
+    def _replace(self, **fields) -> Batch:
+        masks = fields.pop("masks", self.masks)
+        return Batch(*super()._replace(**fields), masks=masks)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, masks={self.masks!r})"
 
 
 def find_images(
@@ -178,6 +204,7 @@ def _native_loader(
     std,
     augment: dict | None,
     dct_scaling: bool,
+    masks: dict | None,
 ):
     """Checks the Python-side arguments, then builds the native loader (which
     checks the ranges and raises ValueError naming the argument)."""
@@ -227,6 +254,7 @@ def _native_loader(
         mean=[float(v) for v in mean],
         std=[float(v) for v in std],
         dct_scaling=bool(dct_scaling),
+        masks=mask_options(masks),
     )
     return native, paths, classes
 
@@ -270,6 +298,14 @@ class MultiCropLoader:
             ``solarize_p_global2``).
         dct_scaling: decode JPEGs at 1/2, 1/4 or 1/8 size when every crop
             still has at least its output resolution.
+        masks: DINOv2's block masks of the global crops, drawn by the threads
+            with the crops (``Batch.masks``, bool ``[2B, gh, gw]``; None: off):
+            a dict with ``patch_size`` (the model's; it must divide
+            ``global_size``) and optionally ``ratio`` (0.1, 0.5),
+            ``probability`` 0.5, ``min_num_patches`` 4, ``max_num_patches``
+            (None: half the grid), ``min_aspect`` 0.3, ``max_aspect`` (None:
+            1 / min_aspect); see :data:`~dino_opt.data.masking.MASK_KEYS` and
+            :meth:`mask_targets`.
 
     Iterating yields :class:`Batch` ``(crops, labels, indices)`` for the
     current epoch, from its next unseen batch (the position ``state_dict()``
@@ -309,6 +345,7 @@ class MultiCropLoader:
         std: Sequence[float] = IMAGENET_STD,
         augment: dict | None = None,
         dct_scaling: bool = True,
+        masks: dict | None = None,
     ):
         self._native = None  # so that close() in __del__ works if a check below fails
         if photometric == "gpu":
@@ -349,7 +386,9 @@ class MultiCropLoader:
             std=std,
             augment=augment,
             dct_scaling=dct_scaling,
+            masks=masks,
         )
+        self.masks = mask_options(masks) or None
         self.batch_size = batch_size
         self.n_local = int(n_local)
         self.seed = int(seed)
@@ -393,13 +432,15 @@ class MultiCropLoader:
             if raw is None:
                 self._next_batch = 0
                 return
-            groups, params, labels, indices, batch_index = raw
+            groups, params, labels, indices, batch_index, masks = raw
             self._next_batch = batch_index + 1
-            yield self._finish(groups, params, labels, indices)
+            yield self._finish(groups, params, labels, indices, masks)
 
-    def _finish(self, groups, params, labels, indices) -> Batch:
+    def _finish(self, groups, params, labels, indices, masks) -> Batch:
         if self.photometric == "gpu":
             non_blocking = self.pin_memory and self.device.type == "cuda"
+            if masks is not None:
+                masks = masks.to(self.device, non_blocking=non_blocking)
             groups = [
                 multicrop_photometric(
                     g.to(self.device, non_blocking=non_blocking),
@@ -412,12 +453,20 @@ class MultiCropLoader:
                 for g, p in zip(groups, params, strict=True)
             ]
         if self.group_by_resolution:
-            return Batch(list(groups), labels, indices)
+            return Batch(list(groups), labels, indices, masks)
         b = labels.shape[0]
         crops = [groups[0][:b], groups[0][b:]]
         if len(groups) > 1:
             crops += list(groups[1].split(b))
-        return Batch(crops, labels, indices)
+        return Batch(crops, labels, indices, masks)
+
+    def mask_targets(self, masks: torch.Tensor) -> dict:
+        """DINOv2's collate outputs for ``masks`` (a batch's ``Batch.masks``),
+        on their device, with this loader's ratio and probability: see
+        :func:`~dino_opt.data.masking.mask_targets`."""
+        if self.masks is None:
+            raise ValueError("this loader draws no masks: pass masks=dict(patch_size=...)")
+        return mask_targets(masks, self.masks["ratio"], self.masks["probability"])
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -497,6 +546,13 @@ class MultiCropDataset(torch.utils.data.Dataset):
     derives from ``(seed, epoch, i)`` (``set_epoch`` selects the epoch; with
     ``persistent_workers`` the workers keep the epoch they were started with).
     Arguments as :class:`MultiCropLoader`; ``photometric`` is always ``"cpu"``.
+
+    With ``masks``, an item also has ``"masks"``: bool ``[2, gh, gw]``, the
+    two global crops' masks under a plan of their own (a batch of one, so
+    ``int(2 * probability)`` of them masked, their shares drawn over the whole
+    ratio range). For DINOv2's plan over a whole batch, leave ``masks`` off
+    and collate with :func:`~dino_opt.data.masking.collate_data_and_cast`,
+    which takes these items.
     """
 
     def __init__(
@@ -517,6 +573,7 @@ class MultiCropDataset(torch.utils.data.Dataset):
         std: Sequence[float] = IMAGENET_STD,
         augment: dict | None = None,
         dct_scaling: bool = True,
+        masks: dict | None = None,
     ):
         self._args = dict(
             source=source,
@@ -545,6 +602,7 @@ class MultiCropDataset(torch.utils.data.Dataset):
             std=std,
             augment=augment,
             dct_scaling=dct_scaling,
+            masks=masks,
         )
         self.epoch = 0
         self._build()
@@ -573,22 +631,29 @@ class MultiCropDataset(torch.utils.data.Dataset):
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} is outside the data set of {len(self)} samples")
         index = index % len(self)
-        groups, _, labels, indices, _ = self._native.load_sample(index, self.epoch)
+        groups, _, labels, indices, _, masks = self._native.load_sample(index, self.epoch)
         crops = list(groups[0].unbind(0))
         if len(groups) > 1:
             crops += list(groups[1].unbind(0))
-        return {"crops": crops, "label": int(labels[0]), "index": int(indices[0])}
+        item = {"crops": crops, "label": int(labels[0]), "index": int(indices[0])}
+        if masks is not None:
+            item["masks"] = masks
+        return item
 
 
 def multicrop_collate(samples: Sequence[dict]) -> dict:
     """Stacks the samples of :class:`MultiCropDataset` crop-wise:
-    ``{"crops": [[B, 3, H, W], ...], "labels": [B], "indices": [B]}``."""
+    ``{"crops": [[B, 3, H, W], ...], "labels": [B], "indices": [B]}``, and
+    with masks ``"masks"``: ``[2B, gh, gw]``, view-major as ``Batch.masks``."""
     n_crops = len(samples[0]["crops"])
-    return {
+    out = {
         "crops": [torch.stack([s["crops"][c] for s in samples]) for c in range(n_crops)],
         "labels": torch.tensor([s.get("label", -1) for s in samples], dtype=torch.long),
         "indices": torch.tensor([s.get("index", -1) for s in samples], dtype=torch.long),
     }
+    if "masks" in samples[0]:
+        out["masks"] = torch.stack([s["masks"][v] for v in range(2) for s in samples])
+    return out
 
 
 class DataLoadingOptimizer:

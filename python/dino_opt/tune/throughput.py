@@ -732,7 +732,10 @@ class OptimizedDataLoader:
             if isinstance(x, dict):
                 return {k: move(v) for k, v in x.items()}
             if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (Batch)
-                return type(x)(*(move(v) for v in x))
+                moved = type(x)(*(move(v) for v in x))
+                if getattr(x, "masks", None) is not None:  # Batch.masks, outside the tuple
+                    moved.masks = move(x.masks)
+                return moved
             if isinstance(x, (list, tuple)):
                 return type(x)(move(v) for v in x)
             return x
