@@ -1,15 +1,19 @@
 """DINO loss, forward + backward: dino_opt's fused operator vs the reference
 double loop of the original code vs the dinov2 form (one log-softmax per
 student view), on the DINO recipe: B=64 per device, 2 global + 8 local and
-2 global + 10 local crops, out_dim 65536, fp32 and bf16 logits.
+2 global + 10 local crops, out_dim 65536, fp32 and bf16 logits. Second table:
+the iBOT masked-patch loss, dino_opt.ibot_loss vs dinov2's plain form, on
+dinov2's masking of the B * 2 global crops (see ibot_masked_tokens).
 
-    python bench/bench_loss.py [--device cpu|cuda] [--batch 64] [--json PATH]
+    python bench/bench_loss.py [--device cpu|cuda] [--batch 64] [--only dino|ibot] [--json PATH]
 
 Time: median of forward + backward after a warm-up. Memory: peak allocated
 above the inputs during forward + backward (the student gradient included).
 Floor (GPU): forward and backward must each read the logits once and the
 backward writes the gradient: (2 * (S + T) + S) * B * K * bytes over the
-measured copy bandwidth. bf16 baselines run under autocast, as DINO runs them.
+measured copy bandwidth (iBOT: the forward reads S and T once, the backward
+reads them and writes the gradient, (3N * S_bytes + 2M * T_bytes) * K). bf16
+baselines run under autocast, as DINO runs them.
 On the CPU, PyTorch's allocator is told to use transparent huge pages
 (THP_MEM_ALLOC_ENABLE=1, unless set otherwise): every variant allocates
 hundreds of MiB per step, and without it page faults dominate and vary.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,7 +46,11 @@ from common import (  # noqa: E402
     time_ms,
     write_json,
 )
-from reference import dino_loss_dinov2_form, dino_loss_reference  # noqa: E402
+from reference import (  # noqa: E402
+    dino_loss_dinov2_form,
+    dino_loss_reference,
+    ibot_loss_dinov2_form,
+)
 
 STUDENT_TEMP, TEACHER_TEMP = 0.1, 0.04
 VARIANTS = {
@@ -82,9 +91,7 @@ def make_inputs(ncrops, batch, dim, dtype, device):
     return inputs
 
 
-def measure(configs, args, device, on_gpu, repeats, bandwidth):
-    """All timings first, then all memory peaks (pinning glibc's mmap threshold
-    for the CPU peaks would change allocation costs under the timings)."""
+def measure_times(configs, args, device, on_gpu, repeats, bandwidth):
     results = []
     for ncrops, dtype in configs:
         inputs = make_inputs(ncrops, args.batch, args.dim, dtype, device)
@@ -102,8 +109,10 @@ def measure(configs, args, device, on_gpu, repeats, bandwidth):
         floor_bytes = (2 * (ncrops + 2) + ncrops) * args.batch * args.dim * elem
         row["floor_ms"] = floor_bytes / (bandwidth * 1e9) * 1e3 if on_gpu else None
         results.append(row)
-    if not on_gpu:
-        pin_host_mmap_threshold()
+    return results
+
+
+def measure_peaks(results, configs, args, device):
     for row, (ncrops, dtype) in zip(results, configs, strict=True):
         inputs = make_inputs(ncrops, args.batch, args.dim, dtype, device)
         for name in VARIANTS:
@@ -113,33 +122,15 @@ def measure(configs, args, device, on_gpu, repeats, bandwidth):
             row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
             inputs[0][0].grad = None
         print(row, flush=True)
-    return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=65536)
-    parser.add_argument("--repeats", type=int)
-    parser.add_argument(
-        "--json", type=Path, help="output file (default docs/results/loss_<device>.json)"
-    )
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
-    repeats = args.repeats or (20 if on_gpu else 5)
-    bandwidth = copy_bandwidth_gbps(device)
-    configs = [(ncrops, dtype) for ncrops in (10, 12) for dtype in (torch.float32, torch.bfloat16)]
-    results = measure(configs, args, device, on_gpu, repeats, bandwidth)
-
+def comparison_rows(results, label_of, baselines, on_gpu):
     rows = []
     for r in results:
-        label = f"2+{r['ncrops'] - 2} crops {r['dtype'].replace('torch.', '')}"
-        for base in ("reference_loop", "dinov2_form"):
+        for base in baselines:
             rows.append(
                 [
-                    f"{label} vs {base}",
+                    f"{label_of(r)} vs {base}",
                     r["dino_opt_ms"],
                     r[f"{base}_ms"],
                     r[f"{base}_ms"] / r["dino_opt_ms"],
@@ -150,36 +141,180 @@ def main() -> None:
                     r["dino_opt_ms"] / r["floor_ms"] if on_gpu else "-",
                 ]
             )
-    columns = [
-        "case",
-        "ours_ms",
-        "base_ms",
-        "base/ours",
-        "ours_MiB",
-        "base_MiB",
-        "ours/base_mem",
-        "floor_ms",
-        "ours/floor",
-    ]
-    print_table(
-        f"DINO loss forward+backward, B={args.batch}, K={args.dim}, {device_slug(device)} "
-        f"(median of {repeats}; peak memory above the inputs)",
-        columns,
-        rows,
+    return rows
+
+
+COLUMNS = [
+    "case",
+    "ours_ms",
+    "base_ms",
+    "base/ours",
+    "ours_MiB",
+    "base_MiB",
+    "ours/base_mem",
+    "floor_ms",
+    "ours/floor",
+]
+
+
+# ------------------------------------------------------------------ iBOT
+
+
+def ibot_masked_tokens(batch, n_tokens=256, mask_probability=0.5, ratios=(0.1, 0.5)):
+    """Masked tokens of each masked global crop, as dinov2's collate draws
+    them for B images of 2 global crops (224 / 14 -> 256 tokens):
+    int(2B * mask_probability) crops are masked, crop i with a ratio drawn in
+    [r_i, r_i+1] of linspace(0.1, 0.5, n + 1), here its midpoint, so that
+    the count is fixed."""
+    n_masked = int(2 * batch * mask_probability)
+    edges = torch.linspace(*ratios, n_masked + 1).tolist()
+    return [int(n_tokens * (edges[i] + edges[i + 1]) / 2) for i in range(n_masked)]
+
+
+def ibot_fused(student, targets, weights, student_temp, n_crops):
+    return dino_opt.ibot_loss(student, targets, weights, student_temp) / n_crops
+
+
+IBOT_VARIANTS = {"dino_opt": ibot_fused, "dinov2_form": ibot_loss_dinov2_form}
+
+
+def ibot_inputs(args, dtype, device):
+    """Student logits of the masked tokens, float32 teacher probabilities (as
+    under autocast), weights 1 / masked tokens of the token's crop."""
+    counts = ibot_masked_tokens(args.batch)
+    n = sum(counts)
+    student = torch.randn(n, args.dim, device=device).to(dtype).requires_grad_()
+    targets = torch.softmax(torch.randn(n, args.dim, device=device) / 0.5, dim=-1)
+    weights = torch.repeat_interleave(
+        1.0 / torch.tensor(counts, dtype=torch.float32), torch.tensor(counts)
+    ).to(device)
+    return student, targets, weights
+
+
+def ibot_step(name, inputs, n_crops, device, dtype):
+    fn = IBOT_VARIANTS[name]
+    student, targets, weights = inputs
+
+    def step(i):
+        student.grad = None
+        autocast = (
+            torch.autocast(device.type, dtype=dtype)
+            if name != "dino_opt" and dtype != torch.float32
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = fn(student, targets, weights, STUDENT_TEMP, n_crops)
+        loss.backward()
+        return loss
+
+    return step
+
+
+def ibot_times(args, device, on_gpu, repeats, bandwidth):
+    # One input set: at ~5000 x 65536 each tensor is far larger than any cache.
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = ibot_inputs(args, dtype, device)
+        n, dim = inputs[0].shape
+        row = {"tokens": n, "images": args.batch, "dim": dim, "dtype": str(dtype),
+               "targets_dtype": str(inputs[1].dtype)}  # fmt: skip
+        for name in IBOT_VARIANTS:
+            step = ibot_step(name, inputs, 2 * args.batch, device, dtype)
+            row[f"{name}_ms"] = time_ms(step, device, warmup=5 if on_gpu else 2, repeats=repeats)
+        floor_bytes = (3 * inputs[0].element_size() + 2 * inputs[1].element_size()) * n * dim
+        row["floor_ms"] = floor_bytes / (bandwidth * 1e9) * 1e3 if on_gpu else None
+        results.append(row)
+        del inputs
+    return results
+
+
+def ibot_peaks(results, args, device):
+    for row, dtype in zip(results, (torch.float32, torch.bfloat16), strict=True):
+        inputs = ibot_inputs(args, dtype, device)
+        for name in IBOT_VARIANTS:
+            step = ibot_step(name, inputs, 2 * args.batch, device, dtype)
+            step(0)  # warm: lazily created state is not counted
+            inputs[0].grad = None
+            row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
+            inputs[0].grad = None
+        print(row, flush=True)
+        del inputs
+
+
+# ------------------------------------------------------------------ main
+
+
+def merged_payload(path: Path, slug: str) -> dict:
+    """The results file as it is (a run of one table keeps the other's rows)."""
+    if path.exists():
+        payload = json.loads(path.read_text())
+        if payload.get("device") == slug:
+            return payload
+    return {"bench": "loss", "device": slug}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=65536)
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--only", choices=("dino", "ibot"), help="one table (default: both)")
+    parser.add_argument(
+        "--json", type=Path, help="output file (default docs/results/loss_<device>.json)"
     )
-    out = args.json or RESULTS_DIR / f"loss_{device_slug(device)}.json"
-    write_json(
-        out,
-        {
-            "bench": "loss",
-            "device": device_slug(device),
-            "machine": machine(),
-            "copy_bandwidth_gbps": bandwidth,
-            "repeats": repeats,
-            "results": results,
-            "table": {"columns": columns, "rows": rows},
-        },
-    )
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    repeats = args.repeats or (20 if on_gpu else 5)
+    bandwidth = copy_bandwidth_gbps(device)
+    configs = [(ncrops, dtype) for ncrops in (10, 12) for dtype in (torch.float32, torch.bfloat16)]
+    if args.only == "ibot":
+        configs = []
+    # All timings first, then all memory peaks (pinning glibc's mmap threshold
+    # for the CPU peaks would change allocation costs under the timings).
+    results = measure_times(configs, args, device, on_gpu, repeats, bandwidth)
+    ibot = ibot_times(args, device, on_gpu, repeats, bandwidth) if args.only != "dino" else []
+    if not on_gpu:
+        pin_host_mmap_threshold()
+    measure_peaks(results, configs, args, device)
+    ibot_peaks(ibot, args, device)
+
+    slug = device_slug(device)
+    out = args.json or RESULTS_DIR / f"loss_{slug}.json"
+    payload = merged_payload(out, slug)
+    if results:
+        rows = comparison_rows(
+            results,
+            lambda r: f"2+{r['ncrops'] - 2} crops {r['dtype'].replace('torch.', '')}",
+            ("reference_loop", "dinov2_form"),
+            on_gpu,
+        )
+        print_table(
+            f"DINO loss forward+backward, B={args.batch}, K={args.dim}, {slug} "
+            f"(median of {repeats}; peak memory above the inputs)",
+            COLUMNS,
+            rows,
+        )
+        payload.update(machine=machine(), copy_bandwidth_gbps=bandwidth, repeats=repeats,
+                       results=results, table={"columns": COLUMNS, "rows": rows})  # fmt: skip
+    if ibot:
+        rows = comparison_rows(
+            ibot,
+            lambda r: f"{r['tokens']} tokens {r['dtype'].replace('torch.', '')}",
+            ("dinov2_form",),
+            on_gpu,
+        )
+        print_table(
+            f"iBOT patch loss forward+backward, B={args.batch} images x 2 global crops, "
+            f"K={args.dim}, {slug} (median of {repeats}; peak memory above the inputs)",
+            COLUMNS,
+            rows,
+        )
+        payload["ibot"] = {"machine": machine(), "copy_bandwidth_gbps": bandwidth,
+                           "repeats": repeats, "results": ibot,
+                           "table": {"columns": COLUMNS, "rows": rows}}  # fmt: skip
+    write_json(out, payload)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   find_package(dino_opt REQUIRED)   # with torch's CMake prefix on CMAKE_PREFIX_PATH
 #   target_link_libraries(app PRIVATE dino_opt::core)
 #
-# and call the operators (ops/ema.h, ops/dino_loss.h, ops/photometric.h), the
+# and call the operators (ops/ema.h, ops/dino_loss.h, ops/ibot_loss.h,
+# ops/photometric.h), the
 # loader (loader/multicrop_loader.h), the memory tracker and the profiler.
 include(CMakePackageConfigHelpers)
 

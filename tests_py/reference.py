@@ -44,3 +44,22 @@ def center_update_reference(center, teacher, momentum, world_size=1):
     """DINO's center update for one step (teacher rows summed over all ranks)."""
     batch_center = torch.sum(teacher, dim=0, keepdim=True) / (len(teacher) * world_size)
     return center * momentum + batch_center * (1 - momentum)
+
+
+def ibot_loss_reference(student, targets, weights, student_temp):
+    """iBOT's masked-patch cross-entropy from its formula:
+    -sum_n w_n sum_k T[n % M, k] log_softmax(S[n] / tau)_k, with 0 log 0 = 0
+    where a target is exactly 0. Computes in the inputs' dtype; targets are
+    repeated over the student rows (M dividing N)."""
+    t = targets.repeat(student.shape[0] // max(targets.shape[0], 1), 1)
+    log_q = F.log_softmax(student / student_temp, dim=-1)
+    terms = torch.where(t == 0, torch.zeros_like(log_q), t * log_q)
+    return -(terms.sum(-1) * weights).sum()
+
+
+def ibot_loss_dinov2_form(student, targets, weights, student_temp, n_images):
+    """The dinov2 form of the masked-patch loss (without xFormers): a full
+    log-softmax, its product with the targets, the weighted sum over the
+    masked tokens, divided by the number of images."""
+    log_q = F.log_softmax(student / student_temp, dim=-1)
+    return -(torch.sum(targets * log_q, dim=-1) * weights).sum() / n_images

@@ -17,6 +17,7 @@ from .ops import (
     build_info,
     cosine_scheduler,
     dino_loss,
+    ibot_loss,
     update_teacher,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "cmake_prefix_path",
     "cosine_scheduler",
     "dino_loss",
+    "ibot_loss",
     "update_teacher",
     "__version__",
 ]

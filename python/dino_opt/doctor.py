@@ -27,6 +27,8 @@ from .ops import (
     dino_loss_backward_torch,
     dino_loss_torch,
     ema_update_torch,
+    ibot_loss_backward_torch,
+    ibot_loss_torch,
     photometric_torch,
 )
 from .runtime import resolve_device
@@ -162,6 +164,33 @@ def _check_loss(device, dtype, gen, size) -> Check:
     return Check(name, error, tol, seconds, _reference(device))
 
 
+def _check_ibot(device, dtype, gen, size) -> Check:
+    """The iBOT loss and its gradient, the operator with autograd vs the plain
+    form; a bfloat16 student takes float32 targets, as under autocast."""
+    rows, dim = size
+    student = (torch.randn(rows, dim, generator=gen) * 3).to(device=device, dtype=dtype)
+    targets = torch.softmax(torch.randn(rows, dim, generator=gen) / 0.3, -1)
+    targets = targets.to(device=device, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+    weights = (torch.rand(rows, generator=gen) + 0.5).to(device) / rows
+    x = student.clone().requires_grad_(True)
+
+    def fused():
+        loss = torch.ops.dino_opt.ibot_loss(x, targets, weights, 0.1)[0]
+        loss.backward()
+        return loss
+
+    loss, seconds = _timed(fused, device)
+    ref_device = device if _compiled_for(device) else torch.device("cpu")
+    s, t, w = (v.to(ref_device) for v in (student, targets, weights))
+    ref_loss, lse = ibot_loss_torch(s, t, w, 0.1)
+    one = torch.ones((), device=ref_device)
+    ref_grad = ibot_loss_backward_torch(one, s, t, w, lse, 0.1)
+    error = max(_max_diff(loss, ref_loss, ref_loss), _max_diff(x.grad, ref_grad, ref_grad))
+    tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+    name = f"ibot_loss fwd+bwd {str(dtype)[6:]} {rows}x{dim}"
+    return Check(name, error, tol, seconds, _reference(device))
+
+
 def _reference(device: torch.device) -> str:
     return "plain torch" if _compiled_for(device) else "the CPU kernel"
 
@@ -218,8 +247,11 @@ def run_checks(device: torch.device, seed: int = 0) -> list[Check]:
     gen = torch.Generator().manual_seed(seed)
     loss_size = (64, 65536, 10) if device.type == "cuda" else (8, 2048, 4)
     checks = []
+    ibot_size = (4096, 65536) if device.type == "cuda" else (64, 2048)
     for dtype in (torch.float32, torch.bfloat16):
         checks.append(_check_loss(device, dtype, gen, loss_size))
+    for dtype in (torch.float32, torch.bfloat16):
+        checks.append(_check_ibot(device, dtype, gen, ibot_size))
     for dtype in (torch.float32, torch.bfloat16):
         checks.append(_check_ema(device, dtype, gen, 1 << 16))
     checks.append(_check_photometric(device, gen, 96 if device.type != "cpu" else 32))

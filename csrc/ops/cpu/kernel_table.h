@@ -36,10 +36,29 @@ struct DinoLossKernels {
                        const double* lse_t, const double* lse_s, double scale, void* scratch);
 };
 
+// iBOT loss inner loops over one chunk of n elements of a student row and its
+// target row (the student's dtype, or float32 for a bfloat16/float16 student).
+// The chunk's max and sum of exp come from DinoLossKernels::row_stats.
+struct IbotLossKernels {
+  // dot = sum_k t[k] * (student[k] * inv_temp - shift), no term where t[k] = 0
+  // (0 log 0 = 0), and tsum = sum_k t[k].
+  void (*target_dot)(const void* targets, const void* student, int64_t n, double inv_temp,
+                     double shift, double* dot_out, double* tsum_out);
+  // tsum = sum_k t[k].
+  void (*target_sum)(const void* targets, int64_t n, double* tsum_out);
+  // grad[k] = scale * (tsum * exp(student[k] * inv_temp - lse) - t[k]).
+  void (*student_grad)(const void* targets, const void* student, void* grad, int64_t n,
+                       double inv_temp, double lse, double tsum, double scale);
+};
+
+// Targets of an iBOT kernel: the student's dtype, or float32 under a half student.
+enum IbotTargets : int { kSameTargets = 0, kFloatTargets = 1, kNumTargets = 2 };
+
 struct KernelTable {
   const char* isa;
-  EmaSpanFn ema_span[kNumFloat][kNumFloat];  // [teacher][student]
-  DinoLossKernels dino_loss[kNumFloat];      // by input dtype
+  EmaSpanFn ema_span[kNumFloat][kNumFloat];           // [teacher][student]
+  DinoLossKernels dino_loss[kNumFloat];               // by input dtype
+  IbotLossKernels ibot_loss[kNumFloat][kNumTargets];  // [student][targets]
 };
 
 // The table for the best instruction set this CPU supports.
@@ -50,6 +69,7 @@ const KernelTable& kernels();
   namespace ISA {                                  \
   void fill_ema_kernels(KernelTable& table);       \
   void fill_dino_loss_kernels(KernelTable& table); \
+  void fill_ibot_loss_kernels(KernelTable& table); \
   }
 DINO_OPT_DECLARE_ISA(DEFAULT)
 DINO_OPT_DECLARE_ISA(AVX2)

@@ -15,6 +15,7 @@
 
 #include "ops/cuda/dino_loss_kernel.h"
 #include "ops/cuda/float_types.cuh"
+#include "ops/cuda/loss_common.cuh"
 
 namespace dino_opt::cuda {
 namespace {
@@ -28,72 +29,6 @@ constexpr int kStatsPerThread = 8;  // elements of one row per thread in pass 1
 constexpr int kStatsChunk = kThreads * kStatsPerThread;
 constexpr int kPairPerThread = 4;  // elements of each row per thread in passes 2 and 3
 constexpr int kPairChunk = kThreads * kPairPerThread;
-
-__device__ __forceinline__ float exp_acc(float v) { return expf(v); }
-__device__ __forceinline__ double exp_acc(double v) { return exp(v); }
-
-// max that propagates NaN (as torch's max does).
-template <typename A>
-__device__ __forceinline__ A nan_max(A a, A b) {
-  return (a != a || a > b) ? a : b;
-}
-
-// Elements [base, base + N) of `row` widened to A; positions at or past `dim`
-// are reported invalid. One aligned vector load when the whole run is inside
-// the row and aligned, element loads otherwise.
-template <int N, typename T, typename A>
-__device__ __forceinline__ void load_run(const T* row, int64_t base, int64_t dim, A (&out)[N],
-                                         bool (&valid)[N]) {
-  if (base + N <= dim && reinterpret_cast<uintptr_t>(row + base) % sizeof(Vec<T, N>) == 0) {
-    const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(row + base);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      out[j] = load_acc<A>(v.v[j]);
-      valid[j] = true;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      valid[j] = base + j < dim;
-      out[j] = valid[j] ? load_acc<A>(row[base + j]) : A(0);
-    }
-  }
-}
-
-template <int N, typename T, typename A>
-__device__ __forceinline__ void store_run(T* row, int64_t base, int64_t dim, const A (&in)[N]) {
-  if (base + N <= dim && reinterpret_cast<uintptr_t>(row + base) % sizeof(Vec<T, N>) == 0) {
-    Vec<T, N> v;
-#pragma unroll
-    for (int j = 0; j < N; ++j) v.v[j] = store_from<T>(in[j]);
-    *reinterpret_cast<Vec<T, N>*>(row + base) = v;
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      if (base + j < dim) row[base + j] = store_from<T>(in[j]);
-    }
-  }
-}
-
-template <typename A, typename Op>
-__device__ __forceinline__ A warp_reduce(A v, Op op) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-// Reduction over the block; every thread gets the result.
-template <typename A, typename Op>
-__device__ __forceinline__ A block_reduce(A v, Op op, A identity, A* smem) {
-  __syncthreads();  // smem may still be read from a previous reduction
-  v = warp_reduce(v, op);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  v = lane < kWarps ? smem[lane] : identity;
-  return warp_reduce(v, op);
-}
 
 // p_t = exp((T_t - c) * inv_tt - lse_t) for the run of this thread, t < T.
 template <typename T, typename A>
@@ -142,29 +77,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < kStatsPerThread; ++j) x[j] -= c[j];
   }
   const A inv = static_cast<A>(is_teacher ? a.inv_teacher_temp : a.inv_student_temp);
-  const A neg_inf = -INFINITY;
-  A m = neg_inf;
 #pragma unroll
-  for (int j = 0; j < kStatsPerThread; ++j) {
-    x[j] *= inv;
-    if (valid[j]) m = nan_max(m, x[j]);
-  }
-  m = block_reduce(
-      m, [](A p, A q) { return nan_max(p, q); }, neg_inf, smem);
-  if (m == neg_inf) {  // no mass in this chunk (exp(x - m) would be NaN); m is block-uniform
-    if (threadIdx.x == 0) {
-      out_max[item] = m;
-      out_sum[item] = 0;
-    }
-    return;
-  }
-  A z = 0;
-#pragma unroll
-  for (int j = 0; j < kStatsPerThread; ++j) {
-    if (valid[j]) z += exp_acc(x[j] - m);
-  }
-  z = block_reduce(
-      z, [](A p, A q) { return p + q; }, A(0), smem);
+  for (int j = 0; j < kStatsPerThread; ++j) x[j] *= inv;
+  A m, z;
+  block_max_sumexp<kThreads>(x, valid, smem, m, z);
   if (threadIdx.x == 0) {
     out_max[item] = m;
     out_sum[item] = z;
@@ -242,8 +158,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t v = (i / s.teacher_views) % s.student_views;
     if (s.paired(t, v)) total += static_cast<double>(dots[i]);
   }
-  total = block_reduce(
-      total, [](double p, double q) { return p + q; }, 0.0, smem);
+  total = block_sum<kThreads>(total, smem);
   if (threadIdx.x == 0) {
     *loss = static_cast<A>(-total / static_cast<double>(s.loss_terms() * s.batch));
   }

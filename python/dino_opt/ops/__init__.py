@@ -1,4 +1,5 @@
-"""Native operators' Python side, their plain-torch forms; the DINO loss, EMA, schedules."""
+"""Native operators' Python side, their plain-torch forms; the DINO and iBOT losses, EMA,
+schedules."""
 
 from .ema import EMATeacher, update_teacher
 from .fallback import (
@@ -7,6 +8,8 @@ from .fallback import (
     dino_loss_torch,
     ema_update_torch,
     fallback_warned,
+    ibot_loss_backward_torch,
+    ibot_loss_torch,
 )
 from .library import (
     IMAGENET_MEAN,
@@ -15,6 +18,7 @@ from .library import (
     build_info,
     dino_loss,
     ema_update_,
+    ibot_loss,
     multicrop_photometric,
 )
 from .loss import DINOLoss, NonFiniteLossError
@@ -38,8 +42,17 @@ __all__ = [
     "ema_update_",
     "ema_update_torch",
     "fallback_warned",
+    "ibot_loss",
+    "ibot_loss_backward_torch",
+    "ibot_loss_torch",
     "multicrop_photometric",
     "photometric_torch",
     "teacher_temp_schedule",
     "update_teacher",
 ]
+
+# dinov2's losses (its class-token DINOLoss stays in dino_opt.ops.dinov2_loss:
+# the name DINOLoss here is DINO's).
+from .dinov2_loss import KoLeoLoss, iBOTPatchLoss, sinkhorn_knopp  # noqa: E402
+
+__all__ += ["KoLeoLoss", "iBOTPatchLoss", "sinkhorn_knopp"]

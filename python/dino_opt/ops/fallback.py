@@ -25,6 +25,8 @@ __all__ = [
     "dino_loss_torch",
     "ema_update_torch",
     "fallback_warned",
+    "ibot_loss_backward_torch",
+    "ibot_loss_torch",
 ]
 
 _FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -148,6 +150,74 @@ def dino_loss_backward_torch(
     return g.reshape(student.shape).to(student.dtype)
 
 
+# ------------------------------------------------------------------ iBOT loss
+
+
+def _ibot_check(op, student, targets, weights, student_temp) -> tuple[int, int]:
+    """(N, M), with the kernels' argument checks."""
+    if student.dim() != 2 or targets.dim() != 2:
+        raise RuntimeError(f"{op}: student and targets must be 2-D, got shapes "
+                           f"{tuple(student.shape)} and {tuple(targets.shape)}")  # fmt: skip
+    (n, k), m = student.shape, targets.shape[0]
+    if targets.shape[1] != k or k < 1 or (n % m if m else n):
+        raise RuntimeError(
+            f"{op}: student {tuple(student.shape)} and targets {tuple(targets.shape)} do not "
+            "fit together (K must match and M divide N)"
+        )
+    if tuple(weights.shape) != (n,):
+        raise RuntimeError(f"{op}: weights must have shape [{n}], got {tuple(weights.shape)}")
+    if student.dtype not in _FLOATS or targets.dtype not in (student.dtype, torch.float32):
+        raise RuntimeError(f"{op}: student is {student.dtype} and targets {targets.dtype}; "
+                           "targets must be the student's dtype or float32")  # fmt: skip
+    if weights.dtype not in (torch.float32, _acc(student)):
+        raise RuntimeError(f"{op}: weights has dtype {weights.dtype}; expected float32")
+    if not (math.isfinite(student_temp) and student_temp > 0):
+        raise RuntimeError(f"{op}: student_temp must be positive and finite, got {student_temp}")
+    return n, m
+
+
+def _acc(student: torch.Tensor) -> torch.dtype:
+    return torch.float64 if student.dtype == torch.float64 else torch.float32
+
+
+def _ibot_rows(student, targets, student_temp):
+    """x = student / temp as [N/M, M, K], and the targets as [1, M, K], in the
+    accumulation dtype: student row n meets target row n % M."""
+    acc, m = _acc(student), targets.shape[0]
+    x = (student.to(acc) * (1.0 / student_temp)).view(-1, m, student.shape[1])
+    return x, targets.to(acc)[None]
+
+
+@torch.no_grad()
+def ibot_loss_torch(student, targets, weights, student_temp):
+    """``dino_opt::ibot_loss`` in plain torch: (loss, student_lse), in float32
+    (float64 for float64 students)."""
+    n, m = _ibot_check("ibot_loss", student, targets, weights, student_temp)
+    acc = _acc(student)
+    if n == 0:
+        return student.new_zeros((), dtype=acc), student.new_zeros((0,), dtype=acc)
+    x, t = _ibot_rows(student, targets, student_temp)
+    lse = torch.logsumexp(x, -1)
+    log_q = x - lse[..., None]
+    terms = t * torch.where(t == 0, torch.zeros_like(log_q), log_q)  # 0 log 0 = 0
+    loss = -(terms.sum(-1).reshape(n) * weights.to(acc)).sum()
+    return loss, lse.reshape(n)
+
+
+@torch.no_grad()
+def ibot_loss_backward_torch(grad, student, targets, weights, student_lse, student_temp):
+    """``dino_opt::ibot_loss_backward`` in plain torch: the student's gradient,
+    ``grad * w_n * (rowsum(t) softmax(s_n / temp) - t) / temp``."""
+    n, m = _ibot_check("ibot_loss_backward", student, targets, weights, student_temp)
+    if n == 0:
+        return torch.empty_like(student)
+    x, t = _ibot_rows(student, targets, student_temp)
+    q = torch.exp(x - student_lse.to(x.dtype).view(-1, m, 1))
+    scale = (grad.to(x.dtype) * weights.to(x.dtype) / student_temp).view(-1, m, 1)
+    g = (t.sum(-1, keepdim=True) * q - t) * scale
+    return g.reshape(student.shape).to(student.dtype)
+
+
 # ------------------------------------------------------------------ EMA
 
 
@@ -202,6 +272,8 @@ def _photometric(images, params, mean, std, dtype=None, channels_last=False):
 FALLBACK_OPS = {
     "dino_opt::dino_loss": (dino_loss_torch, lambda args: args[0].device),
     "dino_opt::dino_loss_backward": (dino_loss_backward_torch, lambda args: args[1].device),
+    "dino_opt::ibot_loss": (ibot_loss_torch, lambda args: args[0].device),
+    "dino_opt::ibot_loss_backward": (ibot_loss_backward_torch, lambda args: args[1].device),
     "dino_opt::ema_update_": (
         ema_update_torch,
         lambda args: args[0][0].device if args[0] else None,

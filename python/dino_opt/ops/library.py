@@ -15,6 +15,7 @@ __all__ = [
     "build_info",
     "dino_loss",
     "ema_update_",
+    "ibot_loss",
     "multicrop_photometric",
 ]
 
@@ -122,6 +123,65 @@ def dino_loss(
         int(ncrops),
         int(view_offset),
         -1 if total_views is None else int(total_views),
+    )
+    return loss
+
+
+@torch.library.register_fake("dino_opt::ibot_loss")
+def _ibot_loss_fake(student, targets, weights, student_temp):
+    acc = _loss_acc_dtype(student.dtype)
+    return student.new_empty((), dtype=acc), student.new_empty((student.shape[0],), dtype=acc)
+
+
+@torch.library.register_fake("dino_opt::ibot_loss_backward")
+def _ibot_loss_backward_fake(grad, student, *args):
+    return student.new_empty(student.shape)
+
+
+def _ibot_loss_setup_context(ctx, inputs, output):
+    student, targets, weights, student_temp = inputs
+    _, student_lse = output
+    ctx.save_for_backward(student, targets, weights, student_lse)
+    ctx.student_temp = student_temp
+    ctx.mark_non_differentiable(student_lse)
+
+
+def _ibot_loss_backward(ctx, grad_loss, _grad_student_lse):
+    # Only the student gets a gradient: targets and weights are constants.
+    grad_student = None
+    if ctx.needs_input_grad[0]:
+        grad_student = torch.ops.dino_opt.ibot_loss_backward(
+            grad_loss, *ctx.saved_tensors, ctx.student_temp
+        )
+    return grad_student, None, None, None
+
+
+torch.library.register_autograd(
+    "dino_opt::ibot_loss", _ibot_loss_backward, setup_context=_ibot_loss_setup_context
+)
+
+
+def ibot_loss(
+    student: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, student_temp: float
+) -> torch.Tensor:
+    """iBOT's masked-patch cross-entropy, fused:
+    ``-sum_n weights[n] * sum_k targets[n % M, k] * log_softmax(student[n] / student_temp)_k``
+    (the caller divides by the number of images, as dinov2 does).
+
+    ``student``: [N, K] head outputs of the masked patch tokens, float64,
+    float32, bfloat16 or float16; ``targets``: [M, K] target probabilities
+    (centred softmax or Sinkhorn-Knopp, computed by the caller) of the
+    student's dtype or float32, with M dividing N: student row n takes target
+    row ``n % M`` (M = N for iBOT; M = B with the student's views stacked
+    view-major shares one target per image across the views); ``weights``:
+    [N] float32 (or float64 for a float64 student), e.g. 1 / the number of
+    masked tokens of the token's image. A target of exactly 0 adds nothing
+    (0 log 0 = 0). Arithmetic in float32 (float64 for float64); no [N, K]
+    tensor of log-probabilities is made. Differentiable in ``student`` only.
+    Returns a 0-dim float32 (float64) tensor; N = 0 gives 0.
+    """
+    loss, _ = torch.ops.dino_opt.ibot_loss(
+        student, targets.detach(), weights.detach(), float(student_temp)
     )
     return loss
 

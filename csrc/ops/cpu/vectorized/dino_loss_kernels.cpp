@@ -91,9 +91,7 @@ void pair_dots(const void* const* teacher, int64_t n_teacher, const void* const*
     for (int64_t i = 0; i < vn; i += V::size()) {
       const V log_q = load_acc(row + i) * V(inv) - V(lse);  // student log-softmax
       for (int64_t t = 0; t < n_teacher; ++t) {
-        // log_factor's 0 * log 0 = 0: where p is 0, multiply by 0 (not by -inf).
-        const V p = V::loadu(probs + t * n + i);
-        acc[t] = at::vec::fmadd(p, V::blendv(log_q, V(A(0)), p == V(A(0))), acc[t]);
+        acc[t] = cross_entropy_fmadd(V::loadu(probs + t * n + i), log_q, acc[t]);
       }
     }
     for (int64_t t = 0; t < n_teacher; ++t) {

@@ -53,6 +53,15 @@ inline Vectorized<A> exp_nonpositive(const Vectorized<A>& x) {
   }
 }
 
+// acc + p * log_q with 0 * log 0 = 0 (dino_loss_detail::log_factor): where p
+// is 0 the term is 0, even against a log_q of -inf. NaN propagates.
+template <typename A>
+inline Vectorized<A> cross_entropy_fmadd(const Vectorized<A>& p, const Vectorized<A>& log_q,
+                                         const Vectorized<A>& acc) {
+  const Vectorized<A> zero(A(0));
+  return at::vec::fmadd(p, Vectorized<A>::blendv(log_q, zero, p == zero), acc);
+}
+
 // Calls f.template operator()<T>() with T the type of a FloatIndex.
 template <typename F>
 inline void for_each_float_type(F&& f) {
