@@ -99,19 +99,24 @@ def test_vit_output_shapes_224_and_96():
     assert model.pos_embed.shape == (1, 197, 192)
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
-        tokens = model.forward_features(x)
+        tokens = model.forward_tokens(x)
         assert tokens.shape == (1, 1 + 196, 192)
         assert torch.equal(model(x), tokens[:, 0])  # the CLS token
-        assert model.forward_features(torch.randn(1, 3, 96, 96)).shape == (1, 1 + 36, 192)
+        out = model.forward_features(x)  # DINOv2's dict
+        assert torch.equal(out["x_norm_clstoken"], tokens[:, 0])
+        assert torch.equal(out["x_norm_patchtokens"], tokens[:, 1:])
+        assert out["x_norm_regtokens"].shape == (1, 0, 192) and out["masks"] is None
+        assert torch.equal(model.norm(out["x_prenorm"]), tokens)
+        assert model.forward_tokens(torch.randn(1, 3, 96, 96)).shape == (1, 1 + 36, 192)
         assert model(torch.randn(3, 3, 96, 96)).shape == (3, 192)
 
 
 def test_vit_patch8_shapes():
     model = small_vit(patch_size=8, img_size=64).eval()  # native grid 8x8
     with torch.no_grad():
-        assert model.forward_features(torch.randn(2, 3, 64, 64)).shape == (2, 65, 32)
-        assert model.forward_features(torch.randn(2, 3, 24, 24)).shape == (2, 10, 32)
-        assert model.forward_features(torch.randn(2, 3, 64, 40)).shape == (2, 1 + 8 * 5, 32)
+        assert model.forward_tokens(torch.randn(2, 3, 64, 64)).shape == (2, 65, 32)
+        assert model.forward_tokens(torch.randn(2, 3, 24, 24)).shape == (2, 10, 32)
+        assert model.forward_tokens(torch.randn(2, 3, 64, 40)).shape == (2, 1 + 8 * 5, 32)
 
 
 def test_pos_embed_native_size_skips_interpolation(monkeypatch):
@@ -195,7 +200,7 @@ def test_get_last_selfattention_and_intermediate_layers():
         assert torch.allclose(attn.sum(-1), torch.ones(2, 4, 17))
         layers = model.get_intermediate_layers(x, n=2)
         assert len(layers) == 2
-        assert torch.allclose(layers[-1], model.forward_features(x))
+        assert torch.allclose(layers[-1], model.forward_tokens(x))
         assert not torch.allclose(layers[0], layers[1])
     with pytest.raises(ValueError):
         model.get_intermediate_layers(x, n=4)
@@ -429,9 +434,12 @@ def test_build_backbone_vits_and_errors(monkeypatch):
     with torch.device("meta"):
         model, dim = build_backbone("vit_small", patch_size=8, drop_path_rate=0.0)
     assert dim == 384 and model.patch_size == 8
-    assert BACKBONES == ("vit_tiny", "vit_small", "vit_base", "resnet18", "resnet50")
-    with pytest.raises(ValueError, match="vit_tiny, vit_small, vit_base, resnet18, resnet50"):
+    assert BACKBONES == ("vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
+                         "resnet18", "resnet50")  # fmt: skip
+    with pytest.raises(ValueError, match="vit_tiny, vit_small, vit_base, vit_large, vit_giant2"):
         build_backbone("vit_huge")
+    with pytest.raises(ValueError, match="ResNet.*num_register_tokens"):
+        build_backbone("resnet18", num_register_tokens=4)
 
     monkeypatch.setitem(sys.modules, "torchvision", None)
     monkeypatch.setitem(sys.modules, "torchvision.models", None)

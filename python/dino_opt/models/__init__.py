@@ -1,16 +1,20 @@
-"""Models for DINO: ViT backbones (SDPA attention), ResNets through torchvision,
-the DINO head and the multi-crop wrapper, and builders for student / teacher."""
+"""Models for DINO and DINOv2: ViT backbones (SDPA attention), ResNets through
+torchvision, the DINO head and the multi-crop wrapper, and builders for
+student / teacher."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from .head import DINOHead, WeightNormLinear
-from .vit import VisionTransformer, vit_base, vit_small, vit_tiny
+from .layers import FFN_LAYERS
+from .vit import VisionTransformer, vit_base, vit_giant2, vit_large, vit_small, vit_tiny
 from .wrapper import MultiCropWrapper
 
 __all__ = [
     "BACKBONES",
+    "FFN_LAYERS",
+    "VIT_OPTIONS",
     "DINOHead",
     "MultiCropWrapper",
     "VisionTransformer",
@@ -18,42 +22,94 @@ __all__ = [
     "build_backbone",
     "build_dino_models",
     "vit_base",
+    "vit_giant2",
+    "vit_large",
     "vit_small",
     "vit_tiny",
 ]
 
-_VITS = {"vit_tiny": vit_tiny, "vit_small": vit_small, "vit_base": vit_base}
+_VITS = {"vit_tiny": vit_tiny, "vit_small": vit_small, "vit_base": vit_base,
+         "vit_large": vit_large, "vit_giant2": vit_giant2}  # fmt: skip
 _RESNETS = {"resnet18": 512, "resnet50": 2048}
 BACKBONES = tuple(_VITS) + tuple(_RESNETS)
 
+#: The ViT options of :func:`build_backbone` and their defaults (DINO's ViT).
+#: ``ffn_layer`` None: the architecture's own (SwiGLU for vit_giant2, else the MLP).
+VIT_OPTIONS = {
+    "num_register_tokens": 0,
+    "layerscale_init": None,
+    "ffn_layer": None,
+    "qkv_bias": True,
+    "proj_bias": True,
+    "ffn_bias": True,
+    "drop_path_uniform": False,
+    "interpolate_offset": 0.0,
+    "interpolate_antialias": False,
+    "img_size": 224,
+    "use_mask_token": False,
+}
+
 
 def build_backbone(
-    name: str, patch_size: int = 16, drop_path_rate: float = 0.1, **kwargs
+    name: str,
+    patch_size: int = 16,
+    drop_path_rate: float = 0.1,
+    *,
+    num_register_tokens: int = 0,
+    layerscale_init: float | None = None,
+    ffn_layer: str | None = None,
+    qkv_bias: bool = True,
+    proj_bias: bool = True,
+    ffn_bias: bool = True,
+    drop_path_uniform: bool = False,
+    interpolate_offset: float = 0.0,
+    interpolate_antialias: bool = False,
+    img_size: int = 224,
+    use_mask_token: bool = False,
+    **kwargs,
 ) -> tuple[nn.Module, int]:
     """Build a backbone by name; returns ``(module, embed_dim)``.
 
-    ``name`` is one of ``BACKBONES``. ViTs take ``patch_size``, ``drop_path_rate``
-    and further :class:`VisionTransformer` keywords. ResNets come from torchvision
+    ``name`` is one of ``BACKBONES``. ViTs take ``patch_size``,
+    ``drop_path_rate``, the DINOv2 options (see :class:`VisionTransformer`;
+    their defaults give DINO's ViT; ``ffn_layer`` None is the architecture's
+    own: ``swiglufused`` for vit_giant2, ``mlp`` otherwise) and further
+    :class:`VisionTransformer` keywords. ResNets come from torchvision
     (randomly initialised, ``fc`` replaced by ``Identity`` so the output is the
-    pooled feature); ``patch_size`` and ``drop_path_rate`` do not apply to them and
+    pooled feature); ``patch_size``, ``drop_path_rate`` and the ViT options do
+    not apply to them (a ViT option away from its default is refused) and
     ``kwargs`` go to the torchvision constructor.
     """
+    vit = dict(num_register_tokens=num_register_tokens, layerscale_init=layerscale_init,
+               ffn_layer=ffn_layer, qkv_bias=qkv_bias, proj_bias=proj_bias, ffn_bias=ffn_bias,
+               drop_path_uniform=drop_path_uniform, interpolate_offset=interpolate_offset,
+               interpolate_antialias=interpolate_antialias, img_size=img_size,
+               use_mask_token=use_mask_token)  # fmt: skip
     if name in _VITS:
-        model = _VITS[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **kwargs)
+        vit = {k: v for k, v in vit.items() if not (k == "ffn_layer" and v is None)}
+        model = _VITS[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **vit, **kwargs)
         return model, model.embed_dim
     if name in _RESNETS:
-        try:
-            import torchvision.models as tvm
-        except ImportError as e:
-            raise ImportError(
-                f"backbone {name!r} needs torchvision, which is not installed; "
-                "install it (pip install torchvision) or use a ViT backbone "
-                f"({', '.join(_VITS)})"
-            ) from e
-        model = getattr(tvm, name)(weights=None, **kwargs)
-        model.fc = nn.Identity()
-        return model, _RESNETS[name]
+        return _resnet(name, vit, kwargs), _RESNETS[name]
     raise ValueError(f"unknown backbone {name!r}; allowed: {', '.join(BACKBONES)}")
+
+
+def _resnet(name: str, vit_options: dict, kwargs: dict) -> nn.Module:
+    changed = [k for k, v in vit_options.items() if v != VIT_OPTIONS[k]]
+    if changed:
+        raise ValueError(f"backbone {name!r} is a ResNet; the ViT options {', '.join(changed)} "
+                         "do not apply to it (leave them at their defaults)")  # fmt: skip
+    try:
+        import torchvision.models as tvm
+    except ImportError as e:
+        raise ImportError(
+            f"backbone {name!r} needs torchvision, which is not installed; "
+            "install it (pip install torchvision) or use a ViT backbone "
+            f"({', '.join(_VITS)})"
+        ) from e
+    model = getattr(tvm, name)(weights=None, **kwargs)
+    model.fc = nn.Identity()
+    return model
 
 
 def build_dino_models(
@@ -65,18 +121,26 @@ def build_dino_models(
     use_bn_in_head: bool = False,
     hidden_dim: int = 2048,
     bottleneck_dim: int = 256,
+    **backbone_kwargs,
 ) -> tuple[MultiCropWrapper, MultiCropWrapper]:
-    """Student and teacher networks of DINO, each a :class:`MultiCropWrapper`
-    of a backbone and a :class:`DINOHead`.
+    """Student and teacher of DINO, each a :class:`MultiCropWrapper` of a
+    backbone and a :class:`DINOHead`.
 
-    The student's backbone uses ``drop_path_rate``; the teacher has the same
-    architecture without stochastic depth, starts with the student's weights and
-    has ``requires_grad`` off on every parameter (it is updated by EMA only).
-    Both are returned in training mode; the teacher's mode is left to the caller.
+    ``backbone_kwargs`` go to :func:`build_backbone` (the DINOv2 options:
+    ``num_register_tokens``, ``layerscale_init``, ``ffn_layer``, ``qkv_bias``,
+    ``proj_bias``, ``ffn_bias``, ``drop_path_uniform``, ``interpolate_offset``,
+    ``interpolate_antialias``, ``img_size``, ``use_mask_token``). The
+    student's backbone uses ``drop_path_rate``; the teacher has the same
+    architecture without stochastic depth, starts with the student's weights
+    and has ``requires_grad`` off on every parameter (it is updated by EMA
+    only). Both are returned in training mode; the teacher's mode is left to
+    the caller.
     """
 
     def make(dpr: float) -> MultiCropWrapper:
-        net, dim = build_backbone(backbone, patch_size=patch_size, drop_path_rate=dpr)
+        net, dim = build_backbone(
+            backbone, patch_size=patch_size, drop_path_rate=dpr, **backbone_kwargs
+        )
         head = DINOHead(
             dim,
             out_dim,

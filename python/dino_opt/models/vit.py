@@ -1,10 +1,17 @@
-"""Vision Transformer as used by DINO (Caron et al., 2021; Dosovitskiy et al., 2021).
+"""Vision Transformer of DINO (Caron et al., 2021) and DINOv2 (Oquab et al., 2023).
 
-Pre-norm transformer blocks over a CLS token and non-overlapping patch tokens,
-learned position embeddings (interpolated bicubically for other input sizes, so
-that 96x96 local crops go through the same network as 224x224 global crops),
-stochastic depth with a linear schedule over the blocks, and a final LayerNorm.
-The forward pass returns the normalised CLS token.
+Pre-norm transformer blocks over a CLS token, optional register tokens
+(Darcet et al., 2023) and non-overlapping patch tokens, learned position
+embeddings for the CLS and patch tokens (resized bicubically for other input
+sizes, so that 96x96 local crops go through the same network as 224x224
+global crops), stochastic depth, and a final LayerNorm. The DINOv2 options
+are off by default, which gives DINO's ViT exactly: LayerScale, SwiGLU
+feed-forward layers, register tokens, a mask token for masked patches, bias
+switches, uniform stochastic depth and DINOv2's position interpolation
+(offset and anti-aliasing). State-dict names are DINO's and DINOv2's.
+
+``forward`` returns the normalised CLS token (B, embed_dim) of a batch or of
+a list of crops; ``forward_features`` returns DINOv2's dict of outputs.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention``,
 which dispatches to flash / memory-efficient kernels on GPUs. Blocks can be
@@ -14,153 +21,81 @@ gradient-checkpointed (``set_grad_checkpointing``) to trade compute for memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .layers import (
+    FFN_LAYERS,
+    Attention,
+    Block,
+    DropPath,
+    LayerScale,
+    Mlp,
+    PatchEmbed,
+    SwiGLUFFN,
+    drop_path,
+    swiglu_hidden_dim,
+)
+from .wrapper import MultiCropWrapper
+
 __all__ = [
+    "FFN_LAYERS",
     "Attention",
     "Block",
     "DropPath",
+    "LayerScale",
     "Mlp",
     "PatchEmbed",
+    "SwiGLUFFN",
     "VisionTransformer",
     "drop_path",
     "pos_embed_grid",
     "resize_pos_embed",
+    "swiglu_hidden_dim",
     "vit_base",
+    "vit_giant2",
+    "vit_large",
     "vit_small",
     "vit_tiny",
 ]
 
 
-def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False) -> torch.Tensor:
-    """Stochastic depth: zero the residual branch ``x`` of whole samples with
-    probability ``p`` and scale the kept ones by ``1 / (1 - p)`` so that the
-    expectation is unchanged. Identity when ``p == 0`` or not ``training``."""
-    if p == 0.0 or not training:
-        return x
-    keep = 1.0 - p
-    # One Bernoulli draw per sample, broadcast over tokens and channels.
-    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-    return x * mask.div_(keep)
-
-
-class DropPath(nn.Module):
-    """Module form of :func:`drop_path` (active in training mode only)."""
-
-    def __init__(self, p: float = 0.0) -> None:
-        super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"DropPath: p must be in [0, 1), got {p!r}")
-        self.p = float(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return drop_path(x, self.p, self.training)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
-
-
-class Mlp(nn.Module):
-    """Two-layer feed-forward network of a transformer block: Linear-GELU-Linear."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden_dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection (with bias)."""
-
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True) -> None:
-        super().__init__()
-        if dim % num_heads != 0:
-            raise ValueError(f"Attention: dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
-
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, n, c = x.shape
-        # (B, N, 3*C) -> (3, B, heads, N, head_dim)
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return qkv[0], qkv[1], qkv[2]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        q, k, v = self._qkv(x)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, n, c))
-
-    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """The softmax attention matrix, shape (B, heads, N, N), computed explicitly
-        (the fused kernels never materialise it)."""
-        q, k, _ = self._qkv(x)
-        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + DP(Attn(LN(x)))`` then ``x + DP(MLP(LN(x)))``."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        drop_path: float = 0.0,
-        norm_eps: float = 1e-6,
-    ) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias)
-        self.drop_path = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
-
-
-class PatchEmbed(nn.Module):
-    """Non-overlapping ``patch_size`` x ``patch_size`` patches projected to ``embed_dim``
-    by a strided convolution; returns tokens of shape (B, num_patches, embed_dim)."""
-
-    def __init__(
-        self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, embed_dim: int = 768
-    ) -> None:
-        super().__init__()
-        self.img_size = img_size
-        self.patch_size = patch_size
-        self.num_patches = (img_size // patch_size) ** 2
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
 class VisionTransformer(nn.Module):
-    """DINO's Vision Transformer backbone; ``forward`` returns the CLS feature (B, embed_dim).
+    """DINO's and DINOv2's Vision Transformer backbone; ``forward`` returns the
+    normalised CLS feature (B, embed_dim).
 
     Args:
-        img_size: side of the images the position table is made for (224).
-        patch_size: patch side (16 or 8 in DINO).
+        img_size: side of the images the position table is made for (224;
+            518 for the published DINOv2 weights).
+        patch_size: patch side (16 or 8 in DINO, 14 in DINOv2).
         in_chans: input channels.
-        embed_dim, depth, num_heads, mlp_ratio, qkv_bias: the transformer's shape.
-        drop_path_rate: stochastic depth rate of the last block; block ``i`` uses
-            ``drop_path_rate * i / (depth - 1)`` (linear schedule from 0).
-        norm_eps: LayerNorm epsilon (1e-6 as in DINO).
+        embed_dim, depth, num_heads, mlp_ratio: the transformer's shape.
+        qkv_bias, proj_bias, ffn_bias: biases of the qkv projection, of the
+            attention's output projection and of the feed-forward layers.
+        drop_path_rate: stochastic depth rate; block ``i`` uses
+            ``drop_path_rate * i / (depth - 1)`` (linear ramp from 0), or
+            ``drop_path_rate`` in every block with ``drop_path_uniform``.
+        norm_eps: LayerNorm epsilon (1e-6 as in DINO and DINOv2).
+        ffn_layer: ``"mlp"`` (GELU MLP, ``mlp.fc1`` / ``mlp.fc2``) or
+            ``"swiglu"`` / ``"swiglufused"`` (SwiGLU of DINOv2's width,
+            ``mlp.w12`` / ``mlp.w3``).
+        layerscale_init: initial LayerScale value (DINOv2: 1e-5); None or 0:
+            no LayerScale. ``init_values`` is DINOv2's name for it.
+        num_register_tokens: register tokens, placed after the CLS token
+            (DINOv2 with registers: 4); they take no position embedding and
+            are left out of the outputs.
+        use_mask_token: a learned ``mask_token`` that replaces the embeddings
+            of masked patches (``forward_features(x, masks)``, iBOT).
+        interpolate_offset: DINOv2's position-interpolation offset (0.1 in
+            its published ViTs without registers): the table is resized by
+            the scale factor ``(grid + offset) / native grid``; 0 (DINO and
+            the default): resized to the grid's size.
+        interpolate_antialias: anti-aliased bicubic resizing (DINOv2 with
+            registers).
     """
 
     def __init__(
@@ -175,28 +110,65 @@ class VisionTransformer(nn.Module):
         qkv_bias: bool = True,
         drop_path_rate: float = 0.0,
         norm_eps: float = 1e-6,
+        *,
+        proj_bias: bool = True,
+        ffn_bias: bool = True,
+        ffn_layer: str = "mlp",
+        layerscale_init: float | None = None,
+        init_values: float | None = None,
+        num_register_tokens: int = 0,
+        use_mask_token: bool = False,
+        drop_path_uniform: bool = False,
+        interpolate_offset: float = 0.0,
+        interpolate_antialias: bool = False,
     ) -> None:
         super().__init__()
+        layerscale_init = _layerscale(layerscale_init, init_values)
+        if num_register_tokens < 0:
+            raise ValueError(f"num_register_tokens must be >= 0, got {num_register_tokens}")
         self.embed_dim = self.num_features = embed_dim
         self.patch_size = patch_size
-        self.depth = depth
+        self.img_size = img_size
+        self.depth = self.n_blocks = depth
+        self.chunked_blocks = False  # DINOv2's attribute: the blocks are one flat list
+        self.num_heads = num_heads
+        self.ffn_layer = ffn_layer
+        self.layerscale_init = layerscale_init
+        self.num_register_tokens = int(num_register_tokens)
         self.drop_path_rate = float(drop_path_rate)
+        self.drop_path_uniform = bool(drop_path_uniform)
+        self.interpolate_offset = float(interpolate_offset)
+        self.interpolate_antialias = bool(interpolate_antialias)
         self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
-        # Plain Python (not torch.linspace) so that construction works on the meta device.
-        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        self.register_tokens = (
+            nn.Parameter(torch.zeros(1, num_register_tokens, embed_dim))
+            if num_register_tokens
+            else None
+        )
+        block = dict(proj_bias=proj_bias, ffn_bias=ffn_bias, ffn_layer=ffn_layer,
+                     init_values=layerscale_init)  # fmt: skip
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=r, norm_eps=norm_eps)
-            for r in rates
+            Block(
+                embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=r, norm_eps=norm_eps, **block
+            )
+            for r in drop_path_rates(drop_path_rate, depth, drop_path_uniform)
         )
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
+        self.mask_token = nn.Parameter(torch.zeros(1, embed_dim)) if use_mask_token else None
+        self._init_parameters()
 
+    def _init_parameters(self) -> None:
+        # DINO's order (position table, CLS, then every layer) keeps v1 seeds exact;
+        # registers as DINOv2 (normal, std 1e-6); the mask token stays zero.
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
         self.apply(_init_weights)
+        if self.register_tokens is not None:
+            nn.init.normal_(self.register_tokens, std=1e-6)
 
     def set_grad_checkpointing(self, enable: bool = True) -> VisionTransformer:
         """Recompute each block's activations in the backward pass instead of storing
@@ -204,23 +176,48 @@ class VisionTransformer(nn.Module):
         self.grad_checkpointing = bool(enable)
         return self
 
+    # ------------------------------------------------------------ tokens
+
     def interpolate_pos_encoding(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """Position embeddings for an ``h`` x ``w`` image whose tokens (CLS + patches) are ``x``
         (B, 1 + n, C): the learned table itself at the native grid, otherwise the
-        patch part resized bicubically to the new grid (the CLS entry is kept)."""
+        patch part resized bicubically to the new grid (the CLS entry is kept;
+        ``interpolate_offset`` and ``interpolate_antialias`` as DINOv2)."""
         npatch = x.shape[1] - 1
         gh, gw = h // self.patch_size, w // self.patch_size
         if npatch == self.pos_embed.shape[1] - 1 and (gh, gw) == pos_embed_grid(self.pos_embed):
             return self.pos_embed
-        return resize_pos_embed(self.pos_embed, (gh, gw))
+        return resize_pos_embed(
+            self.pos_embed, (gh, gw), self.interpolate_offset, self.interpolate_antialias
+        )
 
-    def prepare_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> CLS + patch tokens with position embeddings (B, 1 + n, C)."""
+    def _mask(self, x: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        if self.mask_token is None:
+            raise ValueError("masks given to a ViT without a mask token (use_mask_token=True)")
+        if masks.dtype != torch.bool:
+            raise TypeError(f"masks must be a bool tensor (True: masked), got {masks.dtype}")
+        masks = masks.flatten(1)
+        if masks.shape != x.shape[:2]:
+            raise ValueError(
+                f"masks of shape {tuple(masks.shape)} for {x.shape[0]} images of "
+                f"{x.shape[1]} patches; expected (B, {x.shape[1]}) or (B, rows, cols)"
+            )
+        return torch.where(masks.unsqueeze(-1), self.mask_token.to(x.dtype).unsqueeze(0), x)
+
+    def prepare_tokens(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        """Images (B, C, H, W) -> CLS, register and patch tokens with position
+        embeddings (B, 1 + registers + n, C); ``masks`` (bool, B x n, True:
+        masked) replace those patches' embeddings by the mask token first."""
         b, _, h, w = x.shape
         x = self.patch_embed(x)
+        if masks is not None:
+            x = self._mask(x, masks)
         # cat promotes to the wider dtype, so under autocast the residual stream is fp32.
         x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1)
-        return x + self.interpolate_pos_encoding(x, h, w)
+        x = x + self.interpolate_pos_encoding(x, h, w)
+        if self.register_tokens is not None:
+            x = torch.cat((x[:, :1], self.register_tokens.expand(b, -1, -1), x[:, 1:]), dim=1)
+        return x
 
     def _run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -229,18 +226,66 @@ class VisionTransformer(nn.Module):
             return checkpoint(block, x, use_reentrant=False)
         return block(x)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """All tokens after the final norm, shape (B, 1 + n, embed_dim)."""
-        x = self.prepare_tokens(x)
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = self._run_block(block, x)
-        return self.norm(x)
+        return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_features(x)[:, 0]
+    # ------------------------------------------------------------ outputs
+
+    def forward_tokens(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        """All tokens after the final norm, shape (B, 1 + registers + n, embed_dim)."""
+        return self.norm(self._blocks(self.prepare_tokens(x, masks)))
+
+    def _outputs(self, x: torch.Tensor, masks: torch.Tensor | None) -> dict:
+        x_norm, r = self.norm(x), self.num_register_tokens
+        return {
+            "x_norm_clstoken": x_norm[:, 0],
+            "x_norm_regtokens": x_norm[:, 1 : r + 1],
+            "x_norm_patchtokens": x_norm[:, r + 1 :],
+            "x_prenorm": x,
+            "masks": masks,
+        }
+
+    def forward_features(
+        self,
+        x: torch.Tensor | Sequence[torch.Tensor],
+        masks: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    ) -> dict | list[dict]:
+        """DINOv2's outputs of a batch (B, C, H, W): a dict of
+        ``x_norm_clstoken`` (B, C), ``x_norm_regtokens`` (B, registers, C),
+        ``x_norm_patchtokens`` (B, n, C), ``x_prenorm`` (B, 1 + registers + n, C,
+        before the final norm) and ``masks`` (as given). ``masks``: bool
+        (B, n) or (B, rows, cols), True where a patch is replaced by the mask
+        token. A list of batches (with a list of masks, or None) gives a list
+        of dicts (:meth:`forward_features_list`)."""
+        if not isinstance(x, torch.Tensor):
+            return self.forward_features_list(x, masks)
+        return self._outputs(self._blocks(self.prepare_tokens(x, masks)), masks)
+
+    def forward_features_list(
+        self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
+    ) -> list[dict]:
+        """:meth:`forward_features` of each batch of ``x_list`` (crops of any
+        sizes) with its masks (``masks_list`` None: no masks)."""
+        masks_list = [None] * len(x_list) if masks_list is None else list(masks_list)
+        if len(masks_list) != len(x_list):
+            raise ValueError(f"{len(x_list)} batches of crops but {len(masks_list)} masks")
+        return [self.forward_features(x, m) for x, m in zip(x_list, masks_list, strict=True)]
+
+    def forward(self, x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """The normalised CLS token (B, embed_dim); of a list of crops, those of
+        all crops in input order (consecutive crops of one size in one pass)."""
+        if isinstance(x, torch.Tensor):
+            return self.forward_tokens(x)[:, 0]
+        if len(x) == 0:
+            raise ValueError("VisionTransformer: no crops given")
+        groups = MultiCropWrapper.resolution_groups(x)
+        return torch.cat([self.forward_tokens(torch.cat(list(x[s:e])))[:, 0] for s, e in groups])
 
     def get_intermediate_layers(self, x: torch.Tensor, n: int = 1) -> list[torch.Tensor]:
-        """Outputs (all tokens, after the final norm) of the last ``n`` blocks."""
+        """Outputs (all tokens: CLS, registers, patches; after the final norm)
+        of the last ``n`` blocks."""
         if not 1 <= n <= len(self.blocks):
             raise ValueError(f"get_intermediate_layers: n must be in [1, {len(self.blocks)}]")
         x = self.prepare_tokens(x)
@@ -252,12 +297,31 @@ class VisionTransformer(nn.Module):
         return out
 
     def get_last_selfattention(self, x: torch.Tensor) -> torch.Tensor:
-        """Attention weights of the last block, shape (B, heads, 1 + n, 1 + n)."""
+        """Attention weights of the last block, shape (B, heads, N, N) over all
+        N = 1 + registers + n tokens."""
         x = self.prepare_tokens(x)
         for block in self.blocks[:-1]:
             x = self._run_block(block, x)
         last = self.blocks[-1]
         return last.attn.attention_weights(last.norm1(x))
+
+
+def _layerscale(layerscale_init: float | None, init_values: float | None) -> float | None:
+    if layerscale_init and init_values and layerscale_init != init_values:
+        raise ValueError(
+            f"layerscale_init={layerscale_init} and init_values={init_values} name the same "
+            "option (DINOv2 calls it init_values); give one"
+        )
+    return (layerscale_init or init_values) or None
+
+
+def drop_path_rates(rate: float, depth: int, uniform: bool = False) -> list[float]:
+    """Stochastic depth of each block: ``rate`` everywhere when ``uniform``
+    (DINOv2's option), else a linear ramp from 0 to ``rate`` (DINO)."""
+    if uniform:
+        return [float(rate)] * depth
+    # Plain Python (not torch.linspace) so that construction works on the meta device.
+    return [rate * i / max(depth - 1, 1) for i in range(depth)]
 
 
 def pos_embed_grid(pos_embed: torch.Tensor) -> tuple[int, int]:
@@ -270,24 +334,41 @@ def pos_embed_grid(pos_embed: torch.Tensor) -> tuple[int, int]:
     return g, g
 
 
-def resize_pos_embed(pos_embed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+def resize_pos_embed(
+    pos_embed: torch.Tensor,
+    grid: tuple[int, int],
+    offset: float = 0.0,
+    antialias: bool = False,
+) -> torch.Tensor:
     """A position table (1, 1 + n, C) for a ``grid`` of (rows, cols) patches:
-    the CLS entry kept, the patch entries resized bicubically (no antialias,
-    align_corners False). What the ViT does for inputs of another size, so a
-    table exported at that size gives the same features."""
+    the CLS entry kept, the patch entries resized bicubically (align_corners
+    False), in float32 at least and cast back. ``offset`` 0: to the grid's
+    size (DINO); else by the scale factor ``(grid + offset) / g`` as DINOv2
+    does. What the ViT does for inputs of another size, so a table exported
+    at that size gives the same features."""
     g, _ = pos_embed_grid(pos_embed)
-    if tuple(grid) == (g, g):
+    grid = (int(grid[0]), int(grid[1]))
+    if grid == (g, g):
         return pos_embed
-    cls_pos = pos_embed[:, :1]
-    patch_pos = pos_embed[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2)
-    patch_pos = F.interpolate(patch_pos, size=tuple(grid), mode="bicubic", align_corners=False)
-    patch_pos = patch_pos.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)
-    return torch.cat((cls_pos, patch_pos), dim=1)
+    work = torch.promote_types(pos_embed.dtype, torch.float32)
+    patch_pos = pos_embed[:, 1:].to(work).reshape(1, g, g, -1).permute(0, 3, 1, 2)
+    if offset:
+        size = {"scale_factor": ((grid[0] + offset) / g, (grid[1] + offset) / g)}
+    else:
+        size = {"size": grid}
+    patch_pos = F.interpolate(
+        patch_pos, mode="bicubic", align_corners=False, antialias=antialias, **size
+    )
+    if tuple(patch_pos.shape[-2:]) != grid:
+        raise ValueError(f"interpolate_offset {offset} resizes {g}x{g} to "
+                         f"{tuple(patch_pos.shape[-2:])}, not {grid}")  # fmt: skip
+    patch_pos = patch_pos.to(pos_embed.dtype).permute(0, 2, 3, 1)
+    return torch.cat((pos_embed[:, :1], patch_pos.reshape(1, grid[0] * grid[1], -1)), dim=1)
 
 
 def _init_weights(m: nn.Module) -> None:
     # DINO: truncated normal (std 0.02) linear weights, zero biases, unit LayerNorm;
-    # the patch convolution keeps PyTorch's default init.
+    # the patch convolution keeps PyTorch's default init; LayerScale keeps its value.
     if isinstance(m, nn.Linear):
         nn.init.trunc_normal_(m.weight, std=0.02)
         if m.bias is not None:
@@ -297,22 +378,38 @@ def _init_weights(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
+def _vit(patch_size: int, dim: int, depth: int, heads: int, kwargs: dict) -> VisionTransformer:
+    return VisionTransformer(
+        patch_size=patch_size, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0,
+        **kwargs,
+    )  # fmt: skip
+
+
 def vit_tiny(patch_size: int = 16, **kwargs) -> VisionTransformer:
     """ViT-Tiny: embed 192, depth 12, 3 heads (5.5M parameters at patch 16)."""
-    return VisionTransformer(
-        patch_size=patch_size, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0, **kwargs
-    )
+    return _vit(patch_size, 192, 12, 3, kwargs)
 
 
 def vit_small(patch_size: int = 16, **kwargs) -> VisionTransformer:
-    """ViT-Small: embed 384, depth 12, 6 heads (21.7M parameters at patch 16)."""
-    return VisionTransformer(
-        patch_size=patch_size, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0, **kwargs
-    )
+    """ViT-Small: embed 384, depth 12, 6 heads (21.7M parameters at patch 16;
+    DINOv2's ViT-S/14 at 518 px, LayerScale and mask token: 22.1M)."""
+    return _vit(patch_size, 384, 12, 6, kwargs)
 
 
 def vit_base(patch_size: int = 16, **kwargs) -> VisionTransformer:
-    """ViT-Base: embed 768, depth 12, 12 heads (85.8M parameters at patch 16)."""
-    return VisionTransformer(
-        patch_size=patch_size, embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0, **kwargs
-    )
+    """ViT-Base: embed 768, depth 12, 12 heads (85.8M parameters at patch 16;
+    DINOv2's ViT-B/14: 86.6M)."""
+    return _vit(patch_size, 768, 12, 12, kwargs)
+
+
+def vit_large(patch_size: int = 16, **kwargs) -> VisionTransformer:
+    """ViT-Large: embed 1024, depth 24, 16 heads (DINOv2's ViT-L/14: 304.4M)."""
+    return _vit(patch_size, 1024, 24, 16, kwargs)
+
+
+def vit_giant2(patch_size: int = 16, **kwargs) -> VisionTransformer:
+    """DINOv2's ViT-giant: embed 1536, depth 40, 24 heads of 64, SwiGLU
+    feed-forward layers (``ffn_layer="swiglufused"`` unless given; hidden
+    4096) (DINOv2's ViT-g/14: 1136.5M)."""
+    kwargs.setdefault("ffn_layer", "swiglufused")
+    return _vit(patch_size, 1536, 40, 24, kwargs)

@@ -1,21 +1,26 @@
-"""Weights in and out: timm, Hugging Face and DINO formats, exported and loaded."""
+"""Weights in and out: timm, Hugging Face, DINO and DINOv2 formats, exported and loaded."""
 
+from .layouts import ViTArch
+from .reading import ExternalWeights, read_weights
 from .transfer import (
     FORMATS,
     ExportResult,
-    ExternalWeights,
     evaluate_weights,
+    export_backbone,
     export_weights,
     init_from,
-    read_weights,
+    load_backbone,
 )
 
 __all__ = [
     "ExportResult",
     "ExternalWeights",
     "FORMATS",
+    "ViTArch",
     "evaluate_weights",
+    "export_backbone",
     "export_weights",
     "init_from",
+    "load_backbone",
     "read_weights",
 ]

@@ -1,69 +1,88 @@
 """Weights in and out: a training run's backbone (and head) in the formats
 other tools load, and weights in those formats as a starting point.
 
-Export (:func:`export_weights`, ``dino-opt export``):
+Export (:func:`export_weights`, ``dino-opt export``; :func:`export_backbone`
+for a backbone module):
 
 - ``timm``: one safetensors file whose state dict
-  ``timm.create_model(name, num_classes=0, **kwargs)`` loads with
-  ``strict=True`` (``name`` and ``kwargs`` are in the file's metadata:
-  ``vit_small_patch16_224``, ``vit_small_patch8_224``, ... and, where the
-  image size or patch differ from the name's, ``img_size`` / ``patch_size``);
+  ``timm.create_model(name, **kwargs)`` loads with ``strict=True`` (``name``
+  and ``kwargs`` are in the file's metadata): DINO's ``vit_small_patch16_224``,
+  ``vit_small_patch8_224``, ... for a DINO ViT, DINOv2's
+  ``vit_small_patch14_dinov2``, ``vit_base_patch14_reg4_dinov2``,
+  ``vit_giant_patch14_dinov2``, ... for a ViT with registers, LayerScale,
+  SwiGLU or bias switches; keywords where the shape, image size or patch
+  differ from the name's;
 - ``hf``: a folder (``config.json`` + ``model.safetensors``, the layout of the
-  published DINO ViT checkpoints) that
-  ``transformers.ViTModel.from_pretrained(path, add_pooling_layer=False)``
-  loads; ``last_hidden_state[:, 0]`` is the backbone's feature;
+  published checkpoints): ``transformers.ViTModel`` (``add_pooling_layer=False``)
+  for a DINO ViT, ``Dinov2Model`` or ``Dinov2WithRegistersModel`` otherwise,
+  each through ``from_pretrained(path)``; ``last_hidden_state[:, 0]`` is the
+  backbone's feature;
 - ``dino``: the original code's files: the backbone state dict its model zoo
   ships (``vision_transformer.vit_*`` or torchvision's ResNet load it), or with
   ``full=True`` a training checkpoint as its ``main_dino.py`` writes and
   resumes (``student`` with DistributedDataParallel's ``module.`` prefix,
-  ``teacher``, ``optimizer``, ``epoch``, ``dino_loss``, ``args``).
+  ``teacher``, ``optimizer``, ``epoch``, ``dino_loss``, ``args``);
+- ``dinov2``: the backbone state dict in the layout of the published DINOv2
+  checkpoints (``block_chunks=0``, with ``mask_token``), which DINOv2's
+  ``vision_transformer.vit_*`` loads with ``strict=True``.
 
-ViT position tables are stored for 224-pixel inputs. ``image_size`` exports
-the table resized the way dino_opt resizes it at that size, so the target
-computes what dino_opt computes there; the result says so.
+``image_size`` exports the position table resized the way the model resizes
+it at that size (its interpolation offset and anti-aliasing), so the target
+computes what dino_opt computes there; the result says so. By default the
+table is kept at its own size.
 
-Import (:func:`read_weights`, :func:`init_from`): any of these, or a
-dino_opt checkpoint or run folder, detected from the file; a backbone of
-another patch grid is resized to the model's. ``model.init_from`` starts a
-training run from them; ``dino-opt knn --weights`` evaluates them.
+Import (:func:`~dino_opt.weights.read_weights`, :func:`init_from`,
+:func:`load_backbone`): any of these, or a dino_opt checkpoint or run folder,
+detected from the file. A position table of another grid is resized to the
+model's; LayerScale, biases and the mask token are adapted where that keeps
+the function (a LayerScale of 1, zero biases: see :func:`load_backbone`).
+``model.init_from`` starts a training run from them; ``dino-opt knn
+--weights`` evaluates them.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
 
 from ..checkpoint import atomic_write, fsync_dir
 from ..config import Config
 from ..eval import knn_evaluate_splits, load_checkpoint
-from ..models import build_backbone
+from ..models import VisionTransformer, build_backbone
 from ..models.vit import pos_embed_grid, resize_pos_embed
 from ..runtime import resolve_device
+from .layouts import (
+    ViTArch,
+    hf_dinov2_config,
+    hf_vit_config,
+    timm_model,
+    to_hf_dinov2,
+    to_hf_vit,
+    to_timm,
+    vit_arch,
+)
+from .reading import ExternalWeights, read_weights, sub_dict
 
 __all__ = [
     "FORMATS",
     "ExportResult",
-    "ExternalWeights",
     "evaluate_weights",
+    "export_backbone",
     "export_weights",
     "init_from",
-    "read_weights",
+    "load_backbone",
 ]
 
-FORMATS = ("timm", "hf", "dino")
-_VIT_WIDTHS = {192: ("vit_tiny", 3), 384: ("vit_small", 6), 768: ("vit_base", 12)}
-_TIMM_NAMES = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_small_patch8_224",
-               "vit_base_patch16_224", "vit_base_patch8_224"}  # fmt: skip
-_NATIVE_SIZE = 224  # the input size every ViT position table is stored for
+FORMATS = ("timm", "hf", "dino", "dinov2")
+_DINO_SIZE = 224  # the input size of DINO's position tables
 
 
 @dataclass
@@ -84,107 +103,7 @@ class ExportResult:
         return {**self.__dict__, "path": str(self.path)}
 
 
-# ---------------------------------------------------------------- key layouts
-
-
-def _vit_shape(backbone_sd: dict) -> tuple[str, int, int, int]:
-    """(name, width, depth, patch) of a ViT state dict in dino_opt's keys."""
-    width = backbone_sd["cls_token"].shape[-1]
-    if width not in _VIT_WIDTHS:
-        raise ValueError(f"a ViT of width {width} is none of {sorted(_VIT_WIDTHS)}")
-    depth = len({k.split(".")[1] for k in backbone_sd if k.startswith("blocks.")})
-    patch = backbone_sd["patch_embed.proj.weight"].shape[-1]
-    return _VIT_WIDTHS[width][0], width, depth, patch
-
-
-def _to_hf(sd: dict) -> dict:
-    """dino_opt's ViT keys -> the published DINO checkpoints' ViTModel keys."""
-    out = {
-        "embeddings.cls_token": sd["cls_token"],
-        "embeddings.position_embeddings": sd["pos_embed"],
-        "embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
-        "embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
-        "layernorm.weight": sd["norm.weight"],
-        "layernorm.bias": sd["norm.bias"],
-    }
-    for i in range(_vit_shape(sd)[2]):
-        b, h = f"blocks.{i}.", f"encoder.layer.{i}."
-        for kind in ("weight", "bias"):
-            q, k, v = sd[f"{b}attn.qkv.{kind}"].chunk(3)
-            out |= {f"{h}attention.attention.query.{kind}": q,
-                    f"{h}attention.attention.key.{kind}": k,
-                    f"{h}attention.attention.value.{kind}": v,
-                    f"{h}attention.output.dense.{kind}": sd[f"{b}attn.proj.{kind}"],
-                    f"{h}intermediate.dense.{kind}": sd[f"{b}mlp.fc1.{kind}"],
-                    f"{h}output.dense.{kind}": sd[f"{b}mlp.fc2.{kind}"],
-                    f"{h}layernorm_before.{kind}": sd[f"{b}norm1.{kind}"],
-                    f"{h}layernorm_after.{kind}": sd[f"{b}norm2.{kind}"]}  # fmt: skip
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _from_hf(sd: dict) -> dict:
-    """The published ViTModel keys (``vit.`` prefix allowed) -> dino_opt's."""
-    sd = {k.removeprefix("vit."): v for k, v in sd.items()}
-    out = {
-        "cls_token": sd["embeddings.cls_token"],
-        "pos_embed": sd["embeddings.position_embeddings"],
-        "patch_embed.proj.weight": sd["embeddings.patch_embeddings.projection.weight"],
-        "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
-        "norm.weight": sd["layernorm.weight"],
-        "norm.bias": sd["layernorm.bias"],
-    }
-    depth = len({k.split(".")[2] for k in sd if k.startswith("encoder.layer.")})
-    for i in range(depth):
-        b, h = f"blocks.{i}.", f"encoder.layer.{i}."
-        for kind in ("weight", "bias"):
-            qkv = [sd[f"{h}attention.attention.{n}.{kind}"] for n in ("query", "key", "value")]
-            out |= {f"{b}attn.qkv.{kind}": torch.cat(qkv),
-                    f"{b}attn.proj.{kind}": sd[f"{h}attention.output.dense.{kind}"],
-                    f"{b}mlp.fc1.{kind}": sd[f"{h}intermediate.dense.{kind}"],
-                    f"{b}mlp.fc2.{kind}": sd[f"{h}output.dense.{kind}"],
-                    f"{b}norm1.{kind}": sd[f"{h}layernorm_before.{kind}"],
-                    f"{b}norm2.{kind}": sd[f"{h}layernorm_after.{kind}"]}  # fmt: skip
-    return out
-
-
-def _hf_config(sd: dict, image_size: int) -> dict:
-    name, width, depth, patch = _vit_shape(sd)
-    return {
-        "architectures": ["ViTModel"],
-        "model_type": "vit",
-        "hidden_size": width,
-        "num_hidden_layers": depth,
-        "num_attention_heads": _VIT_WIDTHS[width][1],
-        "intermediate_size": sd["blocks.0.mlp.fc1.weight"].shape[0],
-        "hidden_act": "gelu",
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
-        "layer_norm_eps": 1e-6,
-        "image_size": image_size,
-        "patch_size": patch,
-        "num_channels": 3,
-        "qkv_bias": True,
-        "initializer_range": 0.02,
-    }
-
-
-def _timm_load(name: str, patch: int, image_size: int) -> tuple[str, dict]:
-    """The timm model name and the keywords that build the exported network."""
-    size = name.removeprefix("vit_")
-    kwargs: dict = {"num_classes": 0}
-    model = f"vit_{size}_patch{patch}_224"
-    if model not in _TIMM_NAMES:
-        model, kwargs["patch_size"] = f"vit_{size}_patch16_224", patch
-    if image_size != _NATIVE_SIZE:
-        kwargs["img_size"] = image_size
-    return model, kwargs
-
-
 # ---------------------------------------------------------------- export
-
-
-def _sub_dict(state: dict, prefix: str) -> dict:
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _check_output(output: Path, force: bool) -> None:
@@ -206,30 +125,117 @@ def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
     fsync_dir(path.parent)
 
 
-def _export_vit(
-    fmt: str, backbone_sd: dict, output: Path, image_size: int, meta: dict
-) -> tuple[str, list[str]]:
-    name, _, _, patch = _vit_shape(backbone_sd)
-    if image_size % patch:
-        raise ValueError(f"image_size {image_size} is not a multiple of the patch size {patch}")
-    grid = (image_size // patch,) * 2
-    notes, sd = [], dict(backbone_sd)
-    if grid != pos_embed_grid(sd["pos_embed"]):
-        old = pos_embed_grid(sd["pos_embed"])
-        sd["pos_embed"] = resize_pos_embed(sd["pos_embed"], grid)
-        notes.append(
-            f"position embeddings resized from {old[0]}x{old[1]} to {grid[0]}x{grid[1]} patches "
-            f"for {image_size}-pixel inputs (bicubic, as dino_opt resizes them)"
+def _save_torch(state: dict, path: Path) -> None:
+    atomic_write(path, lambda f: torch.save(state, f))
+    fsync_dir(path.parent)
+
+
+def _resized(sd: dict, arch: ViTArch, image_size: int, interp: tuple) -> tuple[dict, list[str]]:
+    """The state with its position table for ``image_size`` inputs, and a note."""
+    if image_size % arch.patch_size:
+        raise ValueError(
+            f"image_size {image_size} is not a multiple of the patch size {arch.patch_size}"
         )
-    if fmt == "timm":
-        model, kwargs = _timm_load(name, patch, image_size)
-        meta |= {"timm_model": model, "timm_kwargs": json.dumps(kwargs)}
-        _save_safetensors(sd, output, meta)
-        return f"timm.create_model({model!r}, **{kwargs})", notes
+    grid, old = (image_size // arch.patch_size,) * 2, pos_embed_grid(sd["pos_embed"])
+    if grid == old:
+        return sd, []
+    how = f"offset {interp[0]}" if interp[0] else "to the grid"
+    how += ", anti-aliased" if interp[1] else ""
+    note = (f"position embeddings resized from {old[0]}x{old[1]} to {grid[0]}x{grid[1]} patches "
+            f"for {image_size}-pixel inputs (bicubic {how}, as dino_opt resizes them)")  # fmt: skip
+    return {**sd, "pos_embed": resize_pos_embed(sd["pos_embed"], grid, *interp)}, [note]
+
+
+def _export_timm(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dict) -> str:
+    model, kwargs = timm_model(arch, image_size)
+    meta = meta | {"timm_model": model, "timm_kwargs": json.dumps(kwargs)}
+    _save_safetensors(to_timm(sd, arch), output, meta)
+    return f"timm.create_model({model!r}, **{kwargs})"
+
+
+def _export_hf(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dict) -> str:
     output.mkdir(parents=True)
-    (output / "config.json").write_text(json.dumps(_hf_config(sd, image_size), indent=2) + "\n")
-    _save_safetensors(_to_hf(sd), output / "model.safetensors", meta)
-    return "transformers.ViTModel.from_pretrained(path, add_pooling_layer=False)", notes
+    if arch.dino_v1:
+        config, tensors = hf_vit_config(arch, image_size), to_hf_vit(sd, arch)
+        load = "transformers.ViTModel.from_pretrained(path, add_pooling_layer=False)"
+    else:
+        config, tensors = hf_dinov2_config(arch, image_size), to_hf_dinov2(sd, arch)
+        load = f"transformers.{config['architectures'][0]}.from_pretrained(path)"
+    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _save_safetensors(tensors, output / "model.safetensors", meta)
+    return load
+
+
+def _dinov2_load(arch: ViTArch, image_size: int, interp: tuple) -> str:
+    kwargs = dict(patch_size=arch.patch_size, img_size=image_size,
+                  init_values=1e-5 if arch.layerscale else None, ffn_layer=arch.ffn_layer,
+                  block_chunks=0, num_register_tokens=arch.num_register_tokens,
+                  interpolate_offset=interp[0], interpolate_antialias=interp[1])  # fmt: skip
+    kwargs |= {k: False for k in ("qkv_bias", "proj_bias", "ffn_bias") if not getattr(arch, k)}
+    builder = arch.name or "DinoVisionTransformer"
+    if builder == "vit_tiny" or not arch.name or not arch.standard_ffn:
+        builder = "DinoVisionTransformer"
+        kwargs |= dict(embed_dim=arch.embed_dim, depth=arch.depth, num_heads=arch.heads,
+                       mlp_ratio=arch.mlp_ratio)  # fmt: skip
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return (f"dinov2.models.vision_transformer.{builder}({args}).load_state_dict("
+            "torch.load(path), strict=True)")  # fmt: skip
+
+
+def _export_dinov2(sd: dict, arch: ViTArch, output: Path, image_size: int, interp) -> str:
+    state = dict(sd)
+    state.setdefault("mask_token", sd["cls_token"].new_zeros(1, arch.embed_dim))
+    order = ["cls_token", "pos_embed", "register_tokens", "mask_token"]
+    state = {k: state[k] for k in order if k in state} | state  # DINOv2's order
+    _save_torch({k: v.contiguous() for k, v in state.items()}, output)
+    return _dinov2_load(arch, image_size, interp)
+
+
+def _export_vit(fmt: str, sd: dict, output: Path, image_size: int | None, meta: dict,
+                interp: tuple, heads: int | None) -> tuple[str, list[str], int]:  # fmt: skip
+    """Writes a ViT backbone state ``sd`` as ``fmt``; (load, notes, image size)."""
+    arch = vit_arch(sd, heads)
+    image_size = image_size or arch.img_size
+    sd, notes = _resized(sd, arch, image_size, interp)
+    if fmt == "timm":
+        return _export_timm(sd, arch, output, image_size, meta), notes, image_size
+    if fmt == "hf":
+        return _export_hf(sd, arch, output, image_size, meta), notes, image_size
+    return _export_dinov2(sd, arch, output, image_size, interp), notes, image_size
+
+
+def _export_dino(sd: dict, output: Path, image_size: int | None) -> tuple[str, list[str], int]:
+    """DINO's backbone file: a DINO ViT's (or a ResNet's) state dict as it is."""
+    notes, native = [], _DINO_SIZE
+    if "cls_token" in sd:
+        arch = vit_arch(sd)
+        native = arch.img_size
+        if not arch.dino_v1:
+            raise ValueError(
+                f"--format dino writes DINO's ViT; this one has {_v2_features(arch)}, which "
+                "DINO's code does not build; --format dinov2 writes it in DINOv2's layout"
+            )
+        if "mask_token" in sd:
+            sd = {k: v for k, v in sd.items() if k != "mask_token"}
+            notes.append("the mask token left out (DINO's ViT has none)")
+    if image_size is not None and image_size != native:
+        raise ValueError(
+            f"image_size {image_size}: --format dino keeps the model's {native}-pixel position "
+            "table (DINO's code resizes it for other inputs); --image-size applies to timm, hf "
+            "and dinov2"
+        )
+    _save_torch(sd, output)
+    return "vision_transformer / torchvision load_state_dict", notes, native
+
+
+def _v2_features(arch: ViTArch) -> str:
+    parts = [
+        f"{arch.num_register_tokens} registers" if arch.num_register_tokens else "",
+        "LayerScale" if arch.layerscale else "",
+        "SwiGLU" if arch.swiglu else "",
+        "" if arch.qkv_bias and arch.proj_bias and arch.ffn_bias else "biases switched off",
+    ]
+    return ", ".join(p for p in parts if p)
 
 
 def _dino_full(ckpt: dict) -> dict:
@@ -249,6 +255,22 @@ def _dino_full(ckpt: dict) -> dict:
     }
 
 
+def _check_request(fmt: str, which: str, full: bool) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if which not in ("teacher", "student", "backbone"):
+        raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
+    if full and fmt != "dino":
+        raise ValueError("full=True (--full) applies to --format dino only")
+
+
+def _write_backbone(fmt: str, sd: dict, output: Path, image_size: int | None, meta: dict,
+                    interp: tuple, heads: int | None) -> tuple[str, list[str], int]:  # fmt: skip
+    if fmt == "dino":
+        return _export_dino(sd, output, image_size)
+    return _export_vit(fmt, sd, output, image_size, meta, interp, heads)
+
+
 def export_weights(
     source: str | os.PathLike,
     fmt: str,
@@ -256,166 +278,148 @@ def export_weights(
     *,
     which: str = "teacher",
     full: bool = False,
-    image_size: int = _NATIVE_SIZE,
+    image_size: int | None = None,
     force: bool = False,
 ) -> ExportResult:
     """Writes the ``which`` network (teacher by default) of a training
     checkpoint or run folder ``source`` as ``fmt`` (see the module docstring)
-    to ``output``. Refuses an existing ``output`` unless ``force``, a
-    backbone the format does not take, and a checkpoint without weights,
-    naming each."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if which not in ("teacher", "student"):
-        raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
-    if full and fmt != "dino":
-        raise ValueError("full=True (--full) applies to --format dino only")
-    if fmt == "dino" and image_size != _NATIVE_SIZE:
-        raise ValueError(
-            f"image_size {image_size}: --format dino keeps DINO's 224-pixel position table "
-            "(its code resizes it for other inputs); --image-size applies to timm and hf"
-        )
+    to ``output``; ``image_size`` None keeps the position table's own size.
+    Refuses an existing ``output`` unless ``force``, a backbone the format
+    does not take, and a checkpoint without weights, naming each."""
+    _check_request(fmt, which, full)
     ckpt = load_checkpoint(source, keys=(which, "config"))
-    cfg = Config.from_dict(ckpt["config"])
-    backbone = cfg.model.backbone
-    if fmt in ("timm", "hf") and not backbone.startswith("vit"):
+    model = Config.from_dict(ckpt["config"]).model
+    backbone = model.backbone
+    if fmt != "dino" and not backbone.startswith("vit"):
         raise ValueError(
-            f"format {fmt} takes ViT backbones (vit_tiny, vit_small, vit_base); {source} "
+            f"format {fmt} takes ViT backbones (vit_tiny, vit_small, vit_base, ...); {source} "
             f"holds a {backbone}; --format dino writes it as a torchvision state dict"
         )
     output = Path(output)
     _check_output(output, force)
-    backbone_sd = _sub_dict(ckpt[which], "backbone.")
+    sd = sub_dict(ckpt[which], "backbone.")
     meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which}
-    if fmt in ("timm", "hf"):
-        load, notes = _export_vit(fmt, backbone_sd, output, image_size, meta)
-        return ExportResult(output, fmt, which, backbone, image_size, load, notes)
-    state = _dino_full(ckpt) if full else backbone_sd
-    atomic_write(output, lambda f: torch.save(state, f))
-    fsync_dir(output.parent)
-    load = "main_dino.py --resume" if full else "vision_transformer / torchvision load_state_dict"
-    return ExportResult(output, "dino-full" if full else "dino", which, backbone,
-                        _NATIVE_SIZE, load, [])  # fmt: skip
+    if full:
+        _save_torch(_dino_full(ckpt), output)
+        return ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
+                            "main_dino.py --resume", [])  # fmt: skip
+    interp = (getattr(model, "interpolate_offset", 0.0) or 0.0,
+              bool(getattr(model, "interpolate_antialias", False)))  # fmt: skip
+    load, notes, size = _write_backbone(fmt, sd, output, image_size, meta, interp, None)
+    return ExportResult(output, fmt, which, backbone, size, load, notes)
+
+
+def export_backbone(
+    backbone: nn.Module,
+    fmt: str,
+    output: str | os.PathLike,
+    *,
+    image_size: int | None = None,
+    force: bool = False,
+) -> ExportResult:
+    """Writes a backbone module (a :class:`~dino_opt.models.VisionTransformer`
+    of any shape, or a ResNet for ``dino``) as ``fmt``, as
+    :func:`export_weights` does; its heads and position interpolation come
+    from the module."""
+    _check_request(fmt, "backbone", False)
+    vit = isinstance(backbone, VisionTransformer)
+    if fmt != "dino" and not vit:
+        kind = type(backbone).__name__
+        raise ValueError(
+            f"format {fmt} takes a VisionTransformer, not a {kind}; --format dino writes it"
+        )
+    output = Path(output)
+    _check_output(output, force)
+    sd = {k: v.detach().cpu() for k, v in backbone.state_dict().items()}
+    interp = (backbone.interpolate_offset, backbone.interpolate_antialias) if vit else (0.0, False)
+    heads = backbone.num_heads if vit else None
+    load, notes, size = _write_backbone(fmt, sd, output, image_size, {"format": "pt"}, interp,
+                                        heads)  # fmt: skip
+    name = (vit_arch(sd).name or "vit") if vit else type(backbone).__name__.lower()
+    return ExportResult(output, fmt, "backbone", name, size, load, notes)
 
 
 # ---------------------------------------------------------------- import
 
 
-@dataclass
-class ExternalWeights:
-    """Weights read by :func:`read_weights`: the ``format`` detected, the
-    ``student`` and ``teacher`` networks as ``{"backbone": ..., "head": ...}``
-    state dicts in dino_opt's keys (the same one twice for a backbone-only
-    file; ``head`` None when the file has none), the ``backbone`` name, its
-    ``patch_size`` (ViTs), and the loss's ``center`` of a training checkpoint."""
-
-    path: Path
-    format: str
-    student: dict
-    teacher: dict
-    backbone: str
-    patch_size: int | None = None
-    center: torch.Tensor | None = None
-
-
-def _torch_load(path: Path) -> dict:
-    # The original DINO code pickles its argparse arguments into checkpoints.
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        try:
-            with open(path, "rb") as f:  # a file object: whatever its name, torch's format
-                return torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
-            raise ValueError(f"{path}: not a weights file torch can read safely ({e})") from e
-
-
-def _split(state: dict) -> dict:
-    """``{"backbone", "head"}`` of a network's state dict (``module.`` and a
-    backbone prefix stripped; a bare backbone gives no head)."""
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    if any(k.startswith("backbone.") for k in state):
-        head = _sub_dict(state, "head.")
-        return {"backbone": _sub_dict(state, "backbone."), "head": head or None}
-    return {"backbone": state, "head": None}
-
-
-def _backbone_name(sd: dict) -> tuple[str, int | None]:
-    if "cls_token" in sd:
-        name, _, _, patch = _vit_shape(sd)
-        return name, patch
-    if "layer4.0.conv1.weight" in sd:
-        return ("resnet50" if "layer1.0.conv3.weight" in sd else "resnet18"), None
-    raise ValueError(f"the weights are neither a ViT nor a ResNet (keys {sorted(sd)[:4]} ...)")
-
-
-def _read_safetensors(path: Path) -> dict:
-    try:
-        with safe_open(str(path), "pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - no items()
-    except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
-
-
-def _is_safetensors(path: Path) -> bool:
-    """A safetensors file starts with the little-endian length of its JSON
-    header, then the header's ``{``; torch's files are zip archives (``PK``)."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    size = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
-    return head[8:9] == b"{" and 0 < size <= path.stat().st_size - 8
-
-
-def _read_raw(path: Path) -> tuple[str, dict, dict, torch.Tensor | None]:
-    """(format, student state, teacher state, center) of a file or folder."""
-    if path.is_dir() and (path / "config.json").is_file():
-        sd = _read_safetensors(path / "model.safetensors")
-        net = {"backbone": _from_hf(sd), "head": None}
-        return "hf", net, net, None
-    if path.is_dir():  # a dino_opt run folder or checkpoints/ folder
-        ckpt = load_checkpoint(path, keys=("student", "teacher"))
-        center = ckpt.get("loss", {}).get("center")
-        return "dino_opt", _split(ckpt["student"]), _split(ckpt["teacher"]), center
-    if _is_safetensors(path):
-        sd = _read_safetensors(path)
-        if any(k.startswith(("embeddings.", "vit.embeddings.")) for k in sd):
-            net = {"backbone": _from_hf(sd), "head": None}
-            return "hf", net, net, None
-        net = _split(sd)
-        return "timm", net, net, None
-    state = _torch_load(path)
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
-    if "student" in state and "teacher" in state:
-        kind, loss = ("dino_opt", "loss") if "config" in state else ("dino-full", "dino_loss")
-        center = (state.get(loss) or {}).get("center")
-        return kind, _split(state["student"]), _split(state["teacher"]), center
-    net = _split(state)
-    return "dino", net, net, None
-
-
-def read_weights(path: str | os.PathLike) -> ExternalWeights:
-    """Weights from a timm safetensors file, a Hugging Face ViT folder, an
-    original DINO backbone or training checkpoint, or a dino_opt checkpoint
-    or run folder, detected from the file (see the module docstring)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"weights {str(path)!r} do not exist")
-    fmt, student, teacher, center = _read_raw(path)
-    if not teacher["backbone"]:
-        raise ValueError(f"{path}: holds no backbone weights")
-    name, patch = _backbone_name(teacher["backbone"])
-    return ExternalWeights(path, fmt, student, teacher, name, patch, center)
+def _note(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
 
 
 def _fit_pos_embed(sd: dict, model: nn.Module, notes: list[str]) -> dict:
-    """The backbone state with its position table resized to ``model``'s grid."""
+    """The backbone state with its position table resized to ``model``'s grid
+    (as the model resizes tables: its interpolation offset and anti-aliasing)."""
     if "pos_embed" not in sd or not hasattr(model, "pos_embed"):
         return sd
     mine, theirs = pos_embed_grid(model.pos_embed), pos_embed_grid(sd["pos_embed"])
     if mine == theirs:
         return sd
-    notes.append(f"position embeddings resized from {theirs[0]}x{theirs[1]} to "
+    _note(notes, f"position embeddings resized from {theirs[0]}x{theirs[1]} to "
                  f"{mine[0]}x{mine[1]} patches")  # fmt: skip
-    return {**sd, "pos_embed": resize_pos_embed(sd["pos_embed"], mine)}
+    interp = (
+        getattr(model, "interpolate_offset", 0.0),
+        getattr(model, "interpolate_antialias", False),
+    )
+    return {**sd, "pos_embed": resize_pos_embed(sd["pos_embed"], mine, *interp)}
+
+
+def _adapt_layerscale(sd: dict, theirs: ViTArch, mine: ViTArch, path, notes) -> dict:
+    if theirs.layerscale == mine.layerscale:
+        return sd
+    if theirs.layerscale:
+        gammas = [k for k in sd if re.search(r"\.ls[12]\.gamma$", k)]
+        if not all(bool((sd[k] == 1).all()) for k in gammas):
+            raise ValueError(f"{path}: the weights have LayerScale, the model has none "
+                             "(set model.layerscale_init)")  # fmt: skip
+        _note(notes, "LayerScale of 1 left out (the model has none; the same function)")
+        return {k: v for k, v in sd.items() if k not in gammas}
+    _note(notes, "LayerScale set to 1 (the weights have none; the same function)")
+    ones = sd["cls_token"].new_ones(mine.embed_dim)
+    return sd | {f"blocks.{i}.ls{n}.gamma": ones for i in range(mine.depth) for n in (1, 2)}
+
+
+def _bias_layers(arch: ViTArch) -> dict[str, list[str]]:
+    ffn = ["mlp.w12", "mlp.w3"] if arch.swiglu else ["mlp.fc1", "mlp.fc2"]
+    return {"qkv_bias": ["attn.qkv"], "proj_bias": ["attn.proj"], "ffn_bias": ffn}
+
+
+def _adapt_biases(sd: dict, theirs: ViTArch, mine: ViTArch, path, notes) -> dict:
+    for flag, layers in _bias_layers(mine).items():
+        if getattr(theirs, flag) == getattr(mine, flag):
+            continue
+        keys = [f"blocks.{i}.{layer}.bias" for i in range(mine.depth) for layer in layers]
+        if getattr(mine, flag):
+            weights = {k: sd.get(k.removesuffix("bias") + "weight") for k in keys}
+            sd = sd | {k: w.new_zeros(w.shape[0]) for k, w in weights.items() if w is not None}
+            _note(notes, f"{flag} of zero added (the weights have none; the same function)")
+        elif all(bool((sd[k] == 0).all()) for k in keys if k in sd):
+            sd = {k: v for k, v in sd.items() if k not in keys}
+            _note(notes, f"zero {flag} left out (the model has none; the same function)")
+        else:
+            raise ValueError(f"{path}: the weights have {flag}, the model has none "
+                             f"(set model.{flag})")  # fmt: skip
+    return sd
+
+
+def _adapt_mask_token(sd: dict, theirs: ViTArch, mine: ViTArch, notes) -> dict:
+    if theirs.mask_token and not mine.mask_token:
+        _note(notes, "the mask token left out (the model has none)")
+        return {k: v for k, v in sd.items() if k != "mask_token"}
+    if mine.mask_token and not theirs.mask_token:
+        _note(notes, "the mask token starts at zero (the weights have none)")
+        return sd | {"mask_token": sd["cls_token"].new_zeros(1, mine.embed_dim)}
+    return sd
+
+
+def _adapt(sd: dict, model: nn.Module, path: Path, notes: list[str]) -> dict:
+    """A ViT state made to fit ``model`` where the function stays the same."""
+    if "cls_token" not in sd or not isinstance(model, VisionTransformer):
+        return sd
+    theirs, mine = vit_arch(sd), vit_arch(model.state_dict(), model.num_heads)
+    sd = _adapt_layerscale(sd, theirs, mine, path, notes)
+    sd = _adapt_biases(sd, theirs, mine, path, notes)
+    return _adapt_mask_token(sd, theirs, mine, notes)
 
 
 def _load_strict(module: nn.Module, sd: dict, what: str, path: Path) -> None:
@@ -435,8 +439,28 @@ def _describe(name: str, patch: int | None) -> str:
     return f"a {name}" + (f" with patch {patch}" if patch else "")
 
 
+def _module_name(sd: dict) -> tuple[str, int | None]:
+    if "cls_token" in sd:
+        arch = vit_arch(sd)
+        return arch.name or "vit", arch.patch_size
+    return ("resnet50" if "layer1.0.conv3.weight" in sd else "resnet18"), None
+
+
 def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
-    mine = _backbone_name(backbone.state_dict())
+    if weights.arch is not None and isinstance(backbone, VisionTransformer):
+        mine = vit_arch(backbone.state_dict(), backbone.num_heads)
+        theirs = weights.arch
+        if theirs.shape() != mine.shape():
+            raise ValueError(
+                f"{weights.path}: the weights hold {theirs.describe()}, the model is "
+                f"{mine.describe()} (set model.backbone and model.patch_size, and "
+                "model.num_register_tokens and model.ffn_layer, to match)"
+            )
+        if theirs.num_heads and theirs.num_heads != backbone.num_heads:
+            raise ValueError(f"{weights.path}: the weights have {theirs.num_heads} heads, the "
+                             f"model {backbone.num_heads}")  # fmt: skip
+        return
+    mine = _module_name(backbone.state_dict())
     if mine != (weights.backbone, weights.patch_size):
         raise ValueError(
             f"{weights.path}: the weights hold {_describe(weights.backbone, weights.patch_size)}, "
@@ -444,15 +468,19 @@ def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
         )
 
 
+def _load_backbone_state(module: nn.Module, sd: dict, path: Path, notes: list[str]) -> None:
+    sd = _fit_pos_embed(_adapt(sd, module, path, notes), module, notes)
+    _load_strict(module, sd, "backbone", path)
+
+
 def _load_network(net: nn.Module, weights: dict, path: Path, notes: list[str]) -> None:
-    _load_strict(net.backbone, _fit_pos_embed(weights["backbone"], net.backbone, notes),
-                 "backbone", path)  # fmt: skip
+    _load_backbone_state(net.backbone, weights["backbone"], path, notes)
     head = weights["head"]
     if head is None:
         return
     shapes = {k: tuple(v.shape) for k, v in net.head.state_dict().items()}
     if shapes != {k: tuple(v.shape) for k, v in head.items()}:
-        notes.append("head not loaded (its shapes differ from the model's): it starts fresh")
+        _note(notes, "head not loaded (its shapes differ from the model's): it starts fresh")
         return
     _load_strict(net.head, head, "head", path)
 
@@ -465,8 +493,8 @@ def init_from(
     weights in a training checkpoint, both from the one network otherwise;
     the head too when the file has one that fits, and ``loss``'s center when
     the file is a training checkpoint whose center fits. Returns notes on
-    what was loaded and adapted. A key mismatch raises ValueError listing the
-    missing and unexpected keys."""
+    what was loaded and adapted. Another architecture raises ValueError
+    naming both; a key mismatch one listing the missing and unexpected keys."""
     weights = read_weights(path)
     notes = [f"{weights.format} weights ({weights.backbone}) from {path}"]
     _check_architecture(weights, student.backbone)
@@ -478,6 +506,37 @@ def init_from(
             loss.center.copy_(center)
             notes.append("the loss's center taken from the checkpoint")
     return notes
+
+
+def load_backbone(
+    path: str | os.PathLike, backbone: nn.Module, which: str = "teacher"
+) -> list[str]:
+    """Loads the ``which`` backbone of the weights at ``path`` (any format
+    :func:`~dino_opt.weights.read_weights` reads) into a bare ``backbone``
+    module; returns notes on what was adapted. What keeps the function is
+    adapted: a position table of another grid resized (as the model
+    resizes tables), a LayerScale of 1 or zero biases left out where the
+    model has none, a LayerScale of 1 or zero biases added where the weights
+    have none, the mask token added (zero) or left out. Anything else
+    raises ValueError naming it."""
+    if which not in ("teacher", "student"):
+        raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
+    weights = read_weights(path)
+    notes = [f"{weights.format} weights ({weights.backbone}) from {path}"]
+    _check_architecture(weights, backbone)
+    with torch.no_grad():
+        net = weights.teacher if which == "teacher" else weights.student
+        _load_backbone_state(backbone, net["backbone"], weights.path, notes)
+    return notes
+
+
+def _evaluation_backbone(weights: ExternalWeights, sd: dict) -> tuple[nn.Module, int]:
+    """The backbone the weights hold (a ViT as its architecture says, with
+    the heads and interpolation its file says or the named size's), and
+    the input size its position table is for."""
+    if weights.arch is not None:
+        return VisionTransformer(**weights.arch.model_kwargs()), weights.arch.img_size
+    return build_backbone(weights.backbone, drop_path_rate=0.0)[0], _DINO_SIZE
 
 
 def evaluate_weights(
@@ -497,12 +556,8 @@ def evaluate_weights(
         raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
     weights = read_weights(path)
     sd = (weights.teacher if which == "teacher" else weights.student)["backbone"]
-    kwargs, native = {}, _NATIVE_SIZE
-    if weights.patch_size is not None:  # a ViT built for the size its table was exported for
-        native = pos_embed_grid(sd["pos_embed"])[0] * weights.patch_size
-        kwargs = {"patch_size": weights.patch_size, "img_size": native}
+    net, native = _evaluation_backbone(weights, sd)
     image_size = image_size or native
-    net, _ = build_backbone(weights.backbone, drop_path_rate=0.0, **kwargs)
     _load_strict(net, sd, "backbone", weights.path)
     root = Path(data)
     splits = {s: root / s for s in ("val", "test") if (root / s).is_dir()}

@@ -1,0 +1,242 @@
+"""Weights read from any format dino_opt knows, detected from the file's
+content (never its name), as dino_opt's state dicts with the architecture
+they hold.
+
+=============  ==========================================================
+format         what it is
+=============  ==========================================================
+``dino_opt``   a dino_opt checkpoint or run folder (student, teacher, config)
+``dino-full``  a training checkpoint of DINO's ``main_dino.py``
+``dino``       a DINO (v1) backbone state dict (its model zoo's files)
+``dinov2``     a DINOv2 backbone state dict (the published ``*_pretrain.pth``,
+               with ``mask_token``; chunked blocks too) or a DINOv2
+               training checkpoint (``teacher`` / ``model``)
+``timm``       a timm ViT state dict (safetensors, or a torch file with
+               timm's register or SwiGLU layout)
+``hf``         a Hugging Face folder or safetensors file: ViTModel (DINO),
+               Dinov2Model, Dinov2WithRegistersModel
+=============  ==========================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from ..eval import load_checkpoint
+from .layouts import ViTArch, from_hf_dinov2, from_hf_vit, from_timm, is_chunked, unchunk, vit_arch
+
+__all__ = ["ExternalWeights", "read_weights", "sub_dict"]
+
+_HF_PREFIXES = ("embeddings.", "vit.embeddings.", "dinov2.embeddings.",
+                "dinov2_with_registers.embeddings.")  # fmt: skip
+
+
+@dataclass
+class ExternalWeights:
+    """Weights read by :func:`read_weights`: the ``format`` detected, the
+    ``student`` and ``teacher`` networks as ``{"backbone": ..., "head": ...}``
+    state dicts in dino_opt's keys (the same one twice for a backbone-only
+    file; ``head`` None when the file has none), the ``backbone`` name
+    (``"vit"`` for a ViT of no named size), its ``patch_size`` (ViTs), the
+    loss's ``center`` of a training checkpoint, and for a ViT its ``arch``
+    (shapes, registers, LayerScale, FFN, biases, mask token; the heads and
+    the position interpolation where the file says them)."""
+
+    path: Path
+    format: str
+    student: dict
+    teacher: dict
+    backbone: str
+    patch_size: int | None = None
+    center: torch.Tensor | None = None
+    arch: ViTArch | None = None
+
+
+class _Raw(NamedTuple):
+    format: str
+    student: dict
+    teacher: dict
+    center: torch.Tensor | None = None
+    heads: int | None = None
+    interpolation: tuple[float, bool] = (0.0, False)
+
+
+def sub_dict(state: dict, prefix: str) -> dict:
+    """The entries of ``state`` under ``prefix``, the prefix removed."""
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _torch_load(path: Path) -> dict:
+    # The original DINO code pickles its argparse arguments into checkpoints.
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        try:
+            with open(path, "rb") as f:  # a file object: whatever its name, torch's format
+                return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
+            raise ValueError(f"{path}: not a weights file torch can read safely ({e})") from e
+
+
+def _split(state: dict) -> dict:
+    """``{"backbone", "head"}`` of a network's state dict (``module.`` and a
+    backbone prefix stripped; a bare backbone gives no head)."""
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    if any(k.startswith("backbone.") for k in state):
+        head = sub_dict(state, "head.")
+        return {"backbone": sub_dict(state, "backbone."), "head": head or None}
+    return {"backbone": state, "head": None}
+
+
+def _read_safetensors(path: Path) -> tuple[dict, dict]:
+    """(tensors, metadata) of a safetensors file."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}  # noqa: SIM118
+    except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file starts with the little-endian length of its JSON
+    header, then the header's ``{``; torch's files are zip archives (``PK``)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    return head[8:9] == b"{" and 0 < size <= path.stat().st_size - 8
+
+
+def _hf_state(folder: Path) -> dict:
+    """The tensors of a Hugging Face folder (one safetensors file, shards with
+    an index, or an older ``pytorch_model.bin``)."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    legacy = folder / "pytorch_model.bin"
+    if not single.is_file() and not index.is_file() and legacy.is_file():
+        return _torch_load(legacy)
+    if single.is_file() or not index.is_file():
+        return _read_safetensors(single)[0]
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    state: dict = {}
+    for shard in shards:
+        state |= _read_safetensors(folder / shard)[0]
+    return state
+
+
+def _hf(sd: dict, config: dict | None = None) -> _Raw:
+    """A Hugging Face ViTModel / Dinov2Model / Dinov2WithRegistersModel state."""
+    config = config or {}
+    dinov2 = str(config.get("model_type", "")).startswith("dinov2") or any(
+        "layer_scale1" in k for k in sd
+    )
+    net = {"backbone": from_hf_dinov2(sd) if dinov2 else from_hf_vit(sd), "head": None}
+    registers = "register_tokens" in net["backbone"]
+    # transformers resizes Dinov2's tables to the exact grid, anti-aliased with registers
+    return _Raw("hf", net, net, None, config.get("num_attention_heads"), (0.0, registers))
+
+
+def _backbone_state(sd: dict, container: str, heads: int | None = None) -> _Raw:
+    """A bare ViT or ResNet backbone: DINOv2's layout (``mask_token``,
+    ``register_tokens`` or chunked blocks), timm's (``reg_token``, a
+    safetensors file, or DINOv2 features without a mask token) or DINO's."""
+    if any(k.startswith(_HF_PREFIXES) for k in sd):
+        return _hf(sd)
+    net = _split(sd)
+    bb = net["backbone"]
+    if "cls_token" not in bb:  # a ResNet
+        return _Raw("timm" if container == "safetensors" else "dino", net, net, None, heads)
+    dinov2 = "mask_token" in bb or "register_tokens" in bb or is_chunked(bb)
+    v2 = "reg_token" in bb or any(k.endswith((".ls1.gamma", ".mlp.w12.weight")) for k in bb)
+    net = {**net, "backbone": from_timm(unchunk(bb))}
+    if dinov2:
+        # as DINOv2's hub builds its ViTs: offset 0.1, or anti-aliased with registers
+        interp = (0.0, True) if "register_tokens" in bb else (0.1, False)
+        return _Raw("dinov2", net, net, None, heads, interp)
+    fmt = "timm" if container == "safetensors" or v2 else "dino"
+    return _Raw(fmt, net, net, None, heads)
+
+
+def _timm_heads(meta: dict) -> int | None:
+    try:
+        return json.loads(meta.get("timm_kwargs", "{}")).get("num_heads")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _dino_opt_interp(ckpt: dict) -> tuple[float, bool]:
+    model = (ckpt.get("config") or {}).get("model") or {}
+    return (float(model.get("interpolate_offset") or 0.0),
+            bool(model.get("interpolate_antialias")))  # fmt: skip
+
+
+def _training_checkpoint(state: dict) -> _Raw | None:
+    """dino_opt's, DINO's main_dino.py's or DINOv2's training checkpoints."""
+    if "student" in state and "teacher" in state:
+        kind, loss = ("dino_opt", "loss") if "config" in state else ("dino-full", "dino_loss")
+        center = (state.get(loss) or {}).get("center")
+        interp = _dino_opt_interp(state)
+        return _Raw(kind, _split(state["student"]), _split(state["teacher"]), center, None, interp)
+    teacher = state.get("teacher")
+    model = state.get("model")
+    if isinstance(model, dict) and any(k.startswith("teacher.backbone.") for k in model):
+        student = _split(sub_dict(model, "student."))
+        return _Raw(
+            "dinov2", student, _split(sub_dict(model, "teacher.")), None, None, (0.1, False)
+        )
+    if isinstance(teacher, dict) and any(k.startswith("backbone.") for k in teacher):
+        net = _split(teacher)  # DINOv2's teacher_checkpoint.pth
+        return _Raw("dinov2", net, net, None, None, (0.1, False))
+    return None
+
+
+def _read_raw(path: Path) -> _Raw:
+    if path.is_dir() and (path / "config.json").is_file():
+        return _hf(_hf_state(path), json.loads((path / "config.json").read_text()))
+    if path.is_dir():  # a dino_opt run folder or checkpoints/ folder
+        ckpt = load_checkpoint(path, keys=("student", "teacher"))
+        center = ckpt.get("loss", {}).get("center")
+        return _Raw("dino_opt", _split(ckpt["student"]), _split(ckpt["teacher"]), center, None,
+                    _dino_opt_interp(ckpt))  # fmt: skip
+    if _is_safetensors(path):
+        sd, meta = _read_safetensors(path)
+        return _backbone_state(sd, "safetensors", _timm_heads(meta))
+    state = _torch_load(path)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return _training_checkpoint(state) or _backbone_state(state, "torch")
+
+
+def _name(sd: dict, heads: int | None) -> tuple[str, int | None, ViTArch | None]:
+    if "cls_token" in sd:
+        arch = vit_arch(sd, heads)
+        return arch.name or "vit", arch.patch_size, arch
+    if "layer4.0.conv1.weight" in sd:
+        return ("resnet50" if "layer1.0.conv3.weight" in sd else "resnet18"), None, None
+    raise ValueError(f"the weights are neither a ViT nor a ResNet (keys {sorted(sd)[:4]} ...)")
+
+
+def read_weights(path: str | os.PathLike) -> ExternalWeights:
+    """Weights from a timm file, a Hugging Face folder or file (ViT, Dinov2,
+    Dinov2 with registers), an original DINO or DINOv2 backbone or training
+    checkpoint, or a dino_opt checkpoint or run folder, detected from the
+    content (see the module docstring), in dino_opt's keys."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"weights {str(path)!r} do not exist")
+    raw = _read_raw(path)
+    if not raw.teacher["backbone"]:
+        raise ValueError(f"{path}: holds no backbone weights")
+    try:
+        name, patch, arch = _name(raw.teacher["backbone"], raw.heads)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if arch is not None:
+        offset, antialias = raw.interpolation
+        arch = arch.replace(interpolate_offset=offset, interpolate_antialias=antialias)
+    return ExternalWeights(path, raw.format, raw.student, raw.teacher, name, patch, raw.center,
+                           arch)  # fmt: skip
