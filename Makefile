@@ -24,7 +24,7 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_BASEDIR := $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo lint format gpu-check \
+.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo demo-dinov2 lint format gpu-check \
         gpu-debs gpu-rehearsal wheel wheel-smoke build-no-cuda-toolkit cpp-install cpp-example clean
 
 setup: $(STAMPS)/build
@@ -177,6 +177,12 @@ DEMO_DIR ?= runs/demo
 demo: setup
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/dino-opt train --output-dir $(DEMO_DIR) $(DEMO_ARGS)
+
+# The same data and budget with the DINOv2 recipe (DINO + iBOT + KoLeo).
+DEMO_DINOV2_DIR ?= runs/demo_dinov2
+demo-dinov2: setup
+	rm -rf $(DEMO_DINOV2_DIR)
+	$(VENV)/bin/dino-opt train --demo dinov2 --output-dir $(DEMO_DINOV2_DIR) $(DEMO_ARGS)
 
 bench: setup
 	$(PY) bench/bench_ema.py

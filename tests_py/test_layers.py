@@ -40,6 +40,7 @@ LAYERS = {
     # faces: the command line, the course's names, the package; the torchrun entry
     "dino_opt.cli": 9,
     "dino_opt.lessons": 9,
+    "dino_opt.dinov2": 9,
     "dino_opt": 9,
     "dino_opt.train.__main__": 10,
 }

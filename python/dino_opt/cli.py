@@ -162,8 +162,25 @@ DEMO_PRESET = {
 }
 
 
+# The DINOv2 recipe's demo: the DINO demo's data, crops and schedule with
+# DINOv2's losses, masks and ViT options.
+DINOV2_DEMO_CHANGES = {
+    "recipe": {"name": "dinov2"},
+    "model": {"layerscale_init": 1.0e-5, "drop_path_uniform": True, "interpolate_offset": 0.1},
+}
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
+
+
+DEMO_PRESETS = {"dino": DEMO_PRESET, "dinov2": _merged(DEMO_PRESET, DINOV2_DEMO_CHANGES)}
+
+
 def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config or DEMO_PRESET, args.overrides)
+    if args.config is not None and args.demo is not None:
+        raise ValueError("give --config or --demo, not both")
+    cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1:
@@ -319,7 +336,16 @@ def _add_prepare(sub) -> None:
 
 def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train DINO (default: the demo on the built-in data set)")
-    t.add_argument("--config", help="YAML configuration (default: the demo preset)")
+    t.add_argument(
+        "--config",
+        help="YAML configuration, or a packaged one's name (dinov2_vits14, dinov2_vitl14, "
+        "dinov2_vitg14); default: the demo preset",
+    )
+    t.add_argument(
+        "--demo",
+        choices=tuple(DEMO_PRESETS),
+        help="the demo of this recipe on the built-in data set (default without --config: dino)",
+    )
     t.add_argument("--output-dir", help="run folder (default: logging.output_dir or runs/<time>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument(
@@ -413,8 +439,8 @@ def _add_export(sub) -> None:
     e.add_argument(
         "--image-size",
         type=int,
-        default=224,
-        help="ViT input side the position embeddings are exported for (default 224)",
+        help="ViT input side the position embeddings are exported for (default: the size "
+        "they were trained for: 224 for DINO, the global crop size for the dinov2 recipe)",
     )
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.set_defaults(run=_export)

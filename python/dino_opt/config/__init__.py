@@ -13,13 +13,24 @@ from .fields import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    RecipeConfig,
     ScheduleConfig,
 )
-from .load import apply_overrides, config_to_yaml, effective_lr, load_config, save_config
+from .load import (
+    RECIPES_DIR,
+    apply_overrides,
+    config_to_yaml,
+    effective_lr,
+    load_config,
+    recipe_names,
+    resolve_config_path,
+    save_config,
+)
 from .presets import PRESET_KEYS, PRESET_NAMES, PRESETS, HardwarePreset, preset_for_memory
 from .schema import Config, default_config, validate
 
 __all__ = [
+    "RECIPES_DIR",
     "AugmentationConfig",
     "CheckpointConfig",
     "Config",
@@ -37,12 +48,15 @@ __all__ = [
     "PRESETS",
     "PRESET_KEYS",
     "PRESET_NAMES",
+    "RecipeConfig",
     "ScheduleConfig",
     "apply_overrides",
     "config_to_yaml",
     "default_config",
     "effective_lr",
     "load_config",
+    "recipe_names",
+    "resolve_config_path",
     "preset_for_memory",
     "save_config",
     "validate",

@@ -24,6 +24,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
+    "RecipeConfig",
     "ScheduleConfig",
 ]
 
@@ -66,7 +67,9 @@ def _opt(
 # The schema
 # ---------------------------------------------------------------------------
 
-_BACKBONES = ("vit_tiny", "vit_small", "vit_base", "resnet18", "resnet50")
+_BACKBONES = (
+    "vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2", "resnet18", "resnet50",
+)  # fmt: skip
 
 
 @dataclass
@@ -137,13 +140,43 @@ class ModelConfig:
     """Backbone and DINO head."""
 
     backbone: str = _opt("vit_small", "backbone architecture", choices=_BACKBONES)
-    patch_size: int = _opt(16, "ViT patch size (ViT backbones only)", choices=(8, 16))
+    patch_size: int = _opt(16, "ViT patch size (ViT backbones only)", choices=(8, 14, 16))
     drop_path_rate: float = _opt(0.1, "stochastic depth rate of the ViT blocks", ge=0, lt=1)
     out_dim: int = _opt(65536, "dimension of the head's output (prototypes)", ge=1)
     norm_last_layer: bool = _opt(True, "fix the norm of the head's weight-normalised last layer")
     use_bn_in_head: bool = _opt(False, "batch norm in the head's MLP")
     hidden_dim: int = _opt(2048, "hidden width of the head's MLP", ge=1)
     bottleneck_dim: int = _opt(256, "bottleneck width before the last layer", ge=1)
+    num_register_tokens: int = _opt(0, "ViT register tokens (DINOv2 with registers: 4)", ge=0)
+    layerscale_init: float | None = _opt(
+        None, "LayerScale initial value of the ViT blocks (DINOv2: 1e-5); null: off", gt=0
+    )
+    ffn_layer: str | None = _opt(
+        None,
+        "ViT feed-forward layer: mlp (GELU), swiglu, or swiglufused (DINOv2's ViT-g sizing); "
+        "null: the architecture's own (swiglufused for vit_giant2, else mlp)",
+        choices=("mlp", "swiglu", "swiglufused"),
+    )
+    qkv_bias: bool = _opt(True, "bias in the ViT attention's qkv projection")
+    proj_bias: bool = _opt(True, "bias in the ViT attention's output projection")
+    ffn_bias: bool = _opt(True, "biases in the ViT feed-forward layer")
+    drop_path_uniform: bool = _opt(
+        False, "the same stochastic depth rate in every block (DINOv2) instead of a linear ramp"
+    )
+    interpolate_offset: float = _opt(
+        0.0,
+        "position-embedding interpolation offset (DINOv2: 0.1; 0: resize to the exact grid)",
+        ge=0,
+    )
+    interpolate_antialias: bool = _opt(
+        False, "anti-aliased bicubic position-embedding interpolation"
+    )
+    img_size: int | None = _opt(
+        None,
+        "image side the position embeddings are sized for (official DINOv2 weights: 518); "
+        "null: 224 (DINO), augmentation.global_crop_size (the dinov2 recipe)",
+        ge=1,
+    )
     init_from: str | None = _opt(
         None,
         "weights a fresh run starts from (continued pretraining): a timm or Hugging Face "
@@ -167,6 +200,22 @@ class OptimConfig:
     freeze_last_layer: int = _opt(1, "epochs during which the head's last layer is frozen", ge=0)
     accumulation_steps: int = _opt(1, "micro-batches per optimiser step", ge=1)
     fused: bool | None = _opt(None, "fused optimiser kernel; null: where torch offers it")
+    scaling_rule: str = _opt(
+        "linear_wrt_256",
+        "how optim.lr scales with the global batch: linear_wrt_256 (DINO: lr * batch / 256) or "
+        "sqrt_wrt_1024 (DINOv2: lr * sqrt(batch / 1024))",
+        choices=("linear_wrt_256", "sqrt_wrt_1024"),
+    )
+    layerwise_decay: float = _opt(
+        1.0,
+        "layer-wise learning-rate decay of the ViT: block i of n gets lr * decay^(n - i) "
+        "(DINOv2: 0.9; 1: off)",
+        gt=0,
+        le=1,
+    )
+    patch_embed_lr_mult: float = _opt(
+        1.0, "learning-rate multiplier of the patch embedding (DINOv2: 0.2)", gt=0
+    )
 
 
 @dataclass
@@ -185,6 +234,40 @@ class ScheduleConfig:
     )
     student_temp: float = _opt(0.1, "student temperature", gt=0)
     center_momentum: float = _opt(0.9, "momentum of the teacher output centre", ge=0, le=1)
+
+
+@dataclass
+class RecipeConfig:
+    """Which self-supervised recipe trains: DINO, or DINOv2 (DINO + iBOT + KoLeo)."""
+
+    name: str = _opt(
+        "dino",
+        "dino: the DINO loss over the class tokens; dinov2: DINO's loss plus iBOT's masked-patch "
+        "loss and the KoLeo regulariser",
+        choices=("dino", "dinov2"),
+    )
+    centering: str = _opt(
+        "centering",
+        "dinov2: teacher targets by softmax centering or sinkhorn_knopp",
+        choices=("centering", "sinkhorn_knopp"),
+    )
+    dino_loss_weight: float = _opt(1.0, "dinov2: weight of the class-token DINO loss", ge=0)
+    ibot_loss_weight: float = _opt(1.0, "dinov2: weight of the iBOT masked-patch loss", ge=0)
+    koleo_loss_weight: float = _opt(
+        0.1, "dinov2: weight of the KoLeo loss on the student's class tokens", ge=0
+    )
+    mask_ratio_min_max: tuple[float, float] = _opt(
+        (0.1, 0.5),
+        "dinov2: masked fraction of a masked crop's patches, spread over the batch",
+        check="scale",
+    )
+    mask_sample_probability: float = _opt(
+        0.5, "dinov2: fraction of the global crops that are masked", gt=0, le=1
+    )
+    ibot_separate_head: bool = _opt(
+        False, "dinov2: a head of its own for the patch tokens (else DINO's head is shared)"
+    )
+    ibot_out_dim: int = _opt(65536, "dinov2: prototypes of the separate iBOT head", ge=1)
 
 
 @dataclass
@@ -369,6 +452,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "optim": OptimConfig,
     "schedule": ScheduleConfig,
+    "recipe": RecipeConfig,
     "hardware": HardwareConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,

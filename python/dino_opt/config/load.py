@@ -3,6 +3,7 @@ and written atomically, and the learning rate scaled by the batch size."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import typing
@@ -23,7 +24,16 @@ from .schema import (
     validate,
 )
 
-__all__ = ["apply_overrides", "config_to_yaml", "effective_lr", "load_config", "save_config"]
+__all__ = [
+    "RECIPES_DIR",
+    "apply_overrides",
+    "config_to_yaml",
+    "effective_lr",
+    "load_config",
+    "recipe_names",
+    "resolve_config_path",
+    "save_config",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -166,11 +176,31 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{where}: malformed YAML ({detail})") from None
 
 
+# The YAML recipes shipped with the package (dino-opt train --config NAME).
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def recipe_names() -> list[str]:
+    """The names of the packaged YAML configs (``dinov2_vits14``, ...)."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """``path`` itself when it exists or names a folder or a ``.yaml`` file;
+    else a packaged config's name (:func:`recipe_names`) gives its file."""
+    p = Path(path)
+    packaged = RECIPES_DIR / f"{p.name}.yaml"
+    if not p.exists() and p.suffix == "" and p.parent == Path(".") and packaged.is_file():
+        return packaged
+    return p
+
+
 def load_config(
     path: str | os.PathLike | typing.Mapping | None = None, overrides: typing.Iterable[str] = ()
 ) -> Config:
     """Reads a YAML config (None, or an empty file: the defaults; a mapping
-    of sections: that config), applies ``section.key=value`` overrides,
+    of sections: that config; the name of a packaged config, e.g.
+    ``dinov2_vitl14``: that file, :func:`recipe_names`), applies ``section.key=value`` overrides,
     checks the result.
 
     Raises :class:`ConfigError` naming the file (not found; malformed YAML
@@ -182,7 +212,7 @@ def load_config(
         d = {k: dict(v) if isinstance(v, typing.Mapping) else v for k, v in path.items()}
         path = None
     elif path is not None:
-        path = Path(path)
+        path = resolve_config_path(path)
         d = _read_yaml(path)
         if d is None:
             d = {}
@@ -255,16 +285,18 @@ def save_config(cfg: Config, path: str | os.PathLike) -> Path:
 
 
 def effective_lr(cfg: Config, world_size: int = 1) -> float:
-    """The peak learning rate by DINO's linear scaling rule.
+    """The peak learning rate: ``optim.lr`` scaled by the images of one
+    optimiser step, ``batch_size * world_size * accumulation_steps``.
 
-    ``optim.lr`` is the rate for 256 images per optimiser step; DINO scales it
-    linearly with the images that make one step: ``lr * batch_size *
-    world_size * accumulation_steps / 256`` (main_dino.py: ``args.lr *
-    (args.batch_size_per_gpu * get_world_size()) / 256``; accumulated
-    micro-batches add to the step's batch the same way). The defaults give
-    0.0005 * 64 * 16 / 256 = 0.002 on 16 GPUs. ``optim.min_lr`` is not scaled,
-    as in DINO.
+    ``optim.scaling_rule`` linear_wrt_256 (DINO, main_dino.py): ``lr * images
+    / 256``; the defaults give 0.0005 * 64 * 16 / 256 = 0.002 on 16 GPUs.
+    sqrt_wrt_1024 (DINOv2): ``lr * sqrt(images / 1024)``; DINOv2's 0.004 at
+    64 per GPU on 16 GPUs stays 0.004. ``optim.min_lr`` is not scaled, as in
+    both.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-    return cfg.optim.lr * cfg.data.batch_size * world_size * cfg.optim.accumulation_steps / 256
+    images = cfg.data.batch_size * world_size * cfg.optim.accumulation_steps
+    if cfg.optim.scaling_rule == "sqrt_wrt_1024":
+        return cfg.optim.lr * math.sqrt(images / 1024)
+    return cfg.optim.lr * images / 256

@@ -25,6 +25,7 @@ from .fields import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    RecipeConfig,
     ScheduleConfig,
     _Spec,
 )
@@ -47,6 +48,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -264,6 +266,8 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
             continue
         if sname == "hardware" and isinstance(values, str):
             values = {"preset": values}  # `hardware: auto`
+        if sname == "recipe" and isinstance(values, str):
+            values = {"name": values}  # `recipe: dinov2`
         if not isinstance(values, typing.Mapping):
             errors.append(
                 f"section {sname!r} must be a mapping of keys "
@@ -349,6 +353,11 @@ def _check_relations(cfg: Config) -> None:
         errors.append(
             f"model.patch_size applies to ViT backbones only; model.backbone is "
             f"{m.backbone!r} (leave model.patch_size at its default)"
+        )
+    if cfg.recipe.name == "dinov2" and not m.backbone.startswith("vit"):
+        errors.append(
+            f"recipe.name=dinov2 needs a ViT backbone (its iBOT loss is over patch tokens); "
+            f"model.backbone is {m.backbone!r}"
         )
     h = cfg.health
     if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:

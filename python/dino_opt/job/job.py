@@ -34,7 +34,6 @@ from ..checkpoint import (
 from ..config import apply_overrides, save_config
 from ..eval import evaluate_run
 from ..observe import (
-    CollapseError,
     HealthThresholds,
     MemoryTracker,
     NonFiniteError,
@@ -57,14 +56,13 @@ from ..runtime import (
 )
 from ..train import (
     DINOModel,
-    MemoryOptimizedDINOTrainer,
     build_loader,
     build_loss,
     build_models,
     build_optimizer,
     build_schedules,
+    build_trainer,
     data_roots,
-    trainer_options,
 )
 from ..tune import resolve_hardware
 from ..weights import init_from
@@ -78,11 +76,12 @@ from .parts import (
     _Parts,
     _Rollback,
 )
+from .rollback import RollbackPolicy
 
 __all__ = ["CheckpointedDINOTrainer", "run_training"]
 
 
-class CheckpointedDINOTrainer:
+class CheckpointedDINOTrainer(RollbackPolicy):
     """The training job of ``dino-opt train``, restartable at any step.
 
     ``CheckpointedDINOTrainer(config, output_dir=..., auto_resume=True).train()``
@@ -220,8 +219,7 @@ class CheckpointedDINOTrainer:
         model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
         loss_fn = build_loss(cfg).to(device)
         optimizer = build_optimizer(cfg, student, device)
-        options = trainer_options(cfg)
-        trainer = MemoryOptimizedDINOTrainer(model, loss_fn, optimizer, options, device)
+        trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
         return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
                       optimizer, schedules, trainer)  # fmt: skip
 
@@ -408,10 +406,6 @@ class CheckpointedDINOTrainer:
             except Exception as e:
                 print(f"the checkpoint write in flight failed too: {e}", file=sys.stderr)
 
-    def _may_roll_back(self) -> bool:
-        h = self.config.health
-        return h.enabled and "rollback" in (h.on_nonfinite, h.on_collapse)
-
     def _train_epochs(self, stop: GracefulStop) -> str | None:
         """The epochs from the current one on, going back to the last good
         checkpoint when the health checks ask for it. Returns the signal
@@ -497,82 +491,6 @@ class CheckpointedDINOTrainer:
 
     # ------------------------------------------------------------ rollback
 
-    def _skipped(self, step: int) -> bool:
-        """Whether the micro-batch after ``step`` belongs to an optimizer
-        iteration a rollback skips."""
-        it = step // self.config.optim.accumulation_steps
-        return any(r["skipped_iterations"] and r["skipped_iterations"][0] <= it
-                   <= r["skipped_iterations"][1] for r in self.rollbacks)  # fmt: skip
-
-    def _skip_batch(self, epoch: int) -> None:
-        """A skipped micro-batch: read, not trained on; the step count and
-        the teacher's momentum schedule move on as if it had been."""
-        self.epoch = epoch
-        self.step += 1
-        self.log.advance()
-        if self.step % self.config.optim.accumulation_steps == 0:
-            self.parts.model.teacher_step += 1
-
-    @property
-    def lr_scale(self) -> float:
-        """The learning-rate factor of the rollbacks so far."""
-        return self.config.health.rollback_lr_scale ** len(self.rollbacks)
-
-    def _rollback(self, r: _Rollback) -> None:
-        """Back to the newest checkpoint before the failure, every rank at
-        once: its complete state, with the rollbacks so far (this one
-        included) kept, so the batches that failed are skipped and a resumed
-        run makes the same choices."""
-        h = self.config.health
-        if self.writer is not None:
-            self.writer.wait()  # the write in flight is a good checkpoint too
-        if len(self.rollbacks) >= h.max_rollbacks:
-            self._give_up(r)
-        first_bad = r.iterations[0] * self.config.optim.accumulation_steps if r.iterations else None
-        state, path = self._rollback_target(first_bad, r)
-        record = {"event": "rollback", "step": int(state["step"]), "epoch": int(state["epoch"]),
-                  "reason": r.reason, "detail": r.detail, "at_step": self.step,
-                  "skipped_iterations": list(r.iterations) if r.iterations else None,
-                  "checkpoint": path.name, "rollback": len(self.rollbacks) + 1}  # fmt: skip
-        rollbacks = [*self.rollbacks, record]
-        before = len(state.get("rollbacks", []))
-        self.load_state_dict(state)
-        self.rollbacks = rollbacks
-        self.history += rollbacks[before:-1]  # earlier events after that checkpoint
-        record["lr_scale"] = self.lr_scale
-        self.trainer.discard_accumulation()
-        self._collapse_streak = 0
-        self.log.close()
-        self._start_logging()  # metrics and TensorBoard rewound to the checkpoint, as on resume
-        self.history.append(record)
-        self.log.event(record)
-        if self.lead:
-            print(f"rollback {record['rollback']}/{h.max_rollbacks} at step {record['at_step']}: "
-                  f"{r.detail}; back to {path.name} (step {self.step}), skipping optimizer "
-                  f"iterations {record['skipped_iterations']}, lr x{self.lr_scale:g}",
-                  file=sys.stderr)  # fmt: skip
-
-    def _rollback_target(self, first_bad: int | None, r: _Rollback) -> tuple[dict, Path]:
-        """The newest checkpoint that loads and was written before step
-        ``first_bad`` (before this step when None)."""
-        limit = self.step - 1 if first_bad is None else first_bad
-        for record in reversed(self.checkpoint_manager.checkpoints()):
-            if record.step <= limit:
-                with contextlib.suppress(ValueError, OSError):
-                    return self.checkpoint_manager.load(record.path), record.path
-        self._give_up(r, f"no checkpoint written before step {limit + 1} loads")
-
-    def _give_up(self, r: _Rollback, why: str | None = None):
-        why = why or f"health.max_rollbacks={self.config.health.max_rollbacks} rollbacks done"
-        records = self.checkpoint_manager.checkpoints()
-        kept = f"; the last good checkpoint is kept: {records[-1].path}" if records else ""
-        if r.reason == "collapse":
-            alerts = [a.name for a in self.monitor.last_alerts]
-            raise CollapseError(f"{r.detail}; cannot roll back: {why}{kept}", alerts)
-        e = r.error
-        raise NonFiniteError(e.consecutive, e.first_step, e.last_step, e.limit,
-                             note=f"cannot roll back: {why}{kept}")  # fmt: skip
-
     def _train_step(self, batch, epoch: int, stop: GracefulStop) -> None:
         """One micro-batch: schedules, forward and backward, the optimizer
         step when one is due, health observation, and the logging row."""
@@ -586,8 +504,9 @@ class CheckpointedDINOTrainer:
         crops = batch.crops
         if cfg.debug.inject_nonfinite_at_step == self.step + 1:
             crops = [torch.full_like(crops[0], float("nan")), *crops[1:]]  # a corrupt batch
+        masks = {"masks": batch.masks} if getattr(batch, "masks", None) is not None else {}
         with self._phase("forward_backward"):
-            loss, _ = self.trainer.train_step_optimized(crops, epoch)
+            loss, self._step_metrics = self.trainer.train_step_optimized(crops, epoch, **masks)
         with self._phase("optimizer_step"):
             stepped = self.trainer.optimize_step()
         self.step += 1
@@ -606,7 +525,8 @@ class CheckpointedDINOTrainer:
             c = trainer.captured
             extra = dict(
                 teacher_logits=c["teacher_logits"], student_logits=c["student_logits"],
-                teacher_temp=loss_fn.teacher_temp(epoch), student_temp=loss_fn.student_temp,
+                teacher_temp=c.get("teacher_temp") or loss_fn.teacher_temp(epoch),
+                student_temp=loss_fn.student_temp,
                 center=loss_fn.center, features=c.get("features"),
             )  # fmt: skip
         self.monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=self.step, **extra)
@@ -628,15 +548,17 @@ class CheckpointedDINOTrainer:
         health, alerts, diverged = self._check_health(loss, ips)
         collapsed = any(a.name.startswith("collapse") for a in alerts)
         injected_hang(self.config.debug, self.step, self.rank)
+        parts = {f"loss_{k}": v for k, v in self._step_metrics.items() if k != "loss"}
         with self._collective("metrics"):
             reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),
                                           "diverged": float(diverged is not None),
-                                          "collapsed": float(collapsed)})  # fmt: skip
+                                          "collapsed": float(collapsed), **parts})  # fmt: skip
         if reduced["stop"] > 0 and self._pending_stop is None:
             self._pending_stop = stop.signal_name or "SIGTERM"
         row = {"step": self.step, "epoch": epoch, "loss": reduced["loss"],
                "lr": float(s.lr[it]) * self.lr_scale, "weight_decay": float(s.weight_decay[it]),
-               "momentum": float(s.momentum[it]), "images_per_second": ips}  # fmt: skip
+               "momentum": float(s.momentum[it]), "images_per_second": ips,
+               **{k: reduced[k] for k in parts}}  # fmt: skip
         row.update(self.tracker.get_memory_stats())
         row.update({k: v for k, v in health.items() if k not in row})
         if alerts:
@@ -659,43 +581,6 @@ class CheckpointedDINOTrainer:
         except NonFiniteError as e:
             return health, self.monitor.last_alerts, e
         return health, alerts, None
-
-    def _act_on_health(self, reduced: dict, diverged: NonFiniteError | None) -> None:
-        """``health.on_nonfinite`` when any rank diverged, ``health.on_collapse``
-        when the ranks saw a collapse ``health.collapse_patience`` intervals in a row."""
-        h = self.config.health
-        if reduced.get("diverged", 0) > 0 and h.on_nonfinite != "skip":
-            error = diverged or NonFiniteError(
-                h.max_nonfinite_steps + 1, None, None, h.max_nonfinite_steps,
-                note="another process saw it",
-            )  # fmt: skip
-            if h.on_nonfinite == "stop":
-                self._save("nonfinite", wait=True)
-                raise error
-            detail = (f"{error.consecutive} consecutive non-finite steps"
-                      + (f" (steps {error.first_step}-{error.last_step})"
-                         if error.last_step is not None else ""))  # fmt: skip
-            raise _Rollback("nonfinite", self._failed_iterations(diverged), detail, error)
-        self._collapse_streak = self._collapse_streak + 1 if reduced.get("collapsed") else 0
-        if h.on_collapse == "rollback" and self._collapse_streak >= h.collapse_patience:
-            names = sorted({a.name for a in self.monitor.last_alerts})
-            detail = (f"collapse ({', '.join(names) or 'on another rank'}) for "
-                      f"{self._collapse_streak} logging intervals")  # fmt: skip
-            raise _Rollback("collapse", None, detail)
-
-    def _failed_iterations(self, diverged: NonFiniteError | None) -> tuple[int, int]:
-        """Collective: the optimizer iterations of the non-finite streak, over
-        every rank that saw one (iteration i trains micro-batches
-        i*accumulation ... (i+1)*accumulation - 1)."""
-        accumulation = self.config.optim.accumulation_steps
-        local = None
-        if diverged is not None:
-            last_step = diverged.last_step if diverged.last_step is not None else self.step
-            last = last_step // accumulation - 1
-            local = (last - diverged.consecutive + 1, last)
-        with self._collective("rollback"):
-            spans = [x for x in gather_objects(local) if x is not None]
-        return min(a for a, _ in spans), max(b for _, b in spans)
 
     def _at_step_boundary(self, stop: GracefulStop) -> str | None:
         """After an optimizer step: act on a stop signal (alone at once; with

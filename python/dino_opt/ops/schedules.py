@@ -64,11 +64,19 @@ def teacher_temp_schedule(
 
 @dataclass
 class Schedules:
-    """The per-iteration schedules of a DINO run (one value per optimizer step)."""
+    """The per-iteration schedules of a run (one value per optimizer step).
+
+    ``teacher_temp`` (DINOv2: per iteration) and ``last_layer_lr`` (DINOv2:
+    the learning rate of the heads' last layers, 0 while they are frozen)
+    are None for DINO, whose teacher temperature is per epoch (in its loss)
+    and whose trainer freezes the last layer by dropping its gradients.
+    """
 
     lr: np.ndarray
     weight_decay: np.ndarray
     momentum: np.ndarray
+    teacher_temp: np.ndarray | None = None
+    last_layer_lr: np.ndarray | None = None
 
     @classmethod
     def dino(
@@ -92,3 +100,38 @@ class Schedules:
             weight_decay=cosine_scheduler(weight_decay, weight_decay_end, epochs, niter_per_epoch),
             momentum=cosine_scheduler(momentum_teacher, 1.0, epochs, niter_per_epoch),
         )
+
+    @classmethod
+    def dinov2(
+        cls,
+        *,
+        base_lr: float,
+        min_lr: float,
+        weight_decay: float,
+        weight_decay_end: float,
+        momentum_teacher: float,
+        warmup_teacher_temp: float,
+        teacher_temp: float,
+        warmup_teacher_temp_epochs: int,
+        freeze_last_layer_epochs: int,
+        epochs: int,
+        warmup_epochs: int,
+        niter_per_epoch: int,
+    ) -> Schedules:
+        """DINOv2's (dinov2/train/train.py): DINO's learning rate, weight
+        decay and momentum; the teacher temperature per iteration, linear from
+        ``warmup_teacher_temp`` over ``warmup_teacher_temp_epochs`` then
+        constant; the last layers' learning rate equal to the others' but 0
+        in the first ``freeze_last_layer_epochs``."""
+        dino = cls.dino(
+            base_lr=base_lr, min_lr=min_lr, weight_decay=weight_decay,
+            weight_decay_end=weight_decay_end, momentum_teacher=momentum_teacher,
+            epochs=epochs, warmup_epochs=warmup_epochs, niter_per_epoch=niter_per_epoch,
+        )  # fmt: skip
+        warm = min(warmup_teacher_temp_epochs, epochs) * niter_per_epoch
+        total = epochs * niter_per_epoch
+        temp = np.full(total, float(teacher_temp))
+        temp[:warm] = np.linspace(warmup_teacher_temp, teacher_temp, warm)
+        last_layer_lr = dino.lr.copy()
+        last_layer_lr[: freeze_last_layer_epochs * niter_per_epoch] = 0.0
+        return cls(dino.lr, dino.weight_decay, dino.momentum, temp, last_layer_lr)

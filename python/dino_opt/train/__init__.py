@@ -1,27 +1,43 @@
-"""One training step: the memory-optimised trainer, and the builders from a config."""
+"""One training step: the memory-optimised trainer (DINO and the DINOv2
+recipe), the parameter groups, and the builders from a config."""
 
 from .build import (
     DataRoots,
+    backbone_options,
     build_loader,
     build_loss,
     build_models,
     build_optimizer,
     build_schedules,
+    build_trainer,
     data_roots,
+    loader_masks,
     trainer_options,
 )
-from .trainer import DINOModel, MemoryOptimizedDINOTrainer, param_groups
+from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper, StudentOutputs, TeacherTargets
+from .param_groups import dinov2_param_groups, layer_id, param_groups
+from .trainer import DINOModel, MemoryOptimizedDINOTrainer
 
 __all__ = [
     "DINOModel",
+    "DINOv2Loss",
+    "DINOv2Trainer",
+    "DINOv2Wrapper",
     "DataRoots",
     "MemoryOptimizedDINOTrainer",
+    "StudentOutputs",
+    "TeacherTargets",
+    "backbone_options",
     "build_loader",
     "build_loss",
     "build_models",
     "build_optimizer",
     "build_schedules",
+    "build_trainer",
     "data_roots",
+    "dinov2_param_groups",
+    "layer_id",
+    "loader_masks",
     "param_groups",
     "trainer_options",
 ]

@@ -11,6 +11,7 @@ through these functions, so a key means the same thing everywhere:
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,39 +20,83 @@ from torch import nn
 
 from ..config import Config, effective_lr
 from ..data import AUGMENT_KEYS, MultiCropLoader, builtin_dataset
-from ..models import build_dino_models
+from ..models import DINOHead, build_dino_models
 from ..ops import DINOLoss, Schedules
-from .trainer import param_groups
+from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
+from .param_groups import dinov2_param_groups, param_groups
+from .trainer import DINOModel, MemoryOptimizedDINOTrainer
 
 __all__ = [
     "DataRoots",
+    "backbone_options",
     "build_loader",
     "build_loss",
     "build_models",
     "build_optimizer",
     "build_schedules",
+    "build_trainer",
     "data_roots",
+    "loader_masks",
     "trainer_options",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
-    """Student and teacher of ``cfg.model`` (:func:`~dino_opt.models.build_dino_models`),
-    on the CPU: what the training job trains and what ``dino-opt knn`` loads
-    a checkpoint into."""
+def backbone_options(cfg: Config) -> dict:
+    """The ViT options of ``cfg.model`` as :func:`~dino_opt.models.build_backbone`
+    takes them (the position-embedding grid defaults to DINO's 224 pixels, to
+    the global crops' with the dinov2 recipe, as DINOv2 sizes it; the mask
+    token with the dinov2 recipe)."""
     m = cfg.model
-    return build_dino_models(
-        m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
-        m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim,
+    return dict(
+        num_register_tokens=m.num_register_tokens, layerscale_init=m.layerscale_init,
+        ffn_layer=m.ffn_layer, qkv_bias=m.qkv_bias, proj_bias=m.proj_bias, ffn_bias=m.ffn_bias,
+        drop_path_uniform=m.drop_path_uniform, interpolate_offset=m.interpolate_offset,
+        interpolate_antialias=m.interpolate_antialias,
+        img_size=m.img_size or (
+            cfg.augmentation.global_crop_size if cfg.recipe.name == "dinov2" else 224
+        ),
+        use_mask_token=cfg.recipe.name == "dinov2",
     )  # fmt: skip
 
 
-def build_loss(cfg: Config) -> DINOLoss:
-    """The DINO loss of ``cfg`` (temperatures, centre momentum, crops per
-    image), on the CPU."""
-    s = cfg.schedule
+def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
+    """Student and teacher of ``cfg.model`` (:func:`~dino_opt.models.build_dino_models`),
+    on the CPU: what the training job trains and what ``dino-opt knn`` loads
+    a checkpoint into. The dinov2 recipe: :class:`~dino_opt.train.DINOv2Wrapper`
+    with a separate iBOT head when ``recipe.ibot_separate_head``."""
+    m = cfg.model
+    vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
+    student, teacher = build_dino_models(
+        m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
+        m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim, **vit,
+    )  # fmt: skip
+    if cfg.recipe.name != "dinov2":
+        return student, teacher
+    ibot = None
+    if cfg.recipe.ibot_separate_head:
+        ibot = DINOHead(student.backbone.embed_dim, cfg.recipe.ibot_out_dim,
+                        use_bn=m.use_bn_in_head, norm_last_layer=m.norm_last_layer,
+                        hidden_dim=m.hidden_dim, bottleneck_dim=m.bottleneck_dim)  # fmt: skip
+    student = DINOv2Wrapper(student.backbone, student.head, ibot)
+    teacher = DINOv2Wrapper(teacher.backbone, teacher.head, copy.deepcopy(ibot))
+    teacher.requires_grad_(False)
+    return student, teacher
+
+
+def build_loss(cfg: Config) -> DINOLoss | DINOv2Loss:
+    """The loss of ``cfg`` (temperatures, centre momentum, crops per image),
+    on the CPU: DINO's, or the dinov2 recipe's :class:`~dino_opt.train.DINOv2Loss`."""
+    s, r = cfg.schedule, cfg.recipe
+    if r.name == "dinov2":
+        ibot_dim = r.ibot_out_dim if r.ibot_separate_head else cfg.model.out_dim
+        return DINOv2Loss(
+            cfg.model.out_dim, ibot_dim, cfg.augmentation.num_local_views,
+            student_temp=s.student_temp, center_momentum=s.center_momentum,
+            centering=r.centering,
+            weights=(r.dino_loss_weight, r.ibot_loss_weight, r.koleo_loss_weight),
+        )  # fmt: skip
     return DINOLoss(
         cfg.model.out_dim, 2 + cfg.augmentation.num_local_views, s.warmup_teacher_temp,
         s.teacher_temp, s.warmup_teacher_temp_epochs, s.epochs, s.student_temp,
@@ -88,7 +133,8 @@ def build_loader(
     """The native multi-crop loader of ``cfg`` over ``root``: this rank's
     shard, the augmentation of ``cfg.augmentation``, the threads, prefetch,
     dtype and photometric placement of ``cfg.data``, seeded by
-    ``cfg.hardware.seed``."""
+    ``cfg.hardware.seed``; with the dinov2 recipe also the global crops'
+    block masks (:func:`loader_masks`)."""
     aug = cfg.augmentation
     gpu_photometric = cfg.data.photometric == "gpu"
     return MultiCropLoader(
@@ -110,7 +156,17 @@ def build_loader(
         on_error=cfg.data.on_error,
         augment={k: getattr(aug, k) for k in AUGMENT_KEYS},
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
+        masks=loader_masks(cfg),
     )
+
+
+def loader_masks(cfg: Config) -> dict | None:
+    """The loader's block masks of ``cfg.recipe`` (dinov2), or None (dino)."""
+    r = cfg.recipe
+    if r.name != "dinov2":
+        return None
+    return {"patch_size": cfg.model.patch_size, "ratio": tuple(r.mask_ratio_min_max),
+            "probability": r.mask_sample_probability}  # fmt: skip
 
 
 def build_optimizer(
@@ -123,13 +179,20 @@ def build_optimizer(
 ):
     """The optimizer of ``cfg.optim`` over DINO's two parameter groups
     (:func:`~dino_opt.train.param_groups`; the second, biases and norms,
-    never decays): AdamW (fused on a GPU unless ``optim.fused`` says
+    never decays), or DINOv2's (:func:`~dino_opt.train.dinov2_param_groups`:
+    the dinov2 recipe, or a layer-wise decay or patch-embedding multiplier
+    other than 1): AdamW (fused on a GPU unless ``optim.fused`` says
     otherwise) or SGD with momentum 0.9. ``lr`` and ``weight_decay`` are the
     starting values; in a training run the schedules set them every step
     (:meth:`~dino_opt.train.MemoryOptimizedDINOTrainer.set_schedules`).
     ``cfg`` None: the defaults (AdamW)."""
-    optim = (cfg or Config()).optim
-    groups = param_groups(student)
+    cfg = cfg or Config()
+    optim = cfg.optim
+    layerwise = optim.layerwise_decay != 1.0 or optim.patch_embed_lr_mult != 1.0
+    if cfg.recipe.name == "dinov2" or layerwise:
+        groups = dinov2_param_groups(student, optim.layerwise_decay, optim.patch_embed_lr_mult)
+    else:
+        groups = param_groups(student)
     if optim.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=weight_decay)
     fused = optim.fused if optim.fused is not None else device.type == "cuda"
@@ -141,6 +204,15 @@ def build_schedules(cfg: Config, niter_per_epoch: int, world_size: int = 1) -> S
     the global batch, :func:`~dino_opt.config.effective_lr`), weight decay and
     teacher momentum, for ``niter_per_epoch`` optimizer steps per epoch."""
     s, o = cfg.schedule, cfg.optim
+    if cfg.recipe.name == "dinov2":
+        return Schedules.dinov2(
+            base_lr=effective_lr(cfg, world_size=world_size), min_lr=o.min_lr,
+            weight_decay=o.weight_decay, weight_decay_end=o.weight_decay_end,
+            momentum_teacher=s.momentum_teacher, warmup_teacher_temp=s.warmup_teacher_temp,
+            teacher_temp=s.teacher_temp, warmup_teacher_temp_epochs=s.warmup_teacher_temp_epochs,
+            freeze_last_layer_epochs=o.freeze_last_layer, epochs=s.epochs,
+            warmup_epochs=s.warmup_epochs, niter_per_epoch=niter_per_epoch,
+        )  # fmt: skip
     return Schedules.dino(
         base_lr=effective_lr(cfg, world_size=world_size),
         min_lr=o.min_lr,
@@ -163,5 +235,13 @@ def trainer_options(cfg: Config) -> dict:
         "crop_batch_size": cfg.hardware.crop_batch_size,
         "accumulation_steps": cfg.optim.accumulation_steps,
         "gradient_clip": cfg.optim.clip_grad,
-        "freeze_last_layer": cfg.optim.freeze_last_layer,
+        # dinov2: the last layers are frozen by their learning-rate schedule
+        "freeze_last_layer": 0 if cfg.recipe.name == "dinov2" else cfg.optim.freeze_last_layer,
     }
+
+
+def build_trainer(cfg: Config, model: DINOModel, loss_fn, optimizer, device: torch.device):
+    """The one-step engine of ``cfg.recipe``: :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`
+    (dino) or :class:`~dino_opt.train.DINOv2Trainer` (dinov2)."""
+    cls = DINOv2Trainer if cfg.recipe.name == "dinov2" else MemoryOptimizedDINOTrainer
+    return cls(model, loss_fn, optimizer, trainer_options(cfg), device)

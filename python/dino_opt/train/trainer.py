@@ -28,6 +28,7 @@ from torch import nn
 
 from ..ops import EMATeacher, Schedules
 from ..runtime import no_sync, resolve_precision
+from .param_groups import param_groups
 
 __all__ = ["DINOModel", "MemoryOptimizedDINOTrainer", "param_groups"]
 
@@ -52,17 +53,6 @@ class DINOModel(nn.Module):
         m = self._ema.update(step)
         self.teacher_step = step + 1
         return m
-
-
-def param_groups(model: nn.Module) -> list[dict]:
-    """DINO's two groups: weight decay on weights, none on biases and norms
-    (every parameter with fewer than two dimensions)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _for_loss(x: torch.Tensor) -> torch.Tensor:
@@ -276,8 +266,15 @@ class MemoryOptimizedDINOTrainer:
 
     def set_schedules(self, schedules: Schedules, iteration: int, lr_scale: float = 1.0) -> None:
         """Applies the lr (times ``lr_scale``) and weight decay of ``iteration``
-        to the optimizer (weight decay only to the group that has it, as DINO does)."""
+        to the optimizer, each group's times its ``lr_multiplier`` and
+        ``wd_multiplier`` (:mod:`dino_opt.train.param_groups`; of groups
+        without a ``wd_multiplier`` only the first gets the weight decay, as
+        DINO sets it); groups flagged
+        ``is_last_layer`` follow ``schedules.last_layer_lr`` where there is one."""
+        last = schedules.last_layer_lr
         for i, group in enumerate(self.optimizer.param_groups):
-            group["lr"] = float(schedules.lr[iteration]) * lr_scale
-            if i == 0:
-                group["weight_decay"] = float(schedules.weight_decay[iteration])
+            lr = last if last is not None and group.get("is_last_layer") else schedules.lr
+            group["lr"] = float(lr[iteration]) * group.get("lr_multiplier", 1.0) * lr_scale
+            if "wd_multiplier" in group or i == 0:
+                wd_mult = group.get("wd_multiplier", 1.0)
+                group["weight_decay"] = float(schedules.weight_decay[iteration]) * wd_mult
