@@ -88,6 +88,7 @@ def test_to_dict_is_plain_and_yaml_safe():
         "model",
         "optim",
         "schedule",
+        "recipe",
         "hardware",
         "logging",
         "checkpoint",
@@ -143,7 +144,7 @@ def test_yaml_round_trip(tmp_path, comments):
 def test_yaml_comments_document_keys_and_choices():
     text = config_to_yaml(default_config())
     line = next(ln for ln in text.splitlines() if ln.startswith("  backbone:"))
-    assert "vit_tiny | vit_small | vit_base | resnet18 | resnet50" in line
+    assert "vit_tiny | vit_small | vit_base | vit_large | vit_giant2 | resnet18 | resnet50" in line
     assert "  global_crops_scale: [0.4, 1.0]  #" in text
     assert "# " not in config_to_yaml(default_config(), comments=False)
 
@@ -420,10 +421,11 @@ def test_range_errors(section, key, value, message):
             "model",
             "backbone",
             "vit_smal",
-            "model.backbone must be one of vit_tiny, vit_small, vit_base, resnet18, resnet50; "
+            "model.backbone must be one of vit_tiny, vit_small, vit_base, vit_large, vit_giant2, "
+            "resnet18, resnet50; "
             "got 'vit_smal' (did you mean 'vit_small'?)",
         ),
-        ("model", "patch_size", 14, "model.patch_size must be one of 8, 16; got 14"),
+        ("model", "patch_size", 12, "model.patch_size must be one of 8, 14, 16; got 12"),
         ("optim", "optimizer", "lars", "optim.optimizer must be one of adamw, sgd; got 'lars'"),
         (
             "hardware",

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dino_opt.checkpoint import CheckpointManager
+from dino_opt.cli import DEMO_PRESETS
 from dino_opt.config import ConfigError, effective_lr, load_config, recipe_names
 from dino_opt.data import mask_targets
 from dino_opt.ops import Schedules
@@ -263,3 +264,11 @@ def test_train_logs_each_loss_and_resumes_bit_for_bit(train_root, tmp_path):
         assert a[key].keys() == b[key].keys()
         for name in a[key]:
             assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+
+
+def test_the_dinov2_demo_is_the_dino_demo_with_the_recipe():
+    dino, dinov2 = load_config(DEMO_PRESETS["dino"]), load_config(DEMO_PRESETS["dinov2"])
+    assert dinov2.recipe.name == "dinov2" and dinov2.model.img_size == 224
+    a, b = dino.to_dict(), dinov2.to_dict()
+    changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
+    assert changed == {"recipe.name", "model.img_size"}

@@ -358,7 +358,8 @@ def test_errors_name_the_problem(tmp_path, gen):
 
 def test_export_weights_and_init_from_of_a_dinov2_style_run(tmp_path, gen):
     cfg = apply_overrides(default_config(), [
-        "model.backbone=vit_tiny", "model.patch_size=14", "model.num_register_tokens=4",
+        "recipe.name=dinov2", "model.backbone=vit_tiny", "model.patch_size=14",
+        "model.num_register_tokens=4",
         "model.layerscale_init=1e-5", "model.ffn_layer=swiglufused",
         "augmentation.global_crop_size=28", "augmentation.local_crop_size=14",
         "model.out_dim=16", "model.hidden_dim=16", "model.bottleneck_dim=8",
