@@ -269,6 +269,7 @@ def test_train_logs_each_loss_and_resumes_bit_for_bit(train_root, tmp_path):
 def test_the_dinov2_demo_is_the_dino_demo_with_the_recipe():
     dino, dinov2 = load_config(DEMO_PRESETS["dino"]), load_config(DEMO_PRESETS["dinov2"])
     assert dinov2.recipe.name == "dinov2" and dinov2.model.img_size == 224
+    assert dinov2.recipe.centering == "sinkhorn_knopp"
     a, b = dino.to_dict(), dinov2.to_dict()
     changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
-    assert changed == {"recipe.name", "model.img_size"}
+    assert changed == {"recipe.name", "recipe.centering", "model.img_size"}
