@@ -60,6 +60,14 @@ VARIANTS = {
 }
 
 
+def _baseline_autocast(name, device, dtype):
+    """Autocast for a baseline in half precision, as DINO and dinov2 run
+    them; dino_opt's operator takes the half-precision logits as they are."""
+    if name != "dino_opt" and dtype != torch.float32:
+        return torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
 def run_variant(name, inputs, ncrops, device, dtype):
     fn = VARIANTS[name]
     n_sets = len(inputs)
@@ -67,12 +75,7 @@ def run_variant(name, inputs, ncrops, device, dtype):
     def step(i):
         student, teacher, center = inputs[i % n_sets]
         student.grad = None
-        autocast = (
-            torch.autocast(device.type, dtype=dtype)
-            if name != "dino_opt" and dtype != torch.float32
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with _baseline_autocast(name, device, dtype):
             loss = fn(student, teacher, center, STUDENT_TEMP, TEACHER_TEMP, ncrops)
         loss.backward()
         return loss
@@ -197,12 +200,7 @@ def ibot_step(name, inputs, n_crops, device, dtype):
 
     def step(i):
         student.grad = None
-        autocast = (
-            torch.autocast(device.type, dtype=dtype)
-            if name != "dino_opt" and dtype != torch.float32
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with _baseline_autocast(name, device, dtype):
             loss = fn(student, targets, weights, STUDENT_TEMP, n_crops)
         loss.backward()
         return loss
