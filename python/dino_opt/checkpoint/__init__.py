@@ -1,18 +1,24 @@
-"""Checkpoint storage: atomic files, the manager, the background writer, RNG state."""
+"""Checkpoint storage: atomic files, the manager, the background writers (one file, or
+sharded through torch.distributed.checkpoint), RNG state."""
 
 from .files import CheckpointWriteError, atomic_write, fsync_dir
 from .manager import CheckpointManager, CheckpointRecord
+from .sharded import is_sharded_checkpoint, load_shards, read_sharded
 from .state import capture_rng_state, restore_rng_state, run_metadata
-from .writer import AsyncCheckpointWriter
+from .writer import AsyncCheckpointWriter, ShardedCheckpointWriter
 
 __all__ = [
     "AsyncCheckpointWriter",
     "CheckpointManager",
     "CheckpointRecord",
     "CheckpointWriteError",
+    "ShardedCheckpointWriter",
     "atomic_write",
     "capture_rng_state",
     "fsync_dir",
+    "is_sharded_checkpoint",
+    "load_shards",
+    "read_sharded",
     "restore_rng_state",
     "run_metadata",
 ]

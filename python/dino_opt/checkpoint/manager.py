@@ -62,6 +62,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import time
 import warnings
@@ -78,8 +79,18 @@ from .files import (
     atomic_write,
     fsync_dir,
 )
+from .sharded import SHARDED_SUFFIX, manifest, manifest_problem, read_sharded
 
 __all__ = ["CheckpointManager", "CheckpointRecord"]
+
+
+def _remove(path: str | Path) -> None:
+    """A file, or a sharded checkpoint's folder; gone already is fine."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        _unlink_quietly(path)
+
 
 INDEX_NAME = "checkpoints.json"
 SIDECAR_SUFFIX = ".sha256"
@@ -102,9 +113,10 @@ class CheckpointRecord:
     sha256: str | None
     size: int | None = None
     time: float | None = None
+    files: dict[str, int] | None = None  # a sharded checkpoint's files and their sizes
 
     def to_json(self) -> dict:
-        return {
+        entry = {
             "file": self.path.name,
             "epoch": self.epoch,
             "step": self.step,
@@ -113,6 +125,9 @@ class CheckpointRecord:
             "size": self.size,
             "time": self.time,
         }
+        if self.files is not None:
+            entry["files"] = self.files
+        return entry
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -155,7 +170,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.milestone_every = milestone_every
         self.prefix = prefix
-        self._name_re = re.compile(rf"{re.escape(prefix)}-e(\d{{4,}})-s(\d{{8,}})\.pth")
+        self._name_re = re.compile(rf"{re.escape(prefix)}-e(\d{{4,}})-s(\d{{8,}})\.(pth|dcp)")
 
     # ----------------------------------------------------------------- naming
 
@@ -163,9 +178,18 @@ class CheckpointManager:
     def index_path(self) -> Path:
         return self.directory / INDEX_NAME
 
-    def path_for(self, epoch: int, step: int) -> Path:
-        """The file a save with this epoch and step writes."""
-        return self.directory / f"{self.prefix}-e{epoch:04d}-s{step:08d}.pth"
+    def path_for(self, epoch: int, step: int, *, sharded: bool = False) -> Path:
+        """The file a save with this epoch and step writes (the folder, for a
+        sharded checkpoint)."""
+        suffix = SHARDED_SUFFIX if sharded else ".pth"
+        return self.directory / f"{self.prefix}-e{epoch:04d}-s{step:08d}{suffix}"
+
+    @staticmethod
+    def partial_path(path: str | os.PathLike) -> Path:
+        """Where the ranks write a sharded checkpoint before it is published
+        under ``path`` (a hidden folder: no reader lists it)."""
+        path = Path(path)
+        return path.with_name(f".{path.name}.partial")
 
     @staticmethod
     def sidecar_path(path: str | os.PathLike) -> Path:
@@ -246,7 +270,9 @@ class CheckpointManager:
         for name in names:
             parsed = self._parse_name(name)
             path = self.directory / name
-            if parsed is None or not path.is_file():
+            if parsed is None or not (path.is_file() or name.endswith(SHARDED_SUFFIX)):
+                continue
+            if name.endswith(SHARDED_SUFFIX) and not path.is_dir():
                 continue
             entry = index.get(name) or self._read_sidecar(path)
             epoch, step = parsed
@@ -262,6 +288,7 @@ class CheckpointManager:
                         entry["sha256"],
                         entry["size"],
                         entry.get("time"),
+                        entry.get("files"),
                     )
                 )
         records.sort(key=lambda r: (r.epoch, r.step, r.path.name))
@@ -311,13 +338,42 @@ class CheckpointManager:
         path = self.path_for(epoch, step)
         tmp, sha, size = self._write_temporary(state, path)
         record = CheckpointRecord(path, epoch, step, bool(milestone), sha, size, time.time())
+        return self._commit(tmp, record)
+
+    def publish_sharded(
+        self,
+        partial: str | os.PathLike,
+        *,
+        epoch: int,
+        step: int,
+        milestone: bool | None = None,
+        end_of_epoch: bool = False,
+    ) -> Path:
+        """Publishes a sharded checkpoint that every rank has finished writing
+        into ``partial`` (:meth:`partial_path`): its record (sizes of its
+        files, checksum of its description) goes into the sidecar, the folder
+        is renamed into place, the index updated, old checkpoints rotated,
+        with the guarantees of :meth:`save`. Returns the folder's path."""
+        if milestone is None:
+            milestone = self.is_milestone(epoch, end_of_epoch=end_of_epoch)
+        path = self.path_for(epoch, step, sharded=True)
+        try:
+            sha, size, files = manifest(partial)
+        except OSError as e:
+            raise CheckpointWriteError(path, e) from e
+        record = CheckpointRecord(path, epoch, step, bool(milestone), sha, size, time.time(), files)
+        return self._commit(os.fspath(partial), record)
+
+    def _commit(self, tmp: str, record: CheckpointRecord) -> Path:
+        """Publish, record, then rotate (see :meth:`save`)."""
+        path = record.path
         self._publish(tmp, record)
         doomed = self._update_index(record)
         if doomed is None:  # the index could not be written: nothing is deleted
             return path
         for victim in doomed:
             try:
-                _unlink_quietly(victim.path)
+                _remove(victim.path)
                 _unlink_quietly(self.sidecar_path(victim.path))
             except OSError as e:
                 warnings.warn(
@@ -367,12 +423,14 @@ class CheckpointManager:
         try:
             atomic_write(sidecar, lambda w: w.write((json.dumps(entry) + "\n").encode()))
             sidecar_replaced = True
+            if path.is_dir():  # a sharded checkpoint saved again: a folder cannot be replaced
+                shutil.rmtree(path)
             os.replace(tmp, path)
             tmp = None
             fsync_dir(self.directory)
         except Exception as e:
             if tmp is not None:  # the checkpoint never replaced `path`
-                _unlink_quietly(tmp)
+                _remove(tmp)
                 if sidecar_replaced:  # put the old record back (or none)
                     with contextlib.suppress(OSError):
                         if old_sidecar is None:
@@ -445,13 +503,13 @@ class CheckpointManager:
         for name in names:
             path = self.directory / name
             stale_tmp = name.startswith(f".{self.prefix}-") or name.startswith(f".{INDEX_NAME}.")
-            stale_tmp = stale_tmp and name.endswith(".tmp")
+            stale_tmp = stale_tmp and name.endswith((".tmp", ".partial"))
             orphan = name.endswith(SIDECAR_SUFFIX) and self._parse_name(
                 name[: -len(SIDECAR_SUFFIX)]
             )
             orphan = bool(orphan) and not (self.directory / name[: -len(SIDECAR_SUFFIX)]).exists()
             if stale_tmp or orphan:
-                _unlink_quietly(path)
+                _remove(path)
                 removed.append(path)
         return removed
 
@@ -461,11 +519,14 @@ class CheckpointManager:
         """None when ``path`` matches its recorded SHA-256 and size; otherwise
         why not (missing file, no record, truncated, checksum mismatch)."""
         path = Path(path)
-        if not path.is_file():
+        sharded = path.name.endswith(SHARDED_SUFFIX)
+        if not (path.is_dir() if sharded else path.is_file()):
             return "file does not exist"
         entry = self._lookup(path)
         if entry is None:
             return f"no checksum record (not in {INDEX_NAME} and no {SIDECAR_SUFFIX} sidecar)"
+        if sharded:
+            return manifest_problem(path, entry)
         try:
             digest, size = _file_sha256(path)
         except OSError as e:
@@ -502,21 +563,29 @@ class CheckpointManager:
         *,
         verify: bool = True,
         allow_pickle: bool = False,
+        tensors: bool = True,
     ) -> dict:
         """Load one checkpoint. Raises ValueError naming ``path`` when it does
         not verify (``verify=False`` skips the check) or cannot be loaded as a
         dict. ``torch.load`` runs with ``weights_only=True``; with
         ``allow_pickle=True`` a file holding other objects is loaded with full
-        unpickling instead (trusted files only)."""
+        unpickling instead (trusted files only). A sharded checkpoint (a
+        ``.dcp`` folder) is read whole into CPU tensors, or with
+        ``tensors=False`` only its small state (a sharded run then loads its
+        shards in place: :func:`~dino_opt.checkpoint.sharded.load_shards`)."""
         path = Path(path)
+        sharded = path.name.endswith(SHARDED_SUFFIX) and path.is_dir()
         if verify:
             reason = self.verify_reason(path)
             if reason is not None:
                 raise ValueError(f"checkpoint {str(path)!r} does not verify: {reason}")
-        elif not path.is_file():
+        elif not (sharded or path.is_file()):
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
         try:
-            state = self._torch_load(path, map_location, allow_pickle)
+            if sharded:
+                state = read_sharded(path, tensors=tensors)
+            else:
+                state = self._torch_load(path, map_location, allow_pickle)
         except Exception as e:
             raise ValueError(
                 f"checkpoint {str(path)!r} cannot be loaded: {type(e).__name__}: {e}"
@@ -526,15 +595,18 @@ class CheckpointManager:
         return state
 
     def load_latest(
-        self, map_location: Any = "cpu", *, allow_pickle: bool = False
+        self, map_location: Any = "cpu", *, allow_pickle: bool = False, tensors: bool = True
     ) -> tuple[dict, Path] | None:
         """The newest checkpoint that verifies and loads, as ``(state, path)``;
         None when there is none. Each newer checkpoint skipped (corrupt,
         truncated, unrecorded, unloadable) is reported with ``warnings.warn``
-        naming the file and the reason."""
+        naming the file and the reason. ``tensors``: as for :meth:`load`."""
         for record in reversed(self.checkpoints()):
             try:
-                return self.load(record.path, map_location, allow_pickle=allow_pickle), record.path
+                state = self.load(
+                    record.path, map_location, allow_pickle=allow_pickle, tensors=tensors
+                )
+                return state, record.path
             except (ValueError, OSError) as e:
                 warnings.warn(f"{e}; falling back to an older checkpoint", stacklevel=2)
         return None

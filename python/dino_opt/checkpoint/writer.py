@@ -1,5 +1,7 @@
 """Asynchronous checkpoints: the step waits only for a copy of the state into
-reused host buffers (pinned on a GPU); a thread writes it through the manager."""
+reused host buffers (pinned on a GPU); a thread writes it through the manager.
+:class:`ShardedCheckpointWriter` does the same for a sharded run, every rank
+writing its own shards through ``torch.distributed.checkpoint``."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from .manager import CheckpointManager
+from .files import CheckpointWriteError
+from .manager import CheckpointManager, _remove
+from .sharded import write_extra
 
-__all__ = ["AsyncCheckpointWriter"]
+__all__ = ["AsyncCheckpointWriter", "ShardedCheckpointWriter"]
 
 
 # ------------------------------------------------------------ asynchronous
@@ -139,4 +145,126 @@ class AsyncCheckpointWriter:
         try:
             self._result = self.manager.save(snapshot, **kwargs)
         except BaseException as e:  # surfaced by the next save() or wait()
+            self._error = e
+
+
+class ShardedCheckpointWriter:
+    """Writes the checkpoints of a sharded run: every rank calls :meth:`save`
+    at the same step with its shards (sharded state dicts of the student,
+    teacher and optimizer) and, on rank 0 (``lead``), the small rest of the
+    state.
+
+    Rank 0 prepares the hidden folder (:meth:`CheckpointManager.partial_path`)
+    and writes the small state into it; then every rank writes its shards
+    with ``torch.distributed.checkpoint``, asynchronously (``async_save``:
+    the caller waits only for the copy of its shards to host memory) unless
+    ``asynchronous=False``. The description (``.metadata``) is written once
+    every rank has written, and only then does rank 0 publish the folder
+    through the manager (renamed into place, recorded in the index), so a
+    checkpoint that any rank did not finish is never listed. At most one save
+    is in flight: :meth:`save` first waits for the one before and raises its
+    error on every rank. The writes go through a gloo group of their own
+    (``process_group``; by default made here, a collective), so that the
+    background thread's collectives never interleave with the training's.
+    """
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        *,
+        lead: bool,
+        asynchronous: bool = True,
+        process_group=None,
+    ):
+        self.manager = manager
+        self.lead = lead
+        self.asynchronous = asynchronous
+        self.group = process_group if process_group is not None else dist.new_group(backend="gloo")
+        self._thread: threading.Thread | None = None
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self.last_copy_seconds = 0.0  # what the caller of the last save waited for
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Waits for the save in flight; returns its path on rank 0 (None
+        elsewhere, or when there was none) or raises its error once."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"checkpoint write still in flight after {timeout} s")
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._result
+
+    def save(self, shards: dict, extra: dict | None, **kwargs) -> Path:
+        """Collective. ``shards``: this rank's sharded state dicts; ``extra``:
+        the rest of the state (used on rank 0); ``kwargs``: ``epoch``,
+        ``step``, ``milestone``, ``end_of_epoch`` as for
+        :meth:`CheckpointManager.publish_sharded`. Returns the folder's path.
+        Raises, on every rank, the error of the save before (any rank's) or of
+        rank 0's preparation of this one."""
+        path = self.manager.path_for(kwargs["epoch"], kwargs["step"], sharded=True)
+        partial = self.manager.partial_path(path)
+        error = self._error_of_previous()
+        if error is None and self.lead:
+            try:
+                _remove(partial)  # left by a save that was killed
+                partial.mkdir(parents=True)
+                write_extra(partial, extra)
+            except Exception as e:
+                error = CheckpointWriteError(path, e)
+        self._agree(error)  # also the barrier: the folder is ready for every rank
+        start = time.perf_counter()
+        self._result = None
+        if not self.asynchronous:
+            dcp.save(shards, checkpoint_id=os.fspath(partial), process_group=self.group)
+            self._publish(partial, kwargs)
+            self.wait()
+            return path
+        future = dcp.async_save(shards, checkpoint_id=os.fspath(partial), process_group=self.group)
+        self.last_copy_seconds = time.perf_counter() - start
+        self._thread = threading.Thread(
+            target=self._finish, args=(future, partial, kwargs), name="dino_opt-dcp", daemon=False
+        )
+        self._thread.start()
+        return path
+
+    def _error_of_previous(self) -> BaseException | None:
+        try:
+            self.wait()
+        except BaseException as e:
+            return e
+        return None
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Collective: raises ``error`` here, and on the other ranks an error
+        saying that a rank failed, when any rank has one."""
+        failed = torch.tensor([float(error is not None)])
+        dist.all_reduce(failed, group=self.group)
+        if error is not None:
+            raise error
+        if failed.item() > 0:
+            raise RuntimeError("a checkpoint write failed on another rank (see its log)")
+
+    def _finish(self, future, partial: Path, kwargs: dict) -> None:
+        try:
+            future.result()
+        except BaseException as e:  # surfaced by the next save() or wait()
+            self._error = e
+            return
+        self._publish(partial, kwargs)
+
+    def _publish(self, partial: Path, kwargs: dict) -> None:
+        if not self.lead:
+            return
+        try:
+            self._result = self.manager.publish_sharded(partial, **kwargs)
+        except BaseException as e:
             self._error = e

@@ -413,7 +413,7 @@ class HealthConfig:
 
 @dataclass
 class DistributedConfig:
-    """Several processes: collective timeouts and hang detection."""
+    """Several processes: how the model is spread, collective timeouts, hang detection."""
 
     timeout_s: float = _opt(
         1800.0, "timeout of a collective of the process group (NCCL, gloo), seconds", gt=0
@@ -423,6 +423,18 @@ class DistributedConfig:
         "a rank without progress for this long ends the job, naming the stuck rank and its "
         "last completed step (the checkpoint in flight finished first); 0: off",
         ge=0,
+    )
+    strategy: str = _opt(
+        "ddp",
+        "ddp: every rank holds the whole student, teacher and optimizer (DistributedDataParallel); "
+        "fsdp: each holds 1/world of them (torch's FSDP2 fully_shard per transformer block, the "
+        "heads and the root; checkpoints sharded through torch.distributed.checkpoint)",
+        choices=("ddp", "fsdp"),
+    )
+    reshard_after_forward: bool = _opt(
+        True,
+        "fsdp: free each block's gathered parameters after its forward and gather them again for "
+        "the backward (less memory); false keeps them until the backward (less communication)",
     )
 
 

@@ -27,7 +27,9 @@ import torch
 from ..checkpoint import (
     AsyncCheckpointWriter,
     CheckpointManager,
+    ShardedCheckpointWriter,
     capture_rng_state,
+    is_sharded_checkpoint,
     restore_rng_state,
     run_metadata,
 )
@@ -52,7 +54,6 @@ from ..runtime import (
     broadcast_object,
     gather_objects,
     init_distributed,
-    wrap_student,
 )
 from ..train import (
     DINOModel,
@@ -77,6 +78,14 @@ from .parts import (
     _Rollback,
 )
 from .rollback import RollbackPolicy
+from .sharding import (
+    SHARDED_KEYS,
+    full_teacher_backbone,
+    load_sharded_state,
+    resharded_loader_state,
+    sharded_state,
+    spread,
+)
 
 __all__ = ["CheckpointedDINOTrainer", "run_training"]
 
@@ -171,9 +180,11 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         """Joins the process group, resolves the hardware preset (on the first
         process, handed to the others), fixes the run folder and reads the
         checkpoint to resume from (checked against this config)."""
+        self.sharded = self.config.distributed.strategy == "fsdp"
         info = init_distributed(
-            self.config.hardware.device, timeout_s=self.config.distributed.timeout_s
-        )
+            self.config.hardware.device, timeout_s=self.config.distributed.timeout_s,
+            group_alone=self.sharded,
+        )  # fmt: skip
         self.device, self.rank, self.world = info.device, info.rank, info.world_size
         self.lead = self.rank == 0  # writes the run folder; every rank trains
         if self.lead:
@@ -215,8 +226,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 f"optim.accumulation_steps={accumulation}"
             )
         schedules = build_schedules(cfg, iters, world_size=self.world)
+        trained, teacher = spread(cfg, student, teacher, device)  # DDP, or both sharded
         model = DINOModel(student, teacher, schedules.momentum)
-        model.student = wrap_student(student, device)  # DDP when distributed; EMA reads `student`
+        model.student = trained  # the EMA reads the unwrapped `student`
         loss_fn = build_loss(cfg).to(device)
         optimizer = build_optimizer(cfg, student, device)
         trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
@@ -236,24 +248,48 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 )
             return None
         if resume == "auto":
-            return manager.load_latest()
+            return self._for_this_run(manager.load_latest(tensors=not self.sharded))
         path = Path(resume)
+        verify = manager.sidecar_path(path).exists() or path.parent == manager.directory
         try:
-            if manager.sidecar_path(path).exists() or path.parent == manager.directory:
-                return manager.load(path), path
-            return manager.load(path, verify=False), path
+            state = manager.load(path, verify=verify, tensors=not self.sharded)
         except (ValueError, OSError) as e:
             raise ResumeError(f"checkpoint.resume={resume!r}: {e}") from e
+        return self._for_this_run((state, path))
+
+    def _for_this_run(self, resumed: tuple[dict, Path] | None) -> tuple[dict, Path] | None:
+        """A checkpoint read for this run (its small state only, when
+        sharded: ``shards`` then names the folder the networks load from),
+        refused unless of the layout this run's strategy reads: one file
+        (ddp) or a sharded folder (fsdp)."""
+        if resumed is None:
+            return None
+        if is_sharded_checkpoint(resumed[1]) == self.sharded:
+            if self.sharded:
+                resumed[0]["shards"] = resumed[1]
+            return resumed
+        written = "fsdp (a sharded folder)" if is_sharded_checkpoint(resumed[1]) else "ddp (a file)"
+        raise ResumeError(
+            f"checkpoint {str(resumed[1])!r} was written with distributed.strategy={written}; "
+            f"resume it with that strategy, or start a new run from its weights with "
+            f"model.init_from={str(resumed[1])!r}"
+        )
 
     def state_dict(self) -> dict:
         """The complete state of the run at the current step. Collective when
         distributed: every process calls it at the same step (each one's
         loader position and RNGs are gathered), and every process gets it."""
         p = self.parts
+        if self.sharded:
+            networks = sharded_state(p.student, p.teacher, p.optimizer)
+        else:
+            networks = {
+                "student": p.student.state_dict(),
+                "teacher": p.teacher.state_dict(),
+                "optimizer": p.optimizer.state_dict(),
+            }
         return {
-            "student": p.student.state_dict(),
-            "teacher": p.teacher.state_dict(),
-            "optimizer": p.optimizer.state_dict(),
+            **networks,
             "scaler": p.trainer.scaler.state_dict() if p.trainer.scaler is not None else None,
             "loss": p.loss_fn.state_dict(),
             "teacher_step": p.model.teacher_step,
@@ -271,22 +307,32 @@ class CheckpointedDINOTrainer(RollbackPolicy):
 
     def load_state_dict(self, state: dict) -> None:
         """Restores a state of :meth:`state_dict` (written by as many
-        processes as this run has) into the built run."""
+        processes as this run has, or as many others: then the loader goes on
+        after the images seen, :func:`~dino_opt.job.sharding.resharded_loader_state`)
+        into the built run. A sharded run's state holds ``shards``, the folder
+        its networks and optimizer are loaded from (collective)."""
         p = self.parts
-        p.student.load_state_dict(state["student"])
-        p.teacher.load_state_dict(state["teacher"])
-        p.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            keys = state.get("sharded_keys", list(SHARDED_KEYS))
+            load_sharded_state(state["shards"], keys, p.student, p.teacher, p.optimizer)
+        else:
+            p.student.load_state_dict(state["student"])
+            p.teacher.load_state_dict(state["teacher"])
+            p.optimizer.load_state_dict(state["optimizer"])
         p.loss_fn.load_state_dict(state["loss"])
         if p.trainer.scaler is not None and state.get("scaler") is not None:
             p.trainer.scaler.load_state_dict(state["scaler"])
         p.model.teacher_step = int(state["teacher_step"])
-        if len(state["loader"]) != self.world:
-            raise ValueError(
-                f"it was written by {len(state['loader'])} processes, this run has {self.world}"
-            )
-        p.loader.load_state_dict(state["loader"][self.rank])
-        restore_rng_state(state["rng"][self.rank], strict=False)
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        if len(state["loader"]) == self.world:
+            p.loader.load_state_dict(state["loader"][self.rank])
+            restore_rng_state(state["rng"][self.rank], strict=False)
+        else:  # another world size: the same epoch, after the images seen
+            p.loader.load_state_dict(resharded_loader_state(state["loader"], self.rank, self.world))
+            rng = state["rng"]
+            restore_rng_state(rng[self.rank % len(rng)], strict=False)
+            self.step = self.epoch * len(p.loader) + p.loader.state_dict()["next_batch"]
+            p.model.teacher_step = self.step // self.config.optim.accumulation_steps
         self.history = list(state.get("history", []))
         self.rollbacks = list(state.get("rollbacks", []))
         self._seconds_before = float(state.get("train_seconds", 0.0))
@@ -332,7 +378,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         with self._collective("checkpoint state"):
             state = {**self.state_dict(), "reason": reason}
         path, error = None, None
-        if self.lead:
+        if self.lead or self.sharded:  # a sharded run's ranks each write their shards
             try:
                 path = self._write(state, reason, end_of_epoch, wait)
             except BaseException as e:  # reported to every rank first
@@ -351,6 +397,13 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         save first raises the error of the write before, if any)."""
         kwargs = dict(epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
                       milestone=True if reason == "final" else None)  # fmt: skip
+        if self.sharded:
+            shards = {key: state.pop(key) for key in SHARDED_KEYS if key in state}
+            state["sharded_keys"] = list(shards)
+            path = self.writer.save(shards, state, **kwargs)
+            if wait:
+                self.writer.wait()
+            return path if self.lead else None
         if self.writer is None:
             return self.checkpoint_manager.save(state, **kwargs)
         path = self.writer.save(state, **kwargs)
@@ -381,7 +434,11 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             self._init_from(self.config.model.init_from)
         del resumed  # the tensors now live in the models and the optimizer
         self._start_logging()
-        if self.lead and self.config.checkpoint.async_:
+        if self.sharded:  # every rank writes its shards
+            self.writer = ShardedCheckpointWriter(
+                self.checkpoint_manager, lead=self.lead, asynchronous=self.config.checkpoint.async_
+            )
+        elif self.lead and self.config.checkpoint.async_:
             self.writer = AsyncCheckpointWriter(self.checkpoint_manager)
         self.watchdog = self._start_watchdog()
         try:
@@ -630,14 +687,18 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.epoch = cfg.schedule.epochs
         report["checkpoint"] = str(self._save("final", end_of_epoch=True, wait=True))
         self._stop_watchdog()  # not during the evaluation
+        p = self.parts
+        evaluate = p.roots.val is not None
+        teacher = None  # collective when sharded: the whole teacher, on rank 0
+        if evaluate:
+            teacher = full_teacher_backbone(p.teacher, p.random_teacher, self.lead)
         if not self.lead:  # rank 0 evaluates and writes the report
             self.log.close()
             return report
         report.update(self._profile_report())
         plot_training_curves(self.history, self.folder.training_curves)
-        p = self.parts
-        if p.roots.val is not None:
-            nets = (p.teacher.backbone, p.random_teacher.backbone)
+        if evaluate:
+            nets = (teacher, p.random_teacher.backbone)
             report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder))
         return self._write_report(report, final=True)
 

@@ -90,7 +90,8 @@ class RollbackPolicy:
         for record in reversed(self.checkpoint_manager.checkpoints()):
             if record.step <= limit:
                 with contextlib.suppress(ValueError, OSError):
-                    return self.checkpoint_manager.load(record.path), record.path
+                    state = self.checkpoint_manager.load(record.path, tensors=not self.sharded)
+                    return self._for_this_run((state, record.path))
         self._give_up(r, f"no checkpoint written before step {limit + 1} loads")
 
     def _give_up(self, r: _Rollback, why: str | None = None):

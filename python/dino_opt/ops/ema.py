@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .library import ema_update_
 from .schedules import cosine_scheduler
@@ -24,6 +25,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         return model.module
     return model
+
+
+def _local(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's shards of sharded (``DTensor``) parameters, as views that
+    write through; plain tensors unchanged. A teacher and a student sharded
+    the same way have matching shards, so the EMA runs on them alone."""
+    return [p.to_local() if isinstance(p, DTensor) else p for p in params]
 
 
 def _paired_parameters(
@@ -52,7 +60,7 @@ def update_teacher(student: nn.Module, teacher: nn.Module, m: float) -> None:
     fused operator. Drop-in for the EMA loop of the original DINO code (the
     lesson's ``model.update_teacher()``); ``student`` may be wrapped in DDP."""
     t_params, s_params = _paired_parameters(student, teacher)
-    ema_update_(t_params, s_params, m)
+    ema_update_(_local(t_params), _local(s_params), m)
 
 
 class EMATeacher:
@@ -144,7 +152,7 @@ class EMATeacher:
     def update(self, step: int) -> float:
         """One EMA step with the momentum of ``step``; returns that momentum."""
         m = self.momentum(step)
-        ema_update_(self._teacher_params, self._student_params, m)
+        ema_update_(_local(self._teacher_params), _local(self._student_params), m)
         if self.copy_buffers:
             for t, s in zip(self.teacher.buffers(), self.student.buffers(), strict=True):
                 t.copy_(s)

@@ -15,6 +15,7 @@ from .process import (
     world_size,
     wrap_student,
 )
+from .sharding import is_sharded, replicated, shard_model
 from .signals import GracefulStop
 from .watchdog import (
     EXIT_HANG,
@@ -39,12 +40,15 @@ __all__ = [
     "host_store",
     "init_distributed",
     "is_distributed",
+    "is_sharded",
     "join_store",
     "launched_world",
     "no_sync",
     "rank",
+    "replicated",
     "resolve_device",
     "resolve_precision",
+    "shard_model",
     "world_size",
     "wrap_student",
 ]

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .device import resolve_device
+from .sharding import FSDPModule, fsdp_no_sync
 
 __all__ = [
     "DistInfo",
@@ -95,19 +96,31 @@ def launched_world() -> tuple[int, int, int] | None:
 
 
 def init_distributed(
-    device: str = "auto", backend: str | None = None, timeout_s: float | None = None
+    device: str = "auto",
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    *,
+    group_alone: bool = False,
 ) -> DistInfo:
     """Joins the process group the launcher describes (torchrun or SLURM
     variables; see :func:`launched_world`), once; a single process stays
-    alone. ``device`` 'auto' is ``cuda:LOCAL_RANK`` when CUDA is available,
-    else the CPU; ``backend`` defaults to NCCL on CUDA and gloo on the CPU.
-    ``timeout_s``: how long a collective may wait before it fails (NCCL's
-    asynchronous error handling is switched on, unless the environment
-    chooses otherwise)."""
+    alone, or with ``group_alone`` forms a group of one (what sharding with
+    FSDP needs). ``device`` 'auto' is ``cuda:LOCAL_RANK`` when CUDA is
+    available, else the CPU; ``backend`` defaults to NCCL on CUDA and gloo on
+    the CPU. ``timeout_s``: how long a collective may wait before it fails
+    (NCCL's asynchronous error handling is switched on, unless the
+    environment chooses otherwise)."""
 
     placed = launched_world()
     if placed is None or placed[1] == 1:
-        return DistInfo(0, 1, 0, resolve_device(device), dist.is_initialized())
+        dev = resolve_device(device)
+        if group_alone and not dist.is_initialized():
+            dist.init_process_group(
+                backend or ("nccl" if dev.type == "cuda" else "gloo"),
+                store=dist.HashStore(), rank=0, world_size=1,
+                **({"device_id": dev} if dev.type == "cuda" else {}),
+            )  # fmt: skip
+        return DistInfo(0, 1, 0, dev, dist.is_initialized())
     r, world, local = placed
     if device == "auto":
         use_cuda = torch.cuda.is_available()
@@ -204,8 +217,11 @@ def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
 
 
 def no_sync(module: nn.Module, skip: bool):
-    """``module.no_sync()`` when ``skip`` and the module is DDP: the backward
-    passes of a step but its last accumulate gradients without all-reducing."""
+    """When ``skip``: ``module.no_sync()`` for DDP, :func:`fsdp_no_sync` for
+    a sharded module; the backward passes of a step but its last accumulate
+    gradients without reducing them."""
+    if skip and isinstance(module, FSDPModule):
+        return fsdp_no_sync(module)
     if skip and hasattr(module, "no_sync"):
         return module.no_sync()
     return contextlib.nullcontext()

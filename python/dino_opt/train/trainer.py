@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..ops import EMATeacher, Schedules
-from ..runtime import no_sync, resolve_precision
+from ..runtime import no_sync, replicated, resolve_precision
 from .param_groups import param_groups
 
 __all__ = ["DINOModel", "MemoryOptimizedDINOTrainer", "param_groups"]
@@ -216,14 +216,13 @@ class MemoryOptimizedDINOTrainer:
             for p in _last_layer_params(student):
                 p.grad = None
         params = [p for p in student.parameters() if p.grad is not None]
+        # Sharded gradients (FSDP): the norm is reduced over the ranks on the
+        # device and comes back replicated; no host synchronisation.
         if self.gradient_clip > 0:
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, self.gradient_clip, foreach=True
-            )
+            norm = torch.nn.utils.clip_grad_norm_(params, self.gradient_clip, foreach=True)
         else:
-            self.last_grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad) for p in params])
-            )
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.last_grad_norm = replicated(norm)
         # A NaN/inf loss or gradient skips the update (counted by the caller
         # from last_step_finite). fp16: GradScaler skips it and lowers its
         # scale; a fused optimizer skips it on the device (found_inf, as

@@ -1,0 +1,116 @@
+"""FSDP2 on the student and the teacher (``distributed.strategy: fsdp``).
+
+:func:`shard_model` applies torch's ``fully_shard`` to each transformer block
+of a multi-crop network, then to each head, then to the network itself (which
+holds the patch embedding, the tokens and the last norm), so that every rank
+keeps 1/world of the parameters, gradients and optimizer state and gathers one
+block at a time. The parameters become ``DTensor`` shards (the fused EMA
+updates the teacher's local shards from the student's, which line up
+because both networks are sharded the same way); a reduction over them comes
+back as a replicated ``DTensor`` (:func:`replicated` makes it a plain tensor:
+the gradient norm). :func:`fsdp_no_sync` is the accumulation counterpart of
+DistributedDataParallel's ``no_sync``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "FSDPModule",
+    "fsdp_no_sync",
+    "is_sharded",
+    "mixed_precision_policy",
+    "replicated",
+    "shard_model",
+]
+
+# Methods other than forward that the job calls on a sharded network: they
+# must gather the parameters as forward does.
+_FORWARD_METHODS = ("forward_backbone",)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` went through ``fully_shard``."""
+    return isinstance(module, FSDPModule)
+
+
+def replicated(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a reduction's result: a ``DTensor`` made whole (a
+    gradient norm over shards comes back replicated, so this needs no
+    communication), any other tensor unchanged."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Parameters gathered in ``param_dtype`` (bf16 from the config's
+    precision; None: as stored, float32), gradients reduced in float32."""
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    if param_dtype != torch.bfloat16:
+        raise ValueError(
+            f"distributed.strategy=fsdp supports hardware.precision bf16 or fp32, not "
+            f"{param_dtype} (fp16's gradient scaler does not reduce its overflow check over shards)"
+        )
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    blocks = getattr(getattr(model, "backbone", None), "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        backbone = type(getattr(model, "backbone", model)).__name__
+        raise ValueError(
+            f"distributed.strategy=fsdp shards a ViT backbone block by block; {backbone} has no "
+            "transformer blocks (use distributed.strategy=ddp for a ResNet)"
+        )
+    return list(blocks)
+
+
+def shard_model(
+    model: nn.Module,
+    param_dtype: torch.dtype | None = None,
+    *,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """``fully_shard`` on each of ``model.backbone.blocks``, each other child
+    with parameters (the heads), then ``model`` (in place; returned). The
+    process group must be up. ``reshard_after_forward`` applies to the blocks
+    and heads; the root follows it too, so that a network used only forward
+    (the teacher) holds no gathered parameters between steps."""
+    policy = mixed_precision_policy(param_dtype)
+    options = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for block in _blocks(model):
+        fully_shard(block, **options)
+    for name, child in model.named_children():
+        if name != "backbone" and any(True for _ in child.parameters()):
+            fully_shard(child, **options)
+    fully_shard(model, **options)
+    for method in _FORWARD_METHODS:
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
+    return model
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(module: FSDPModule):
+    """Backward passes that accumulate gradients on every rank without
+    reduce-scattering them, and keep the gathered parameters for the next
+    micro-batch instead of resharding after each (the step's last backward,
+    outside this context, reduces and reshards)."""
+    module.set_requires_gradient_sync(False)
+    module.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)
