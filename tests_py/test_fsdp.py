@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager, read_sharded
+from dino_opt.cli import main
+from safetensors.torch import load_file
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 
@@ -63,11 +65,17 @@ def _losses(run: dict) -> list[float]:
     return [r["loss"] for r in run["rows"] if "loss" in r]
 
 
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_fsdp_trains_as_ddp(train_root, tmp_path):
     four = "schedule.epochs=4"
     ddp = _train(tmp_path / "ddp", train_root, four)
     fsdp = _train(tmp_path / "fsdp", train_root, four, FSDP)
-    assert fsdp["report"]["steps"] == ddp["report"]["steps"] == 20  # 4 epochs of 40 images / (2 x 4)
+    assert (
+        fsdp["report"]["steps"] == ddp["report"]["steps"] == 20
+    )  # 4 epochs of 40 images / (2 x 4)
     assert Path(fsdp["report"]["checkpoint"]).name.endswith(".dcp")
     for a, b in zip(_losses(ddp), _losses(fsdp), strict=True):
         assert b == pytest.approx(a, rel=1e-4)
@@ -75,3 +83,138 @@ def test_fsdp_trains_as_ddp(train_root, tmp_path):
         for name, value in ddp["state"][key].items():
             torch.testing.assert_close(fsdp["state"][key][name], value, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fsdp["state"]["loss"]["center"], ddp["state"]["loss"]["center"])
+
+
+# ------------------------------------------------------------ kill -9, resume
+
+KILLABLE = (FSDP, "model.drop_path_rate=0.1", "schedule.epochs=3", "checkpoint.every_steps=1")
+
+
+@pytest.fixture(scope="module")
+def reference(train_root, tmp_path_factory):
+    """An uninterrupted sharded run (3 epochs of 5 steps, a checkpoint every step)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    _train(out, train_root, *KILLABLE)
+    return out
+
+
+def _spawn(out: Path, train_root: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
+    command = _command(out, train_root, *extra)
+    command[command.index("--nproc") + 1] = str(nproc)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=_env(), start_new_session=True)  # fmt: skip
+
+
+def _kill_after(p: subprocess.Popen, out: Path, step: int, delay: float = 0.0) -> bool:
+    """SIGKILL to the launcher and every rank (a node lost) once a checkpoint of
+    ``step`` or later is listed; whether it came before the run ended."""
+    manager = CheckpointManager(out / "checkpoints")
+    deadline = time.monotonic() + 240
+    while p.poll() is None and time.monotonic() < deadline:
+        if any(r.step >= step for r in manager.checkpoints()):
+            time.sleep(delay)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=60)
+            return True
+        time.sleep(0.005)
+    p.communicate(timeout=240)
+    return False
+
+
+def _final_state(out: Path) -> dict:
+    return read_sharded(json.loads((out / "report.json").read_text())["checkpoint"])
+
+
+def _assert_equal_states(a: dict, b: dict) -> None:
+    for key in ("student", "teacher", "loss"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+    for name, value in a["optimizer"]["state"].items():
+        for k, v in value.items():
+            assert torch.equal(v, b["optimizer"]["state"][name][k]), f"optimizer {name}.{k}"
+    assert (a["step"], a["teacher_step"]) == (b["step"], b["teacher_step"])
+
+
+def test_sigkill_of_every_rank_then_resume_is_bit_exact(reference, train_root, tmp_path):
+    out = tmp_path / "run"
+    manager = CheckpointManager(out / "checkpoints")
+    kills = 0
+    for target, delay in ((3, 0.0), (7, 0.02), (11, 0.05)):
+        kills += _kill_after(_spawn(out, train_root, *KILLABLE), out, target, delay)
+        for record in manager.checkpoints():  # whatever is listed is complete
+            assert manager.verify(record.path), record.path
+    assert kills >= 2, "the runs ended before they were killed; the test proved nothing"
+    _train(out, train_root, *KILLABLE)
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 15 and "resumed_from" in report
+    steps_and_losses = [[(r["step"], r["loss"]) for r in _rows(o) if "loss" in r][-3:]
+                        for o in (out, reference)]  # fmt: skip
+    assert steps_and_losses[0] == steps_and_losses[1]
+    _assert_equal_states(_final_state(out), _final_state(reference))
+    assert not any(p.name.endswith(".partial") for p in (out / "checkpoints").iterdir())
+
+
+def test_resume_at_another_world_size_reshards(train_root, tmp_path):
+    """2 ranks, then 1 (the shards of two read by one), then 2 again."""
+    out = tmp_path / "run"
+    extra = (FSDP, "schedule.epochs=3", "checkpoint.every_steps=1")
+    assert _kill_after(_spawn(out, train_root, *extra), out, 3)
+    assert _kill_after(_spawn(out, train_root, *extra, nproc=1), out, 12)  # 10 steps/epoch alone
+    run = _train(out, train_root, *extra)
+    report = run["report"]
+    assert report["steps"] == 15 and "resumed_from" in report  # 3 epochs of 5 steps at 2 ranks
+    steps = [r["step"] for r in run["rows"] if "loss" in r]
+    assert steps[-1] == 15 and all(torch.isfinite(torch.tensor(_losses(run))))
+    state = run["state"]
+    assert state["world_size"] == 2 and state["epoch"] == 3
+    for key in ("student", "teacher"):
+        assert all(torch.isfinite(v).all() for v in state[key].values())
+
+
+def test_the_tools_read_a_sharded_run(reference, tmp_path, capsys):
+    assert main(["report", str(reference), "--json"]) == 0
+    checkpoints = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert checkpoints["summary"]["verified"] == checkpoints["summary"]["count"] >= 2
+    newest = checkpoints["checkpoints"][-1]
+    assert newest["file"].endswith(".dcp") and newest["size"] > 1_000_000
+    out = tmp_path / "exported.safetensors"
+    assert main(["export", str(reference), "--format", "timm", "--output", str(out)]) == 0
+    weights = load_file(out)
+    teacher = _final_state(reference)["teacher"]
+    torch.testing.assert_close(weights["cls_token"], teacher["backbone.cls_token"])
+
+
+def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
+    inject = ("debug.inject_nonfinite_at_step=4", "health.max_nonfinite_steps=0")
+    run = _train(tmp_path / "rollback", train_root, FSDP, *inject)
+    (rollback,) = run["report"]["rollbacks"]
+    assert rollback["skipped_iterations"] == [3, 3] and rollback["checkpoint"].endswith(".dcp")
+    assert run["report"]["steps"] == 10 and all(torch.isfinite(torch.tensor(_losses(run))))
+    out = tmp_path / "hang"
+    hang = ("debug.inject_hang_at_step=4", "debug.inject_hang_rank=1",
+            "distributed.hang_timeout_s=10", "checkpoint.every_steps=1")  # fmt: skip
+    done = _train(out, train_root, FSDP, *hang, ok=False)
+    assert done.returncode == 75, done.stderr[-3000:]
+    found = json.loads((out / "hang.json").read_text())
+    # (which rank's watchdog fires first is a race here: the stuck one's own may)
+    assert 1 in found["stuck_ranks"] and found["checkpoint_step"] == 3
+    assert CheckpointManager(out / "checkpoints").verify(found["checkpoint"])
+    resumed = _train(out, train_root, FSDP, "checkpoint.every_steps=1")
+    assert resumed["report"]["resumed_from"] == found["checkpoint"]
+    assert resumed["report"]["steps"] == 10
+
+
+def test_unsupported_combinations_are_one_line(train_root, tmp_path):
+    for extra, words in (
+        (("hardware.precision=fp16",), "not fp16"),
+        (("model.backbone=resnet18",), "use distributed.strategy=ddp"),
+    ):
+        done = _train(tmp_path / "x", train_root, FSDP, *extra, ok=False)
+        assert done.returncode != 0 and words in done.stderr
+        assert "Traceback" not in done.stderr
+    ddp = tmp_path / "ddp"
+    _train(ddp, train_root, "checkpoint.every_steps=5")
+    (ddp / "report.json").unlink()
+    done = _train(ddp, train_root, FSDP, "checkpoint.every_steps=5", ok=False)
+    assert done.returncode != 0 and "was written with distributed.strategy=ddp" in done.stderr

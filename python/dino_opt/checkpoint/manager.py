@@ -85,9 +85,16 @@ __all__ = ["CheckpointManager", "CheckpointRecord"]
 
 
 def _remove(path: str | Path) -> None:
-    """A file, or a sharded checkpoint's folder; gone already is fine."""
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
+    """A file, or a sharded checkpoint's folder; gone already is fine. A
+    folder is first renamed out of sight, so that a process killed while
+    deleting it never leaves a listed checkpoint with files missing."""
+    path = Path(path)
+    if path.is_dir():
+        doomed = path.with_name(f".{path.name.lstrip('.')}.deleting")
+        if doomed.exists():  # left by a process killed while deleting
+            shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     else:
         _unlink_quietly(path)
 
@@ -424,7 +431,7 @@ class CheckpointManager:
             atomic_write(sidecar, lambda w: w.write((json.dumps(entry) + "\n").encode()))
             sidecar_replaced = True
             if path.is_dir():  # a sharded checkpoint saved again: a folder cannot be replaced
-                shutil.rmtree(path)
+                _remove(path)
             os.replace(tmp, path)
             tmp = None
             fsync_dir(self.directory)
@@ -503,7 +510,7 @@ class CheckpointManager:
         for name in names:
             path = self.directory / name
             stale_tmp = name.startswith(f".{self.prefix}-") or name.startswith(f".{INDEX_NAME}.")
-            stale_tmp = stale_tmp and name.endswith((".tmp", ".partial"))
+            stale_tmp = stale_tmp and name.endswith((".tmp", ".partial", ".deleting"))
             orphan = name.endswith(SIDECAR_SUFFIX) and self._parse_name(
                 name[: -len(SIDECAR_SUFFIX)]
             )

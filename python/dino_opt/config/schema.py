@@ -359,6 +359,7 @@ def _check_relations(cfg: Config) -> None:
             f"recipe.name=dinov2 needs a ViT backbone (its iBOT loss is over patch tokens); "
             f"model.backbone is {m.backbone!r}"
         )
+    errors += _sharding_conflicts(cfg)
     h = cfg.health
     if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:
         errors.append(
@@ -367,6 +368,24 @@ def _check_relations(cfg: Config) -> None:
         )
     if errors:
         raise ConfigError(errors)
+
+
+def _sharding_conflicts(cfg: Config) -> list[str]:
+    """What ``distributed.strategy=fsdp`` cannot be combined with."""
+    if cfg.distributed.strategy != "fsdp":
+        return []
+    errors = []
+    if not cfg.model.backbone.startswith("vit"):
+        errors.append(
+            f"distributed.strategy=fsdp shards a ViT block by block; model.backbone is "
+            f"{cfg.model.backbone!r} (use distributed.strategy=ddp)"
+        )
+    if cfg.hardware.precision == "fp16":
+        errors.append(
+            "distributed.strategy=fsdp takes hardware.precision bf16, fp32 or auto, not fp16 "
+            "(fp16's loss scaling does not reduce its overflow check over the shards)"
+        )
+    return errors
 
 
 def default_config() -> Config:

@@ -196,6 +196,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         torch.manual_seed(self.config.hardware.seed)
         if self.lead:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            # what saves killed mid-write left (no other process saves yet)
+            self.checkpoint_manager.remove_stale_temp_files()
         resumed = self._checkpoint_to_resume()
         if resumed is not None:
             differences = _config_differences(resumed[0].get("config", {}), self.config.to_dict())

@@ -525,10 +525,12 @@ class DINOTrainingAnalyzer:
         checkpoints = []
         for record in self.checkpoint_manager.checkpoints():
             row = by_path.get(os.fspath(record.path), {})
-            try:
-                size = record.path.stat().st_size
-            except OSError:
-                size = None
+            size = record.size  # a sharded checkpoint's: all its files
+            if size is None:
+                try:
+                    size = record.path.stat().st_size
+                except OSError:
+                    size = None
             entry = {
                 "path": os.fspath(record.path),
                 "file": record.path.name,
