@@ -601,3 +601,40 @@ def test_graceful_stop_off_main_thread_is_a_noop():
         "warned": True,
         "requested": False,
     }
+
+
+def _sharded_folder(manager: CheckpointManager, epoch: int, step: int) -> Path:
+    """What the ranks of a sharded save leave in the hidden folder (shards,
+    description, small state), ready to publish."""
+    partial = manager.partial_path(manager.path_for(epoch, step, sharded=True))
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(os.urandom(1000))
+    (partial / "__1_0.distcp").write_bytes(os.urandom(900))
+    (partial / ".metadata").write_bytes(os.urandom(100))
+    torch.save({"step": step}, partial / "extra.pt")
+    return partial
+
+
+def test_sharded_checkpoints_are_published_verified_rotated_and_cleaned(tmp_path):
+    manager = CheckpointManager(tmp_path / "ck", keep_last=2)
+    for step in (1, 2, 3):
+        path = manager.publish_sharded(_sharded_folder(manager, 0, step), epoch=0, step=step)
+        assert path.name == f"checkpoint-e0000-s{step:08d}.dcp" and path.is_dir()
+    records = manager.checkpoints()
+    assert [r.step for r in records] == [2, 3]  # the oldest folder rotated away
+    assert records[-1].size == 2000 + len((path / "extra.pt").read_bytes())
+    assert manager.verify(path) and manager.load(path, tensors=False) == {"step": 3}
+    (path / "__1_0.distcp").write_bytes(b"short")
+    assert "__1_0.distcp has 5 bytes" in manager.verify_reason(path)
+    (path / "__1_0.distcp").unlink()
+    assert manager.verify_reason(path) == "__1_0.distcp is missing"
+    with pytest.warns(UserWarning, match="__1_0.distcp is missing; falling back"):
+        assert manager.load_latest(tensors=False)[1].name.endswith("s00000002.dcp")
+    # a save killed before publishing, and a deletion killed half way, are cleared
+    _sharded_folder(manager, 1, 9)
+    (manager.directory / ".checkpoint-e0000-s00000001.dcp.deleting").mkdir()
+    assert [r.step for r in manager.checkpoints()] == [2, 3]
+    removed = {p.name for p in manager.remove_stale_temp_files()}
+    assert removed == {".checkpoint-e0001-s00000009.dcp.partial",
+                       ".checkpoint-e0000-s00000001.dcp.deleting"}  # fmt: skip
+    assert not any(p.name.startswith(".checkpoint") for p in manager.directory.iterdir())

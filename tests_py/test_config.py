@@ -625,3 +625,18 @@ def test_effective_lr_is_dinos_linear_scaling():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="world_size must be an int >= 1"):
             effective_lr(c, bad)
+
+
+def test_sharding_keys_and_their_conflicts():
+    cfg = load_config(
+        None, ["distributed.strategy=fsdp", "distributed.reshard_after_forward=false"]
+    )
+    assert cfg.distributed.strategy == "fsdp" and cfg.distributed.reshard_after_forward is False
+    assert load_config(None).distributed.strategy == "ddp"
+    with pytest.raises(ConfigError, match="distributed.strategy must be one of"):
+        load_config(None, ["distributed.strategy=zero3"])
+    with pytest.raises(ConfigError, match="not fp16"):
+        load_config(None, ["distributed.strategy=fsdp", "hardware.precision=fp16"])
+    with pytest.raises(ConfigError, match="use distributed.strategy=ddp"):
+        load_config(None, ["distributed.strategy=fsdp", "model.backbone=resnet18"])
+    load_config(None, ["hardware.precision=fp16", "model.backbone=resnet18"])  # fine with ddp

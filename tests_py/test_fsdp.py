@@ -15,6 +15,7 @@ import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
+from dino_opt.job.sharding import resharded_loader_state
 from safetensors.torch import load_file
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
@@ -87,12 +88,12 @@ def test_fsdp_trains_as_ddp(train_root, tmp_path):
 
 # ------------------------------------------------------------ kill -9, resume
 
-KILLABLE = (FSDP, "model.drop_path_rate=0.1", "schedule.epochs=3", "checkpoint.every_steps=1")
+KILLABLE = (FSDP, "model.drop_path_rate=0.1", "checkpoint.every_steps=1")
 
 
 @pytest.fixture(scope="module")
 def reference(train_root, tmp_path_factory):
-    """An uninterrupted sharded run (3 epochs of 5 steps, a checkpoint every step)."""
+    """An uninterrupted sharded run (2 epochs of 5 steps, a checkpoint every step)."""
     out = tmp_path_factory.mktemp("reference") / "run"
     _train(out, train_root, *KILLABLE)
     return out
@@ -140,14 +141,14 @@ def test_sigkill_of_every_rank_then_resume_is_bit_exact(reference, train_root, t
     out = tmp_path / "run"
     manager = CheckpointManager(out / "checkpoints")
     kills = 0
-    for target, delay in ((3, 0.0), (7, 0.02), (11, 0.05)):
+    for target, delay in ((3, 0.0), (6, 0.05)):
         kills += _kill_after(_spawn(out, train_root, *KILLABLE), out, target, delay)
         for record in manager.checkpoints():  # whatever is listed is complete
             assert manager.verify(record.path), record.path
-    assert kills >= 2, "the runs ended before they were killed; the test proved nothing"
+    assert kills >= 1, "the runs ended before they were killed; the test proved nothing"
     _train(out, train_root, *KILLABLE)
     report = json.loads((out / "report.json").read_text())
-    assert report["steps"] == 15 and "resumed_from" in report
+    assert report["steps"] == 10 and "resumed_from" in report
     steps_and_losses = [[(r["step"], r["loss"]) for r in _rows(o) if "loss" in r][-3:]
                         for o in (out, reference)]  # fmt: skip
     assert steps_and_losses[0] == steps_and_losses[1]
@@ -218,3 +219,12 @@ def test_unsupported_combinations_are_one_line(train_root, tmp_path):
     (ddp / "report.json").unlink()
     done = _train(ddp, train_root, FSDP, "checkpoint.every_steps=5", ok=False)
     assert done.returncode != 0 and "was written with distributed.strategy=ddp" in done.stderr
+
+
+def test_resharded_loader_state_goes_on_after_the_images_seen():
+    fields = {"epoch": 1, "next_batch": 3, "batch_size": 4, "world_size": 2, "seed": 0}
+    old = [{**fields, "rank": r, "num_samples": 40, "shuffle": True} for r in (0, 1)]
+    one = resharded_loader_state(old, 0, 1)  # 24 images seen: 6 batches of 4 alone
+    assert (one["epoch"], one["next_batch"], one["world_size"], one["rank"]) == (1, 6, 1, 0)
+    four = resharded_loader_state(old, 3, 4)  # 16 per global batch: 1 whole batch, 8 seen twice
+    assert (four["next_batch"], four["world_size"], four["rank"]) == (1, 4, 3)

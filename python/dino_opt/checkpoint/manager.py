@@ -38,6 +38,11 @@ allowed; if the process dies between the renames of the sidecar, the
 checkpoint and the index, the overwritten checkpoint then fails verification
 and :meth:`~CheckpointManager.load_latest` falls back to the previous one.
 
+A sharded checkpoint (``<prefix>-e0003-s00001200.dcp/``, a folder of
+``torch.distributed.checkpoint`` files written by every rank of an FSDP run)
+is listed, verified, rotated and loaded alongside the files; see
+:mod:`dino_opt.checkpoint.sharded` and :meth:`CheckpointManager.publish_sharded`.
+
 The manager assumes one writer per directory (rank 0 in distributed runs).
 Several managers with different prefixes may share a directory: the index
 keeps the records of other prefixes untouched.
