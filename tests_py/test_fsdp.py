@@ -71,12 +71,12 @@ def _rows(out: Path) -> list[dict]:
 
 
 def test_fsdp_trains_as_ddp(train_root, tmp_path):
-    four = "schedule.epochs=4"
-    ddp = _train(tmp_path / "ddp", train_root, four)
-    fsdp = _train(tmp_path / "fsdp", train_root, four, FSDP)
-    assert (
-        fsdp["report"]["steps"] == ddp["report"]["steps"] == 20
-    )  # 4 epochs of 40 images / (2 x 4)
+    # 20 micro-batches of 2 images per rank, 2 per optimizer step (the first
+    # of each neither reduces nor reshards)
+    steps = ("schedule.epochs=2", "optim.accumulation_steps=2", "data.batch_size=2")
+    ddp = _train(tmp_path / "ddp", train_root, *steps)
+    fsdp = _train(tmp_path / "fsdp", train_root, *steps, FSDP)
+    assert fsdp["report"]["steps"] == ddp["report"]["steps"] == 20  # 2 x 40 images / (2 x 2)
     assert Path(fsdp["report"]["checkpoint"]).name.endswith(".dcp")
     for a, b in zip(_losses(ddp), _losses(fsdp), strict=True):
         assert b == pytest.approx(a, rel=1e-4)

@@ -221,8 +221,11 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         student, teacher = student.to(device), teacher.to(device)
         torch.manual_seed(cfg.hardware.seed + self.rank)  # same init everywhere, own drop paths
         accumulation = cfg.optim.accumulation_steps
-        iters = len(loader) // accumulation
-        if iters < 1:
+        # Optimizer steps per epoch, rounded up: an accumulation that does not
+        # divide the epoch's batches carries its micro-batches into the next
+        # epoch, so the run makes up to this many per epoch on average.
+        iters = -(-len(loader) // accumulation)
+        if len(loader) < accumulation:
             raise ValueError(
                 f"the data set gives {len(loader)} batches per epoch, fewer than "
                 f"optim.accumulation_steps={accumulation}"
