@@ -157,9 +157,11 @@ def test_sigkill_of_every_rank_then_resume_is_bit_exact(reference, train_root, t
 
 
 def test_resume_at_another_world_size_reshards(train_root, tmp_path):
-    """2 ranks, then 1 (the shards of two read by one), then 2 again."""
+    """2 ranks, then 1 (the shards of two read by one), then 2 again; with
+    the dinov2 recipe (its separate iBOT head sharded too)."""
     out = tmp_path / "run"
-    extra = (FSDP, "schedule.epochs=3", "checkpoint.every_steps=1")
+    extra = (FSDP, "schedule.epochs=3", "checkpoint.every_steps=1", "recipe.name=dinov2",
+             "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64")  # fmt: skip
     assert _kill_after(_spawn(out, train_root, *extra), out, 3)
     assert _kill_after(_spawn(out, train_root, *extra, nproc=1), out, 12)  # 10 steps/epoch alone
     run = _train(out, train_root, *extra)
