@@ -640,3 +640,58 @@ def test_sharding_keys_and_their_conflicts():
     with pytest.raises(ConfigError, match="use distributed.strategy=ddp"):
         load_config(None, ["distributed.strategy=fsdp", "model.backbone=resnet18"])
     load_config(None, ["hardware.precision=fp16", "model.backbone=resnet18"])  # fine with ddp
+
+
+# ---------------------------------------------------------------------------
+# Activation checkpointing and its old key
+# ---------------------------------------------------------------------------
+
+
+def test_activation_checkpointing_keys():
+    c = default_config()
+    assert (c.hardware.activation_checkpointing, c.hardware.checkpoint_every) == ("none", 1)
+    assert c.hardware.grad_checkpointing is False
+    c = load_config(None, ["hardware.activation_checkpointing=selective",
+                           "hardware.checkpoint_every=2"])  # fmt: skip
+    assert (c.hardware.activation_checkpointing, c.hardware.checkpoint_every) == ("selective", 2)
+    assert c.hardware.grad_checkpointing is True  # read-only: whether any block is checkpointed
+    with pytest.raises(ConfigError, match="none, full, selective; got 'partial'"):
+        load_config(None, ["hardware.activation_checkpointing=partial"])
+    with pytest.raises(ConfigError, match="hardware.checkpoint_every must be >= 1, got 0"):
+        load_config(None, ["hardware.checkpoint_every=0"])
+
+
+def test_grad_checkpointing_is_the_old_name_of_full(tmp_path):
+    path = write(tmp_path, "hardware:\n  grad_checkpointing: true\n")
+    for c in (load_config(path), load_config(None, ["hardware.grad_checkpointing=true"])):
+        assert c.hardware.activation_checkpointing == "full"
+        assert "hardware.activation_checkpointing" in c.given_keys
+        assert "grad_checkpointing" not in c.to_dict()["hardware"]  # written as the new key
+    assert (
+        load_config(None, ["hardware.grad_checkpointing=false"]).hardware.grad_checkpointing
+        is False
+    )
+    # what a run folder keeps reloads to the same values
+    saved = save_config(load_config(path), tmp_path / "resolved.yaml")
+    assert load_config(saved) == load_config(path)
+    # the same meaning twice is fine; two meanings are not
+    same = write(tmp_path, "hardware: {grad_checkpointing: true, activation_checkpointing: full}\n")
+    assert load_config(same).hardware.activation_checkpointing == "full"
+    both = write(
+        tmp_path, "hardware: {grad_checkpointing: true, activation_checkpointing: selective}\n"
+    )
+    with pytest.raises(ConfigError, match="hardware.grad_checkpointing .the old name of "
+                       "hardware.activation_checkpointing. says 'full' but"):  # fmt: skip
+        load_config(both)
+    # an override wins over the file's old key
+    assert (
+        load_config(
+            path, ["hardware.activation_checkpointing=selective"]
+        ).hardware.activation_checkpointing
+        == "selective"
+    )
+    with pytest.raises(ConfigError, match="grad_checkpointing .the old name of .*must be one of "
+                       "true, false, got 'often'"):  # fmt: skip
+        load_config(None, ["hardware.grad_checkpointing=often"])
+    with pytest.raises(ConfigError, match="must be one of true, false, got 1"):
+        Config.from_dict({"hardware": {"grad_checkpointing": 1}})

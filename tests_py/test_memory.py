@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from dino_opt import _C
-from dino_opt.observe import MemoryTracker, VRAMProfiler, memory_snapshot
+from dino_opt.observe import AllocationTrace, MemoryTracker, VRAMProfiler, memory_snapshot
 from dino_opt.observe.memory import GB
 
 BIG = 256 * 2**20  # above glibc's largest mmap threshold: freed memory goes back to the OS
@@ -41,6 +41,25 @@ def test_step_peaks_see_a_temporary_allocation():
     assert tracker.summary()["steps"] == 1
     with pytest.raises(RuntimeError, match=r"end_step\(\) without start_step\(\)"):
         tracker.end_step()
+
+
+def test_allocation_trace_counts_tensor_bytes_exactly():
+    kept = torch.empty(1000)  # before the trace: not counted
+    with AllocationTrace() as trace:
+        a = torch.empty(250, dtype=torch.float64)  # 2000 bytes
+        with torch.profiler.record_function("step"):
+            b = torch.empty(1000, dtype=torch.uint8)
+            (a * 2).sum()  # a temporary of 2000 bytes and a scalar
+            del b
+        with torch.profiler.record_function("after"):
+            pass
+    assert trace.live_at("step") == 2000
+    assert trace.peak("step") >= 2000 + 1000 + 2000
+    assert trace.peak("step") <= 2000 + 1000 + 2000 + 64  # the sum's scalar
+    assert trace.live_at("after") == 2000 and trace.peak() == trace.peak("step")
+    assert trace.live()[-1][1] == 2000 and kept.numel() == 1000
+    with pytest.raises(KeyError, match="no range 'missing' was recorded"):
+        trace.peak("missing")
 
 
 def test_lesson_keys_on_the_cpu():

@@ -17,7 +17,7 @@ from dino_opt.models import (
     vit_small,
     vit_tiny,
 )
-from dino_opt.models import vit as vit_module
+from dino_opt.models import layers as layers_module
 from dino_opt.models.vit import Attention, drop_path
 from torch import nn
 
@@ -234,13 +234,13 @@ def test_grad_checkpointing_same_output_and_grads(monkeypatch, dpr):
     out_ref, grads_ref, gx_ref = _loss_and_grads(model, x, seed=1)
 
     calls = []
-    real = vit_module.checkpoint
+    real = layers_module.checkpoint
 
     def counting(fn, *args, **kwargs):
         calls.append(kwargs.get("use_reentrant"))
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(vit_module, "checkpoint", counting)
+    monkeypatch.setattr(layers_module, "checkpoint", counting)
     assert model.set_grad_checkpointing(True) is model
     out, grads, gx = _loss_and_grads(model, x, seed=1)
     assert calls == [False] * 3  # every block, non-reentrant

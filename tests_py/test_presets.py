@@ -62,7 +62,7 @@ def test_table_follows_the_course_guide():
         "augmentation.num_local_views",
         "model.backbone",
         "hardware.precision",
-        "hardware.grad_checkpointing",
+        "hardware.activation_checkpointing",
     }
 
 
@@ -121,15 +121,15 @@ def test_checkpointing_turns_on_when_the_estimate_is_below_the_batch():
     assert expected < 64
     choice = resolve_preset("auto", memory_gb=24, patch_size=8)
     assert choice.estimated_max_batch == expected
-    assert choice.values["hardware.grad_checkpointing"] is True
+    assert choice.values["hardware.activation_checkpointing"] == "full"
     assert "checkpointing is on" in choice.reason
     # the recipe's ViT-S/16 fits without it
     plain = resolve_preset("auto", memory_gb=24)
-    assert plain.values["hardware.grad_checkpointing"] is False
+    assert plain.values["hardware.activation_checkpointing"] == "none"
     assert plain.estimated_max_batch == dynamic_batch_size(24, 224, 384)
     # a batch the config sets itself is what the estimate is held against
     small = resolve_preset("auto", memory_gb=24, patch_size=8, fixed={"data.batch_size": 32})
-    assert small.values["hardware.grad_checkpointing"] is False
+    assert small.values["hardware.activation_checkpointing"] == "none"
     # ResNet rows have no estimate
     assert resolve_preset("auto", memory_gb=12).estimated_max_batch is None
 
@@ -152,7 +152,7 @@ def test_overrides_text():
         "augmentation.num_local_views=6",
         "model.backbone=resnet18",
         "hardware.precision=bf16",
-        "hardware.grad_checkpointing=false",
+        "hardware.activation_checkpointing=none",
     ]
     assert load_config(None, choice.overrides()).model.backbone == "resnet18"
 
@@ -203,7 +203,7 @@ def test_auto_on_a_gpu_of_11_gib(fake_gpu):
         "augmentation.num_local_views": 6,
         "model.backbone": "resnet18",
         "hardware.precision": "fp16",
-        "hardware.grad_checkpointing": False,
+        "hardware.activation_checkpointing": "none",
     }
 
 
@@ -320,7 +320,7 @@ def test_cli_json(capsys):
     assert main(["presets", "--memory", "24", "--json", "model.patch_size=8"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["chosen"] == "24gb"
-    assert report["values"]["hardware.grad_checkpointing"] is True
+    assert report["values"]["hardware.activation_checkpointing"] == "full"
     assert set(report["presets"]) == set(PRESETS)
 
 

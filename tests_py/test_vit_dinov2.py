@@ -15,7 +15,7 @@ from dino_opt.models import (
     vit_large,
     vit_small,
 )
-from dino_opt.models import vit as vit_module
+from dino_opt.models import layers as layers_module
 from dino_opt.models.layers import LayerScale, SwiGLUFFN, swiglu_hidden_dim
 from dino_opt.models.vit import drop_path_rates, resize_pos_embed
 from torch import nn
@@ -248,8 +248,10 @@ def test_grad_checkpointing_same_gradients(gen, monkeypatch):
     masks = torch.rand(4, 9, generator=gen) < 0.4
     ref = _grads(model, x, masks, seed=1)
     calls = []
-    real = vit_module.checkpoint
-    monkeypatch.setattr(vit_module, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = layers_module.checkpoint
+    monkeypatch.setattr(
+        layers_module, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     got = _grads(model.set_grad_checkpointing(True), x, masks, seed=1)
     assert len(calls) == 3
     assert ref.keys() == got.keys() and "mask_token" in got and "register_tokens" in got

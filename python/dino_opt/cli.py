@@ -11,7 +11,9 @@ teacher (or student) in a format other tools load.
 ``dino-opt report RUN`` analyses a run folder (convergence, weight drift
 between checkpoints, throughput) and writes its reports and plots there.
 ``dino-opt presets [--memory GB] [--measure]`` prints the hardware presets
-and what ``hardware.preset=auto`` picks on this machine.
+and what ``hardware.preset=auto`` picks on this machine; ``dino-opt presets
+--memory-model [--arch A] [--world N ...] [--strategy ddp|fsdp]`` the
+per-rank memory of ViT-S/B/L/g training under DDP and FSDP.
 ``dino-opt doctor [--device D]`` prints the versions, the kernels of this
 build by device, and checks every fused operator on the device (exit 1 on a
 mismatch).
@@ -36,14 +38,31 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import _C, doctor
-from .config import PRESETS, Config, config_to_yaml, default_config, load_config
+from .config import (
+    PRESETS,
+    Config,
+    apply_overrides,
+    config_to_yaml,
+    default_config,
+    load_config,
+)
 from .data import find_images
 from .distributed import launch_distributed_training
 from .eval import evaluate_checkpoint
 from .job import run_training
+from .models import CHECKPOINT_POLICIES
 from .observe import DINOTrainingAnalyzer, format_report
 from .runtime import EXIT_HANG, TrainingHungError, launched_world
-from .tune import measure_batch_size, resolve_hardware, resolve_preset
+from .tune import (
+    MEMORY_ARCHS,
+    STRATEGIES,
+    arch_config,
+    largest_batch,
+    measure_batch_size,
+    memory_table,
+    resolve_hardware,
+    resolve_preset,
+)
 from .weights import FORMATS, evaluate_weights, export_weights
 
 __all__ = ["main", "prepare_dataset"]
@@ -233,6 +252,8 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
+    if args.memory_model:
+        return _memory_model(args)
     if args.measure and args.memory is not None:
         raise ValueError("--measure times this machine's device; leave out --memory")
     cfg = load_config(args.config, args.overrides)  # the crops and device to plan for
@@ -290,6 +311,63 @@ def _print_presets(report: dict, choice, name: str) -> None:
             f"measured on {measured['device']}: data.batch_size={measured['batch_size']} "
             f"({measured['images_per_second']:.1f} images/s; largest that fits: "
             f"{measured['largest_fitting_batch_size']})"
+        )
+
+
+def _memory_model(args: argparse.Namespace) -> int:
+    if args.measure:
+        raise ValueError("--memory-model estimates; leave out --measure")
+    config = load_config(args.config) if args.config else None
+    rows = memory_table(
+        args.arch, tuple(args.world), tuple(args.strategy), tuple(args.checkpointing),
+        batch_size=args.batch, reshard_after_forward=args.reshard_after_forward == "on",
+        config=config, overrides=tuple(args.overrides),
+    )  # fmt: skip
+    usable = None if args.memory is None else args.memory * 2**30 * _USABLE
+    out = [r.to_dict() for r in rows]
+    if usable:
+        configs = {r.arch: arch_config(r.arch) if r.arch in MEMORY_ARCHS else config for r in rows}
+        for r, row in zip(rows, out, strict=True):
+            cfg = apply_overrides(configs[r.arch], args.overrides)
+            row["fits"] = r.peak <= usable
+            row["largest_batch"] = largest_batch(
+                cfg, usable, strategy=r.strategy, world_size=r.world_size,
+                checkpointing=r.checkpointing, every=r.every,
+                reshard_after_forward=r.reshard_after_forward,
+            )  # fmt: skip
+    if args.json:
+        archs = {n: a.source for n, a in MEMORY_ARCHS.items()}
+        print(json.dumps({"rows": out, "archs": archs}, indent=2))
+        return 0
+    _print_memory(rows, out, usable)
+    return 0
+
+
+_USABLE = 0.9  # of a GPU's memory: the rest for the CUDA context and fragmentation
+
+
+def _print_memory(rows, out: list[dict], usable: float | None) -> None:
+    gib = 2**30
+    head = (f"{'arch':14s} {'batch':>5s} {'strategy':8s} {'world':>5s} {'ckpt':9s} "
+            f"{'params':>7s} {'grads':>7s} {'optim':>7s} {'teacher':>7s} {'comm':>7s} "
+            f"{'activ':>7s} {'peak':>7s}")  # fmt: skip
+    print(head + ("  fits  max batch" if usable else ""))
+    for r, row in zip(rows, out, strict=True):
+        values = (r.parameters, r.gradients, r.optimizer, r.teacher, r.buckets + r.unsharded,
+                  r.activations + r.transient, r.peak)  # fmt: skip
+        line = (f"{r.arch:14s} {r.batch_size:5d} {r.strategy:8s} {r.world_size:5d} "
+                f"{r.checkpointing:9s} " + " ".join(f"{v / gib:7.2f}" for v in values))  # fmt: skip
+        if usable:
+            line += f"  {'yes' if row['fits'] else 'no':>4s}  {row['largest_batch']:9d}"
+        print(line)
+    print(
+        "\nGiB per rank (rank 0). comm: DDP's gradient buckets, or FSDP's gathered units; "
+        "activ: activations and the backward's working set; peak: the step's peak."
+    )
+    if usable:
+        print(
+            f"fits / max batch (per GPU): peak <= {_USABLE:.0%} of --memory (the rest for the "
+            "CUDA context and fragmentation)."
         )
 
 
@@ -386,6 +464,25 @@ def _add_presets(sub) -> None:
         "--max-batch", type=int, help="largest batch --measure tries (default: twice the preset's)"
     )
     h.add_argument("--steps", type=int, default=3, help="timed steps per --measure trial")
+    h.add_argument(
+        "--memory-model",
+        action="store_true",
+        help="per-rank memory of DDP vs FSDP training (docs/memory.md); --memory GB marks "
+        "the rows that fit",
+    )
+    h.add_argument("--arch", nargs="+", choices=list(MEMORY_ARCHS), help="--memory-model: "
+                   "architectures (default all; --config: the config's model instead)")  # fmt: skip
+    h.add_argument("--world", nargs="+", type=int, default=[1, 8, 64, 1024],
+                   help="--memory-model: world sizes (default 1 8 64 1024)")  # fmt: skip
+    h.add_argument("--batch", type=int, help="--memory-model: batch per GPU (default each "
+                   "architecture's)")  # fmt: skip
+    h.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+                   help="--memory-model: ddp, fsdp or both")  # fmt: skip
+    h.add_argument("--checkpointing", nargs="+", choices=CHECKPOINT_POLICIES,
+                   default=list(CHECKPOINT_POLICIES),
+                   help="--memory-model: activation checkpointing of every block")  # fmt: skip
+    h.add_argument("--reshard-after-forward", choices=("on", "off"), default="on",
+                   help="--memory-model: FSDP frees gathered blocks after the forward")  # fmt: skip
     h.add_argument("--json", action="store_true", help="print the result as JSON")
     h.add_argument("overrides", nargs="*", help="key=value, e.g. augmentation.global_crop_size=160")
     h.set_defaults(run=_presets)

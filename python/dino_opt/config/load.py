@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..checkpoint import atomic_write, fsync_dir
-from .fields import _SECTIONS, _SPECS, ConfigError
+from .fields import _ALIASES, _SECTIONS, _SPECS, ConfigError
 from .schema import (
     Config,
     _from_dict,
@@ -21,6 +21,7 @@ from .schema import (
     _suggest_section,
     _unknown_key,
     _unknown_section,
+    alias_value,
     validate,
 )
 
@@ -59,6 +60,12 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     sname, key = parts
     if sname not in _SECTIONS:
         raise ConfigError(_unknown_section(sname))
+    if key in _ALIASES.get(sname, {}):  # an old key: its current key and value
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        return (sname, *alias_value(sname, key, value))
     spec = _SPECS[sname].get(key)
     if spec is None:
         raise ConfigError(_unknown_key(sname, key))
@@ -92,6 +99,9 @@ def _merge_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict
                 continue
             section = dict(section or {})
             d[sname] = section
+        for old, (current, _) in _ALIASES.get(sname, {}).items():
+            if current == key:
+                section.pop(old, None)  # the override wins over the old key in the file
         section[key] = value
     if errors:
         raise ConfigError(errors)

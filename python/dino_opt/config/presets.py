@@ -5,7 +5,7 @@ backbone and local crops for 8, 12, 16 and 24+ GB cards). A preset sets five
 keys::
 
     data.batch_size  augmentation.num_local_views  model.backbone
-    hardware.precision  hardware.grad_checkpointing
+    hardware.precision  hardware.activation_checkpointing
 
 the first three from its row; precision and checkpointing depend on the card
 and are decided when the preset is resolved for a device
@@ -26,7 +26,7 @@ PRESET_KEYS = (
     "augmentation.num_local_views",
     "model.backbone",
     "hardware.precision",
-    "hardware.grad_checkpointing",
+    "hardware.activation_checkpointing",
 )
 
 # A card sold as N GB reports a little less (a 24 GB RTX 3090: 23.7 GiB; an

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .fields import (
+    _ALIASES,
     _SECTIONS,
     _SPECS,
     AugmentationConfig,
@@ -31,6 +32,35 @@ from .fields import (
 )
 
 __all__ = ["Config", "default_config", "validate"]
+
+
+def alias_value(section: str, key: str, value: Any) -> tuple[str, Any]:
+    """The current key and value that the old key ``section.key`` (of
+    ``_ALIASES``) with ``value`` stands for; raises :class:`ConfigError`
+    naming the old key when ``value`` is not one of its values."""
+    new, mapping = _ALIASES[section][key]
+    if type(value) in {type(v) for v in mapping} and value in mapping:  # true is not 1
+        return new, mapping[value]
+    allowed = ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in mapping)
+    raise ConfigError(f"{section}.{key} (the old name of {section}.{new}) must be one of "
+                      f"{allowed}, got {value!r}")  # fmt: skip
+
+
+def _resolve_aliases(sname: str, values: typing.Mapping) -> dict:
+    """``values`` with old keys replaced by their current keys; an old key and
+    its current key given together must agree."""
+    out = dict(values)
+    for old in _ALIASES.get(sname, {}):
+        if old not in out:
+            continue
+        new, value = alias_value(sname, old, out.pop(old))
+        if new in out and out[new] != value:
+            raise ConfigError(
+                f"{sname}.{old} (the old name of {sname}.{new}) says {value!r} but "
+                f"{sname}.{new} says {out[new]!r}; give only {sname}.{new}"
+            )
+        out[new] = value
+    return out
 
 
 @dataclass
@@ -273,6 +303,11 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
                 f"section {sname!r} must be a mapping of keys "
                 f"({', '.join(_SPECS[sname])}), got {values!r}"
             )
+            continue
+        try:
+            values = _resolve_aliases(sname, values)
+        except ConfigError as e:
+            errors.extend(e.errors)
             continue
         kwargs = {}
         for key, value in values.items():

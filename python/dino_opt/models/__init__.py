@@ -7,18 +7,28 @@ from __future__ import annotations
 from torch import nn
 
 from .head import DINOHead, WeightNormLinear
-from .layers import FFN_LAYERS
-from .vit import VisionTransformer, vit_base, vit_giant2, vit_large, vit_small, vit_tiny
+from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
+from .vit import (
+    VisionTransformer,
+    apply_block_options,
+    vit_base,
+    vit_giant2,
+    vit_large,
+    vit_small,
+    vit_tiny,
+)
 from .wrapper import MultiCropWrapper
 
 __all__ = [
     "BACKBONES",
+    "CHECKPOINT_POLICIES",
     "FFN_LAYERS",
     "VIT_OPTIONS",
     "DINOHead",
     "MultiCropWrapper",
     "VisionTransformer",
     "WeightNormLinear",
+    "apply_block_options",
     "build_backbone",
     "build_dino_models",
     "vit_base",

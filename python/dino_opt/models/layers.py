@@ -1,6 +1,6 @@
 """The layers of the Vision Transformer: stochastic depth, the feed-forward
 networks (GELU MLP and SwiGLU), LayerScale, self-attention, the pre-norm
-block and the patch embedding.
+block (with its activation checkpointing) and the patch embedding.
 
 Parameter names follow DINO (v1) and DINOv2, so that their checkpoints load
 as they are: ``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1.gamma``,
@@ -13,8 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 __all__ = [
+    "CHECKPOINT_POLICIES",
     "FFN_LAYERS",
     "Attention",
     "Block",
@@ -24,12 +30,43 @@ __all__ = [
     "PatchEmbed",
     "SwiGLUFFN",
     "drop_path",
+    "selective_checkpoint_contexts",
     "swiglu_hidden_dim",
 ]
 
 #: The feed-forward kinds a block takes. ``swiglu`` and ``swiglufused`` are
 #: the same network (DINOv2 maps both to its fused SwiGLU and its hidden size).
 FFN_LAYERS = ("mlp", "swiglu", "swiglufused")
+
+#: Activation checkpointing of a block (``Block.checkpointing``): ``none``
+#: keeps every activation its backward needs; ``full`` keeps only the block's
+#: input and recomputes the block in the backward pass; ``selective`` keeps
+#: the outputs of the matrix products (linear layers) and of attention, and
+#: recomputes the cheap rest (norms, GELU/SiLU, LayerScale, drop path, adds).
+CHECKPOINT_POLICIES = ("none", "full", "selective")
+
+# The operators whose outputs selective checkpointing keeps: what a linear
+# layer and scaled_dot_product_attention lower to below autograd, on every
+# device (the math attention of float64 and of masks lowers to bmm and softmax).
+_SAVED_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_fused_attention_overrideable")
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_contexts():
+    """The context pair of torch's selective activation checkpointing
+    (``checkpoint(..., context_fn=selective_checkpoint_contexts)``) that keeps
+    the matrix products' and attention's outputs and recomputes the rest."""
+    return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
 def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -157,7 +194,14 @@ def _ffn(kind: str, dim: int, mlp_ratio: float, bias: bool) -> nn.Module:
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + DP(LS1(Attn(LN(x))))`` then
     ``x + DP(LS2(FFN(LN(x))))``; LayerScale (``ls1``, ``ls2``) only when
-    ``init_values`` is set (identities otherwise, as in DINO v1)."""
+    ``init_values`` is set (identities otherwise, as in DINO v1).
+
+    ``checkpointing`` (one of :data:`CHECKPOINT_POLICIES`, ``none`` by
+    default) checkpoints the block's own forward while training with autograd
+    on, through torch's non-reentrant checkpoint: it restores the RNG state for
+    the recomputation, so drop path draws the same masks. Being inside the
+    block's ``forward``, it is inside whatever wraps the block's call
+    (``torch.compile`` of the block, FSDP's hooks)."""
 
     def __init__(
         self,
@@ -181,10 +225,22 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = _ffn(ffn_layer, dim, mlp_ratio, ffn_bias)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.checkpointing = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "none" or not (self.training and torch.is_grad_enabled()):
+            return self._forward(x)
+        if self.checkpointing == "selective":
+            return checkpoint(self._forward, x, use_reentrant=False,
+                              context_fn=selective_checkpoint_contexts)  # fmt: skip
+        return checkpoint(self._forward, x, use_reentrant=False)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
         return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+    def extra_repr(self) -> str:
+        return "" if self.checkpointing == "none" else f"checkpointing={self.checkpointing}"
 
 
 class PatchEmbed(nn.Module):

@@ -15,7 +15,9 @@ a list of crops; ``forward_features`` returns DINOv2's dict of outputs.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention``,
 which dispatches to flash / memory-efficient kernels on GPUs. Blocks can be
-gradient-checkpointed (``set_grad_checkpointing``) to trade compute for memory.
+checkpointed, fully or selectively, every block or every n-th
+(``set_activation_checkpointing``), to trade compute for memory, and
+compiled one by one (:func:`apply_block_options`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .layers import (
+    CHECKPOINT_POLICIES,
     FFN_LAYERS,
     Attention,
     Block,
@@ -43,6 +45,7 @@ from .layers import (
 from .wrapper import MultiCropWrapper
 
 __all__ = [
+    "CHECKPOINT_POLICIES",
     "FFN_LAYERS",
     "Attention",
     "Block",
@@ -52,6 +55,7 @@ __all__ = [
     "PatchEmbed",
     "SwiGLUFFN",
     "VisionTransformer",
+    "apply_block_options",
     "drop_path",
     "pos_embed_grid",
     "resize_pos_embed",
@@ -139,7 +143,6 @@ class VisionTransformer(nn.Module):
         self.drop_path_uniform = bool(drop_path_uniform)
         self.interpolate_offset = float(interpolate_offset)
         self.interpolate_antialias = bool(interpolate_antialias)
-        self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -170,11 +173,33 @@ class VisionTransformer(nn.Module):
         if self.register_tokens is not None:
             nn.init.normal_(self.register_tokens, std=1e-6)
 
-    def set_grad_checkpointing(self, enable: bool = True) -> VisionTransformer:
-        """Recompute each block's activations in the backward pass instead of storing
-        them (only while training with autograd on). Returns ``self``."""
-        self.grad_checkpointing = bool(enable)
+    def set_activation_checkpointing(
+        self, policy: str = "full", every: int = 1
+    ) -> VisionTransformer:
+        """Checkpoint every ``every``-th block (blocks 0, every, 2 every, ...)
+        with ``policy`` (one of :data:`CHECKPOINT_POLICIES`: ``full``
+        recomputes the block in the backward pass, ``selective`` keeps its
+        matrix products' and attention's outputs and recomputes the rest); the
+        other blocks keep their activations. Only while training with autograd
+        on. Returns ``self``."""
+        if policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"activation checkpointing must be one of "
+                             f"{', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")  # fmt: skip
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint every must be an int >= 1, got {every!r}")
+        for i, block in enumerate(self.blocks):
+            block.checkpointing = policy if i % every == 0 else "none"
         return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> VisionTransformer:
+        """Full checkpointing of every block (``enable``) or none: timm's name
+        for :meth:`set_activation_checkpointing`. Returns ``self``."""
+        return self.set_activation_checkpointing("full" if enable else "none")
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        """Whether any block is checkpointed."""
+        return any(block.checkpointing != "none" for block in self.blocks)
 
     # ------------------------------------------------------------ tokens
 
@@ -219,16 +244,9 @@ class VisionTransformer(nn.Module):
             x = torch.cat((x[:, :1], self.register_tokens.expand(b, -1, -1), x[:, 1:]), dim=1)
         return x
 
-    def _run_block(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-            # Non-reentrant checkpointing restores the RNG state, so drop_path draws
-            # the same mask in the recomputation.
-            return checkpoint(block, x, use_reentrant=False)
-        return block(x)
-
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = self._run_block(block, x)
+            x = block(x)
         return x
 
     # ------------------------------------------------------------ outputs
@@ -291,7 +309,7 @@ class VisionTransformer(nn.Module):
         x = self.prepare_tokens(x)
         out = []
         for i, block in enumerate(self.blocks):
-            x = self._run_block(block, x)
+            x = block(x)
             if i >= len(self.blocks) - n:
                 out.append(self.norm(x))
         return out
@@ -301,9 +319,47 @@ class VisionTransformer(nn.Module):
         N = 1 + registers + n tokens."""
         x = self.prepare_tokens(x)
         for block in self.blocks[:-1]:
-            x = self._run_block(block, x)
+            x = block(x)
         last = self.blocks[-1]
         return last.attn.attention_weights(last.norm1(x))
+
+
+def apply_block_options(
+    backbone: nn.Module,
+    activation_checkpointing: str = "none",
+    every: int = 1,
+    compile: bool = False,
+    compile_mode: str | None = None,
+) -> nn.Module:
+    """The per-block training options of a backbone, in place, in the order
+    that composes with sharding (which comes after): activation checkpointing
+    of every ``every``-th block with ``activation_checkpointing`` (one of
+    :data:`CHECKPOINT_POLICIES`; see
+    :meth:`VisionTransformer.set_activation_checkpointing`), then
+    ``torch.compile`` of each block in place (``block.compile()``), so that a
+    block's checkpoint is inside its compiled graph and ``state_dict`` keys
+    keep their names. A backbone other than a ViT takes no checkpointing and
+    is compiled whole, in place. Returns ``backbone``.
+
+    All blocks share one code object, so torch.compile keeps their graphs in
+    one cache; a block's drop-path rate is a constant of its graph, so blocks
+    of different rates (DINO's linear ramp) compile a graph each, and the
+    cache's limit (``torch._dynamo.config.recompile_limit``) is raised to
+    hold them all, in training and evaluation mode, beside the teacher's."""
+    if not isinstance(backbone, VisionTransformer):
+        if activation_checkpointing != "none":
+            raise ValueError(f"activation checkpointing ({activation_checkpointing}) needs a "
+                             f"ViT backbone, got {type(backbone).__name__}")  # fmt: skip
+        if compile:
+            backbone.compile(mode=compile_mode)
+        return backbone
+    backbone.set_activation_checkpointing(activation_checkpointing, every)
+    if compile:
+        limit = 2 * len(backbone.blocks) + 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        for block in backbone.blocks:
+            block.compile(mode=compile_mode)
+    return backbone
 
 
 def _layerscale(layerscale_init: float | None, init_values: float | None) -> float | None:

@@ -10,7 +10,14 @@ from .health import (
     step_is_finite,
     teacher_entropy_per_row,
 )
-from .memory import MemoryTracker, VRAMProfiler, device_index, memory_snapshot, nvml_status
+from .memory import (
+    AllocationTrace,
+    MemoryTracker,
+    VRAMProfiler,
+    device_index,
+    memory_snapshot,
+    nvml_status,
+)
 from .plots import MEMORY_KEYS, plot_training_curves, read_metrics
 from .profiler import (
     DINOProfiler,
@@ -24,6 +31,7 @@ from .runfiles import RunFolder
 from .runlog import RunLog
 
 __all__ = [
+    "AllocationTrace",
     "CollapseError",
     "DINOProfiler",
     "DINOTrainingAnalyzer",

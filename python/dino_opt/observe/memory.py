@@ -1,6 +1,8 @@
 """Memory tracking over the native core: host memory from /proc, the CUDA
 caching allocator's statistics, device memory through NVML, per-step peaks
-without emptying the cache, and a sampling thread for a timeline.
+without emptying the cache, and a sampling thread for a timeline; and the
+bytes of live tensors on the CPU from torch's own allocation events
+(:class:`AllocationTrace`), which a process's resident size cannot give.
 
 The lesson's ``MemoryTracker`` called ``torch.cuda.empty_cache()`` every step
 (which throws away the allocator's cache and slows training); this one only
@@ -14,10 +16,18 @@ from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
+from torch.profiler import ProfilerActivity, profile
 
 from .. import _C
 
-__all__ = ["MemoryTracker", "VRAMProfiler", "device_index", "memory_snapshot", "nvml_status"]
+__all__ = [
+    "AllocationTrace",
+    "MemoryTracker",
+    "VRAMProfiler",
+    "device_index",
+    "memory_snapshot",
+    "nvml_status",
+]
 
 GB = 1024**3  # the lesson's "GB" are GiB
 
@@ -258,3 +268,69 @@ def memory_snapshot(path, max_entries: int = 100_000):
     finally:
         torch.cuda.memory._dump_snapshot(str(Path(path)))
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+class AllocationTrace:
+    """The bytes of live tensors of one device type over a block of code,
+    from every allocation and free that torch's allocator reports to its
+    profiler (``profile_memory=True``): exact tensor bytes, unlike the
+    process's resident size (which the C library's heap and its caching
+    blur) and, on the CPU, the only per-tensor account torch keeps.
+
+    Use as a context manager; within it, ``torch.profiler.record_function(NAME)``
+    marks ranges. Afterwards :meth:`live` is the live-byte count (relative to
+    the trace's start) after each event, :meth:`peak` its maximum (over a
+    marked range with ``within``) and :meth:`live_at` its value when a range
+    started. Tensors allocated before the trace began are not counted. The
+    profiler slows allocation-heavy code down: measure memory in a run of its
+    own, not the time.
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = torch.device(device_type).type
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._events: list[tuple[int, int]] = []  # (time ns, bytes: + allocated, - freed)
+        self._ranges: dict[str, tuple[int, int]] = {}
+
+    def __enter__(self) -> AllocationTrace:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        want = self.device_type.upper()
+        for e in self._profile.profiler.kineto_results.events():
+            if e.name() == "[memory]":
+                if str(e.device_type()).rsplit(".", 1)[-1] == want:
+                    self._events.append((e.start_ns(), e.nbytes()))
+            elif e.is_user_annotation() and e.name() not in self._ranges:
+                self._ranges[e.name()] = (e.start_ns(), e.end_ns())
+        self._events.sort(key=lambda t: t[0])  # stable: ties keep their order
+
+    def live(self) -> list[tuple[int, int]]:
+        """(time in ns, live bytes after the event) for every event."""
+        out, total = [], 0
+        for t, n in self._events:
+            total += n
+            out.append((t, total))
+        return out
+
+    def _range(self, name: str) -> tuple[int, int]:
+        if name not in self._ranges:
+            raise KeyError(f"no range {name!r} was recorded (ranges: {sorted(self._ranges)})")
+        return self._ranges[name]
+
+    def live_at(self, name: str) -> int:
+        """Live bytes when range ``name`` started."""
+        start, _ = self._range(name)
+        before = [b for t, b in self.live() if t < start]
+        return before[-1] if before else 0
+
+    def peak(self, within: str | None = None) -> int:
+        """The most live bytes over the trace, or over range ``within``
+        (counting the bytes live when it started)."""
+        if within is None:
+            return max((b for _, b in self.live()), default=0)
+        start, end = self._range(within)
+        inside = [b for t, b in self.live() if start <= t <= end]
+        return max([self.live_at(within), *inside])

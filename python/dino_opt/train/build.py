@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import Config, effective_lr
 from ..data import AUGMENT_KEYS, MultiCropLoader, builtin_dataset
-from ..models import DINOHead, build_dino_models
+from ..models import DINOHead, apply_block_options, build_dino_models
 from ..ops import DINOLoss, Schedules
 from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
 from .param_groups import dinov2_param_groups, param_groups
@@ -65,13 +65,20 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
     """Student and teacher of ``cfg.model`` (:func:`~dino_opt.models.build_dino_models`),
     on the CPU: what the training job trains and what ``dino-opt knn`` loads
     a checkpoint into. The dinov2 recipe: :class:`~dino_opt.train.DINOv2Wrapper`
-    with a separate iBOT head when ``recipe.ibot_separate_head``."""
-    m = cfg.model
+    with a separate iBOT head when ``recipe.ibot_separate_head``. The
+    backbones carry ``cfg.hardware``'s block options
+    (:func:`~dino_opt.models.apply_block_options`: the student's activation
+    checkpointing, each block of both compiled with ``hardware.compile``),
+    ready to be wrapped for several processes."""
+    m, h = cfg.model, cfg.hardware
     vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
     student, teacher = build_dino_models(
         m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
         m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim, **vit,
     )  # fmt: skip
+    apply_block_options(student.backbone, h.activation_checkpointing, h.checkpoint_every,
+                        compile=h.compile)  # fmt: skip
+    apply_block_options(teacher.backbone, compile=h.compile)  # no backward: nothing to recompute
     if cfg.recipe.name != "dinov2":
         return student, teacher
     ibot = None
@@ -227,11 +234,11 @@ def build_schedules(cfg: Config, niter_per_epoch: int, world_size: int = 1) -> S
 
 def trainer_options(cfg: Config) -> dict:
     """The :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` config of
-    ``cfg``: precision, gradient checkpointing, crop batching, accumulation,
-    gradient clipping and the frozen last layer."""
+    ``cfg``: precision, crop batching, accumulation, gradient clipping and
+    the frozen last layer (activation checkpointing is the model's:
+    :func:`build_models`)."""
     return {
         "precision": cfg.hardware.precision,
-        "gradient_checkpointing": cfg.hardware.grad_checkpointing,
         "crop_batch_size": cfg.hardware.crop_batch_size,
         "accumulation_steps": cfg.optim.accumulation_steps,
         "gradient_clip": cfg.optim.clip_grad,

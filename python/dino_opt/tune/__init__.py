@@ -1,4 +1,5 @@
-"""Fast on this machine: model speed-ups, the batch-size search, the hardware preset."""
+"""Fast on this machine: model speed-ups, the batch-size search, the hardware
+preset, the per-rank memory model."""
 
 from .hardware import (
     PresetChoice,
@@ -6,6 +7,16 @@ from .hardware import (
     measure_batch_size,
     resolve_hardware,
     resolve_preset,
+)
+from .memory_model import (
+    MEMORY_ARCHS,
+    STRATEGIES,
+    MemoryEstimate,
+    arch_config,
+    count_model,
+    estimate_memory,
+    largest_batch,
+    memory_table,
 )
 from .optimize import (
     COMPILE_MODES,
@@ -23,15 +34,23 @@ from .throughput import OptimizedDataLoader, ThroughputOptimizer, dynamic_batch_
 __all__ = [
     "COMPILE_MODES",
     "CONFIG_KEYS",
+    "MEMORY_ARCHS",
+    "STRATEGIES",
+    "MemoryEstimate",
     "ModelOptimizer",
     "OptimizedDataLoader",
     "PresetChoice",
     "SDPAForward",
     "ThroughputOptimizer",
+    "arch_config",
+    "count_model",
     "detect_device_memory",
     "dynamic_batch_size",
+    "estimate_memory",
     "explicit_attention",
+    "largest_batch",
     "measure_batch_size",
+    "memory_table",
     "optimize_attention",
     "optimize_model",
     "optimize_model_report",

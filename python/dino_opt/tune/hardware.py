@@ -151,7 +151,7 @@ def resolve_preset(
         "augmentation.num_local_views": row.num_local_views,
         "model.backbone": row.backbone,
         "hardware.precision": precision,
-        "hardware.grad_checkpointing": False,
+        "hardware.activation_checkpointing": "none",
     }
     used = {**values, **(fixed or {})}  # what training will run with
     estimate = None
@@ -167,17 +167,16 @@ def resolve_preset(
             local_resolution=local_crop_size,
             bytes_per_value=4 if used["hardware.precision"] == "fp32" else 2,
         )
-        values["hardware.grad_checkpointing"] = (
-            row.name != "cpu" and estimate < used["data.batch_size"]
-        )
-    checkpointing = values["hardware.grad_checkpointing"]
+        short = row.name != "cpu" and estimate < used["data.batch_size"]
+        values["hardware.activation_checkpointing"] = "full" if short else "none"
+    checkpointing = values["hardware.activation_checkpointing"] != "none"
     size = "no GPU" if memory is None else f"{memory:.1f} GiB"
     how = "chosen by memory" if name == "auto" else "named"
     reason = f"preset {row.name} ({how}; device {where}, {size})"
     if estimate is not None:
         reason += f"; memory estimate: batch <= {estimate}"
         if checkpointing:
-            reason += ", below the batch size, so gradient checkpointing is on"
+            reason += ", below the batch size, so (full) activation checkpointing is on"
     return PresetChoice(row, values, where, memory, estimate, reason)
 
 

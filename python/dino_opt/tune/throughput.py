@@ -180,8 +180,10 @@ class ThroughputOptimizer:
             :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` keys
             (``precision``, ``use_amp``, ``gradient_checkpointing``,
             ``crop_batch_size``, ``gradient_clip``, ``n_global``), or a
-            :class:`~dino_opt.config.Config` (its hardware and clipping
-            settings). The trials always use ``accumulation_steps=1`` (the
+            :class:`~dino_opt.config.Config` (its precision, crop batching
+            and clipping; its activation checkpointing and compilation are
+            the model's, from :func:`~dino_opt.train.build_models`). The
+            trials always use ``accumulation_steps=1`` (the
             search is over the micro-batch) and ``freeze_last_layer=0`` (the
             steady-state step, which also updates the last layer).
 

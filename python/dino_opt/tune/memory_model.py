@@ -1,0 +1,581 @@
+"""Per-rank memory of a DINO or DINOv2 training step, before running it: the
+parameters, gradients, optimizer and teacher of each process under DDP and
+FSDP at any world size, and the activations of the configured crops with
+and without activation checkpointing (docs/memory.md derives every term).
+
+Parameter counts come from the real modules: :func:`count_model` builds the
+config's student and teacher on the meta device (no memory) and reads their
+parameters, grouped as FSDP shards them (each transformer block, each head,
+the rest of the model at the root). Activations are counted per token and
+per block from what autograd keeps for the backward pass of the ViT's
+operators: attention through SDPA keeps no L x L matrix, only q, k, v, its
+output and one log-sum-exp per head and token.
+
+The estimate of rank 0 (the largest shards) is :func:`estimate_memory`;
+:func:`memory_table` gives the rows ``dino-opt presets --memory-model``
+prints for the architectures of :data:`MEMORY_ARCHS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import Config, apply_overrides, load_config
+from ..data import mask_upperbound
+from ..models import CHECKPOINT_POLICIES
+from ..train import build_models
+
+__all__ = [
+    "MEMORY_ARCHS",
+    "STRATEGIES",
+    "ArchRow",
+    "MemoryEstimate",
+    "ModelCounts",
+    "arch_config",
+    "block_bytes_per_token",
+    "count_model",
+    "estimate_memory",
+    "largest_batch",
+    "memory_table",
+]
+
+#: How the student is replicated over processes.
+STRATEGIES = ("ddp", "fsdp")
+
+_FP32 = 4
+_STATS = 8  # a LayerNorm's mean and reciprocal deviation of one token, float32
+
+
+@dataclass(frozen=True)
+class ArchRow:
+    """One architecture of the memory table: ``recipe`` (a config or recipe
+    name, None for DINO's defaults) with ``overrides``, and where its batch
+    size and crops come from."""
+
+    name: str
+    label: str
+    recipe: str | None
+    overrides: tuple[str, ...]
+    source: str
+
+
+MEMORY_ARCHS: dict[str, ArchRow] = {
+    r.name: r
+    for r in (
+        ArchRow("dino_vits16", "DINO ViT-S/16", None,
+                ("data.batch_size=64", "augmentation.num_local_views=10"),
+                "DINO's released ViT-S/16 run: 64 per GPU on 16 GPUs, 2 x 224 + 10 x 96"),
+        ArchRow("dino_vitb16", "DINO ViT-B/16", None,
+                ("model.backbone=vit_base", "data.batch_size=32",
+                 "augmentation.num_local_views=10"),
+                "DINO's released ViT-B/16 run: 32 per GPU on 32 GPUs, 2 x 224 + 10 x 96"),
+        ArchRow("dinov2_vits14", "DINOv2 ViT-S/14", "dinov2_vits14", (),
+                "DINOv2's default recipe: 64 per GPU, 2 x 224 + 8 x 98, shared 65536 head"),
+        ArchRow("dinov2_vitb14", "DINOv2 ViT-B/14", "dinov2_vits14",
+                ("model.backbone=vit_base",),
+                "DINOv2's default recipe on ViT-B/14: 64 per GPU, 2 x 224 + 8 x 98"),
+        ArchRow("dinov2_vitl14", "DINOv2 ViT-L/14", "dinov2_vitl14", (),
+                "DINOv2's ViT-L/14 config: 32 per GPU, SwiGLU, heads of 131072"),
+        ArchRow("dinov2_vitg14", "DINOv2 ViT-g/14", "dinov2_vitg14", (),
+                "DINOv2's ViT-g/14 config: 12 per GPU, SwiGLU, heads of 131072"),
+    )
+}  # fmt: skip
+
+
+def arch_config(name: str, batch_size: int | None = None) -> Config:
+    """The config of :data:`MEMORY_ARCHS` row ``name``, with ``batch_size``
+    per GPU when given."""
+    if name not in MEMORY_ARCHS:
+        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(MEMORY_ARCHS)}")
+    row = MEMORY_ARCHS[name]
+    extra = [f"data.batch_size={batch_size}"] if batch_size is not None else []
+    return load_config(row.recipe, [*row.overrides, *extra])
+
+
+# ---------------------------------------------------------------- the modules
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """The parameters of a config's student and teacher (counted on the meta
+    device) and the ViT's shape.
+
+    ``units`` maps each FSDP unit of the student (``root``, ``blocks.i``,
+    ``head``, ``ibot_head``) to its parameters' shapes, and whether they
+    train; the teacher has the same units. ``ffn_hidden`` is the MLP's width,
+    or SwiGLU's hidden width (``w3``'s input)."""
+
+    student: int
+    trainable: int
+    teacher: int
+    units: dict[str, tuple[tuple[tuple[int, ...], bool], ...]]
+    embed_dim: int
+    depth: int
+    num_heads: int
+    ffn: str
+    ffn_hidden: int
+    layerscale: bool
+    extra_tokens: int
+    patch_size: int
+    head_weight: int
+
+    def local(
+        self, world_size: int, *, trainable_only: bool = False, unit: str | None = None
+    ) -> int:
+        """Elements of rank 0's FSDP shards (each parameter split along its
+        first dimension into ``world_size`` padded chunks), of every unit or
+        of ``unit``; ``trainable_only``: of the trained parameters."""
+        total = 0
+        for name, shapes in self.units.items():
+            if unit is not None and name != unit:
+                continue
+            for shape, trains in shapes:
+                if trains or not trainable_only:
+                    total += _shard(shape, world_size)
+        return total
+
+    def unit_size(self, name: str) -> int:
+        return sum(math.prod(shape) for shape, _ in self.units[name])
+
+    @property
+    def largest_unit(self) -> int:
+        return max(self.unit_size(n) for n in self.units if n != "root")
+
+    @property
+    def largest_pair(self) -> int:
+        """The most parameters of two units next to each other in the order
+        the backward pass visits them (a unit and the one prefetched)."""
+        sizes = [self.unit_size(n) for n in self.units if n != "root"]
+        return (
+            max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
+            if len(sizes) > 1
+            else sizes[0]
+        )
+
+    @property
+    def head_units(self) -> list[str]:
+        return [n for n in self.units if n in ("head", "ibot_head")]
+
+
+def _shard(shape: tuple[int, ...], world: int) -> int:
+    if not shape:
+        return 1
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def count_model(cfg: Config) -> ModelCounts:
+    """The parameters and shape of ``cfg``'s ViT student and teacher, built
+    on the meta device (:func:`~dino_opt.train.build_models`)."""
+    if not cfg.model.backbone.startswith("vit"):
+        raise ValueError(f"the memory model covers ViT backbones; model.backbone is "
+                         f"{cfg.model.backbone!r}")  # fmt: skip
+    with torch.device("meta"):
+        student, teacher = build_models(cfg)
+    vit, block = student.backbone, student.backbone.blocks[0]
+    mlp = block.mlp
+    hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
+    return ModelCounts(
+        student=_numel(student), trainable=_numel(student, trainable=True),
+        teacher=_numel(teacher), units=_units(student), embed_dim=vit.embed_dim,
+        depth=len(vit.blocks), num_heads=vit.num_heads,
+        ffn="mlp" if hasattr(mlp, "fc1") else "swiglu", ffn_hidden=hidden,
+        layerscale=not isinstance(block.ls1, nn.Identity),
+        extra_tokens=1 + vit.num_register_tokens, patch_size=vit.patch_size,
+        head_weight=sum(h.last_layer.weight_v.numel() for h in _heads(student).values()),
+    )  # fmt: skip
+
+
+def _numel(module: nn.Module, trainable: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+
+
+def _heads(student: nn.Module) -> dict[str, nn.Module]:
+    heads = {"head": student.head}
+    if getattr(student, "ibot_head", None) is not None:
+        heads["ibot_head"] = student.ibot_head
+    return heads
+
+
+def _units(student: nn.Module) -> dict[str, tuple]:
+    """Parameter shapes per FSDP unit: each block, each head, the root."""
+    groups: dict[str, list[nn.Module]] = {
+        f"blocks.{i}": [b] for i, b in enumerate(student.backbone.blocks)
+    }
+    groups.update({name: [h] for name, h in _heads(student).items()})
+    seen = {id(p) for mods in groups.values() for m in mods for p in m.parameters()}
+    units = {"root": tuple((tuple(p.shape), p.requires_grad) for p in student.parameters()
+                           if id(p) not in seen)}  # fmt: skip
+    for name, mods in groups.items():
+        units[name] = tuple((tuple(p.shape), p.requires_grad) for m in mods for p in m.parameters())
+    return units
+
+
+# ---------------------------------------------------------------- activations
+
+
+def block_bytes_per_token(
+    counts: ModelCounts, act_bytes: int, policy: str = "none", input_bytes: int = _FP32
+) -> int:
+    """Bytes one transformer block keeps per token for its backward pass.
+
+    ``act_bytes``: 2 under bf16/fp16 autocast, 4 in float32; ``input_bytes``:
+    the block input's (the residual stream's) bytes per value. ``none``: the
+    LayerNorms' float32 inputs and statistics, the linear layers' inputs, q/k/v
+    (one tensor), the attention output and its log-sum-exp per head, the MLP's
+    hidden activations (GELU's input and output; SwiGLU's fused projection,
+    SiLU output and gated product) and, with LayerScale, the scaled branches.
+    ``full``: the block input only. ``selective``: the block input and the
+    outputs of the matrix products and of attention."""
+    if policy not in CHECKPOINT_POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")
+    c, h, a = counts.embed_dim, counts.ffn_hidden, act_bytes
+    heads_lse = _FP32 * counts.num_heads
+    if policy == "full":
+        return input_bytes * c
+    if policy == "selective":
+        ffn = (2 * a * h if counts.ffn == "swiglu" else a * h) + a * c  # fc1 / w12, fc2 / w3
+        return input_bytes * c + 3 * a * c + a * c + heads_lse + a * c + ffn
+    ffn = 4 * a * h if counts.ffn == "swiglu" else 2 * a * h
+    layerscale = 2 * a * c if counts.layerscale else 0
+    norms = 2 * (_FP32 * c + _STATS)
+    return norms + a * c + 3 * a * c + a * c + heads_lse + a * c + ffn + layerscale
+
+
+def _ffn_grad(counts: ModelCounts, a: int) -> int:
+    """The widest gradients alive at once in a block's backward, per token."""
+    return 2 * a * counts.ffn_hidden if counts.ffn == "swiglu" else a * counts.ffn_hidden
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The crops of a step, per rank: tokens per crop size, images, head rows."""
+
+    batch: int
+    global_tokens: int
+    local_tokens: int
+    n_local: int
+    masked: int  # dinov2: the most masked patch tokens of a batch (iBOT rows)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (2 * self.global_tokens + self.n_local * self.local_tokens)
+
+    @property
+    def largest_group(self) -> int:
+        """Tokens of the larger backbone call (all global or all local crops)."""
+        return self.batch * max(2 * self.global_tokens, self.n_local * self.local_tokens)
+
+
+def _step(cfg: Config, counts: ModelCounts) -> _Step:
+    a, p, r = cfg.augmentation, counts.patch_size, cfg.recipe
+    g = (a.global_crop_size // p) ** 2
+    masked = 0
+    if r.name == "dinov2":
+        masked = mask_upperbound(2 * cfg.data.batch_size, g, tuple(r.mask_ratio_min_max),
+                                 r.mask_sample_probability)  # fmt: skip
+    return _Step(cfg.data.batch_size, g + counts.extra_tokens,
+                 (a.local_crop_size // p) ** 2 + counts.extra_tokens, a.num_local_views,
+                 masked)  # fmt: skip
+
+
+def _head_rows(cfg: Config, counts: ModelCounts, s: _Step) -> tuple[int, int]:
+    """(rows through the DINO head, rows through a separate iBOT head)."""
+    rows = s.batch * (2 + s.n_local)
+    if cfg.recipe.name != "dinov2":
+        return rows, 0
+    if "ibot_head" in counts.units:
+        return rows, s.masked
+    return rows + s.masked, 0
+
+
+def _head_bytes_per_row(cfg: Config, counts: ModelCounts, a: int, out_dim: int) -> int:
+    """A head row's saved activations: the MLP's (input, GELU inputs and
+    outputs, the L2-normalised bottleneck) and the logits, kept in the
+    autocast dtype and as the loss's float32 copy (DINOv2's loss also keeps
+    its float32 log-probabilities)."""
+    m = cfg.model
+    mlp = a * counts.embed_dim + 4 * a * m.hidden_dim + (2 * a + 3 * _FP32) * m.bottleneck_dim
+    loss = (a + 2 * _FP32) if cfg.recipe.name == "dinov2" else (a + _FP32)
+    return mlp + loss * out_dim
+
+
+def _teacher_outputs(cfg: Config, s: _Step, a: int) -> int:
+    """What the teacher's pass leaves for the student's: its logits of the
+    global crops (autocast dtype and float32; DINOv2: float32 targets and
+    logits, and the iBOT targets of the masked tokens)."""
+    k, rows = cfg.model.out_dim, 2 * s.batch
+    if cfg.recipe.name != "dinov2":
+        return rows * k * (a + _FP32)
+    ibot = cfg.recipe.ibot_out_dim if cfg.recipe.ibot_separate_head else k
+    return rows * k * 2 * _FP32 + s.masked * ibot * _FP32
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Rank 0's memory in bytes for one setting.
+
+    Kept across steps: ``parameters`` (the student's, float32), ``teacher``,
+    ``optimizer`` (AdamW's two float32 moments), ``buckets`` (DDP's
+    gradient buckets). Within a step: ``gradients`` (float32),
+    ``unsharded`` (FSDP: the units gathered at once, in the parameters'
+    compute dtype, and one unit's gradient being reduced), ``activations``
+    (what the backward pass keeps, the crops, the teacher's outputs, the
+    autocast copies of the weights) and ``transient`` (the largest working
+    set of the backward pass on top of that); ``backward_end``: what is alive
+    when the backward pass reaches the first block (nearly all gradients, a
+    block's working set, a gradient being accumulated, the crops).
+    ``peak``: what is kept plus the larger of the backward's start
+    (activations, transient, unsharded, the heads' gradients) and its end
+    (``backward_end`` and unsharded; the optimizer step needs no more)."""
+
+    arch: str
+    strategy: str
+    world_size: int
+    batch_size: int
+    precision: str
+    checkpointing: str
+    every: int
+    reshard_after_forward: bool
+    parameter_count: int
+    trainable_count: int
+    teacher_count: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    teacher: int
+    buckets: int
+    unsharded: int
+    activations: int
+    transient: int
+    head_gradients: int
+    backward_end: int
+
+    @property
+    def kept(self) -> int:
+        """Bytes alive between steps."""
+        return self.parameters + self.teacher + self.optimizer + self.buckets
+
+    @property
+    def step(self) -> int:
+        """Bytes above :attr:`kept` at the step's peak."""
+        start = self.activations + self.transient + self.unsharded + self.head_gradients
+        return max(start, self.backward_end + self.unsharded)
+
+    @property
+    def peak(self) -> int:
+        return self.kept + self.step
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "kept": self.kept, "step": self.step,
+                "peak": self.peak}  # fmt: skip
+
+
+def estimate_memory(
+    cfg: Config,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    checkpointing: str | None = None,
+    every: int | None = None,
+    reshard_after_forward: bool = True,
+    arch: str | None = None,
+    counts: ModelCounts | None = None,
+) -> MemoryEstimate:
+    """Rank 0's memory for ``cfg`` (its model, crops, batch per GPU and
+    precision: ``fp32`` counts activations and FSDP's gathered parameters in
+    float32, every other value in 16 bits) under ``strategy`` over
+    ``world_size`` processes, with ``checkpointing`` every ``every``-th block
+    (default: the config's ``hardware`` keys). DDP replicates the student
+    and keeps a flat gradient bucket per parameter (torch's default, no
+    bucket views); FSDP shards parameters, gradients, optimizer states and
+    the teacher per unit (each block, each head, the root) with mixed
+    precision: 16-bit gathered parameters, float32 reduction."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    h = cfg.hardware
+    checkpointing = h.activation_checkpointing if checkpointing is None else checkpointing
+    every = h.checkpoint_every if every is None else every
+    counts = counts if counts is not None else count_model(cfg)
+    a = _FP32 if h.precision == "fp32" else 2
+    states = _states(counts, strategy, world_size, a)
+    acts, transient, end = _activations(cfg, counts, a, strategy, checkpointing, every)
+    if strategy == "ddp":  # a block's gradient of one crop size, added to the other's
+        end += _FP32 * max(counts.unit_size(u) for u in counts.units if u.startswith("blocks."))
+    return MemoryEstimate(
+        arch=arch or f"{cfg.model.backbone}/{counts.patch_size}", strategy=strategy,
+        world_size=world_size, batch_size=cfg.data.batch_size,
+        precision="fp32" if a == _FP32 else "16-bit", checkpointing=checkpointing, every=every,
+        reshard_after_forward=reshard_after_forward, parameter_count=counts.student,
+        trainable_count=counts.trainable, teacher_count=counts.teacher, **states,
+        unsharded=_unsharded(counts, a, strategy, reshard_after_forward),
+        activations=acts, transient=transient, backward_end=end + states["gradients"],
+    )  # fmt: skip
+
+
+def _states(counts: ModelCounts, strategy: str, world: int, a: int) -> dict[str, int]:
+    """Parameters, gradients, AdamW moments, teacher, DDP buckets; the heads'
+    gradients (the first a backward pass makes), all float32. FSDP keeps the
+    root unit of a module gathered after a forward pass until its backward
+    pass, so the teacher's (which has none) stays gathered too."""
+    gathered_root = 0
+    if strategy == "fsdp":
+        local = counts.local
+        heads = sum(local(world, trainable_only=True, unit=u) for u in counts.head_units)
+        student, trainable = local(world), local(world, trainable_only=True)
+        teacher, buckets = student, 0  # the same units, sharded alike
+        gathered_root = a * counts.unit_size("root")
+    else:
+        heads = sum(
+            math.prod(s) for u in counts.head_units for s, t in counts.units[u] if t
+        )  # fmt: skip
+        student, trainable, teacher = counts.student, counts.trainable, counts.teacher
+        buckets = trainable
+    return {
+        "parameters": _FP32 * student, "gradients": _FP32 * trainable,
+        "optimizer": 2 * _FP32 * trainable, "teacher": _FP32 * teacher + gathered_root,
+        "buckets": _FP32 * buckets, "head_gradients": _FP32 * heads,
+    }  # fmt: skip
+
+
+def _unsharded(counts: ModelCounts, a: int, strategy: str, reshard: bool) -> int:
+    """FSDP's gathered parameters at the backward's start: the root's (kept
+    gathered), the unit in use and the one prefetched (or every unit without
+    resharding after the forward), and the unit whose gradient is reduced
+    (its gradient in the compute dtype, and a float32 copy to reduce when
+    that dtype is 16-bit)."""
+    if strategy != "fsdp":
+        return 0
+    root, largest = counts.unit_size("root"), counts.largest_unit
+    gathered = a * (counts.student if not reshard else root + counts.largest_pair)
+    reduce = a * largest + (_FP32 * largest if a != _FP32 else 0)
+    return gathered + reduce
+
+
+def _blocks_per_token(counts: ModelCounts, a: int, policy: str, every: int, residual: int) -> int:
+    """What all blocks and the final norm keep per token: the checkpointed
+    blocks (0, every, 2 every, ...) by ``policy``, the others everything."""
+    checkpointed = len(range(0, counts.depth, every)) if policy != "none" else 0
+    plain = counts.depth - checkpointed
+    return (checkpointed * block_bytes_per_token(counts, a, policy, residual)
+            + plain * block_bytes_per_token(counts, a, "none")
+            + _FP32 * counts.embed_dim + _STATS)  # fmt: skip
+
+
+def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy: str) -> int:
+    """What the step keeps outside the blocks: the heads' activations and
+    logits, the teacher's outputs and the weight copies that autocast and
+    weight normalisation make (the crops are :func:`_crop_bytes`)."""
+    rows, ibot_rows = _head_rows(cfg, counts, s)
+    heads = rows * _head_bytes_per_row(cfg, counts, a, cfg.model.out_dim)
+    heads += ibot_rows * _head_bytes_per_row(cfg, counts, a, cfg.recipe.ibot_out_dim)
+    weights = a * counts.head_weight  # the heads' weight-normalised last layers
+    if strategy == "ddp" and a != _FP32:
+        weights += a * (counts.student - counts.head_weight)  # autocast's cached casts
+    return heads + weights + _teacher_outputs(cfg, s, a)
+
+
+def _crop_bytes(cfg: Config, s: _Step, a: int) -> int:
+    """The batch of crops (float32) and, under autocast, its 16-bit copy."""
+    aug = cfg.augmentation
+    values = s.batch * 3 * (2 * aug.global_crop_size**2 + s.n_local * aug.local_crop_size**2)
+    return values * (_FP32 + (a if a != _FP32 else 0))
+
+
+def _activations(
+    cfg: Config, counts: ModelCounts, a: int, strategy: str, policy: str, every: int
+) -> tuple[int, int, int]:
+    """(bytes the backward keeps, the backward's largest working set at its
+    start, what besides the gradients is alive when the backward reaches the
+    global crops' first block: their saved activations, a block's working
+    set, the crops).
+
+    The global crops go through the backbone first, so their backward comes
+    last, after the local crops' has made every block's gradient."""
+    s = _step(cfg, counts)
+    # At block boundaries the residual stream is float32 (autocast) or FSDP's 16-bit.
+    residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
+    per_token = _blocks_per_token(counts, a, policy, every, residual)
+    crops = _crop_bytes(cfg, s, a)
+    kept = s.tokens * per_token + crops + _outside_blocks(cfg, counts, s, a, strategy)
+    # A block's backward: the residual's gradient and the widest gradients,
+    # after recomputing what a checkpointed block did not keep. The backward
+    # starts at the last block and ends at block 0 (always checkpointed).
+    working = residual * counts.embed_dim + _ffn_grad(counts, a)
+    recompute = 0
+    if policy != "none":
+        recompute = block_bytes_per_token(counts, a, "none") - block_bytes_per_token(
+            counts, a, policy, residual
+        )
+    last = recompute if (counts.depth - 1) % every == 0 else 0
+    rows, ibot_rows = _head_rows(cfg, counts, s)
+    logits = (rows * cfg.model.out_dim + ibot_rows * cfg.recipe.ibot_out_dim) * (_FP32 + a)
+    global_tokens = 2 * s.batch * s.global_tokens
+    end = global_tokens * (per_token + working + recompute) + crops
+    return kept, max(s.largest_group * (working + last), logits), end
+
+
+def largest_batch(
+    cfg: Config, memory_bytes: float, counts: ModelCounts | None = None, **setting
+) -> int:
+    """The largest batch per GPU whose :func:`estimate_memory` peak (with
+    ``setting``: strategy, world_size, checkpointing, ...) is at most
+    ``memory_bytes``; 0 when not even one image fits."""
+    counts = counts if counts is not None else count_model(cfg)
+
+    def fits(batch: int) -> bool:
+        sized = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch))
+        return estimate_memory(sized, counts=counts, **setting).peak <= memory_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def memory_table(
+    archs: list[str] | None = None,
+    worlds: tuple[int, ...] = (1, 8, 64, 1024),
+    strategies: tuple[str, ...] = STRATEGIES,
+    policies: tuple[str, ...] = CHECKPOINT_POLICIES,
+    batch_size: int | None = None,
+    reshard_after_forward: bool = True,
+    config: Config | None = None,
+    overrides: tuple[str, ...] = (),
+) -> list[MemoryEstimate]:
+    """Estimates for every combination of architecture (``archs`` of
+    :data:`MEMORY_ARCHS`, default all; or ``config`` alone), strategy, world
+    size and checkpointing policy (of every block), at each architecture's
+    batch per GPU or ``batch_size``, with ``overrides`` (``key=value``)
+    applied to each config."""
+    extra = [*overrides, *([f"data.batch_size={batch_size}"] if batch_size is not None else [])]
+    if config is not None:
+        configs = {"config": apply_overrides(config, extra)}
+    else:
+        configs = {a: apply_overrides(arch_config(a), extra) for a in (archs or MEMORY_ARCHS)}
+    rows = []
+    for name, cfg in configs.items():
+        counts = count_model(cfg)
+        for strategy in strategies:
+            for world in worlds:
+                for policy in policies:
+                    rows.append(estimate_memory(
+                        cfg, strategy=strategy, world_size=world, checkpointing=policy,
+                        every=1, reshard_after_forward=reshard_after_forward, arch=name,
+                        counts=counts,
+                    ))  # fmt: skip
+    return rows

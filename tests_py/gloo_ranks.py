@@ -1,0 +1,35 @@
+"""Runs a worker script as the ranks of a gloo process group (one process
+each, one intra-op thread) and reads back what each wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_ranks(script: Path, out: Path, *args: str, world: int = 2, timeout: int = 900) -> list:
+    """``python script RANK WORLD INIT_FILE OUT *args`` for every rank; each
+    writes OUT/rank{rank}.json, returned in rank order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(rank),
+                str(world),
+                str(out / "init"),
+                str(out),
+                *args,
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]

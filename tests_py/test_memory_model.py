@@ -1,0 +1,206 @@
+"""The per-rank memory model (dino_opt.tune.memory_model): its parameter
+counts are the real modules', FSDP's per-rank state shrinks with the world
+size, checkpointing shrinks activations, ``dino-opt presets --memory-model``
+prints it (table and JSON), and its predictions agree within 10 % with what
+2 gloo processes measure (DDP and FSDP) and with one process's activations
+under each checkpointing policy."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dino_opt.cli import main
+from dino_opt.config import load_config
+from dino_opt.observe import AllocationTrace
+from dino_opt.train import build_loss, build_models, build_optimizer
+from dino_opt.tune import (
+    MEMORY_ARCHS,
+    arch_config,
+    count_model,
+    estimate_memory,
+    largest_batch,
+    memory_table,
+)
+from dist_memory_worker import MEMORY_RUN, _forward_backward, _optimizer_step
+from gloo_ranks import run_ranks
+
+HERE = Path(__file__).parent
+WORLDS = (1, 2, 8, 64, 1024)
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return {name: count_model(arch_config(name)) for name in MEMORY_ARCHS}
+
+
+def test_counts_are_the_real_modules():
+    # DINOv2 with a separate iBOT head, small enough to build for real
+    small = ["model.backbone=vit_tiny", "recipe.ibot_separate_head=true",
+             "recipe.ibot_out_dim=512", "model.out_dim=256"]  # fmt: skip
+    cfg = load_config("dinov2_vits14", small)
+    c = count_model(cfg)
+    student, teacher = build_models(cfg)
+    assert c.student == sum(p.numel() for p in student.parameters())
+    assert c.trainable == sum(p.numel() for p in student.parameters() if p.requires_grad)
+    assert c.teacher == sum(p.numel() for p in teacher.parameters())
+    assert set(c.units) == {"root", "head", "ibot_head"} | {f"blocks.{i}" for i in range(12)}
+    assert c.unit_size("ibot_head") == sum(p.numel() for p in student.ibot_head.parameters())
+    assert sum(c.unit_size(u) for u in c.units) == c.student
+    assert (c.embed_dim, c.depth, c.num_heads, c.ffn, c.ffn_hidden) == (192, 12, 3, "mlp", 768)
+
+
+def test_architectures(counts):
+    backbone = {n: c.student - sum(c.unit_size(u) for u in c.head_units) for n, c in counts.items()}
+    assert backbone["dino_vits16"] == 21_665_664  # DINO's ViT-S/16
+    assert backbone["dino_vitb16"] == 85_798_656  # DINO's ViT-B/16
+    g = counts["dinov2_vitg14"]
+    assert (g.embed_dim, g.depth, g.ffn, g.ffn_hidden, g.layerscale) == (1536, 40, "swiglu", 4096,
+                                                                          True)  # fmt: skip
+    assert g.head_units == ["head", "ibot_head"] and g.unit_size("head") > 50_000_000
+    assert counts["dinov2_vits14"].head_units == ["head"]  # the iBOT head is shared
+
+
+def test_fsdp_state_shrinks_with_the_world_size(counts):
+    for name, c in counts.items():
+        cfg = arch_config(name)
+        rows = [estimate_memory(cfg, strategy="fsdp", world_size=w, counts=c) for w in WORLDS]
+        for key in ("parameters", "gradients", "optimizer"):
+            values = [getattr(r, key) for r in rows]
+            assert values == sorted(values, reverse=True) and values[0] > 200 * values[-1], key
+            for w, v in zip(WORLDS, values, strict=True):  # rank 0's shard: 1/world and padding
+                assert 4 * c.trainable / w <= v / (2 if key == "optimizer" else 1) * 1.001
+        assert rows[0].parameters == 4 * c.student and rows[0].optimizer == 8 * c.trainable
+        ddp = [estimate_memory(cfg, strategy="ddp", world_size=w, counts=c) for w in WORLDS]
+        assert len({r.peak for r in ddp}) == 1 and ddp[0].buckets == 4 * c.trainable
+        assert all(f.peak < d.peak for f, d in zip(rows[1:], ddp[1:], strict=True))
+
+
+def test_checkpointing_shrinks_activations(counts):
+    for name, c in counts.items():
+        cfg = arch_config(name)
+        for strategy in ("ddp", "fsdp"):
+            settings = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
+            est = {(p, e): estimate_memory(cfg, strategy=strategy, world_size=8, checkpointing=p,
+                                           every=e, counts=c)
+                   for p, e in settings}  # fmt: skip
+            acts = {k: v.activations for k, v in est.items()}
+            assert acts["none", 1] > acts["selective", 1] > acts["full", 1], name
+            assert acts["none", 1] > acts["full", 2] > acts["full", 1], name
+            assert est["none", 1].peak > est["selective", 1].peak > est["full", 1].peak, name
+        resharded = estimate_memory(cfg, strategy="fsdp", world_size=8, counts=c)
+        kept = estimate_memory(cfg, strategy="fsdp", world_size=8, counts=c,
+                               reshard_after_forward=False)  # fmt: skip
+        assert kept.unsharded > resharded.unsharded
+
+
+def test_batch_and_crops_scale_activations():
+    small, big = (estimate_memory(arch_config("dino_vits16", b)) for b in (32, 64))
+    assert big.activations == pytest.approx(2 * small.activations, rel=0.01)
+    assert big.parameters == small.parameters
+    fewer = estimate_memory(load_config(None, ["augmentation.num_local_views=2"]))
+    assert fewer.activations < estimate_memory(load_config(None, [])).activations
+
+
+def test_largest_batch_is_the_last_that_fits(counts):
+    cfg, c = arch_config("dinov2_vitl14"), counts["dinov2_vitl14"]
+    cap = 0.9 * 80 * 2**30
+    for setting in ({"strategy": "ddp"}, {"strategy": "fsdp", "world_size": 64,
+                                         "checkpointing": "full"}):  # fmt: skip
+        b = largest_batch(cfg, cap, c, **setting)
+        assert estimate_memory(arch_config("dinov2_vitl14", b), counts=c, **setting).peak <= cap
+        assert estimate_memory(arch_config("dinov2_vitl14", b + 1), counts=c, **setting).peak > cap
+    assert largest_batch(cfg, 2**30, c) == 0  # 1 GiB: not even the states
+
+
+def test_bad_arguments():
+    cfg = arch_config("dino_vits16")
+    with pytest.raises(ValueError, match="strategy must be one of ddp, fsdp"):
+        estimate_memory(cfg, strategy="zero3")
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        estimate_memory(cfg, world_size=0)
+    with pytest.raises(ValueError, match="unknown architecture 'vit_h14'"):
+        arch_config("vit_h14")
+    with pytest.raises(ValueError, match="covers ViT backbones"):
+        count_model(load_config(None, ["model.backbone=resnet18", "model.patch_size=16"]))
+
+
+def test_cli_table_and_json(capsys):
+    args = ["presets", "--memory-model", "--arch", "dino_vits16", "dinov2_vitg14", "--world", "1",
+            "64", "--checkpointing", "none", "full"]  # fmt: skip
+    assert main([*args, "--memory", "80"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["arch", "batch", "strategy", "world", "ckpt", "params", "grads",
+                              "optim", "teacher", "comm", "activ", "peak", "fits", "max",
+                              "batch"]  # fmt: skip
+    rows = [line.split() for line in out[1:] if line.startswith(("dino_", "dinov2_"))]
+    assert len(rows) == 2 * 2 * 2 * 2
+    assert {r[0] for r in rows} == {"dino_vits16", "dinov2_vitg14"} and rows[0][1] == "64"
+    vits = [r for r in rows if r[:5] == ["dino_vits16", "64", "ddp", "1", "none"]]
+    assert vits[0][12:] == ["yes", "536"]  # 9.5 GiB at 64 images; 536 fit in 72 GiB
+    assert main([*args, "--json", "--strategy", "fsdp", "--batch", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["rows"]) == 2 * 2 * 2 and set(report["archs"]) == set(MEMORY_ARCHS)
+    expected = memory_table(["dinov2_vitg14"], (64,), ("fsdp",), ("full",), batch_size=8)[0]
+    got = [r for r in report["rows"] if r["arch"] == "dinov2_vitg14" and r["world_size"] == 64
+           and r["checkpointing"] == "full"]  # fmt: skip
+    assert got == [expected.to_dict()] and got[0]["batch_size"] == 8
+    assert main([*args, "--json", "--memory", "80"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for row in report["rows"]:
+        assert row["fits"] == (row["peak"] <= 0.9 * 80 * 2**30) and row["largest_batch"] > 0
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["presets", "--memory-model", "--arch", "nope"])
+
+
+def _pct(model: int, measured: int) -> float:
+    return abs(model / measured - 1)
+
+
+def test_two_ranks_measured_within_10_percent(tmp_path):
+    """DDP and FSDP (with and without selective checkpointing) over 2 gloo
+    processes (dist_memory_worker.py): each state part by its tensors'
+    storages, the step above them by the allocation trace."""
+    runs = ["ddp:none", "fsdp:none", "fsdp:selective"]
+    results = run_ranks(HERE / "dist_memory_worker.py", tmp_path, *runs)
+    cfg = load_config(None, MEMORY_RUN)
+    for rank, result in enumerate(results):
+        for run, measured in result.items():
+            strategy, policy = run.split(":")
+            model = estimate_memory(cfg, strategy=strategy, world_size=2, checkpointing=policy)
+            for key in ("parameters", "teacher", "optimizer", "buckets", "gradients", "step"):
+                got = getattr(model, key)
+                assert _pct(got, measured[key]) <= 0.10 if got else measured[key] == 0, (
+                    rank, run, key, got, measured[key])  # fmt: skip
+            kept = sum(measured[k] for k in ("parameters", "teacher", "optimizer", "buckets"))
+            assert _pct(model.peak, kept + measured["step"]) <= 0.10, (rank, run)
+        # the same step, whichever way the student is spread and recomputed
+        assert result["fsdp:none"]["losses"] == pytest.approx(result["ddp:none"]["losses"])
+        assert result["fsdp:selective"]["losses"] == pytest.approx(result["fsdp:none"]["losses"])
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine, OpenMP's spinning
+    threads make the step ten times slower (the bytes are the same)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("policy, every", [("full", 1), ("selective", 1), ("full", 2)])
+def test_one_process_step_within_10_percent(policy, every, one_thread):
+    torch.manual_seed(0)
+    cfg = load_config(None, [*MEMORY_RUN, f"hardware.activation_checkpointing={policy}",
+                             f"hardware.checkpoint_every={every}"])  # fmt: skip
+    student, teacher = build_models(cfg)
+    loss_fn = build_loss(cfg)
+    optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
+    _forward_backward(student, teacher, loss_fn, cfg, seed=0)
+    _optimizer_step(student, optimizer, cfg)  # AdamW's moments exist before the trace
+    with AllocationTrace() as trace:
+        _forward_backward(student, teacher, loss_fn, cfg, seed=1)
+        _optimizer_step(student, optimizer, cfg)
+    model = estimate_memory(cfg, strategy="ddp", world_size=1)
+    assert _pct(model.step, trace.peak()) <= 0.10, (model.step, trace.peak())
