@@ -78,17 +78,23 @@ test-py:
 	$(PY) -m pytest tests_py
 
 # The loader's image pipeline under libFuzzer + ASan/UBSan for FUZZ_SECONDS,
-# from a seed corpus of every format; findings are written to build/fuzz.
-# close_fd_mask=2 hides the decoders' own stderr chatter, not sanitizer reports.
+# from a seed corpus of every format, then the shards' tar reader for
+# FUZZ_TAR_SECONDS from tars in every header format; findings are written to
+# build/fuzz. close_fd_mask=2 hides the decoders' own stderr chatter, not
+# sanitizer reports.
 FUZZ_DIR     := build/fuzz
 FUZZ_SECONDS ?= 60
+FUZZ_TAR_SECONDS ?= 30
 fuzz: setup
 	CXX=clang++-14 cmake -S fuzz -B $(FUZZ_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(FUZZ_DIR)
 	$(PY) scripts/fuzz_corpus.py $(FUZZ_DIR)/seeds
-	mkdir -p $(FUZZ_DIR)/corpus
+	$(PY) scripts/fuzz_corpus.py --tar $(FUZZ_DIR)/tar_seeds
+	mkdir -p $(FUZZ_DIR)/corpus $(FUZZ_DIR)/tar_corpus
 	cd $(FUZZ_DIR) && ./fuzz_multicrop -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
 	  -rss_limit_mb=2048 -close_fd_mask=2 -print_final_stats=1 corpus seeds
+	cd $(FUZZ_DIR) && ./fuzz_tar -max_total_time=$(FUZZ_TAR_SECONDS) -timeout=10 \
+	  -rss_limit_mb=2048 -print_final_stats=1 tar_corpus tar_seeds
 
 # A wheel built against this environment's torch; its metadata pins that
 # torch's series (torch==X.Y.*), the only ABI its compiled core loads with.

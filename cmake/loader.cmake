@@ -1,5 +1,5 @@
 # The loader's image pipeline (decode, crop sampling, resampling, photometric
-# augmentation): a static library free of torch, so that the main build links
+# augmentation) and its sample sources (files, tar shards, Arrow buffers): a static library free of torch, so that the main build links
 # it into dino_opt_core and the fuzz build (fuzz/CMakeLists.txt) compiles the
 # same sources with clang and sanitizers.
 #
@@ -40,7 +40,10 @@ add_library(dino_opt_loader_core STATIC
     ${DINO_OPT_LOADER_DIR}/masking.cpp
     ${DINO_OPT_LOADER_DIR}/resample.cpp
     ${DINO_OPT_LOADER_DIR}/multicrop_pipeline.cpp
-    ${DINO_OPT_LOADER_DIR}/prepare.cpp)
+    ${DINO_OPT_LOADER_DIR}/prepare.cpp
+    ${DINO_OPT_LOADER_DIR}/tar_index.cpp
+    ${DINO_OPT_LOADER_DIR}/sample_source.cpp
+    ${DINO_OPT_LOADER_DIR}/shard_source.cpp)
 
 # The photometric kernel, once per instruction set (photometric.cpp picks one
 # at run time). -ffp-contract=off: a*b + c rounds twice, as in the CUDA kernel
@@ -66,7 +69,8 @@ endforeach()
 set_target_properties(dino_opt_loader_core PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(dino_opt_loader_core PUBLIC "${DINO_OPT_LOADER_DIR}/.."
                            PRIVATE "${TURBOJPEG_INCLUDE_DIR}")
-target_link_libraries(dino_opt_loader_core PUBLIC "${TURBOJPEG_LIBRARY}")
+find_package(Threads REQUIRED)  # the shard source's reader thread
+target_link_libraries(dino_opt_loader_core PUBLIC "${TURBOJPEG_LIBRARY}" Threads::Threads)
 target_compile_options(dino_opt_loader_core PRIVATE -Wall -Wextra -O3)
 if(DINO_OPT_IMGCODECS)
   # SYSTEM: OpenCV 4.6's headers warn under C++20 (enum arithmetic), which is not ours to fix.

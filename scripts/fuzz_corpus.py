@@ -1,9 +1,16 @@
-"""Seed corpus for the libFuzzer target (fuzz/fuzz_multicrop.cpp): small
-images in every format and colour mode the loader meets, each prefixed with
-the mode byte the target reads first (photometric on/off, DCT scaling on/off)."""
+"""Seed corpora for the libFuzzer targets: for fuzz/fuzz_multicrop.cpp,
+small images in every format and colour mode the loader meets, each prefixed
+with the mode byte the target reads first (photometric on/off, DCT scaling
+on/off); with --tar, for fuzz/fuzz_tar.cpp, shards in the WebDataset layout
+in every tar header format (ustar, GNU, pax; long names, links, directories,
+labels) and damaged ones.
+
+    python scripts/fuzz_corpus.py [--tar] DIR
+"""
 
 import io
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +47,45 @@ def images() -> dict[str, bytes]:
     return out
 
 
-def main(dst: str) -> None:
+def tars() -> dict[str, bytes]:
+    jpeg = images()["baseline.jpg"]
+    out = {}
+    for fmt, label in ((tarfile.USTAR_FORMAT, "ustar"), (tarfile.GNU_FORMAT, "gnu"),
+                       (tarfile.PAX_FORMAT, "pax")):  # fmt: skip
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+
+            def add(name, data, kind=tarfile.REGTYPE, tar=tar):
+                info = tarfile.TarInfo(name)
+                info.type, info.size = kind, len(data) if kind == tarfile.REGTYPE else 0
+                tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+            add("dir", b"", tarfile.DIRTYPE)
+            add("000001.jpg", jpeg)
+            add("000001.cls", b"7\n")
+            add("dir/000002.png", jpeg[:100])
+            add("000003.cls", b"not a number")
+            if fmt != tarfile.USTAR_FORMAT:
+                add("long/" + "n" * 150 + ".webp", b"RIFF....WEBP")
+            add("link.jpg", b"", tarfile.SYMTYPE)
+        data = buf.getvalue()
+        out[f"{label}.tar"] = data
+        out[f"{label}-cut.tar"] = data[: len(data) // 3]
+    return out
+
+
+def main(dst: str, tar: bool = False) -> None:
     root = Path(dst)
     root.mkdir(parents=True, exist_ok=True)
+    if tar:
+        for name, data in tars().items():
+            (root / name).write_bytes(data)
+        return
     for name, data in images().items():
         for mode in range(4):
             (root / f"{mode}-{name}").write_bytes(bytes([mode]) + data)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    main(args[-1], tar="--tar" in args)

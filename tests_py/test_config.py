@@ -406,6 +406,10 @@ def test_wrong_types(section, key, value, message):
         ("checkpoint", "resume", "  ", "checkpoint.resume must be a non-empty string or null"),
         ("eval", "knn_k", 0, "eval.knn_k must be >= 1"),
         ("eval", "knn_temperature", 0, "eval.knn_temperature must be > 0"),
+        ("data", "shuffle_buffer", 0, "data.shuffle_buffer must be >= 1"),
+        ("data", "index_dir", " ", "data.index_dir must be a non-empty string or null"),
+        ("data", "image_column", "", "data.image_column must be a non-empty string or null"),
+        ("eval", "val_root", "", "eval.val_root must be a non-empty string or null"),
     ],
 )
 def test_range_errors(section, key, value, message):
@@ -436,6 +440,13 @@ def test_range_errors(section, key, value, message):
         ("data", "dtype", "float64", "data.dtype must be one of float32, bfloat16, float16"),
         ("data", "photometric", "tpu", "data.photometric must be one of cpu, gpu; got 'tpu'"),
         ("data", "on_error", "ignore", "data.on_error must be one of raise, skip; got 'ignore'"),
+        (
+            "data",
+            "format",
+            "shard",
+            "data.format must be one of auto, folder, shards, list, hf; got 'shard' "
+            "(did you mean 'shards'?)",
+        ),
         ("hardware", "device", "tpu", "hardware.device must be auto, cpu, cuda or cuda:N"),
         ("hardware", "device", "cuda:x", "hardware.device must be auto, cpu, cuda or cuda:N"),
     ],
@@ -444,6 +455,15 @@ def test_choice_errors(section, key, value, message):
     with pytest.raises(ConfigError) as e:
         Config.from_dict({section: {key: value}})
     assert str(e.value).startswith(message)
+
+
+def test_data_source_keys_default_and_set():
+    c = Config()
+    assert (c.data.format, c.data.shuffle_buffer, c.data.index_dir) == ("auto", 1024, None)
+    assert (c.data.list_root, c.data.image_column, c.data.label_column) == (None, None, None)
+    assert (c.eval.train_root, c.eval.val_root, c.eval.test_root) == (None, None, None)
+    c = load_config(None, ["data.format=shards", "data.shuffle_buffer=64", "eval.val_root=/v.csv"])
+    assert (c.data.format, c.data.shuffle_buffer, c.eval.val_root) == ("shards", 64, "/v.csv")
 
 
 def test_every_problem_is_reported_at_once():

@@ -16,5 +16,7 @@ auto without_gil(F&& f) {
 
 // The multi-crop loader, its exception and the image helpers (loader_bindings.cpp).
 void bind_loader(pybind11::module_& m);
+// The loader's sample sources and the tar index helpers (source_bindings.cpp).
+void bind_sources(pybind11::module_& m);
 
 }  // namespace dino_opt::bindings

@@ -1,5 +1,6 @@
-// Python bindings of the multi-crop loader (csrc/loader) and of the image
-// helpers the tests, `dino-opt prepare` and MultiCropDataset use.
+// Python bindings of the multi-crop loader (csrc/loader) over a sample source
+// (source_bindings.cpp) and of the image helpers the tests, `dino-opt
+// prepare` and MultiCropDataset use.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -153,23 +154,15 @@ void bind_loader(py::module_& m) {
   py::register_exception<ImageError>(m, "ImageError", PyExc_ValueError);
 
   py::class_<MultiCropLoader>(m, "MultiCropLoader")
-      .def(py::init([](std::vector<std::string> paths, std::vector<int64_t> labels,
-                       int64_t batch_size, const py::dict& augment, int num_threads, int prefetch,
-                       uint64_t seed, int rank, int world_size, bool shuffle, bool drop_last,
-                       bool pad_shards, const std::string& dtype, bool channels_last,
-                       bool photometric, bool pin_memory, bool skip_errors, int64_t max_pixels,
+      .def(py::init([](std::shared_ptr<SampleSource> source, int64_t batch_size,
+                       const py::dict& augment, int num_threads, int prefetch, uint64_t seed,
+                       int rank, int world_size, bool shuffle, bool drop_last, bool pad_shards,
+                       const std::string& dtype, bool channels_last, bool photometric,
+                       bool pin_memory, bool skip_errors, int64_t max_pixels,
                        std::vector<float> mean, std::vector<float> std, bool dct_scaling,
-                       const py::dict& masks) {
-             if (labels.size() != paths.size()) {
-               throw std::invalid_argument("labels has " + std::to_string(labels.size()) +
-                                           " entries for " + std::to_string(paths.size()) +
-                                           " paths");
-             }
+                       const py::dict& masks, int64_t shuffle_buffer) {
              if (mean.size() != 3 || std.size() != 3)
                throw std::invalid_argument("mean and std need 3 values");
-             std::vector<Sample> samples(paths.size());
-             for (size_t i = 0; i < paths.size(); ++i)
-               samples[i] = {std::move(paths[i]), labels[i]};
              LoaderOptions o;
              o.batch_size = batch_size;
              apply_augment(o.pipeline.augment, augment);
@@ -193,14 +186,16 @@ void bind_loader(py::module_& m) {
              o.pin_memory = pin_memory;
              o.skip_errors = skip_errors;
              o.masks = parse_masks(masks);
-             return std::make_unique<MultiCropLoader>(std::move(samples), std::move(o));
+             o.shuffle_buffer = shuffle_buffer;
+             return std::make_unique<MultiCropLoader>(std::move(source), std::move(o));
            }),
-           py::arg("paths"), py::arg("labels"), py::arg("batch_size"), py::arg("augment"),
-           py::arg("num_threads"), py::arg("prefetch"), py::arg("seed"), py::arg("rank"),
-           py::arg("world_size"), py::arg("shuffle"), py::arg("drop_last"), py::arg("pad_shards"),
-           py::arg("dtype"), py::arg("channels_last"), py::arg("photometric"),
-           py::arg("pin_memory"), py::arg("skip_errors"), py::arg("max_pixels"), py::arg("mean"),
-           py::arg("std"), py::arg("dct_scaling"), py::arg("masks") = py::dict())
+           py::arg("source"), py::arg("batch_size"), py::arg("augment"), py::arg("num_threads"),
+           py::arg("prefetch"), py::arg("seed"), py::arg("rank"), py::arg("world_size"),
+           py::arg("shuffle"), py::arg("drop_last"), py::arg("pad_shards"), py::arg("dtype"),
+           py::arg("channels_last"), py::arg("photometric"), py::arg("pin_memory"),
+           py::arg("skip_errors"), py::arg("max_pixels"), py::arg("mean"), py::arg("std"),
+           py::arg("dct_scaling"), py::arg("masks") = py::dict(), py::arg("shuffle_buffer") = 1024)
+      .def_property_readonly("source", &MultiCropLoader::source)
       .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
       .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)
       .def_property_readonly("num_batches", &MultiCropLoader::num_batches)

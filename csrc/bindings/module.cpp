@@ -113,6 +113,7 @@ py::list to_list(const std::vector<T>& items) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dino_opt native core";
   m.def("build_info", &dino_opt::build_info, "How the native core was built");
+  dino_opt::bindings::bind_sources(m);
   dino_opt::bindings::bind_loader(m);
 
   m.def(

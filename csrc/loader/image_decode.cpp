@@ -682,6 +682,33 @@ std::vector<uint8_t> read_file(const std::string& path) {
   return bytes;
 }
 
+void write_file_atomically(const std::string& path, const uint8_t* bytes, size_t size) {
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  auto fail = [&](const char* what) {
+    const std::string cause = errno_text(errno);
+    ::unlink(tmp.c_str());
+    throw ImageError(path + ": cannot " + what + ": " + cause);
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw ImageError(path + ": cannot create " + tmp + ": " + errno_text(errno));
+  size_t written = 0;
+  while (written < size) {
+    const ssize_t n = ::write(fd, bytes + written, size - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      fail("write");
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail("fsync");
+  }
+  if (::close(fd) != 0) fail("close");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename");
+}
+
 ImageHeader probe_image(const uint8_t* data, size_t size, const DecodeOptions& options) {
   JpegInfo unused;
   return probe(data, size, options, &unused);

@@ -41,6 +41,10 @@ struct ImageHeader {
 // empty file.
 std::vector<uint8_t> read_file(const std::string& path);
 
+// Writes `bytes` to `path` atomically: a temporary file beside it, fsync,
+// rename. Throws ImageError naming `path` and the failing step.
+void write_file_atomically(const std::string& path, const uint8_t* bytes, size_t size);
+
 // Format and size from the first bytes, without decoding pixels. Throws
 // ImageError for unknown content, a corrupt header, a zero side, more than
 // options.max_pixels pixels, or a non-JPEG format when imgcodecs is missing.

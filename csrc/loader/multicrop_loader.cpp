@@ -1,7 +1,5 @@
 #include "loader/multicrop_loader.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <limits>
@@ -12,8 +10,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint64_t kShuffleKey = 0x53485546464c45ull;  // distinct streams for the epoch order
-constexpr uint64_t kSkipKey = 0x534b4950ull;           // and for replacement picks
+constexpr uint64_t kSkipKey = 0x534b4950ull;  // the stream of replacement picks
 constexpr size_t kMaxSkippedListed = 100;
 
 OutputType output_type(at::ScalarType dtype) {
@@ -65,13 +62,6 @@ bool unshared(const at::Tensor& t) { return t.use_count() == 1 && t.storage().us
 
 }  // namespace
 
-int available_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
 void LoaderOptions::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
   if (batch_size < 1) fail("batch_size must be >= 1, got " + std::to_string(batch_size));
@@ -84,6 +74,8 @@ void LoaderOptions::validate() const {
     fail("rank must be in [0, world_size), got rank " + std::to_string(rank) + " of " +
          std::to_string(world_size));
   if (max_skip_attempts < 1) fail("max_skip_attempts must be >= 1");
+  if (shuffle_buffer < 1)
+    fail("shuffle_buffer must be >= 1, got " + std::to_string(shuffle_buffer));
   if (pipeline.decode.max_pixels < 1) fail("max_pixels must be >= 1");
   if (pipeline.photometric) output_type(dtype);
   for (int c = 0; c < 3; ++c) {
@@ -103,10 +95,32 @@ struct MultiCropLoader::Slot {
   std::string error;
 };
 
-MultiCropLoader::MultiCropLoader(std::vector<Sample> samples, LoaderOptions options)
-    : samples_(std::move(samples)), options_(std::move(options)) {
+namespace {
+
+std::shared_ptr<SampleSource> file_source(const std::vector<Sample>& samples) {
+  auto source = std::make_shared<FileSource>("");
+  size_t bytes = 0;
+  for (const Sample& s : samples) bytes += s.path.size();
+  source->reserve(samples.size(), bytes);
+  for (const Sample& s : samples) {
+    if (s.label < -1 || s.label > INT32_MAX)
+      throw std::invalid_argument("label " + std::to_string(s.label) + " of " + s.path +
+                                  " is outside [-1, 2^31)");
+    source->add(s.path, static_cast<int32_t>(s.label));
+  }
+  return source;
+}
+
+}  // namespace
+
+MultiCropLoader::MultiCropLoader(const std::vector<Sample>& samples, LoaderOptions options)
+    : MultiCropLoader(file_source(samples), std::move(options)) {}
+
+MultiCropLoader::MultiCropLoader(std::shared_ptr<SampleSource> source, LoaderOptions options)
+    : source_(std::move(source)), options_(std::move(options)) {
   options_.validate();
-  if (samples_.empty()) throw std::invalid_argument("the data set is empty: no image files");
+  if (!source_) throw std::invalid_argument("no sample source");
+  if (source_->size() == 0) throw std::invalid_argument("the data set is empty: no image files");
   const int64_t n = num_samples(), w = options_.world_size;
   per_rank_ = options_.pad_shards ? (n + w - 1) / w : n / w;
   if (per_rank_ == 0) {
@@ -128,19 +142,19 @@ int64_t MultiCropLoader::batch_size_of(int64_t batch) const {
   return std::min(options_.batch_size, per_rank_ - batch * options_.batch_size);
 }
 
+OrderOptions MultiCropLoader::order_options() const {
+  OrderOptions o;
+  o.seed = options_.seed;
+  o.rank = options_.rank;
+  o.world_size = options_.world_size;
+  o.shuffle = options_.shuffle;
+  o.per_rank = per_rank_;
+  o.shuffle_buffer = options_.shuffle_buffer;
+  return o;
+}
+
 std::vector<int64_t> MultiCropLoader::epoch_indices(int64_t epoch) const {
-  const int64_t n = num_samples(), w = options_.world_size;
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  if (options_.shuffle) {
-    Rng rng(options_.seed, kShuffleKey, static_cast<uint64_t>(epoch));
-    for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.randint(0, i + 1)]);
-  }
-  // DistributedSampler: the shards take every world_size-th index of the
-  // permutation, padded by wrapping around (or cut) to equal length.
-  std::vector<int64_t> mine(per_rank_);
-  for (int64_t k = 0; k < per_rank_; ++k) mine[k] = order[(k * w + options_.rank) % n];
-  return mine;
+  return source_->epoch_order(order_options(), epoch);
 }
 
 LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
@@ -185,24 +199,24 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
 
 MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, int64_t row,
                                                       int64_t b, int64_t index, uint64_t key,
-                                                      int64_t epoch) const {
+                                                      int64_t epoch, int64_t position) const {
   thread_local PipelineScratch scratch;
+  thread_local std::vector<uint8_t> bytes;
   FillResult result;
   const std::vector<CropTarget> targets = targets_for(batch, row, b, options_);
   for (int attempt = 0;; ++attempt) {
-    const Sample& sample = samples_[index];
     try {
       auto t = Clock::now();
-      const std::vector<uint8_t> bytes = read_file(sample.path);
+      source_->read(index, attempt == 0 ? position : -1, bytes);
       result.times.decode += std::chrono::duration<double>(Clock::now() - t).count();
       Rng rng(options_.seed, static_cast<uint64_t>(epoch), key);
       run_multicrop(bytes.data(), bytes.size(), rng, options_.pipeline, targets, scratch,
                     &result.times);
-      batch.labels.data_ptr<int64_t>()[row] = sample.label;
+      batch.labels.data_ptr<int64_t>()[row] = source_->label(index);
       batch.indices.data_ptr<int64_t>()[row] = index;
       return result;
     } catch (const std::exception& e) {
-      std::string message = sample.path + ": " + e.what();
+      std::string message = source_->describe(index) + ": " + e.what();
       if (!options_.skip_errors) {
         result.error = std::move(message);
         return result;
@@ -257,6 +271,10 @@ void MultiCropLoader::record(FillResult& result, bool count_sample) {
 void MultiCropLoader::start_epoch(int64_t epoch, int64_t first_batch) {
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) throw LoaderError("the loader is closed");
+  if (!source_->claim(this)) {
+    throw LoaderError(
+        "the data source already feeds another loader's epochs; open it again for this one");
+  }
   if (first_batch < 0 || first_batch > num_batches()) {
     throw std::invalid_argument("first batch " + std::to_string(first_batch) +
                                 " is outside the epoch's " + std::to_string(num_batches()) +
@@ -264,13 +282,15 @@ void MultiCropLoader::start_epoch(int64_t epoch, int64_t first_batch) {
   }
   if (running_) elapsed_s_ += std::chrono::duration<double>(Clock::now() - started_).count();
   running_ = false;
-  ++generation_;  // results of the old epoch still being computed are dropped
+  ++generation_;    // results of the old epoch still being computed are dropped
+  source_->stop();  // wakes workers waiting for the source's reads of the old epoch
   idle_cv_.wait(lk, [&] { return busy_ == 0; });
   epoch_ = epoch;
-  order_ = epoch_indices(epoch);
+  order_ = std::make_shared<const std::vector<int64_t>>(epoch_indices(epoch));
   consumed_ = first_batch;
   next_task_ = first_batch * options_.batch_size;
   end_task_ = options_.drop_last ? num_batches() * options_.batch_size : per_rank_;
+  source_->begin_epoch(order_options(), order_, next_task_, end_task_);
   for (auto& slot : slots_) *slot = Slot{};
   running_ = next_task_ < end_task_;
   started_ = Clock::now();
@@ -317,7 +337,7 @@ void MultiCropLoader::worker_loop() {
     FillResult result;
     if (allocated) {
       const uint64_t position = static_cast<uint64_t>(task) * options_.world_size + options_.rank;
-      result = fill_row(out, row, size, order_[task], position, epoch_);
+      result = fill_row(out, row, size, (*order_)[task], position, epoch_, task);
       fill_masks(out, row, size, position, epoch_, mask_counts);
     }
 
@@ -369,6 +389,10 @@ void MultiCropLoader::close() {
     closed_ = true;
     running_ = false;
   }
+  if (source_->claim(this)) {
+    source_->stop();
+    source_->release(this);
+  }
   work_cv_.notify_all();
   done_cv_.notify_all();
   for (auto& t : threads_) t.join();
@@ -407,7 +431,7 @@ LoaderBatch MultiCropLoader::load_sample(int64_t index, int64_t epoch) {
     batch = allocate_batch(1);
   }
   const uint64_t key = static_cast<uint64_t>(index);
-  FillResult result = fill_row(batch, 0, 1, index, key, epoch);
+  FillResult result = fill_row(batch, 0, 1, index, key, epoch, -1);
   fill_masks(batch, 0, 1, key, epoch, row_mask_counts(plan_masks(index, 1, epoch), 0, 1));
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -19,6 +19,7 @@
 
 #include "loader/masking.h"
 #include "loader/multicrop_pipeline.h"
+#include "loader/sample_source.h"
 
 namespace dino_opt::loader {
 
@@ -28,6 +29,7 @@ class LoaderError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An image file and its label (MultiCropLoader's FileSource constructor).
 struct Sample {
   std::string path;
   int64_t label = -1;
@@ -42,8 +44,9 @@ struct LoaderOptions {
   int rank = 0;
   int world_size = 1;
   bool shuffle = true;
-  bool drop_last = true;   // drop this rank's last partial batch
-  bool pad_shards = true;  // DistributedSampler: pad (true) or drop (false) to equal shards
+  bool drop_last = true;          // drop this rank's last partial batch
+  bool pad_shards = true;         // DistributedSampler: pad (true) or drop (false) to equal shards
+  int64_t shuffle_buffer = 1024;  // tar shards: samples shuffled together (sample_source.h)
   at::ScalarType dtype = at::kFloat;
   bool channels_last = false;
   bool pin_memory = false;
@@ -85,12 +88,15 @@ struct LoaderStats {
 
 class MultiCropLoader {
  public:
-  MultiCropLoader(std::vector<Sample> samples, LoaderOptions options);
+  MultiCropLoader(std::shared_ptr<SampleSource> source, LoaderOptions options);
+  // Image files (a FileSource of these paths).
+  MultiCropLoader(const std::vector<Sample>& samples, LoaderOptions options);
   ~MultiCropLoader();
   MultiCropLoader(const MultiCropLoader&) = delete;
   MultiCropLoader& operator=(const MultiCropLoader&) = delete;
 
-  int64_t num_samples() const { return static_cast<int64_t>(samples_.size()); }
+  int64_t num_samples() const { return source_->size(); }
+  const std::shared_ptr<SampleSource>& source() const { return source_; }
   int64_t samples_per_rank() const { return per_rank_; }
   int64_t num_batches() const;
   const LoaderOptions& options() const { return options_; }
@@ -126,9 +132,11 @@ class MultiCropLoader {
   // Adds a sample's stage times (always) and, when `count_sample`, the sample
   // and its skipped files to the statistics. Called with mu_ held.
   void record(FillResult& result, bool count_sample);
-  // Runs sample `index` (random stream `key`) into row `row` of a batch of `b`.
+  // Runs sample `index` (random stream `key`; at `position` of the epoch's
+  // order, -1 outside it) into row `row` of a batch of `b`.
   FillResult fill_row(const LoaderBatch& batch, int64_t row, int64_t b, int64_t index, uint64_t key,
-                      int64_t epoch) const;
+                      int64_t epoch, int64_t position) const;
+  OrderOptions order_options() const;
   // The requested mask sizes of the 2b global crops of batch `batch` (empty
   // when masks are off), and the masks of row `row`'s two global crops
   // (`counts` from that plan, `key` the sample's stream key).
@@ -138,7 +146,7 @@ class MultiCropLoader {
   LoaderBatch allocate_batch(int64_t size);
   int64_t batch_size_of(int64_t batch) const;
 
-  const std::vector<Sample> samples_;
+  const std::shared_ptr<SampleSource> source_;
   const LoaderOptions options_;
   int64_t per_rank_ = 0;
 
@@ -150,8 +158,8 @@ class MultiCropLoader {
   bool running_ = false;
   uint64_t generation_ = 0;
   int64_t epoch_ = 0;
-  std::vector<int64_t> order_;  // this rank's data set indices for the epoch
-  int64_t next_task_ = 0;       // next sample position (in order_) to hand out
+  std::shared_ptr<const std::vector<int64_t>> order_;  // this rank's data set indices for the epoch
+  int64_t next_task_ = 0;  // next sample position (in order_) to hand out
   int64_t end_task_ = 0;
   int64_t consumed_ = 0;  // next batch to hand to the consumer
   int busy_ = 0;
@@ -167,8 +175,5 @@ class MultiCropLoader {
   int64_t skipped_ = 0;
   std::vector<std::string> skipped_files_;
 };
-
-// The cores this process may run on (sched_getaffinity), at least 1.
-int available_cores();
 
 }  // namespace dino_opt::loader

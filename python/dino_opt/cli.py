@@ -19,7 +19,10 @@ build by device, and checks every fused operator on the device (exit 1 on a
 mismatch).
 ``dino-opt prepare SRC DST --max-side 512 --quality 90`` re-encodes a data set
 once at a bounded size (JPEG), keeping its folder layout, so that every epoch
-after decodes small files; the loader reads SRC or DST alike.
+after decodes small files; the loader reads SRC or DST alike. With
+``--format shards [--shard-size MB]`` it writes tar shards (and their indexes)
+from any data source instead, and verifies them; ``dino-opt prepare SHARDS
+--verify`` checks shards written before.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from .config import (
     default_config,
     load_config,
 )
-from .data import find_images
+from .data import find_images, verify_shards, write_shards
 from .distributed import launch_distributed_training
 from .eval import evaluate_checkpoint
 from .job import run_training
@@ -130,10 +133,22 @@ def prepare_dataset(
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    if args.dst is None:
+        if not args.verify:
+            raise ValueError("give DST (where to write), or --verify to check shards at SRC")
+        check = verify_shards(args.src, num_threads=args.threads, progress=not args.quiet)
+        print(
+            f"{check['shards']} shards, {check['samples']} samples, {len(check['failed'])} problems"
+        )
+        for line in check["failed"]:
+            print(f"  {line}", file=sys.stderr)
+        return 1 if check["failed"] else 0
+    if args.format == "shards":
+        return _prepare_shards(args)
     r = prepare_dataset(
         args.src,
         args.dst,
-        max_side=args.max_side,
+        max_side=512 if args.max_side is None else args.max_side,
         quality=args.quality,
         num_threads=args.threads,
         overwrite=args.overwrite,
@@ -404,12 +419,51 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_shards(args: argparse.Namespace) -> int:
+    r = write_shards(
+        args.src, args.dst, shard_size_mb=args.shard_size, max_side=args.max_side,
+        quality=args.quality, seed=args.seed, shuffle=not args.no_shuffle,
+        num_threads=args.threads, overwrite=args.overwrite, verify=not args.no_verify,
+        progress=not args.quiet, source_format=args.src_format,
+    )  # fmt: skip
+    verified = "verified" if r["verified"] else "not verified"
+    print(
+        f"written {r['written']} samples into {len(r['shards'])} shards ({verified}), failed "
+        f"{len(r['failed'])}; {r['bytes_in'] / 1e6:.1f} MB -> {r['bytes_out'] / 1e6:.1f} MB"
+    )
+    for line in r["failed"]:
+        print(f"  failed: {line}", file=sys.stderr)
+    return 1 if r["failed"] else 0
+
+
 def _add_prepare(sub) -> None:
-    p = sub.add_parser("prepare", help="re-encode a data set at a bounded size")
-    p.add_argument("src", help="image folder to read (ImageFolder layout or flat)")
-    p.add_argument("dst", help="folder to write (created; the same layout)")
-    p.add_argument("--max-side", type=int, default=512, help="longer side in pixels (default 512)")
+    p = sub.add_parser(
+        "prepare", help="re-encode a data set at a bounded size, or write it as tar shards"
+    )
+    p.add_argument(
+        "src",
+        help="data to read: an image folder (ImageFolder layout or flat); with --format shards "
+        "any data source (a file list, shards, a Hugging Face data set)",
+    )
+    p.add_argument("dst", nargs="?", help="folder to write (created)")
+    p.add_argument(
+        "--format", choices=("folder", "shards"), default="folder",
+        help="folder: the same layout, re-encoded (default); shards: tar shards with indexes",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-side", type=int, default=None,
+        help="longer side in pixels (default 512 for folders; shards keep the bytes unless given)",
+    )  # fmt: skip
     p.add_argument("--quality", type=int, default=90, help="JPEG quality 1-100 (default 90)")
+    p.add_argument("--shard-size", type=float, default=256.0, help="MB per shard (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shards' sample order")
+    p.add_argument("--no-shuffle", action="store_true", help="shards: keep the source's order")
+    p.add_argument("--no-verify", action="store_true", help="shards: skip reading them back")
+    p.add_argument(
+        "--src-format", choices=("auto", "folder", "shards", "list", "hf"), default="auto",
+        help="what SRC is (default: found from the name)",
+    )  # fmt: skip
+    p.add_argument("--verify", action="store_true", help="with SRC alone: check its shards")
     p.add_argument("--threads", type=int, default=None, help="default: the cores available")
     p.add_argument("--overwrite", action="store_true", help="redo files already prepared")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

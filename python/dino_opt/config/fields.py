@@ -78,7 +78,9 @@ class DataConfig:
 
     root: str | None = _opt(
         None,
-        "ImageFolder directory (or a directory of images); null: the built-in data set",
+        "the training data: an ImageFolder directory, a file list (.txt/.csv), tar shards "
+        "(a .tar, a folder of them, a pattern such as shards-{0000..0127}.tar) or a Hugging "
+        "Face data set (a save_to_disk folder, Parquet files); null: the built-in data set",
         check="nonempty",
     )
     batch_size: int = _opt(64, "images per batch per GPU (DINO: 64)", ge=1)
@@ -103,6 +105,34 @@ class DataConfig:
     )
     max_side: int | None = _opt(
         None, "prepared data: resize images so that their longer side is at most this", ge=1
+    )
+    format: str = _opt(
+        "auto",
+        "what data.root is; auto: found from the name (docs/loader.md)",
+        choices=("auto", "folder", "shards", "list", "hf"),
+    )
+    shuffle_buffer: int = _opt(
+        1024, "tar shards: samples shuffled together within a rank's stream of shards", ge=1
+    )
+    index_dir: str | None = _opt(
+        None,
+        "folder for the shard indexes; null: beside each shard, else ~/.cache/dino_opt/shard-index",
+        check="nonempty",
+    )
+    list_root: str | None = _opt(
+        None,
+        "folder a file list's relative paths start from; null: the list's folder",
+        check="nonempty",
+    )
+    image_column: str | None = _opt(
+        None,
+        "Hugging Face data: the image column; null: found by its feature or name",
+        check="nonempty",
+    )
+    label_column: str | None = _opt(
+        None,
+        "Hugging Face data: the label column; null: a ClassLabel or a column named label",
+        check="nonempty",
     )
 
 
@@ -369,6 +399,21 @@ class EvalConfig:
     knn_k: int = _opt(20, "neighbours of the weighted k-NN vote", ge=1)
     knn_temperature: float = _opt(0.07, "temperature of the k-NN vote weights", gt=0)
     every_epochs: int = _opt(0, "epochs between evaluations; 0: only at the end", ge=0)
+    train_root: str | None = _opt(
+        None,
+        "the k-NN's labelled training data (any data.root kind); null: data.root",
+        check="nonempty",
+    )
+    val_root: str | None = _opt(
+        None,
+        "the k-NN's held-out data; null: beside data.root (val/, validation, train -> val)",
+        check="nonempty",
+    )
+    test_root: str | None = _opt(
+        None,
+        "the k-NN's test data; null: beside data.root (test/, train -> test)",
+        check="nonempty",
+    )
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""Images in: the native multi-crop loader, DINOv2's block masks and the built-in data set."""
+"""Images in: the data sources (folders, file lists, tar shards, Hugging Face
+data sets), the native multi-crop loader, DINOv2's block masks and the
+built-in data set."""
 
 from .builtin import BUILTIN_CLASSES, BUILTIN_VERSION, builtin_dataset, default_root, render_image
 from .loader import (
     AUGMENT_KEYS,
-    IMAGE_EXTENSIONS,
     IMAGENET_MEAN,
     IMAGENET_STD,
     Batch,
@@ -12,7 +13,6 @@ from .loader import (
     LoaderError,
     MultiCropDataset,
     MultiCropLoader,
-    find_images,
     multicrop_collate,
 )
 from .masking import (
@@ -23,12 +23,28 @@ from .masking import (
     mask_targets,
     mask_upperbound,
 )
+from .shards import verify_shards, write_shards
+from .sources import (
+    FORMATS,
+    IMAGE_EXTENSIONS,
+    DataSource,
+    SourceError,
+    default_index_dir,
+    detect_format,
+    expand_pattern,
+    find_images,
+    open_source,
+    sibling_split,
+    source_exists,
+)
 
 __all__ = [
     "AUGMENT_KEYS",
     "BUILTIN_CLASSES",
     "BUILTIN_VERSION",
     "Batch",
+    "DataSource",
+    "FORMATS",
     "DataLoadingOptimizer",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -39,13 +55,22 @@ __all__ = [
     "MaskingGenerator",
     "MultiCropDataset",
     "MultiCropLoader",
+    "SourceError",
     "builtin_dataset",
     "collate_data_and_cast",
+    "default_index_dir",
     "default_root",
+    "detect_format",
+    "expand_pattern",
     "find_images",
     "mask_options",
     "mask_targets",
     "mask_upperbound",
     "multicrop_collate",
+    "open_source",
     "render_image",
+    "sibling_split",
+    "source_exists",
+    "verify_shards",
+    "write_shards",
 ]

@@ -14,9 +14,7 @@ for users who keep ``torch.utils.data.DataLoader``;
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -24,23 +22,20 @@ import torch
 from .. import _C
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
 from .masking import mask_options, mask_targets
+from .sources import open_source
 
 __all__ = [
     "AUGMENT_KEYS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
-    "IMAGE_EXTENSIONS",
     "Batch",
     "DataLoadingOptimizer",
     "ImageError",
     "LoaderError",
     "MultiCropDataset",
     "MultiCropLoader",
-    "find_images",
     "multicrop_collate",
 ]
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 
 #: A batch that holds an unreadable file (``on_error="raise"``), or a closed loader.
 LoaderError = _C.LoaderError
@@ -65,8 +60,10 @@ AUGMENT_KEYS = (
     "solarize_p_global2",
 )
 _DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit
-# What must match for a loader state to resume this loader.
+# What must match for a loader state to resume this loader; and what must
+# match when the state has it (states written before these keys existed).
 _STATE_KEYS = ("seed", "num_samples", "batch_size", "rank", "world_size", "shuffle", "drop_last")
+_STATE_KEYS_IF_GIVEN = ("format", "shuffle_buffer")
 
 
 class _BatchTuple(NamedTuple):
@@ -104,63 +101,6 @@ class Batch(_BatchTuple):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, masks={self.masks!r})"
-
-
-def find_images(
-    source: str | os.PathLike | Sequence[str | os.PathLike], labels: Sequence[int] | None = None
-) -> tuple[list[str], list[int], list[str]]:
-    """``(paths, labels, classes)`` of a data set.
-
-    ``source`` is an ImageFolder directory (one sub-directory per class, sorted
-    class names give the labels; files found recursively, symlinks followed),
-    a directory of images without class folders (labels -1), or a sequence of
-    file paths with optional ``labels``. Raises ``FileNotFoundError`` for a
-    missing directory and ``ValueError`` for one with no image files.
-    """
-    if isinstance(source, (str, os.PathLike)):
-        if labels is not None:
-            raise ValueError("labels are given by the class folders when source is a directory")
-        root = Path(source)
-        if not root.is_dir():
-            raise FileNotFoundError(f"data set directory {str(root)!r} does not exist")
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-        paths: list[str] = []
-        out_labels: list[int] = []
-        for label, name in enumerate(classes):
-            found = _walk_images(root / name)
-            paths += found
-            out_labels += [label] * len(found)
-        direct = sorted(
-            str(root / e.name)
-            for e in os.scandir(root)
-            if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)
-        )
-        if direct and not paths:
-            return direct, [-1] * len(direct), []
-        if not paths:
-            raise ValueError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
-        return paths, out_labels, classes
-    paths = [os.fspath(p) for p in source]
-    if not paths:
-        raise ValueError("the list of image paths is empty")
-    if labels is None:
-        return paths, [-1] * len(paths), []
-    out_labels = [int(v) for v in labels]
-    if len(out_labels) != len(paths):
-        raise ValueError(f"labels has {len(out_labels)} entries for {len(paths)} paths")
-    return paths, out_labels, []
-
-
-def _walk_images(folder: Path) -> list[str]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames.sort()
-        found += [
-            os.path.join(dirpath, f)
-            for f in sorted(filenames)
-            if f.lower().endswith(IMAGE_EXTENSIONS)
-        ]
-    return found
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -205,9 +145,11 @@ def _native_loader(
     augment: dict | None,
     dct_scaling: bool,
     masks: dict | None,
+    shuffle_buffer: int,
 ):
-    """Checks the Python-side arguments, then builds the native loader (which
-    checks the ranges and raises ValueError naming the argument)."""
+    """Checks the Python-side arguments, opens the source, then builds the
+    native loader (which checks the ranges and raises ValueError naming the
+    argument). Returns the native loader and the :class:`DataSource`."""
     _check_choice("photometric", photometric, ("cpu", "gpu"))
     _check_choice("on_error", on_error, ("raise", "skip"))
     if dtype not in _DTYPES:
@@ -231,10 +173,11 @@ def _native_loader(
     )
     if len(mean) != 3 or len(std) != 3:
         raise ValueError(f"mean and std need 3 values each, got {len(mean)} and {len(std)}")
-    paths, label_list, classes = find_images(source, labels)
+    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
+        raise ValueError(f"shuffle_buffer must be a positive int, got {shuffle_buffer!r}")
+    data = open_source(source, labels=labels)
     native = _C.MultiCropLoader(
-        paths,
-        label_list,
+        data.native,
         batch_size=batch_size,
         augment=options,
         num_threads=0 if num_threads is None else int(num_threads),
@@ -255,16 +198,20 @@ def _native_loader(
         std=[float(v) for v in std],
         dct_scaling=bool(dct_scaling),
         masks=mask_options(masks),
+        shuffle_buffer=shuffle_buffer,
     )
-    return native, paths, classes
+    return native, data
 
 
 class MultiCropLoader:
     """Multi-crop batches for DINO from native threads.
 
     Args:
-        source: an ImageFolder directory, a directory of images, or a list of
-            paths (see :func:`find_images`); ``labels`` goes with a list.
+        source: what :func:`~dino_opt.data.open_source` opens: an ImageFolder
+            directory, a directory of images, a list of paths (``labels``
+            goes with it), a file list, tar shards, a Hugging Face data set;
+            or a :class:`~dino_opt.data.DataSource` it opened (for its
+            options).
         batch_size: samples per batch (per rank).
         global_size, local_size, n_local, global_scale, local_scale: the crops
             (DINO: 2 global 224² with scale (0.4, 1), 8 local 96² with (0.05, 0.4)).
@@ -298,6 +245,9 @@ class MultiCropLoader:
             ``solarize_p_global2``).
         dct_scaling: decode JPEGs at 1/2, 1/4 or 1/8 size when every crop
             still has at least its output resolution.
+        shuffle_buffer: tar shards: the samples shuffled together (a window
+            of this rank's stream of shards, several read at once); other
+            sources shuffle the whole data set.
         masks: DINOv2's block masks of the global crops, drawn by the threads
             with the crops (``Batch.masks``, bool ``[2B, gh, gw]``; None: off):
             a dict with ``patch_size`` (the model's; it must divide
@@ -346,6 +296,7 @@ class MultiCropLoader:
         augment: dict | None = None,
         dct_scaling: bool = True,
         masks: dict | None = None,
+        shuffle_buffer: int = 1024,
     ):
         self._native = None  # so that close() in __del__ works if a check below fails
         if photometric == "gpu":
@@ -359,7 +310,7 @@ class MultiCropLoader:
         self.device = device
         if pin_memory is None:
             pin_memory = torch.cuda.is_available() and (device is None or device.type == "cuda")
-        self._native, self.paths, self.classes = _native_loader(
+        self._native, self.source = _native_loader(
             source,
             labels,
             batch_size,
@@ -387,7 +338,10 @@ class MultiCropLoader:
             augment=augment,
             dct_scaling=dct_scaling,
             masks=masks,
+            shuffle_buffer=shuffle_buffer,
         )
+        self.classes = self.source.classes
+        self.shuffle_buffer = shuffle_buffer
         self.masks = mask_options(masks) or None
         self.batch_size = batch_size
         self.n_local = int(n_local)
@@ -481,16 +435,21 @@ class MultiCropLoader:
             "world_size": self.world_size,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "format": self.source.format,
+            "shuffle_buffer": self.shuffle_buffer,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes at ``state``'s next unseen batch: the next ``iter()`` yields
         exactly the batches an uninterrupted run would have. Raises
         ``ValueError`` when the data set or the sharding differ."""
-        for key in _STATE_KEYS:
+        mine_state = self.state_dict()
+        for key in _STATE_KEYS + _STATE_KEYS_IF_GIVEN:
             if key not in state:
+                if key in _STATE_KEYS_IF_GIVEN:
+                    continue
                 raise ValueError(f"loader state lacks {key!r}")
-            mine = getattr(self, key)
+            mine = mine_state[key]
             if state[key] != mine:
                 raise ValueError(
                     f"loader state has {key}={state[key]!r} but this loader has {mine!r}"
@@ -509,9 +468,14 @@ class MultiCropLoader:
         (thread-seconds per stage), ``wait_seconds`` (the consumer blocked on an
         unfinished batch: starvation), ``starvation`` (that wait over the
         elapsed time), ``images``, ``batches``, ``skipped`` and
-        ``skipped_files`` (``"path: cause"``, the first 100), ``num_threads``.
+        ``skipped_files`` (``"path: cause"``, the first 100), ``num_threads``;
+        ``io``: the source's file-system reads (``reads``, ``bytes``,
+        ``sequential``: reads that began where the previous read of that file
+        ended, ``opens``) and ``table_bytes``, the memory of its sample table.
         """
         s = self._require_open().stats()
+        s["io"] = self.source.native.read_stats()
+        s["table_bytes"] = self.source.native.table_bytes
         elapsed = s["elapsed_seconds"]
         s["images_per_second"] = s["images"] / elapsed if elapsed > 0 else 0.0
         s["starvation"] = s["wait_seconds"] / elapsed if elapsed > 0 else 0.0
@@ -603,15 +567,17 @@ class MultiCropDataset(torch.utils.data.Dataset):
             augment=augment,
             dct_scaling=dct_scaling,
             masks=masks,
+            shuffle_buffer=1024,
         )
         self.epoch = 0
         self._build()
 
     def _build(self) -> None:
         args = dict(self._args)
-        self._native, self.paths, self.classes = _native_loader(
+        self._native, self.source = _native_loader(
             args.pop("source"), args.pop("labels"), args.pop("batch_size"), **args
         )
+        self.classes = self.source.classes
 
     def __getstate__(self) -> dict:
         # The native object does not pickle; spawned DataLoader workers rebuild it.

@@ -15,9 +15,10 @@ from torch import nn
 
 from ..checkpoint import CheckpointManager
 from ..config import Config
+from ..data import source_exists
 from ..observe import RunFolder
 from ..runtime import resolve_device
-from ..train import DataRoots, build_models, data_roots
+from ..train import DataRoots, build_models, build_source, data_roots
 from .knn import knn_evaluate_splits, tsne_plot
 
 __all__ = ["evaluate_checkpoint", "evaluate_run", "load_checkpoint"]
@@ -91,9 +92,9 @@ def evaluate_checkpoint(
         ) from e
     dev = resolve_device(device)
     size = image_size if image_size is not None else cfg.augmentation.global_crop_size
-    splits = {"val": roots.val, **({"test": roots.test} if roots.test is not None else {})}
+    train, splits = _opened(cfg, roots)
     results = knn_evaluate_splits(
-        model.backbone.to(dev), roots.train, splits, size, dev,
+        model.backbone.to(dev), train, splits, size, dev,
         k=k if k is not None else cfg.eval.knn_k,
         temperature=temperature if temperature is not None else cfg.eval.knn_temperature,
     )  # fmt: skip
@@ -101,7 +102,7 @@ def evaluate_checkpoint(
     out = {
         "checkpoint": str(path),
         "which": which,
-        "train": str(roots.train),
+        "train": str(roots.knn_train or roots.train),
         "val": str(roots.val),
         "image_size": size,
         "device": str(dev),
@@ -114,13 +115,22 @@ def evaluate_checkpoint(
     return out
 
 
+def _opened(cfg: Config, roots: DataRoots) -> tuple:
+    """The k-NN's training data and its held-out splits, opened with the
+    config's data options."""
+    train = build_source(cfg, roots.knn_train or roots.train)
+    splits = {"val": roots.val, **({"test": roots.test} if roots.test is not None else {})}
+    return train, {name: build_source(cfg, root) for name, root in splits.items()}
+
+
 def _eval_roots(cfg: Config, data: str | os.PathLike | None) -> DataRoots:
-    """The folders ``evaluate_checkpoint`` uses: ``data``'s train/val/test,
-    else the config's; val must exist."""
+    """The data ``evaluate_checkpoint`` uses: ``data``'s train/val/test (val:
+    ``val`` or ``validation``), else the config's; val must exist."""
     if data is not None:
         root = Path(data)
+        val = root / "val" if source_exists(root / "val") else root / "validation"
         test = root / "test"
-        roots = DataRoots(root / "train", root / "val", test if test.is_dir() else None)
+        roots = DataRoots(root / "train", val, test if source_exists(test) else None)
     else:
         roots = data_roots(cfg)
         if roots.val is None:
@@ -129,9 +139,9 @@ def _eval_roots(cfg: Config, data: str | os.PathLike | None) -> DataRoots:
                 f"{str(roots.train.parent / 'val')!r}); pass --data ROOT with ROOT/train "
                 "and ROOT/val"
             )
-    for split in (roots.train, roots.val):
-        if not split.is_dir():
-            raise FileNotFoundError(f"data folder {str(split)!r} does not exist")
+    for split in (roots.knn_train or roots.train, roots.val):
+        if not source_exists(split):
+            raise FileNotFoundError(f"data {str(split)!r} does not exist")
     return roots
 
 
@@ -150,7 +160,7 @@ def evaluate_run(
     features in the run folder. Returns the report's keys
     (``knn_top1_trained``, ``knn_top1_random_init``, and with a test split
     ``knn_test_top1_trained``, ``knn_test_top1_random_init``)."""
-    splits = {"val": roots.val, **({"test": roots.test} if roots.test is not None else {})}
+    train, splits = _opened(cfg, roots)
     ev, tsne = cfg.eval, cfg.logging.tsne
     report = {}
     for name, net, label in (
@@ -158,7 +168,7 @@ def evaluate_run(
         ("random_init", random_init, "teacher at random initialisation"),
     ):
         results = knn_evaluate_splits(
-            net.to(device), roots.train, splits, cfg.augmentation.global_crop_size, device,
+            net.to(device), train, splits, cfg.augmentation.global_crop_size, device,
             k=ev.knn_k, temperature=ev.knn_temperature, return_features=tsne,
         )  # fmt: skip
         report[f"knn_top1_{name}"] = results["val"]["top1"]

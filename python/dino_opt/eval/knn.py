@@ -13,6 +13,7 @@ a train and a validation folder. ``tsne_plot`` draws a 2-D t-SNE embedding
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
-from ..data import find_images
+from ..data import DataSource, open_source
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
@@ -45,45 +46,58 @@ __all__ = [
 
 
 class EvalImageFolder(torch.utils.data.Dataset):
-    """An ImageFolder tree for evaluation: ``(image [3, S, S] float32, label)``.
+    """Labelled images for evaluation: ``(image [3, S, S] float32, label)``.
 
-    Each image is opened with PIL, converted to RGB, resized (bicubic,
-    anti-aliased) so that its shorter side is ``round(S * 256 / 224)``,
-    centre-cropped to ``S x S`` and normalised with the ImageNet mean and std,
-    the evaluation transform of DINO's k-NN. ``classes`` are the sorted class
-    folder names; ``targets`` the label of each image; ``samples`` the
-    ``(path, label)`` pairs.
+    ``root`` is any data :func:`~dino_opt.data.open_source` opens (an
+    ImageFolder tree, a file list with labels, tar shards with ``.cls``
+    members, a Hugging Face data set with a label column) or a
+    :class:`~dino_opt.data.DataSource`. Each image is decoded with PIL from
+    its bytes, converted to RGB, resized (bicubic, anti-aliased) so that its
+    shorter side is ``round(S * 256 / 224)``, centre-cropped to ``S x S`` and
+    normalised with the ImageNet mean and std, the evaluation transform of
+    DINO's k-NN. ``classes`` are the class names (the sorted class folders;
+    ``"0"``, ``"1"``, ... for integer labels without names, up to the largest);
+    ``named`` says which; ``targets`` the label of each image; ``samples``
+    the ``(name, label)`` pairs (a file's path, ``shard: member``, ...).
     """
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike | DataSource,
         image_size: int = 224,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> None:
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
             raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        paths, labels, classes = find_images(root)
-        if not classes:
+        self.source = open_source(root)
+        labels = self.source.labels()
+        if int(labels.min()) < 0:
             raise ValueError(
-                f"{str(root)!r} has images but no class folders; k-NN needs an ImageFolder tree"
+                f"{self.source.spec!r} has images without a label (no class folders, .cls "
+                "members or label column); k-NN needs labelled data"
             )
-        self.root = Path(root)
+        self.root = root if isinstance(root, DataSource) else Path(root)
         self.image_size = image_size
         self.resize_to = int(round(image_size * 256 / 224))
-        self.classes = classes
-        self.targets = labels
-        self.samples = list(zip(paths, labels, strict=True))
+        self.named = bool(self.source.classes)
+        self.classes = list(self.source.classes) or [str(i) for i in range(int(labels.max()) + 1)]
+        self.targets = labels.tolist()
         self._mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self._std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.targets)
 
-    def load(self, path: str) -> Image.Image:
-        """The resized, centre-cropped RGB image (before normalisation)."""
-        with Image.open(path) as im:
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        return [(self.source.describe(i), t) for i, t in enumerate(self.targets)]
+
+    def load(self, image: str | os.PathLike | bytes) -> Image.Image:
+        """The resized, centre-cropped RGB image (before normalisation) of a
+        file or of encoded bytes."""
+        opened = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+        with opened as im:
             im = im.convert("RGB")
         w, h = im.size
         # Shorter side to resize_to, the longer one in proportion (truncated,
@@ -98,14 +112,14 @@ class EvalImageFolder(torch.utils.data.Dataset):
         return im.crop((left, top, left + s, top + s))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
+        data = self.source.read(index)  # its errors name the sample
         try:
-            im = self.load(path)
-        except (OSError, ValueError) as e:
-            raise type(e)(f"cannot read image {path!r}: {e}") from e
+            im = self.load(data)
+        except (OSError, ValueError) as e:  # PIL's
+            raise type(e)(f"cannot read image {self.source.describe(index)!r}: {e}") from e
         x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
         x = x.to(torch.float32).div_(255.0)
-        return (x - self._mean) / self._std, label
+        return (x - self._mean) / self._std, self.targets[index]
 
 
 # ---------------------------------------------------------------- features
@@ -284,8 +298,8 @@ def knn_classify(
 
 def knn_evaluate_splits(
     backbone: torch.nn.Module,
-    train_root: str | os.PathLike,
-    eval_roots: dict[str, str | os.PathLike],
+    train_root: str | os.PathLike | DataSource,
+    eval_roots: dict[str, str | os.PathLike | DataSource],
     image_size: int,
     device: str | torch.device = "cpu",
     k: int = 20,
@@ -295,20 +309,25 @@ def knn_evaluate_splits(
     amp: bool | torch.dtype = False,
     return_features: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """k-NN of several held-out ImageFolder trees (``{"val": ..., "test":
-    ...}``) on the features of one training tree, which are extracted once.
+    """k-NN of several held-out splits (``{"val": ..., "test": ...}``) on the
+    features of one labelled training split, which are extracted once; each
+    split is any data :class:`EvalImageFolder` reads.
     Per split: ``top1``, ``top5`` (percent), ``k``, ``temperature``,
     ``n_train``, ``n_eval``, ``classes``; with ``return_features`` also
     ``train_features``/``train_labels`` and ``eval_features``/``eval_labels``
     (normalised, on the CPU), for plots."""
     train_set = EvalImageFolder(train_root, image_size)
     eval_sets = {name: EvalImageFolder(root, image_size) for name, root in eval_roots.items()}
-    for name, eval_set in eval_sets.items():
-        if train_set.classes != eval_set.classes:
+    num_classes = len(train_set.classes)
+    for eval_set in eval_sets.values():
+        if train_set.named and eval_set.named and train_set.classes != eval_set.classes:
             raise ValueError(
-                f"the class folders of {str(train_root)!r} and {str(eval_roots[name])!r} "
+                f"the classes (class folders or names) of {train_set.source.spec!r} and "
+                f"{eval_set.source.spec!r} "
                 f"differ: {train_set.classes} vs {eval_set.classes}"
             )
+        num_classes = max(num_classes, len(eval_set.classes))
+    classes = train_set.classes + [str(i) for i in range(len(train_set.classes), num_classes)]
     device = torch.device(device)
     common = dict(device=device, batch_size=batch_size, amp=amp, num_workers=num_workers)
     train_f, train_y = extract_features(backbone, train_set, **common)
@@ -317,7 +336,7 @@ def knn_evaluate_splits(
         eval_f, eval_y = extract_features(backbone, eval_set, **common)
         scores = knn_classify(
             train_f.to(device), train_y, eval_f, eval_y, k=k, temperature=temperature,
-            num_classes=len(train_set.classes),
+            num_classes=num_classes,
         )  # fmt: skip
         result: dict[str, Any] = {
             **scores,
@@ -325,7 +344,7 @@ def knn_evaluate_splits(
             "temperature": temperature,
             "n_train": len(train_set),
             "n_eval": len(eval_set),
-            "classes": list(train_set.classes),
+            "classes": list(classes),
         }
         if return_features:
             result.update(

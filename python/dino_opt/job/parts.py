@@ -58,6 +58,14 @@ class _Rollback(Exception):
 
 
 def _config_differences(saved: dict, current: dict) -> list[str]:
+    """The keys whose values differ between a checkpoint's config and this
+    run's, beyond those a resume may change. The saved config is read as a
+    config first, so that keys added since it was written compare at their
+    defaults (and old names at their new ones)."""
+    try:
+        saved = Config.from_dict(saved).to_dict()
+    except ValueError:  # a key since removed: compared as written
+        pass
     keys = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section, {}), current.get(section, {})

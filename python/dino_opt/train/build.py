@@ -6,7 +6,9 @@ through these functions, so a key means the same thing everywhere:
 :func:`build_models`, :func:`build_loss`, :func:`build_loader`,
 :func:`build_optimizer`, :func:`build_schedules`, :func:`trainer_options`
 (the :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` keys) and
-:func:`data_roots` (which folders a config trains and evaluates on).
+:func:`data_roots` (which data a config trains and evaluates on) and
+:func:`build_source` (the data of one of them, opened with the config's
+``data`` options).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import torch
 from torch import nn
 
 from ..config import Config, effective_lr
-from ..data import AUGMENT_KEYS, MultiCropLoader, builtin_dataset
+from ..data import (
+    AUGMENT_KEYS,
+    DataSource,
+    MultiCropLoader,
+    builtin_dataset,
+    open_source,
+    sibling_split,
+)
 from ..models import DINOHead, apply_block_options, build_dino_models
 from ..ops import DINOLoss, Schedules
 from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
@@ -34,6 +43,7 @@ __all__ = [
     "build_models",
     "build_optimizer",
     "build_schedules",
+    "build_source",
     "build_trainer",
     "data_roots",
     "loader_masks",
@@ -112,40 +122,83 @@ def build_loss(cfg: Config) -> DINOLoss | DINOv2Loss:
 
 
 class DataRoots(NamedTuple):
-    """The image folders of a run: ``train``, and the held-out ``val`` and
-    ``test`` splits (None where there is none)."""
+    """The data of a run: ``train``, and the held-out ``val`` and ``test``
+    splits (None where there is none); each a folder, file, shard pattern or
+    data set that :func:`~dino_opt.data.open_source` opens. ``knn_train`` is
+    the labelled data the k-NN evaluation's neighbours come from (``train``
+    unless ``eval.train_root`` names other data)."""
 
     train: Path
     val: Path | None
     test: Path | None
+    knn_train: Path | None = None
 
 
 def data_roots(cfg: Config) -> DataRoots:
-    """The folders of a config: the built-in data set's ``train``, ``val`` and
-    ``test`` when ``cfg.data.root`` is None, else ``cfg.data.root`` and its
-    sibling ``val`` and ``test`` folders where they exist."""
-    train = builtin_dataset() / "train" if cfg.data.root is None else Path(cfg.data.root)
-    val, test = train.parent / "val", train.parent / "test"
-    return DataRoots(train, val if val.is_dir() else None, test if test.is_dir() else None)
+    """The data of a config: the built-in data set's ``train``, ``val`` and
+    ``test`` when ``cfg.data.root`` is None; else ``cfg.data.root`` and the
+    splits beside it (:func:`~dino_opt.data.sibling_split`: ``val`` and
+    ``test`` folders, a Hugging Face ``DatasetDict``'s splits, ``train`` in the
+    name replaced); ``eval.train_root``, ``eval.val_root`` and
+    ``eval.test_root`` name the k-NN's data explicitly."""
+    if cfg.data.root is None:
+        builtin = builtin_dataset()
+        train, val, test = builtin / "train", builtin / "val", builtin / "test"
+        val, test = (val if val.is_dir() else None), (test if test.is_dir() else None)
+    else:
+        train = Path(cfg.data.root)
+        if (train / "dataset_dict.json").is_file():  # a Hugging Face DatasetDict: its train split
+            train = train / "train"
+        val, test = (_given(sibling_split(cfg.data.root, s)) for s in ("val", "test"))
+    ev = cfg.eval
+    return DataRoots(
+        train,
+        Path(ev.val_root) if ev.val_root is not None else val,
+        Path(ev.test_root) if ev.test_root is not None else test,
+        Path(ev.train_root) if ev.train_root is not None else train,
+    )
+
+
+def _given(spec: str | None) -> Path | None:
+    return None if spec is None else Path(spec)
+
+
+def build_source(cfg: Config, root: str | Path | DataSource) -> DataSource:
+    """The data of ``root`` (a :class:`DataRoots` entry) opened with the
+    options of ``cfg.data``: its format (``auto``: found from the name; only
+    for ``data.root`` itself, the evaluation splits are found by name),
+    shard index folder, file-list root and Hugging Face columns."""
+    if isinstance(root, DataSource):
+        return root
+    d = cfg.data
+    is_train = d.root is not None and Path(root) in (Path(d.root), Path(d.root) / "train")
+    return open_source(
+        root,
+        format=d.format if is_train else "auto",
+        list_root=d.list_root,
+        index_dir=d.index_dir,
+        image_column=d.image_column,
+        label_column=d.label_column,
+    )
 
 
 def build_loader(
     cfg: Config,
-    root: str | Path,
+    root: str | Path | DataSource,
     device: torch.device,
     *,
     rank: int = 0,
     world_size: int = 1,
 ) -> MultiCropLoader:
-    """The native multi-crop loader of ``cfg`` over ``root``: this rank's
-    shard, the augmentation of ``cfg.augmentation``, the threads, prefetch,
-    dtype and photometric placement of ``cfg.data``, seeded by
-    ``cfg.hardware.seed``; with the dinov2 recipe also the global crops'
-    block masks (:func:`loader_masks`)."""
+    """The native multi-crop loader of ``cfg`` over ``root`` (any data
+    :func:`build_source` opens): this rank's shard, the augmentation of
+    ``cfg.augmentation``, the threads, prefetch, dtype, photometric placement
+    and shuffle buffer of ``cfg.data``, seeded by ``cfg.hardware.seed``; with
+    the dinov2 recipe also the global crops' block masks (:func:`loader_masks`)."""
     aug = cfg.augmentation
     gpu_photometric = cfg.data.photometric == "gpu"
     return MultiCropLoader(
-        root,
+        build_source(cfg, root),
         cfg.data.batch_size,
         global_size=aug.global_crop_size,
         local_size=aug.local_crop_size,
@@ -164,6 +217,7 @@ def build_loader(
         augment={k: getattr(aug, k) for k in AUGMENT_KEYS},
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
         masks=loader_masks(cfg),
+        shuffle_buffer=cfg.data.shuffle_buffer,
     )
 
 
