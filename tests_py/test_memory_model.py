@@ -151,6 +151,12 @@ def test_cli_table_and_json(capsys):
         assert row["fits"] == (row["peak"] <= 0.9 * 80 * 2**30) and row["largest_batch"] > 0
     with pytest.raises(SystemExit):  # argparse names the choices
         main(["presets", "--memory-model", "--arch", "nope"])
+    # `--memory` without a number is the same table
+    short = ["presets", "--memory", "--arch", "dino_vits16", "--world", "1", "--json"]
+    assert main(short) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*short[:1], "--memory-model", *short[2:]]) == 0
+    assert alone == json.loads(capsys.readouterr().out) and len(alone["rows"]) == 2 * 3
 
 
 def _pct(model: int, measured: int) -> float:

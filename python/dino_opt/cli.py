@@ -266,7 +266,13 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+# `--memory` without a number: the memory model's table.
+_MEMORY_TABLE = -1.0
+
+
 def _presets(args: argparse.Namespace) -> int:
+    if args.memory == _MEMORY_TABLE:
+        args.memory, args.memory_model = None, True
     if args.memory_model:
         return _memory_model(args)
     if args.measure and args.memory is not None:
@@ -507,7 +513,12 @@ def _add_presets(sub) -> None:
     )
     h.add_argument("--config", help="YAML configuration whose crops and device to plan for")
     h.add_argument(
-        "--memory", type=float, help="plan for a GPU with this many GiB instead of this machine's"
+        "--memory",
+        type=float,
+        nargs="?",
+        const=_MEMORY_TABLE,
+        help="GB: plan for a GPU with this many GiB instead of this machine's; alone: the "
+        "memory model's table (as --memory-model)",
     )
     h.add_argument(
         "--measure",
