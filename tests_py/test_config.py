@@ -67,6 +67,9 @@ def test_defaults_are_dinos_vit_s16_recipe():
     assert (c.eval.knn_k, c.eval.knn_temperature) == (20, 0.07)
     assert c.hardware.seed == 0 and c.hardware.precision == "auto"
     assert c.data.root is None and c.data.num_workers is None and c.checkpoint.resume == "auto"
+    # torchrun's --max-restarts default; the faults are injected only when asked for
+    assert c.distributed.max_restarts == 3 and c.debug.inject_kill_at_step is None
+    assert c.debug.inject_attempts == 1
 
 
 def test_default_config_is_a_fresh_object_each_call():
@@ -211,6 +214,8 @@ def test_partial_yaml(tmp_path):
         ("optim.fused=", "optim", "fused", None),
         ("checkpoint.resume=~", "checkpoint", "resume", None),
         ("data.num_workers=3", "data", "num_workers", 3),
+        ("distributed.max_restarts=0", "distributed", "max_restarts", 0),
+        ("debug.inject_kill_at_step=7", "debug", "inject_kill_at_step", 7),
     ],
 )
 def test_override_types(override, section, key, expected):
@@ -410,6 +415,9 @@ def test_wrong_types(section, key, value, message):
         ("data", "index_dir", " ", "data.index_dir must be a non-empty string or null"),
         ("data", "image_column", "", "data.image_column must be a non-empty string or null"),
         ("eval", "val_root", "", "eval.val_root must be a non-empty string or null"),
+        ("distributed", "max_restarts", -1, "distributed.max_restarts must be >= 0"),
+        ("debug", "inject_kill_at_step", 0, "debug.inject_kill_at_step must be >= 1"),
+        ("debug", "inject_attempts", 0, "debug.inject_attempts must be >= 1"),
     ],
 )
 def test_range_errors(section, key, value, message):

@@ -296,25 +296,38 @@ def test_rollback_configuration_is_checked(train_root, tmp_path, capsys):
 # ---------------------------------------------------------------- hangs
 
 
-def test_a_stuck_rank_ends_the_job_naming_it_then_the_run_resumes(train_root, tmp_path):
+def test_a_stuck_rank_ends_the_job_naming_it_then_the_restarted_run_finishes(train_root, tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     args = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
             "--nproc", "2", f"data.root={train_root}", *TINY, "data.batch_size=4",
-            "schedule.epochs=2"]  # fmt: skip
-    hang = ["debug.inject_hang_at_step=4", "debug.inject_hang_rank=1",
+            "schedule.epochs=2", "debug.inject_hang_rank=1",
             "distributed.hang_timeout_s=3"]  # fmt: skip
     start = time.monotonic()
-    done = subprocess.run([*args, *hang], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([*args, "debug.inject_hang_at_step=4", "distributed.max_restarts=0"],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     took = time.monotonic() - start
     assert done.returncode == EXIT_HANG, done.stderr[-3000:]
     assert "stuck: rank 1" in done.stderr and "last completed step 3" in done.stderr
-    assert "hang watchdog ended the run" in done.stderr and took < 120
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("dino-opt: rank 1 made no progress after step 3: the hang "
+                           "watchdog ended the run (exit status 75) "
+                           "(distributed.max_restarts=0)")  # fmt: skip
+    assert "; resume with: dino-opt train --output-dir" in last and took < 120
+    assert "Traceback" not in done.stderr
     found = json.loads((out / "hang.json").read_text())
     assert found["stuck_ranks"] == [1] and found["checkpoint_step"] == 3
     assert CheckpointManager(out / "checkpoints").verify(found["checkpoint"])
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    # resumed with restarts on and a hang at step 6 (the watchdog is armed by
+    # a resumed run's first step): restarted from the checkpoint of step 5,
+    # the run goes past the hang to its end
+    done = subprocess.run([*args, "debug.inject_hang_at_step=6"], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "the hang watchdog ended the run (exit status 75); restarting" in done.stderr
     report = json.loads((out / "report.json").read_text())
-    assert report["resumed_from"] == found["checkpoint"] and report["steps"] == 10
+    assert report["resumed_from"].endswith("s00000005.pth") and report["steps"] == 10
+    (row,) = report["restarts"]
+    assert (row["exitcode"], row["stuck_ranks"], row["at_step"], row["step"]) == (
+        EXIT_HANG, [1], 5, 5)  # fmt: skip

@@ -278,14 +278,11 @@ def test_the_launcher_resolves_once_and_hands_the_result_to_its_processes(fake_g
     fake_gpu(24)
     handed = {}
 
-    def fake_launch(config, entry):
-        def run(cfg, output_dir):
-            handed.update(cfg=cfg, output_dir=output_dir)
-            return {0: {"steps": 0}}
+    def fake_agent(entry, args, **settings):
+        handed.update(cfg=args[0], output_dir=args[1], settings=settings)
+        return {0: {"steps": 0}}
 
-        return run
-
-    monkeypatch.setattr(distributed_mod, "elastic_launch", fake_launch)
+    monkeypatch.setattr(distributed_mod, "run_agent", fake_agent)
     report = distributed_mod.launch_distributed_training(
         None, 2, overrides=["hardware.preset=auto", "hardware.device=cpu"], output_dir="x"
     )
@@ -293,6 +290,7 @@ def test_the_launcher_resolves_once_and_hands_the_result_to_its_processes(fake_g
     cfg = handed["cfg"]
     assert isinstance(cfg, Config) and cfg.hardware.preset == "off"
     assert cfg.model.backbone == "vit_small"  # the 24 GB row, resolved here; "off": never again
+    assert handed["settings"]["max_restarts"] == cfg.distributed.max_restarts == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

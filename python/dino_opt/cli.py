@@ -31,9 +31,11 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,7 +52,7 @@ from .config import (
     load_config,
 )
 from .data import find_images, verify_shards, write_shards
-from .distributed import launch_distributed_training
+from .distributed import WorkerFailedError, launch_distributed_training
 from .eval import evaluate_checkpoint
 from .job import run_training
 from .models import CHECKPOINT_POLICIES
@@ -221,14 +223,23 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nproc > 1:
-        if launched_world() is not None:
-            raise ValueError(
-                "--nproc starts its own processes; under torchrun or srun leave it out"
-            )
-        # one run folder for all ranks, named before they start
-        out = args.output_dir or cfg.logging.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-        report = launch_distributed_training(cfg, args.nproc, output_dir=out)
+    if args.nproc > 1 or args.nnodes > 1:
+        node_rank, addr, port = _place_node(args)
+        # one run folder for all ranks and restarts, named before they start
+        out = args.output_dir or cfg.logging.output_dir
+        if out is None and args.nnodes == 1:
+            out = time.strftime("runs/%Y%m%d-%H%M%S")
+        try:
+            report = launch_distributed_training(
+                cfg, args.nproc, addr, port, output_dir=out, nnodes=args.nnodes,
+                node_rank=node_rank, verbose=args.verbose,
+            )  # fmt: skip
+        except (WorkerFailedError, TrainingHungError) as e:  # out of restarts: one line
+            if args.verbose:
+                traceback.print_exc()
+            print(f"dino-opt: {e}; resume with: {_resume_command(args, out, cfg)}",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_HANG if isinstance(e, TrainingHungError) else e.exit_status
     else:
         report = run_training(cfg, output_dir=args.output_dir, quiet=args.quiet)
     print(json.dumps(report, indent=2))
@@ -236,6 +247,40 @@ def _train(args: argparse.Namespace) -> int:
     if report.get("stopped_by"):  # checkpointed and stopped on a signal: the shell's code for it
         return 128 + signal.Signals[report["stopped_by"]].value
     return 0
+
+
+def _place_node(args: argparse.Namespace) -> tuple[int, str, int | None]:
+    """This node's rank and the rendezvous address for --nproc/--nnodes
+    (several nodes: the flags, else SLURM_NODEID, MASTER_ADDR, MASTER_PORT)."""
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {args.nnodes}")
+    world = launched_world()
+    one_task_per_node = "WORLD_SIZE" not in os.environ and world and world[1] == args.nnodes > 1
+    if world is not None and not one_task_per_node:
+        raise ValueError(
+            "--nproc and --nnodes start their own processes; under torchrun or srun leave "
+            "them out (or run one task per node under srun)"
+        )
+    if args.nnodes == 1:
+        return 0, args.master_addr or "localhost", args.master_port
+    node_rank = args.node_rank if args.node_rank is not None else os.environ.get("SLURM_NODEID")
+    addr = args.master_addr or os.environ.get("MASTER_ADDR")
+    port = args.master_port or os.environ.get("MASTER_PORT") or 29500
+    if node_rank is None or addr is None:
+        raise ValueError(
+            f"--nnodes {args.nnodes} needs --node-rank (SLURM_NODEID under srun) and "
+            "--master-addr (node 0's address, or MASTER_ADDR)"
+        )
+    return int(node_rank), addr, int(port)
+
+
+def _resume_command(args: argparse.Namespace, out, cfg: Config) -> str:
+    """The command that resumes this run: the same, in the same run folder."""
+    argv = list(args.argv)
+    if args.output_dir is None and cfg.logging.output_dir is None and out is not None:
+        at = argv.index("train") + 1 if "train" in argv else 0
+        argv[at:at] = ["--output-dir", str(out)]
+    return shlex.join(["dino-opt", *argv])
 
 
 def summary_line(report: dict) -> str:
@@ -494,7 +539,31 @@ def _add_train(sub) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="processes on this node, one per GPU (gloo on CPUs without CUDA); default 1",
+        help="processes on this node, one per GPU (gloo on CPUs without CUDA); default 1. "
+        "A failed process restarts them all from the last checkpoint (distributed.max_restarts)",
+    )
+    t.add_argument(
+        "--nnodes", type=int, default=1, help="nodes of the job, each running this command"
+    )
+    t.add_argument(
+        "--node-rank",
+        type=int,
+        help="this node's rank, 0 to nnodes-1 (node 0 hosts the rendezvous; default under "
+        "srun: SLURM_NODEID)",
+    )
+    t.add_argument(
+        "--master-addr", help="node 0's address, where the nodes meet (default: MASTER_ADDR)"
+    )
+    t.add_argument(
+        "--master-port",
+        type=int,
+        help="the rendezvous port on node 0 (default: MASTER_PORT, else 29500; one node: a "
+        "free one)",
+    )
+    t.add_argument(
+        "--verbose",
+        action="store_true",
+        help="on a failure, the traceback and torch's launcher logs too",
     )
     t.add_argument("overrides", nargs="*", help="key=value, e.g. data.batch_size=32")
     t.set_defaults(run=_train)
@@ -641,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _add_report, _add_doctor):  # fmt: skip
         add(sub)
     args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

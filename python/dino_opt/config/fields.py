@@ -501,6 +501,14 @@ class DistributedConfig:
         "fsdp: free each block's gathered parameters after its forward and gather them again for "
         "the backward (less memory); false keeps them until the backward (less communication)",
     )
+    max_restarts: int = _opt(
+        3,
+        "times the launcher of dino-opt train --nproc/--nnodes stops and restarts every worker "
+        "after one fails (a signal, a non-zero exit, the hang watchdog's exit), each time "
+        "resuming from the newest complete checkpoint; 0: the first failure ends the job. A "
+        "single process (no launcher) is not restarted",
+        ge=0,
+    )
 
 
 @dataclass
@@ -520,6 +528,19 @@ class DebugConfig:
         ge=1,
     )
     inject_hang_rank: int = _opt(0, "the rank that stops at debug.inject_hang_at_step", ge=0)
+    inject_kill_at_step: int | None = _opt(
+        None,
+        "when rank debug.inject_kill_rank has completed this step, it kills itself with SIGKILL "
+        "(as the kernel's OOM killer or a lost node would)",
+        ge=1,
+    )
+    inject_kill_rank: int = _opt(0, "the rank killed at debug.inject_kill_at_step", ge=0)
+    inject_attempts: int = _opt(
+        1,
+        "the injected kill and hang fire on the first this many attempts of the run (the first "
+        "start, then each restart by the launcher), so a restarted run goes past them",
+        ge=1,
+    )
 
 
 # Section name -> section class, in the order they are written out.

@@ -1,5 +1,11 @@
-"""Several processes of the job: the launcher and the lesson's DDP trainer."""
+"""Several processes of the job: the launcher, which restarts them, and the lesson's trainer."""
 
+from .agent import WorkerFailedError, run_agent
 from .launch import DistributedDINOTrainer, launch_distributed_training
 
-__all__ = ["DistributedDINOTrainer", "launch_distributed_training"]
+__all__ = [
+    "DistributedDINOTrainer",
+    "WorkerFailedError",
+    "launch_distributed_training",
+    "run_agent",
+]

@@ -1,13 +1,17 @@
 """Multi-process DINO training on torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-Two ways to start ``N`` processes, one per GPU (or N CPU processes)::
+``N`` processes on a node, one per GPU (or N CPU processes), on one node or
+several::
 
-    torchrun --nproc_per_node=N -m dino_opt.train [--config my.yaml] [key=value ...]
     dino-opt train --nproc N [--config my.yaml] [key=value ...]
+    dino-opt train --nnodes M --node-rank R --master-addr HOST0 --master-port P --nproc N ...
 
-and, on several nodes, torchrun's rendezvous (``--nnodes``, ``--node_rank``,
-``--rdzv_endpoint``) or SLURM (``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/
-``SLURM_LOCALID``; ``MASTER_ADDR``/``MASTER_PORT`` must point at the first node).
+through :func:`launch_distributed_training`, whose launcher
+(:func:`~dino_opt.distributed.agent.run_agent`, torch's elastic agent with a
+c10d rendezvous) restarts every process from the last checkpoint when one
+fails; or through torchrun (``torchrun --nproc_per_node=N -m dino_opt.train``)
+or SLURM (``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``;
+``MASTER_ADDR``/``MASTER_PORT`` must point at the first node).
 The training job (:class:`~dino_opt.job.CheckpointedDINOTrainer`) then
 wraps the student in DistributedDataParallel (the teacher is an EMA of it and
 needs no gradients), shards the loader by rank, all-reduces the loss center
@@ -24,32 +28,31 @@ model, sharded loader, metric reduction, rank-0 checkpoint) and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..checkpoint import atomic_write, fsync_dir
 from ..config import Config, apply_overrides, load_config
 from ..data import MultiCropLoader
 from ..job import CheckpointedDINOTrainer
+from ..observe import RunFolder
 from ..runtime import (
-    EXIT_HANG,
-    TrainingHungError,
     all_reduce_metrics,
     barrier,
     init_distributed,
     wrap_student,
 )
 from ..tune import resolve_hardware
+from .agent import run_agent
 
 __all__ = ["DistributedDINOTrainer", "launch_distributed_training"]
 
@@ -142,18 +145,12 @@ class DistributedDINOTrainer:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _train_entry(config: Config, output_dir) -> dict:
     quiet = os.environ.get("RANK", "0") != "0"  # one progress bar, rank 0's
     return CheckpointedDINOTrainer(config, output_dir=output_dir, quiet=quiet).train()
 
 
-# The signals torchrun's launcher takes over in the process that calls it.
+# The signals torch's launcher takes over in the process that calls it.
 _LAUNCHER_SIGNALS = tuple(
     getattr(signal, name)
     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -169,12 +166,27 @@ def launch_distributed_training(
     *,
     overrides: Iterable[str] = (),
     output_dir: str | os.PathLike | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    verbose: bool = False,
 ) -> dict:
-    """Trains with ``num_gpus`` processes on this node through torchrun's
-    launcher (``torch.distributed.launcher``: failures of one rank stop the
-    others and are raised here; :class:`~dino_opt.runtime.TrainingHungError`
-    when the hang watchdog ended them). Without CUDA the processes run on the CPU
-    with gloo. Returns rank 0's report. ``master_port`` None: a free port.
+    """Trains with ``num_gpus`` processes on this node through torch's
+    elastic agent (:func:`~dino_opt.distributed.agent.run_agent`): a failed
+    worker (a signal, a non-zero exit, the hang watchdog) stops and restarts
+    every worker, which resume from the newest complete checkpoint, at most
+    ``distributed.max_restarts`` times; then
+    :class:`~dino_opt.distributed.agent.WorkerFailedError` (or
+    :class:`~dino_opt.runtime.TrainingHungError` for a hang) says in one line
+    which rank failed, how, after which step, and the last checkpoint.
+    Without CUDA the processes run on the CPU with gloo. Returns rank 0's
+    report (read from the run folder on the other nodes).
+
+    ``nnodes`` > 1: this is node ``node_rank`` of ``nnodes``, each started
+    the same way; they meet at ``master_addr:master_port`` (node 0 hosts the
+    rendezvous, torch's c10d), and the run folder (``output_dir`` or
+    ``logging.output_dir``, required) must be one they all see. One node:
+    ``master_port`` None is a free port. ``verbose``: torch's launcher logs
+    (a failed worker's traceback among them).
 
     ``config_path``: a YAML path, a dict of sections, a
     :class:`~dino_opt.config.Config` or None (the defaults). It is read and
@@ -182,6 +194,8 @@ def launch_distributed_training(
     resolved config."""
     if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1:
         raise ValueError(f"num_gpus must be an int >= 1, got {num_gpus!r}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {node_rank}")
     if isinstance(config_path, Config):
         cfg = apply_overrides(config_path, overrides)
     else:
@@ -194,35 +208,28 @@ def launch_distributed_training(
             f"num_gpus={num_gpus} but this node has {torch.cuda.device_count()} GPUs "
             "(hardware.device=cpu runs the processes on the CPU with gloo)"
         )
-    port = int(master_port) if master_port is not None else _free_port()
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=num_gpus,
-        rdzv_backend="static",
-        rdzv_endpoint=f"{master_addr}:{port}",
-        rdzv_configs={"rank": 0},
-        run_id=f"dino_opt_{os.getpid()}",
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
+    out = output_dir or cfg.logging.output_dir
+    if nnodes > 1 and (out is None or master_port is None):
+        raise ValueError(
+            "several nodes need the run folder (--output-dir, on storage every node sees at "
+            "the same path) and the rendezvous port (--master-port)"
+        )
+    out = out or time.strftime("runs/%Y%m%d-%H%M%S")  # one run folder for all ranks and attempts
     # The launcher installs its own handlers for these signals in this process
     # and leaves them there (a notebook's kernel then cannot be interrupted).
     kept = {}
     if threading.current_thread() is threading.main_thread():
         kept = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
+    folder = RunFolder(out)
     try:
-        results = elastic_launch(launch, _train_entry)(cfg, output_dir)
-    except ChildFailedError as e:
-        if EXIT_HANG in {f.exitcode for f in e.failures.values()}:
-            raise TrainingHungError(
-                f"the hang watchdog ended the run (distributed.hang_timeout_s="
-                f"{cfg.distributed.hang_timeout_s:g}); its diagnosis is above and in "
-                f"{os.path.join(output_dir or '<run folder>', 'hang.json')}; run the same "
-                "command again to resume from the last checkpoint"
-            ) from None
-        raise
+        results = run_agent(
+            _train_entry, (cfg, str(out)), folder=folder, nproc=num_gpus, nnodes=nnodes,
+            node_rank=node_rank, master_addr=master_addr, master_port=int(master_port or 0),
+            max_restarts=cfg.distributed.max_restarts, verbose=verbose,
+        )  # fmt: skip
     finally:
         for sig, handler in kept.items():
             signal.signal(sig, handler)
-    return results[0]
+    if 0 in results:
+        return results[0]
+    return json.loads(folder.report.read_text())

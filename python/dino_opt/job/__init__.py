@@ -1,15 +1,31 @@
-"""The training job of dino-opt train: set-up, resume, steps, health, hangs, the finish."""
+"""The training job of dino-opt train: set-up, resume, steps, health, hangs, restarts, finish."""
 
 from .hang import injected_hang, report_hang, start_watchdog
 from .job import CheckpointedDINOTrainer, run_training
 from .parts import PROFILE_PHASES, ResumeError
+from .restarts import (
+    describe_exit,
+    first_failure,
+    injected_kill,
+    read_progress,
+    read_restarts,
+    record_failure,
+    stuck_ranks,
+)
 
 __all__ = [
     "CheckpointedDINOTrainer",
     "PROFILE_PHASES",
     "ResumeError",
+    "describe_exit",
+    "first_failure",
     "injected_hang",
+    "injected_kill",
+    "read_progress",
+    "read_restarts",
+    "record_failure",
     "report_hang",
     "run_training",
     "start_watchdog",
+    "stuck_ranks",
 ]

@@ -76,10 +76,12 @@ def report_hang(
     return "\n".join(notes)
 
 
-def injected_hang(debug: DebugConfig, step: int, rank: int) -> None:
+def injected_hang(debug: DebugConfig, step: int, rank: int, attempt: int = 0) -> None:
     """``debug.inject_hang_at_step``: this rank stops before the metrics
-    all-reduce (until the hang watchdog ends the process)."""
-    if debug.inject_hang_at_step == step and rank == debug.inject_hang_rank:
+    all-reduce (until the hang watchdog ends the process), on the first
+    ``debug.inject_attempts`` attempts (``attempt``: the restarts so far)."""
+    if (debug.inject_hang_at_step == step and rank == debug.inject_hang_rank
+            and attempt < debug.inject_attempts):  # fmt: skip
         print(
             f"rank {rank}: debug.inject_hang_at_step={step}: stopping", file=sys.stderr, flush=True
         )

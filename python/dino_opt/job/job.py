@@ -77,6 +77,14 @@ from .parts import (
     _Parts,
     _Rollback,
 )
+from .restarts import (
+    ProgressFile,
+    claim_restart,
+    injected_kill,
+    pending_failures,
+    read_restarts,
+    rows_to_log,
+)
 from .rollback import RollbackPolicy
 from .sharding import (
     SHARDED_KEYS,
@@ -162,6 +170,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self._collapse_streak = 0  # logging intervals in a row with a collapse alert
         self.writer: AsyncCheckpointWriter | None = None  # rank 0, checkpoint.async
         self.watchdog: HangWatchdog | None = None
+        self.restarts: list[dict] = []  # by the launcher, from the run folder (restarts.json)
+        self._pending: list[dict] = []  # failures the launcher recorded: this attempt is a restart
+        self.progress_file: ProgressFile | None = None  # several processes: read by the launcher
         self._seconds_before = 0.0  # training time of the runs this one resumes
         self._started = time.perf_counter()
 
@@ -193,6 +204,10 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.config = broadcast_object(self.config)
         if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
             self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
+            found = None  # the launcher's restarts so far, and failures since: a restart
+            if self.lead:
+                found = (read_restarts(self.folder), pending_failures(self.folder))
+            self.restarts, self._pending = broadcast_object(found)
         torch.manual_seed(self.config.hardware.seed)
         if self.lead:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +260,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
     def _checkpoint_to_resume(self) -> tuple[dict, Path] | None:
         resume = self.config.checkpoint.resume
         manager = self.checkpoint_manager
+        if self._pending and manager.checkpoints():  # restarted: the newest complete one
+            return self._for_this_run(manager.load_latest(tensors=not self.sharded))
         if resume is None:
             if manager.checkpoints():
                 raise ResumeError(
@@ -339,6 +356,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             self.step = self.epoch * len(p.loader) + p.loader.state_dict()["next_batch"]
             p.model.teacher_step = self.step // self.config.optim.accumulation_steps
         self.history = list(state.get("history", []))
+        self.history += rows_to_log(self.restarts, self.history, self.step)  # made after it
         self.rollbacks = list(state.get("rollbacks", []))
         self._seconds_before = float(state.get("train_seconds", 0.0))
 
@@ -439,6 +457,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             self._init_from(self.config.model.init_from)
         del resumed  # the tensors now live in the models and the optimizer
         self._start_logging()
+        self._log_restarts(resumed_from)
         if self.sharded:  # every rank writes its shards
             self.writer = ShardedCheckpointWriter(
                 self.checkpoint_manager, lead=self.lead, asynchronous=self.config.checkpoint.async_
@@ -462,9 +481,12 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self._stop_watchdog()
         self.log.close()
         self.parts.loader.close()
+        if self.progress_file is not None:
+            self.progress_file.close()
         if self.writer is not None:
             try:
-                self.writer.wait()
+                with GracefulStop():  # a launcher's SIGTERM waits for the write (SIGKILL won't)
+                    self.writer.wait()
             except Exception as e:
                 print(f"the checkpoint write in flight failed too: {e}", file=sys.stderr)
 
@@ -481,6 +503,24 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 return None
             except _Rollback as r:
                 self._rollback(r)
+
+    def _log_restarts(self, resumed_from: Path | None) -> None:
+        """Several processes: a restart by the launcher becomes a row of
+        ``restarts.json`` (rank 0); the rows the history lacks go into it and
+        ``metrics.jsonl``; each rank writes its progress for the launcher."""
+        if self.world == 1:
+            return
+        if self._pending:
+            rows = claim_restart(self.folder, self._pending, step=self.step, epoch=self.epoch,
+                                 checkpoint=resumed_from) if self.lead else None  # fmt: skip
+            self.restarts = broadcast_object(rows)
+            if self.lead:
+                print(f"restart {len(rows)}: {rows[-1]['message']}; resumed at step "
+                      f"{self.step}", file=sys.stderr)  # fmt: skip
+        for row in rows_to_log(self.restarts, self.history, self.step):
+            self.history.append(row)
+            self.log.event(row)
+        self.progress_file = ProgressFile(self.folder, self.rank, self.step)
 
     # ------------------------------------------------------------ hangs
 
@@ -540,6 +580,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
                 self.watchdog.arm()  # from the first step on (not during compilation)
+            if self.progress_file is not None:
+                self.progress_file.update(self.step)
+            injected_kill(self.config.debug, self.step, self.rank, len(self.restarts))
             if self.trainer.at_step_boundary:
                 stopped_by = self._at_step_boundary(stop)
                 if stopped_by is not None:
@@ -609,7 +652,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         ips = (self.step - self._window[1]) * cfg.data.batch_size / max(now - self._window[0], 1e-9)
         health, alerts, diverged = self._check_health(loss, ips)
         collapsed = any(a.name.startswith("collapse") for a in alerts)
-        injected_hang(self.config.debug, self.step, self.rank)
+        injected_hang(self.config.debug, self.step, self.rank, len(self.restarts))
         parts = {f"loss_{k}": v for k, v in self._step_metrics.items() if k != "loss"}
         with self._collective("metrics"):
             reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),
@@ -667,6 +710,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         profile, the curves and the evaluation (on rank 0)."""
         cfg = self.config
         self.parts.loader.close()
+        if self.progress_file is not None:
+            self.progress_file.close()
         losses = [row["loss"] for row in self.history if "loss" in row]
         report = {
             "epochs": cfg.schedule.epochs,
@@ -676,6 +721,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             "device": str(self.device),
             "run_folder": str(self.output_dir),
             "rollbacks": self.rollbacks,
+            "restarts": self.restarts,
         }
         if self.hardware_preset is not None:
             report["hardware_preset"] = self.hardware_preset

@@ -8,6 +8,9 @@
     <run>/profile.json             time per step phase
     <run>/checkpoints/             checkpoints, their sidecars and index
     <run>/hang.json                written when the hang watchdog ended the run
+    <run>/restarts.json            the restarts of the job by its launcher
+    <run>/failures/                failures a launcher saw, until the restart claims them
+    <run>/progress/rank<R>.json    each rank's last completed step (several processes)
     <run>/tensorboard/             TensorBoard event files
     <run>/wandb_id.txt             the Weights & Biases run id (resumed with the folder)
     <run>/training_curves.png      the metrics over the steps
@@ -52,6 +55,9 @@ class RunFolder:
     PERFORMANCE_REPORT = "performance_report.json"
     MODEL_EVOLUTION = "model_evolution.png"
     HANG = "hang.json"
+    RESTARTS = "restarts.json"
+    FAILURES = "failures"
+    PROGRESS = "progress"
 
     config = _entry(CONFIG)
     metrics = _entry(METRICS)
@@ -65,6 +71,9 @@ class RunFolder:
     performance_report = _entry(PERFORMANCE_REPORT)
     model_evolution = _entry(MODEL_EVOLUTION)
     hang = _entry(HANG)
+    restarts = _entry(RESTARTS)
+    failures = _entry(FAILURES)
+    progress = _entry(PROGRESS)
 
     def tsne(self, which: str) -> Path:
         """The t-SNE map of the ``which`` teacher ('trained' or 'random_init')."""

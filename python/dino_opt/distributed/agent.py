@@ -1,0 +1,243 @@
+"""The launcher's agent: torch's elastic agent on one node of the job, which
+restarts every worker when one fails.
+
+:func:`run_agent` is what ``torchrun --max-restarts`` runs on each node:
+torch's :class:`LocalElasticAgent` starts the node's workers, all nodes meet
+through a c10d rendezvous (a TCP store hosted by node 0's agent), and when a
+worker fails (a signal, a non-zero exit status, the hang watchdog's exit)
+the agent stops the node's workers and meets the others again; the other
+nodes' agents see a node waiting and restart theirs too, so every worker of
+the job starts afresh (and resumes from the newest complete checkpoint).
+
+What torch's agent does not keep, this one does (:class:`_RecordingAgent`):
+every worker's exit status as it sees them (torch reports one worker per
+failure, not necessarily the first to fail), and, before each restart, a
+record of the failure in the run folder (``RUN/failures/``) with the last
+completed step of its ranks, which rank 0 of the restarted job makes a
+restart row of. Out of restarts, it raises one error naming the rank, its
+exit status or signal, its last completed step and the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from ..checkpoint import CheckpointManager
+from ..job import describe_exit, first_failure, read_progress, record_failure, stuck_ranks
+from ..observe import RunFolder
+from ..runtime import EXIT_HANG, TrainingHungError
+
+__all__ = ["WorkerFailedError", "run_agent"]
+
+# torch's loggers that print a worker's failure as a traceback (and the
+# agent's progress); quiet unless verbose: the launcher says it in one line.
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch, read by its rendezvous
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker of a job started by :func:`run_agent` failed with no restart
+    left, the other nodes were lost, or the launcher itself got a signal.
+    The message is one line: the rank, its signal or exit status, its last
+    completed step, the restarts used and the last checkpoint.
+    ``exit_status``: what the launcher exits with (1; 128 + the signal's
+    number when it got one). (A hang raises
+    :class:`~dino_opt.runtime.TrainingHungError` instead.)"""
+
+    def __init__(self, message: str, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _peek_exit(pid: int) -> int | None:
+    """The exit status of the child process ``pid`` (minus the signal that
+    killed it) if it has ended, else None; it is not reaped, so its owner
+    (torch's process context) still collects it."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except OSError:  # not our child, or already collected
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+class _RecordingAgent(LocalElasticAgent):
+    """torch's local agent, which also keeps every failed worker's exit
+    status and last completed step (``exits``) and records each failure in
+    the run folder before it restarts the workers."""
+
+    def __init__(self, spec: WorkerSpec, folder: RunFolder):
+        super().__init__(spec, DefaultLogsSpecs(), start_method="spawn")
+        self.folder = folder
+        self.exits: list[dict] = []  # the failure the last check saw
+        self.progress: dict[int, int | None] = {}
+        self.restarts_used = 0
+
+    def _monitor_workers(self, worker_group: WorkerGroup):
+        ended = {}
+        for w in worker_group.workers:
+            code = _peek_exit(w.id) if isinstance(w.id, int) else None
+            if code:
+                ended[w.global_rank] = code
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED:
+            for rank, failure in result.failures.items():
+                ended.setdefault(rank, failure.exitcode)
+            self.progress = {w.global_rank: read_progress(self.folder, w.global_rank)
+                             for w in worker_group.workers}  # fmt: skip
+            self.exits = [{"rank": r, "exitcode": c, "step": self.progress.get(r)}
+                          for r, c in sorted(ended.items())]  # fmt: skip
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self.exits:  # a failure (not another node arriving or restarting)
+            self.restarts_used += 1
+            with contextlib.suppress(OSError):
+                record_failure(self.folder, self.exits, self.progress, self.restarts_used)
+            root = first_failure(self.exits)
+            what = describe_exit(root["rank"], root["exitcode"], root["step"])
+            if root["exitcode"] == EXIT_HANG:  # which rank hung: the diagnosis, not the exit
+                what = f"the hang watchdog ended the run (exit status {EXIT_HANG})"
+            print(f"dino-opt: {what}; restarting every worker (restart {self.restarts_used} of "
+                  f"{worker_group.spec.max_restarts}) from the newest complete checkpoint",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.exits = []
+        else:
+            print("dino-opt: another node is restarting; restarting this node's workers too",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        super()._restart_workers(worker_group)
+
+
+def _last_checkpoint(folder: RunFolder) -> str:
+    records = CheckpointManager(folder.checkpoints).checkpoints()
+    return f"step {records[-1].step} ({records[-1].path})" if records else "none"
+
+
+def _failure(agent: _RecordingAgent, started: float) -> RuntimeError:
+    """The one-line error of a job out of restarts."""
+    spec = agent.get_worker_group().spec
+    root = first_failure(agent.exits) if agent.exits else None
+    if root is None:
+        what = "a worker failed"
+    else:
+        rank, code, step = root["rank"], root["exitcode"], root["step"]
+        if code == EXIT_HANG:
+            stuck = stuck_ranks(agent.folder, started)
+            if stuck:
+                rank, step = stuck[0], agent.progress.get(stuck[0], step)
+        what = describe_exit(rank, code, step)
+        if agent.get_worker_group().group_world_size > 1 and code > 0 and code != EXIT_HANG:
+            what += " (a rank of another node may have failed first: see that node's line)"
+    used = (f"{agent.restarts_used} of {spec.max_restarts} restarts used" if spec.max_restarts
+            else "distributed.max_restarts=0")  # fmt: skip
+    message = f"{what} ({used}); last checkpoint: {_last_checkpoint(agent.folder)}"
+    if root is not None and root["exitcode"] == EXIT_HANG:
+        return TrainingHungError(f"{message}; the diagnosis is above and in {agent.folder.hang}")
+    return WorkerFailedError(message)
+
+
+@contextlib.contextmanager
+def _agent_settings(verbose: bool):
+    """While the agent runs: torch's launcher logs at their level when
+    verbose (else the launcher's own line says what failed), and a fresh
+    store for the workers of each attempt. By default torch's c10d
+    rendezvous shares one store with every attempt's workers, where the
+    keys of the attempt before (a dead rank's address) are still found, so
+    a restarted process group may connect to a process that is gone."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith(_TORCH_LOGGERS)]  # fmt: skip
+    levels = [lg.level for lg in loggers]
+    kept = {name: os.environ.get(name) for name in (_SHARED_STORE, "PYTHONWARNINGS")}
+    os.environ[_SHARED_STORE] = "1"
+    # a killed worker's semaphores: its resource tracker would warn after the last line
+    quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
+    os.environ["PYTHONWARNINGS"] = ",".join(w for w in (kept["PYTHONWARNINGS"], quiet_tracker) if w)
+    if not verbose:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+        for name, value in kept.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_agent(
+    entry: Callable,
+    args: tuple,
+    *,
+    folder: RunFolder,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "localhost",
+    master_port: int = 0,
+    max_restarts: int = 0,
+    verbose: bool = False,
+) -> dict[int, Any]:
+    """Runs ``entry(*args)`` in ``nproc`` processes on this node, one node of
+    ``nnodes`` that meet at ``master_addr:master_port`` (node 0 hosts the
+    rendezvous; port 0 on one node: a free one). A failed worker restarts
+    every worker of the job, at most ``max_restarts`` times (counted on the
+    node where the failure happened); the failure is recorded in the run
+    folder ``folder`` first. Returns this node's workers' return values by
+    global rank; raises :class:`WorkerFailedError` (or
+    :class:`~dino_opt.runtime.TrainingHungError`) with one line when out of
+    restarts."""
+    run_id = f"dino_opt-{master_port}" if nnodes > 1 else f"dino_opt-{uuid.uuid4().hex[:12]}"
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"{master_addr}:{master_port}", run_id=run_id,
+        min_nodes=nnodes, max_nodes=nnodes, is_host=node_rank == 0,
+    )  # fmt: skip
+    spec = WorkerSpec(
+        role="dino_opt", local_world_size=nproc, entrypoint=entry, args=tuple(args),
+        rdzv_handler=get_rendezvous_handler(params), max_restarts=max_restarts,
+        monitor_interval=0.5,
+    )  # fmt: skip
+    agent = _RecordingAgent(spec, folder)
+    started = time.time()
+    close_rendezvous = True
+    try:
+        with _agent_settings(verbose):
+            result = agent.run()
+    except SignalException as e:
+        close_rendezvous = False  # as torch's launcher: the others see this node go
+        raise WorkerFailedError(
+            f"the launcher got {e.sigval.name}: every worker was stopped (a worker stops at its "
+            f"next logging step with a checkpoint when it has the time); last checkpoint: "
+            f"{_last_checkpoint(folder)}",
+            128 + e.sigval,
+        ) from e
+    except RendezvousError as e:
+        raise WorkerFailedError(
+            f"the job's nodes could not meet at {master_addr}:{master_port} (another node's "
+            f"launcher ended, or none is there): {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        if close_rendezvous:
+            spec.rdzv_handler.shutdown()
+    if result is None:  # the rendezvous let this node out
+        raise WorkerFailedError(f"this node was left out of the rendezvous at "
+                                f"{master_addr}:{master_port}")  # fmt: skip
+    if result.is_failed():
+        raise _failure(agent, started)
+    return result.return_values
