@@ -195,7 +195,7 @@ def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
     assert rollback["skipped_iterations"] == [3, 3] and rollback["checkpoint"].endswith(".dcp")
     assert run["report"]["steps"] == 10 and all(torch.isfinite(torch.tensor(_losses(run))))
     out = tmp_path / "hang"
-    hang = ("debug.inject_hang_at_step=4", "debug.inject_hang_rank=1",
+    hang = ("debug.inject_hang_at_step=4", "debug.inject_hang_rank=1", "distributed.max_restarts=0",
             "distributed.hang_timeout_s=10", "checkpoint.every_steps=1")  # fmt: skip
     done = _train(out, train_root, FSDP, *hang, ok=False)
     assert done.returncode == 75, done.stderr[-3000:]
