@@ -221,6 +221,7 @@ def test_unsupported_combinations_are_one_line(train_root, tmp_path):
     (ddp / "report.json").unlink()
     done = _train(ddp, train_root, FSDP, "checkpoint.every_steps=5", ok=False)
     assert done.returncode != 0 and "was written with distributed.strategy=ddp" in done.stderr
+    assert "restarting" not in done.stderr  # a restart would refuse it again
 
 
 def test_resharded_loader_state_goes_on_after_the_images_seen():

@@ -40,7 +40,11 @@ from ..job import describe_exit, first_failure, read_progress, record_failure, s
 from ..observe import RunFolder
 from ..runtime import EXIT_HANG, TrainingHungError
 
-__all__ = ["WorkerFailedError", "run_agent"]
+__all__ = ["EXIT_NO_RESTART", "WorkerFailedError", "run_agent"]
+
+#: A worker's exit status for a failure that a restart would repeat (a bad
+#: config, a checkpoint this run cannot resume): the job ends without restarts.
+EXIT_NO_RESTART = 3
 
 # torch's loggers that print a worker's failure as a traceback (and the
 # agent's progress); quiet unless verbose: the launcher says it in one line.
@@ -94,6 +98,8 @@ class _RecordingAgent(LocalElasticAgent):
             if code:
                 ended[w.global_rank] = code
         result = super()._monitor_workers(worker_group)
+        if EXIT_NO_RESTART in ended.values():  # the same failure again on a restart
+            self._remaining_restarts = 0
         if result.state == WorkerState.FAILED:
             for rank, failure in result.failures.items():
                 ended.setdefault(rank, failure.exitcode)

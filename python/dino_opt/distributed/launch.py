@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -52,7 +53,7 @@ from ..runtime import (
     wrap_student,
 )
 from ..tune import resolve_hardware
-from .agent import run_agent
+from .agent import EXIT_NO_RESTART, run_agent
 
 __all__ = ["DistributedDINOTrainer", "launch_distributed_training"]
 
@@ -146,8 +147,20 @@ class DistributedDINOTrainer:
 
 
 def _train_entry(config: Config, output_dir) -> dict:
-    quiet = os.environ.get("RANK", "0") != "0"  # one progress bar, rank 0's
-    return CheckpointedDINOTrainer(config, output_dir=output_dir, quiet=quiet).train()
+    """One worker's job. Its error is printed in one line (the launcher's
+    own line only names the rank and its exit status); bad input (a
+    ValueError: a config or a checkpoint this run cannot use) exits with
+    :data:`EXIT_NO_RESTART`, since a restart would fail the same way."""
+    rank = os.environ.get("RANK", "0")
+    quiet = rank != "0"  # one progress bar, rank 0's
+    try:
+        return CheckpointedDINOTrainer(config, output_dir=output_dir, quiet=quiet).train()
+    except ValueError as e:
+        print(f"dino-opt: rank {rank}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_NO_RESTART) from None
+    except Exception as e:
+        print(f"dino-opt: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
 
 
 # The signals torch's launcher takes over in the process that calls it.
