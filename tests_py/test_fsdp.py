@@ -18,7 +18,7 @@ from dino_opt.cli import main
 from dino_opt.job.sharding import resharded_loader_state
 from safetensors.torch import load_file
 from tiny import TINY as TINY_BASE
-from tiny import tiny_train_only
+from tiny import knn_json, tiny_train_only
 
 TINY = [
     *TINY_BASE,
@@ -175,7 +175,7 @@ def test_resume_at_another_world_size_reshards(train_root, tmp_path):
         assert all(torch.isfinite(v).all() for v in state[key].values())
 
 
-def test_the_tools_read_a_sharded_run(reference, tmp_path, capsys):
+def test_the_tools_read_a_sharded_run(reference, train_root, tmp_path, capsys):
     assert main(["report", str(reference), "--json"]) == 0
     checkpoints = json.loads(capsys.readouterr().out)["checkpoints"]
     assert checkpoints["summary"]["verified"] == checkpoints["summary"]["count"] >= 2
@@ -186,6 +186,12 @@ def test_the_tools_read_a_sharded_run(reference, tmp_path, capsys):
     weights = load_file(out)
     teacher = _final_state(reference)["teacher"]
     torch.testing.assert_close(weights["cls_token"], teacher["backbone.cls_token"])
+    # k-NN of the sharded run's teacher equals that of the weights it exports
+    root = train_root.resolve().parent  # the built-in set's train/ and val/
+    knn = [knn_json(capsys, *source, "--data", str(root), "--device", "cpu", "--image-size", "32")
+           for source in (("--checkpoint", str(reference)), ("--weights", str(out)))]  # fmt: skip
+    assert knn[0]["which"] == "teacher" and knn[0]["n_train"] == 40 and knn[0]["n_val"] == 10
+    assert knn[0]["top1"] == knn[1]["top1"] and knn[0]["top5"] == knn[1]["top5"]
 
 
 def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
@@ -199,13 +205,14 @@ def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
             "distributed.hang_timeout_s=10", "checkpoint.every_steps=1")  # fmt: skip
     done = _train(out, train_root, FSDP, *hang, ok=False)
     assert done.returncode == 75, done.stderr[-3000:]
-    # Which rank's watchdog fires first is a race here (checkpoints every step):
-    # the stuck rank's own may, and the launcher then stops rank 0 before it
-    # writes hang.json; the naming itself is tested with ddp. What is on disk
-    # must resume.
+    # Whichever rank's watchdog fires first writes hang.json (the launcher then
+    # stops the other); both name rank 1 and a checkpoint that verifies.
+    report = json.loads((out / "hang.json").read_text())
+    assert report["stuck_ranks"] == [1] and report["world_size"] == 2
     manager = CheckpointManager(out / "checkpoints")
     last = manager.checkpoints()[-1]
     assert last.step >= 3 and manager.verify(last.path)
+    assert report["checkpoint_step"] <= last.step
     resumed = _train(out, train_root, FSDP, "checkpoint.every_steps=1")
     assert resumed["report"]["resumed_from"] == str(last.path)
     assert resumed["report"]["steps"] == 10

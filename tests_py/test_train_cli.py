@@ -17,6 +17,7 @@ from dino_opt.data import builtin_dataset
 from dino_opt.job import PROFILE_PHASES
 from dino_opt.observe import Profiler, profile_summary
 from tiny import TINY as TINY_BASE
+from tiny import knn_json
 
 TINY = [*TINY_BASE, "data.num_workers=2"]
 
@@ -43,12 +44,6 @@ def run(tiny_data, tmp_path_factory):
     with contextlib.redirect_stdout(printed):
         assert main(args + TINY) == 0
     return out, printed.getvalue()
-
-
-def _knn(capsys, *args):
-    capsys.readouterr()
-    assert main(["knn", *args]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def _knn_error(capsys, *args) -> str:
@@ -128,7 +123,7 @@ def test_profile_summary_sums_ranges_per_step():
 def test_knn_reproduces_the_report(run, tiny_data, capsys):
     out, _ = run
     report = json.loads((out / "report.json").read_text())
-    teacher = _knn(capsys, "--checkpoint", str(out), "--device", "cpu")  # the run folder
+    teacher = knn_json(capsys, "--checkpoint", str(out), "--device", "cpu")  # the run folder
     assert teacher["top1"] == report["knn_top1_trained"]  # same features, same vote
     assert teacher["test_top1"] == report["knn_test_top1_trained"]
     assert teacher["which"] == "teacher" and teacher["image_size"] == 32
@@ -139,7 +134,7 @@ def test_knn_reproduces_the_report(run, tiny_data, capsys):
         20,
     )
     assert teacher["val"] == str(tiny_data / "val") and teacher["test"] == str(tiny_data / "test")
-    student = _knn(
+    student = knn_json(
         capsys, "--checkpoint", report["checkpoint"], "--data", str(tiny_data),
         "--which", "student", "--k", "5", "--image-size", "24", "--device", "cpu",
     )  # fmt: skip

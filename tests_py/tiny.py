@@ -1,9 +1,11 @@
 """The tiny training run the end-to-end tests share: ViT-T/8 at 32/16 px
 (2 global + 2 local crops), head 32-16-64, batch 8, on the CPU, no progress
-bar; and a tiny built-in data set. Tests add their own overrides."""
+bar; a tiny built-in data set; `dino-opt knn` read as JSON. Tests add their own overrides."""
 
+import json
 from pathlib import Path
 
+from dino_opt.cli import main
 from dino_opt.data import builtin_dataset
 
 TINY = [
@@ -34,3 +36,10 @@ def tiny_train_only(tmp_path_factory) -> Path:
     train = tmp_path_factory.mktemp("trainonly") / "train"
     train.symlink_to(root / "train")
     return train
+
+
+def knn_json(capsys, *args: str) -> dict:
+    """``dino-opt knn ARGS``: what it printed, as a dict."""
+    capsys.readouterr()
+    assert main(["knn", *args]) == 0
+    return json.loads(capsys.readouterr().out)

@@ -16,7 +16,7 @@ from ..checkpoint import AsyncCheckpointWriter, CheckpointManager, atomic_write
 from ..config import DebugConfig
 from ..runtime import HangWatchdog, broadcast_object, host_store, join_store
 
-__all__ = ["injected_hang", "report_hang", "start_watchdog"]
+__all__ = ["injected_hang", "read_hang", "report_hang", "start_watchdog"]
 
 
 def start_watchdog(
@@ -36,6 +36,15 @@ def start_watchdog(
     return watchdog.start()
 
 
+def read_hang(hang_file: Path, after: float) -> dict | None:
+    """``hang.json`` when it was written after ``after`` (``time.time()``), else None."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        hang = json.loads(hang_file.read_text())
+        if float(hang["time"]) > after:
+            return hang
+    return None
+
+
 def report_hang(
     message: str,
     stuck: list[int],
@@ -43,10 +52,14 @@ def report_hang(
     manager: CheckpointManager,
     hang_file: Path | None,
     world: int,
+    since: float = 0.0,
 ) -> str:
     """Before a hung process ends: the checkpoint write in flight finishes;
-    ``hang_file`` (rank 0's ``hang.json``) names the stuck ranks and the last
-    checkpoint on disk. Returns the notes for the watchdog's message."""
+    ``hang_file`` (the run's ``hang.json``) names the stuck ranks and the last
+    checkpoint on disk. The first rank to write it since ``since`` (this
+    attempt's start) wins: that rank fired while every rank was there, while
+    a later one may find rank 0's heartbeat store already gone.
+    Returns the notes for the watchdog's message."""
     notes = []
     if writer is not None and writer.in_flight:
         try:
@@ -61,7 +74,7 @@ def report_hang(
         if last
         else "no checkpoint on disk yet"
     )
-    if hang_file is not None:
+    if hang_file is not None and read_hang(hang_file, since) is None:
         hang = {
             "message": message,
             "stuck_ranks": stuck,

@@ -526,17 +526,18 @@ class CheckpointedDINOTrainer(RollbackPolicy):
 
     def _start_watchdog(self) -> HangWatchdog | None:
         """The hang watchdog (``distributed.hang_timeout_s``), or None."""
+        self._hang_since = time.time()  # an older hang.json is another attempt's
         return start_watchdog(
             self.config.distributed.hang_timeout_s, self.rank, self.world, self._on_hang
         )
 
     def _on_hang(self, message: str, stuck: list[int]) -> str:
         """In the watchdog's thread, before the process ends: the write in
-        flight finishes, ``hang.json`` names what hung and what is on disk."""
-        return report_hang(
-            message, stuck, self.writer, self.checkpoint_manager,
-            self.folder.hang if self.lead else None, self.world,
-        )  # fmt: skip
+        flight finishes, ``hang.json`` names what hung and what is on disk.
+        Any rank's may (the first to exit makes the launcher stop the others);
+        the first written stands."""
+        return report_hang(message, stuck, self.writer, self.checkpoint_manager,
+                           self.folder.hang, self.world, self._hang_since)  # fmt: skip
 
     def _start_logging(self) -> None:
         cfg = self.config

@@ -37,6 +37,7 @@ from ..checkpoint import atomic_write
 from ..config import DebugConfig
 from ..observe import RunFolder
 from ..runtime import EXIT_HANG
+from .hang import read_hang
 
 __all__ = [
     "ProgressFile",
@@ -176,10 +177,9 @@ def pending_failures(folder: RunFolder) -> list[dict]:
 
 def stuck_ranks(folder: RunFolder, after: float) -> list[int]:
     """The stuck ranks of ``hang.json`` when it was written after ``after``."""
-    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-        hang = json.loads(folder.hang.read_text())
-        if float(hang["time"]) > after:
-            return [int(r) for r in hang["stuck_ranks"]]
+    hang = read_hang(folder.hang, after)
+    with contextlib.suppress(KeyError, ValueError, TypeError):
+        return [int(r) for r in hang["stuck_ranks"]] if hang else []
     return []
 
 
