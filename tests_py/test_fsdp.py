@@ -156,6 +156,19 @@ def test_sigkill_of_every_rank_then_resume_is_bit_exact(reference, train_root, t
     assert not any(p.name.endswith(".partial") for p in (out / "checkpoints").iterdir())
 
 
+def test_a_killed_rank_restarts_the_sharded_job_bit_exact(reference, train_root, tmp_path):
+    """Rank 1 SIGKILLs itself after step 7: the launcher restarts both ranks
+    from the newest sharded checkpoint and the run ends as the uninterrupted one."""
+    out = tmp_path / "run"
+    kill = ("debug.inject_kill_at_step=7", "debug.inject_kill_rank=1")
+    run = _train(out, train_root, *KILLABLE, *kill)
+    (restart,) = run["report"]["restarts"]
+    assert (restart["rank"], restart["signal"], restart["at_step"]) == (1, "SIGKILL", 7)
+    assert restart["checkpoint"].endswith(".dcp") and restart["step"] in (6, 7)
+    assert run["report"]["steps"] == 10
+    _assert_equal_states(_final_state(out), _final_state(reference))
+
+
 def test_resume_at_another_world_size_reshards(train_root, tmp_path):
     """2 ranks, then 1 (the shards of two read by one), then 2 again; with
     the dinov2 recipe (its separate iBOT head sharded too)."""
