@@ -239,12 +239,41 @@ def test_unsupported_combinations_are_one_line(train_root, tmp_path):
         done = _train(tmp_path / "x", train_root, FSDP, *extra, ok=False)
         assert done.returncode != 0 and words in done.stderr
         assert "Traceback" not in done.stderr
-    ddp = tmp_path / "ddp"
-    _train(ddp, train_root, "checkpoint.every_steps=5")
-    (ddp / "report.json").unlink()
-    done = _train(ddp, train_root, FSDP, "checkpoint.every_steps=5", ok=False)
-    assert done.returncode != 0 and "was written with distributed.strategy=ddp" in done.stderr
+    done = _train(tmp_path / "y", train_root, FSDP, "checkpoint.resume=/nowhere.pth", ok=False)
+    assert done.returncode != 0 and "checkpoint.resume='/nowhere.pth'" in done.stderr
     assert "restarting" not in done.stderr  # a restart would refuse it again
+
+
+def _checkpoint_of_step(out: Path, step: int) -> str:
+    records = CheckpointManager(out / "checkpoints").checkpoints()
+    (found,) = [r.path for r in records if r.step == step]
+    return str(found)
+
+
+def test_a_run_resumes_under_the_other_strategy(train_root, tmp_path):
+    """ddp's step 5 resumed by fsdp, whose step 7 is resumed by ddp: the
+    weights and optimizer state go across both ways, and each run ends as the
+    ddp run that was never switched (fsdp equals ddp to float32 tolerance)."""
+    every = ("checkpoint.every_steps=1", "checkpoint.keep=20")
+    ddp = _train(tmp_path / "ddp", train_root, *every)
+    resume = f"checkpoint.resume={_checkpoint_of_step(tmp_path / 'ddp', 5)}"
+    fsdp = _train(tmp_path / "fsdp", train_root, *every, FSDP, resume)
+    resume = f"checkpoint.resume={_checkpoint_of_step(tmp_path / 'fsdp', 7)}"
+    back = _train(tmp_path / "back", train_root, *every, resume)
+    assert Path(fsdp["report"]["checkpoint"]).name.endswith(".dcp")
+    assert not Path(back["report"]["checkpoint"]).name.endswith(".dcp")
+    for run in (fsdp, back):
+        assert run["report"]["steps"] == 10 and "resumed_from" in run["report"]
+        assert _losses(run)[-1] == pytest.approx(_losses(ddp)[-1], rel=1e-4)
+        for key in ("student", "teacher"):
+            for name, value in ddp["state"][key].items():
+                torch.testing.assert_close(run["state"][key][name], value, rtol=1e-4, atol=1e-5)
+    moments, carried = (r["state"]["optimizer"]["state"] for r in (ddp, back))
+    assert moments.keys() == carried.keys()
+    for i, m in moments.items():
+        assert int(carried[i]["step"]) == int(m["step"]) == 10
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(carried[i][k], m[k], rtol=1e-3, atol=1e-7)
 
 
 def test_resharded_loader_state_goes_on_after_the_images_seen():

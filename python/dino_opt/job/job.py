@@ -89,7 +89,9 @@ from .rollback import RollbackPolicy
 from .sharding import (
     SHARDED_KEYS,
     full_teacher_backbone,
+    load_full_state,
     load_sharded_state,
+    optimizer_state_by_position,
     resharded_loader_state,
     sharded_state,
     spread,
@@ -280,22 +282,13 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         return self._for_this_run((state, path))
 
     def _for_this_run(self, resumed: tuple[dict, Path] | None) -> tuple[dict, Path] | None:
-        """A checkpoint read for this run (its small state only, when
-        sharded: ``shards`` then names the folder the networks load from),
-        refused unless of the layout this run's strategy reads: one file
-        (ddp) or a sharded folder (fsdp)."""
-        if resumed is None:
-            return None
-        if is_sharded_checkpoint(resumed[1]) == self.sharded:
-            if self.sharded:
-                resumed[0]["shards"] = resumed[1]
-            return resumed
-        written = "fsdp (a sharded folder)" if is_sharded_checkpoint(resumed[1]) else "ddp (a file)"
-        raise ResumeError(
-            f"checkpoint {str(resumed[1])!r} was written with distributed.strategy={written}; "
-            f"resume it with that strategy, or start a new run from its weights with "
-            f"model.init_from={str(resumed[1])!r}"
-        )
+        """A checkpoint read for this run. A sharded run of a sharded folder
+        gets its small state only (``shards`` names the folder the networks
+        load from); of the other strategy, the whole state (a ddp file is
+        read whole, so is a sharded folder by a ddp run)."""
+        if resumed is not None and self.sharded and is_sharded_checkpoint(resumed[1]):
+            resumed[0]["shards"] = resumed[1]
+        return resumed
 
     def state_dict(self) -> dict:
         """The complete state of the run at the current step. Collective when
@@ -334,13 +327,17 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         into the built run. A sharded run's state holds ``shards``, the folder
         its networks and optimizer are loaded from (collective)."""
         p = self.parts
-        if self.sharded:
+        if "shards" in state:
             keys = state.get("sharded_keys", list(SHARDED_KEYS))
             load_sharded_state(state["shards"], keys, p.student, p.teacher, p.optimizer)
-        else:
+        elif self.sharded:  # a ddp checkpoint, read whole
+            load_full_state(state, p.student, p.teacher, p.optimizer)
+        else:  # a ddp checkpoint, or a sharded one read whole (its optimizer by name)
             p.student.load_state_dict(state["student"])
             p.teacher.load_state_dict(state["teacher"])
-            p.optimizer.load_state_dict(state["optimizer"])
+            if "optimizer" in state:
+                optim = optimizer_state_by_position(state["optimizer"], p.student, p.optimizer)
+                p.optimizer.load_state_dict(optim)
         p.loss_fn.load_state_dict(state["loss"])
         if p.trainer.scaler is not None and state.get("scaler") is not None:
             p.trainer.scaler.load_state_dict(state["scaler"])

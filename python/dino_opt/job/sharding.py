@@ -27,7 +27,9 @@ from ..runtime import is_sharded, resolve_precision, shard_model, wrap_student
 
 __all__ = [
     "full_teacher_backbone",
+    "load_full_state",
     "load_sharded_state",
+    "optimizer_state_by_position",
     "resharded_loader_state",
     "sharded_state",
     "spread",
@@ -74,6 +76,46 @@ def load_sharded_state(
     set_model_state_dict(teacher, shards["teacher"])
     if "optimizer" in keys:
         set_optimizer_state_dict(student, optimizer, shards["optimizer"])
+
+
+def _names_by_position(student: nn.Module, optimizer) -> list[str]:
+    """The parameter names in the order of the optimizer's groups (the
+    positions that key torch's own optimizer state dicts)."""
+    names = {id(p): n for n, p in student.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_state_by_name(state: dict, student: nn.Module, optimizer) -> dict:
+    """torch's optimizer state dict (keyed by position) keyed by parameter
+    name instead, as full state dicts of torch.distributed.checkpoint are."""
+    names = _names_by_position(student, optimizer)
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {names[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_position(state: dict, student: nn.Module, optimizer) -> dict:
+    """An optimizer state for ``optimizer.load_state_dict``: torch's own
+    (keyed by position) as it is, one keyed by parameter name (a sharded
+    checkpoint's, read whole: its groups a dict by index) keyed by position."""
+    groups = state["param_groups"]
+    if isinstance(groups, dict):
+        groups = [groups[i] for i in sorted(groups)]
+    if not any(isinstance(n, str) for g in groups for n in g["params"]):
+        return state
+    position = {n: i for i, n in enumerate(_names_by_position(student, optimizer))}
+    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in groups]
+    return {"state": {position[n]: s for n, s in state["state"].items()}, "param_groups": groups}
+
+
+def load_full_state(state: dict, student: nn.Module, teacher: nn.Module, optimizer) -> None:
+    """A whole state (a ddp checkpoint, read by every rank) into the sharded
+    networks and optimizer: each rank keeps its shards of it."""
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(student, state["student"], options=full)
+    set_model_state_dict(teacher, state["teacher"], options=full)
+    if state["optimizer"]["state"]:
+        by_name = _optimizer_state_by_name(state["optimizer"], student, optimizer)
+        set_optimizer_state_dict(student, optimizer, by_name, options=full)
 
 
 def full_teacher_backbone(teacher: nn.Module, template: nn.Module, lead: bool) -> nn.Module | None:
