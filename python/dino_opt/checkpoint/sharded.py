@@ -117,7 +117,19 @@ def _nest(flat: dict[str, Any], paths: dict[str, tuple]) -> dict:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = value
-    return nested
+    return _lists(nested)
+
+
+def _lists(node: Any) -> Any:
+    """``node`` with its lists back: torch.distributed.checkpoint flattens a
+    list by index (the optimizer's ``param_groups``), so a node keyed by
+    exactly 0..n-1 was one (the states saved here key their dicts by name)."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        return [node[i] for i in range(len(node))]
+    return node
 
 
 def read_sharded(folder: str | os.PathLike, *, tensors: bool = True) -> dict:

@@ -96,14 +96,11 @@ def _optimizer_state_by_name(state: dict, student: nn.Module, optimizer) -> dict
 def optimizer_state_by_position(state: dict, student: nn.Module, optimizer) -> dict:
     """An optimizer state for ``optimizer.load_state_dict``: torch's own
     (keyed by position) as it is, one keyed by parameter name (a sharded
-    checkpoint's, read whole: its groups a dict by index) keyed by position."""
-    groups = state["param_groups"]
-    if isinstance(groups, dict):
-        groups = [groups[i] for i in sorted(groups)]
-    if not any(isinstance(n, str) for g in groups for n in g["params"]):
+    checkpoint's, read whole) keyed by position."""
+    if not any(isinstance(n, str) for g in state["param_groups"] for n in g["params"]):
         return state
     position = {n: i for i, n in enumerate(_names_by_position(student, optimizer))}
-    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in groups]
+    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in state["param_groups"]]
     return {"state": {position[n]: s for n, s in state["state"].items()}, "param_groups": groups}
 
 
