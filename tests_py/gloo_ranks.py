@@ -5,24 +5,19 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
-def run_ranks(script: Path, out: Path, *args: str, world: int = 2, timeout: int = 900) -> list:
-    """``python script RANK WORLD INIT_FILE OUT *args`` for every rank; each
-    writes OUT/rank{rank}.json, returned in rank order."""
+def launch_ranks(
+    script: Path, world: int, args_of: Callable[[int], list[str]], timeout: int
+) -> None:
+    """``python script RANK WORLD *args_of(RANK)`` for every rank at once;
+    each must exit 0 (else its stderr's end is the failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(script),
-                str(rank),
-                str(world),
-                str(out / "init"),
-                str(out),
-                *args,
-            ],
+            [sys.executable, str(script), str(rank), str(world), *args_of(rank)],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -32,4 +27,10 @@ def run_ranks(script: Path, out: Path, *args: str, world: int = 2, timeout: int 
     for p in procs:
         _, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-4000:]
+
+
+def run_ranks(script: Path, out: Path, *args: str, world: int = 2, timeout: int = 900) -> list:
+    """``python script RANK WORLD INIT_FILE OUT *args`` for every rank; each
+    writes OUT/rank{rank}.json, returned in rank order."""
+    launch_ranks(script, world, lambda rank: [str(out / "init"), str(out), *args], timeout)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -5,14 +5,13 @@ center updates; values and gradients in float32 and bfloat16, the checkpoint
 state, the errors, and two gloo ranks against one process over both shards."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dino_opt.ops.dinov2_loss import DINOLoss, KoLeoLoss, iBOTPatchLoss, sinkhorn_knopp
+from gloo_ranks import launch_ranks
 
 HALF = (torch.bfloat16, torch.float16)
 # (relative on the loss, relative to the largest reference gradient)
@@ -383,27 +382,9 @@ def test_bad_inputs_name_the_argument(call, message):
 def run_ranks(tmp_path: Path, data: dict, world: int = 2) -> list[dict]:
     torch.save(data, tmp_path / "data.pt")
     worker = Path(__file__).with_name("dist_dinov2_loss_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(worker),
-                str(rank),
-                str(world),
-                str(tmp_path / "init"),
-                str(tmp_path / "data.pt"),
-                str(tmp_path / f"rank{rank}.pt"),
-            ],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(world)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
+    files = (tmp_path / "init", tmp_path / "data.pt")
+    launch_ranks(worker, world, lambda rank: [*map(str, files), str(tmp_path / f"rank{rank}.pt")],
+                 timeout=120)  # fmt: skip
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
