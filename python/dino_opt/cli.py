@@ -134,6 +134,13 @@ def prepare_dataset(
     return result
 
 
+def _failed(failed: list[str]) -> int:
+    """The images ``prepare`` could not write, one line each on stderr; the exit status."""
+    for line in failed:
+        print(f"  failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _prepare(args: argparse.Namespace) -> int:
     if args.dst is None:
         if not args.verify:
@@ -161,9 +168,7 @@ def _prepare(args: argparse.Namespace) -> int:
         f"written {r['written']}, kept {r['kept']}, failed {len(r['failed'])}; "
         f"{r['bytes_in'] / 1e6:.1f} MB -> {r['bytes_out'] / 1e6:.1f} MB ({ratio:.2f}x)"
     )
-    for line in r["failed"]:
-        print(f"  failed: {line}", file=sys.stderr)
-    return 1 if r["failed"] else 0
+    return _failed(r["failed"])
 
 
 # The demo: the built-in data set, a small ViT and a short schedule, so that
@@ -482,9 +487,7 @@ def _prepare_shards(args: argparse.Namespace) -> int:
         f"written {r['written']} samples into {len(r['shards'])} shards ({verified}), failed "
         f"{len(r['failed'])}; {r['bytes_in'] / 1e6:.1f} MB -> {r['bytes_out'] / 1e6:.1f} MB"
     )
-    for line in r["failed"]:
-        print(f"  failed: {line}", file=sys.stderr)
-    return 1 if r["failed"] else 0
+    return _failed(r["failed"])
 
 
 def _add_prepare(sub) -> None:
