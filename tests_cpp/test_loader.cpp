@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <numeric>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "loader/crop_sampling.h"
 #include "loader/image_decode.h"
@@ -116,6 +118,54 @@ TEST(LoaderResample, SameSizeIsACopyAndConstantStaysConstant) {
       std::invalid_argument);
 }
 
+TEST(LoaderSampling, CenterCropIsResizeThenCenterCrop) {
+  // 500 x 375 at 224: resized to 341 x 256 (int(256 * 500 / 375) = 341),
+  // offsets round(58.5) = 58 (half to even) and 16.
+  CropPlan p = center_crop_plan(375, 500, 224, 256);
+  EXPECT_TRUE(p.whole_image);
+  EXPECT_DOUBLE_EQ(p.x0, 58 * 500.0 / 341);
+  EXPECT_DOUBLE_EQ(p.x1, 282 * 500.0 / 341);
+  EXPECT_DOUBLE_EQ(p.y0, 16 * 375.0 / 256);
+  EXPECT_DOUBLE_EQ(p.y1, 240 * 375.0 / 256);
+  AugmentConfig config;
+  config.center_crop = true;
+  EXPECT_EQ(config.eval_resize(), 256);
+  EXPECT_EQ(config.num_crops(), 1);
+  Rng rng(1, 2, 3);
+  const auto plans = plan_crops(rng, 375, 500, config);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].x0, p.x0);
+  EXPECT_FALSE(plans[0].params.flip || plans[0].params.jitter || plans[0].params.grayscale ||
+               plans[0].params.solarize || plans[0].params.blur_sigma > 0);
+  config.resize_size = 100;
+  EXPECT_THROW(config.validate(), std::invalid_argument);
+
+  // Through the resampler: the box of the whole image equals resizing the
+  // whole image and cutting out the centre, for portrait, landscape, square.
+  ResampleScratch s;
+  for (auto [h, w, size] : {std::tuple{61, 47, 20}, std::tuple{33, 90, 16}, std::tuple{40, 40, 9},
+                            std::tuple{13, 11, 24}}) {
+    const Image img = random_image(w, h, h * w);
+    const int resize = static_cast<int>(std::nearbyint(size * 256.0 / 224.0));
+    const CropPlan q = center_crop_plan(h, w, size, resize);
+    const int rw = w <= h ? resize : static_cast<int>(static_cast<double>(resize) * w / h);
+    const int rh = w <= h ? static_cast<int>(static_cast<double>(resize) * h / w) : resize;
+    Image full(rw, rh);
+    resize_crop_bicubic(img.view(), scaled_crop_box(0, 0, w, h, 1, 1, w, h), rw, rh,
+                        full.pixels.data(), 3 * rw, s);
+    Image crop(size, size);
+    resize_crop_bicubic(img.view(), scaled_box_in_image(q.x0, q.y0, q.x1, q.y1, 1, 1, w, h), size,
+                        size, crop.pixels.data(), 3 * size, s);
+    const int left = static_cast<int>(std::nearbyint((rw - size) / 2.0));
+    const int top = static_cast<int>(std::nearbyint((rh - size) / 2.0));
+    for (int y = 0; y < size; ++y) {
+      for (int x = 0; x < 3 * size; ++x)
+        ASSERT_EQ(crop.row(y)[x], full.row(top + y)[3 * left + x])
+            << h << "x" << w << " at " << y << ", " << x / 3;
+    }
+  }
+}
+
 // A directory of small JPEGs, removed at the end of the test.
 class LoaderThreads : public ::testing::Test {
  protected:
@@ -158,6 +208,54 @@ TEST_F(LoaderThreads, AnEpochYieldsEverySampleOnce) {
   std::iota(all.begin(), all.end(), 0);
   EXPECT_EQ(seen, all);
   EXPECT_EQ(loader.stats().images, 12);
+}
+
+TEST_F(LoaderThreads, CenterCropShardsGiveEverySampleOnceInOrder) {
+  LoaderOptions o = small_options();
+  o.pipeline.augment.center_crop = true;
+  o.shuffle = false;
+  o.drop_last = false;
+  o.exact_shards = true;
+  o.batch_size = 2;
+  MultiCropLoader whole(samples_, o);
+  whole.start_epoch(0);
+  std::vector<at::Tensor> reference(12);
+  while (auto batch = whole.next()) {
+    ASSERT_EQ(batch->groups.size(), 1u);
+    ASSERT_EQ(batch->groups[0].size(1), 3);
+    ASSERT_EQ(batch->groups[0].size(2), 24);
+    for (int64_t i = 0; i < batch->indices.size(0); ++i)
+      reference[batch->indices[i].item<int64_t>()] = batch->groups[0][i].clone();
+  }
+  for (int world : {2, 5, 13}) {
+    std::vector<int64_t> seen;
+    for (int rank = 0; rank < world; ++rank) {
+      o.rank = rank;
+      o.world_size = world;
+      MultiCropLoader loader(samples_, o);
+      EXPECT_EQ(loader.samples_per_rank(), 12 / world + (rank < 12 % world ? 1 : 0));
+      loader.start_epoch(0);
+      std::vector<int64_t> mine;
+      while (auto batch = loader.next()) {
+        for (int64_t i = 0; i < batch->indices.size(0); ++i) {
+          const int64_t index = batch->indices[i].item<int64_t>();
+          mine.push_back(index);
+          EXPECT_EQ(batch->labels[i].item<int64_t>(), index % 3);
+          EXPECT_TRUE(at::equal(batch->groups[0][i], reference[index])) << "sample " << index;
+        }
+      }
+      EXPECT_EQ(mine, loader.epoch_indices(0));
+      for (size_t k = 0; k < mine.size(); ++k) EXPECT_EQ(mine[k], rank + world * int64_t(k));
+      seen.insert(seen.end(), mine.begin(), mine.end());
+    }
+    std::sort(seen.begin(), seen.end());
+    std::vector<int64_t> all(12);
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_EQ(seen, all) << "world " << world;
+  }
+  o.masks.enabled = true;
+  o.masks.patch_size = 2;
+  EXPECT_THROW(MultiCropLoader(samples_, o), std::invalid_argument);
 }
 
 TEST_F(LoaderThreads, CloseAndDestroyWithAFullQueueJoinPromptly) {

@@ -257,6 +257,25 @@ TEST_F(Shards, EpochOrdersCoverEverySampleOnceAcrossRanks) {
   EXPECT_EQ(source->epoch_order(o, 5), in_order);
 }
 
+TEST_F(Shards, ExactShardsAreContiguousRunsOfTheDataSetInOrder) {
+  const auto source = open();
+  const int64_t n = source->size();  // 15
+  for (int world : {1, 2, 4, 16}) {
+    std::vector<int64_t> all;
+    for (int rank = 0; rank < world; ++rank) {
+      const int64_t per_rank = n / world + (rank < n % world ? 1 : 0);
+      OrderOptions o{7, rank, world, false, per_rank, 4};
+      o.first = rank * (n / world) + std::min<int64_t>(rank, n % world);
+      const auto order = source->epoch_order(o, 0);
+      ASSERT_EQ(static_cast<int64_t>(order.size()), per_rank);
+      all.insert(all.end(), order.begin(), order.end());
+    }
+    std::vector<int64_t> in_order(n);
+    std::iota(in_order.begin(), in_order.end(), int64_t{0});
+    EXPECT_EQ(all, in_order) << "world " << world;  // rank after rank: the data set once
+  }
+}
+
 TEST_F(Shards, PlannedReadsComeFromLargeSequentialReads) {
   ShardSourceOptions options;
   options.read_block = 4096;

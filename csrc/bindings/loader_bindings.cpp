@@ -72,6 +72,10 @@ void apply_augment(AugmentConfig& c, const py::dict& overrides) {
       c.blur_p_local = py::cast<double>(value);
     else if (k == "solarize_p_global2")
       c.solarize_p_global2 = py::cast<double>(value);
+    else if (k == "center_crop")
+      c.center_crop = py::cast<bool>(value);
+    else if (k == "resize_size")
+      c.resize_size = py::cast<int>(value);
     else
       throw std::invalid_argument("unknown augmentation option '" + k + "'");
   }
@@ -160,7 +164,7 @@ void bind_loader(py::module_& m) {
                        const std::string& dtype, bool channels_last, bool photometric,
                        bool pin_memory, bool skip_errors, int64_t max_pixels,
                        std::vector<float> mean, std::vector<float> std, bool dct_scaling,
-                       const py::dict& masks, int64_t shuffle_buffer) {
+                       const py::dict& masks, int64_t shuffle_buffer, bool exact_shards) {
              if (mean.size() != 3 || std.size() != 3)
                throw std::invalid_argument("mean and std need 3 values");
              LoaderOptions o;
@@ -181,6 +185,7 @@ void bind_loader(py::module_& m) {
              o.shuffle = shuffle;
              o.drop_last = drop_last;
              o.pad_shards = pad_shards;
+             o.exact_shards = exact_shards;
              o.dtype = parse_dtype(dtype);
              o.channels_last = channels_last;
              o.pin_memory = pin_memory;
@@ -194,7 +199,8 @@ void bind_loader(py::module_& m) {
            py::arg("shuffle"), py::arg("drop_last"), py::arg("pad_shards"), py::arg("dtype"),
            py::arg("channels_last"), py::arg("photometric"), py::arg("pin_memory"),
            py::arg("skip_errors"), py::arg("max_pixels"), py::arg("mean"), py::arg("std"),
-           py::arg("dct_scaling"), py::arg("masks") = py::dict(), py::arg("shuffle_buffer") = 1024)
+           py::arg("dct_scaling"), py::arg("masks") = py::dict(), py::arg("shuffle_buffer") = 1024,
+           py::arg("exact_shards") = false)
       .def_property_readonly("source", &MultiCropLoader::source)
       .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
       .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)

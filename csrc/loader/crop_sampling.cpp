@@ -92,6 +92,13 @@ CropRect sample_resized_crop(Rng& rng, int height, int width, double scale_lo, d
   return {(height - h) / 2, (width - w) / 2, h, w};
 }
 
+int AugmentConfig::eval_resize() const {
+  // global_size * 256 / 224 is never a half (16 * size is even, 14 k + 7 odd),
+  // so rounding to nearest is Python's round().
+  return resize_size > 0 ? resize_size
+                         : static_cast<int>(std::nearbyint(global_size * 256.0 / 224.0));
+}
+
 void AugmentConfig::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
   auto probability = [&](double p, const char* name) {
@@ -107,6 +114,10 @@ void AugmentConfig::validate() const {
     fail("global_size must be in [1, 4096], got " + std::to_string(global_size));
   if (local_size < 1 || local_size > 4096)
     fail("local_size must be in [1, 4096], got " + std::to_string(local_size));
+  if (center_crop &&
+      (resize_size < 0 || resize_size > 8192 || (resize_size > 0 && resize_size < global_size)))
+    fail("resize_size must be 0 or in [global_size, 8192], got " + std::to_string(resize_size) +
+         " with global_size " + std::to_string(global_size));
   if (n_local < 0 || n_local > 64)
     fail("n_local must be in [0, 64], got " + std::to_string(n_local));
   scale(global_scale_lo, global_scale_hi, "global_scale");
@@ -153,7 +164,34 @@ PhotometricParams sample_photometric(Rng& rng, const AugmentConfig& config, int 
   return p;
 }
 
+CropPlan center_crop_plan(int height, int width, int size, int resize_size) {
+  // The resized image: Python's int() truncates the longer side.
+  const int rw = width <= height
+                     ? resize_size
+                     : static_cast<int>(static_cast<double>(resize_size) * width / height);
+  const int rh = width <= height
+                     ? static_cast<int>(static_cast<double>(resize_size) * height / width)
+                     : resize_size;
+  // CenterCrop's offsets, round() half to even (std::nearbyint's default mode).
+  const double left = std::nearbyint((rw - size) / 2.0), top = std::nearbyint((rh - size) / 2.0);
+  const double sx = static_cast<double>(width) / rw, sy = static_cast<double>(height) / rh;
+  CropPlan plan;
+  plan.whole_image = true;
+  plan.x0 = left * sx;
+  plan.x1 = (left + size) * sx;
+  plan.y0 = top * sy;
+  plan.y1 = (top + size) * sy;
+  const int l = static_cast<int>(std::floor(plan.x0)), t = static_cast<int>(std::floor(plan.y0));
+  const int r = std::min(width, static_cast<int>(std::ceil(plan.x1)));
+  const int b = std::min(height, static_cast<int>(std::ceil(plan.y1)));
+  plan.rect = {t, l, std::max(1, b - t), std::max(1, r - l)};
+  return plan;
+}
+
 std::vector<CropPlan> plan_crops(Rng& rng, int height, int width, const AugmentConfig& config) {
+  if (config.center_crop) {
+    return {center_crop_plan(height, width, config.global_size, config.eval_resize())};
+  }
   std::vector<CropPlan> plans(config.num_crops());
   for (int c = 0; c < config.num_crops(); ++c) {
     const bool global = c < 2;
@@ -173,7 +211,10 @@ int choose_dct_denom(const std::vector<CropPlan>& plans, int height, int width,
     bool fits = true;
     for (size_t c = 0; c < plans.size() && fits; ++c) {
       const int size = config.crop_size(static_cast<int>(c));
-      fits = plans[c].rect.width * fx >= size && plans[c].rect.height * fy >= size;
+      const CropPlan& p = plans[c];
+      const double cw = p.whole_image ? p.x1 - p.x0 : p.rect.width;
+      const double ch = p.whole_image ? p.y1 - p.y0 : p.rect.height;
+      fits = cw * fx >= size && ch * fy >= size;
     }
     if (fits) return denom;
   }

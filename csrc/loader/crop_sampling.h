@@ -55,9 +55,19 @@ struct AugmentConfig {
   double blur_sigma_lo = 0.1, blur_sigma_hi = 2.0;
   double blur_p_global1 = 1.0, blur_p_global2 = 0.1, blur_p_local = 0.5;
   double solarize_p_global2 = 0.2;
+  // Evaluation: one crop per image, the centre crop of DINO's evaluation
+  // transform (shorter side resized to `resize_size`, then the central
+  // global_size square), with no flip and no photometric change; the local
+  // crops and the probabilities above are ignored.
+  bool center_crop = false;
+  int resize_size = 0;  // 0: round(global_size * 256 / 224)
 
-  int num_crops() const { return 2 + n_local; }
-  int crop_size(int crop) const { return crop < 2 ? global_size : local_size; }
+  int num_global() const { return center_crop ? 1 : 2; }
+  int num_local() const { return center_crop ? 0 : n_local; }
+  int num_crops() const { return num_global() + num_local(); }
+  int crop_size(int crop) const { return crop < num_global() ? global_size : local_size; }
+  // The shorter side the evaluation transform resizes to.
+  int eval_resize() const;
   // Throws std::invalid_argument naming the field that is out of range.
   void validate() const;
 };
@@ -68,9 +78,22 @@ PhotometricParams sample_photometric(Rng& rng, const AugmentConfig& config, int 
 struct CropPlan {
   CropRect rect;  // in full-size image pixels
   PhotometricParams params;
+  // The evaluation centre crop: the crop is the fractional box (x0, y0, x1,
+  // y1) of the full-size image and its filter reads the whole image, as
+  // resizing the image and then cropping it does; rect is then the smallest
+  // integer rectangle holding the box, clipped to the image.
+  bool whole_image = false;
+  double x0 = 0, y0 = 0, x1 = 0, y1 = 0;
 };
 
-// All crops of one `width` x `height` image, in output order.
+// The evaluation transform of a `width` x `height` image as one crop: resize
+// (shorter side to `resize_size`, the longer one in proportion, truncated),
+// then the central `size` square (offsets rounded half to even), as
+// torchvision's Resize(resize_size) + CenterCrop(size) on a PIL image.
+CropPlan center_crop_plan(int height, int width, int size, int resize_size);
+
+// All crops of one `width` x `height` image, in output order (one, drawing
+// nothing from `rng`, with center_crop).
 std::vector<CropPlan> plan_crops(Rng& rng, int height, int width, const AugmentConfig& config);
 
 // The largest TurboJPEG DCT scale denominator (8, 4, 2 or 1) at which every

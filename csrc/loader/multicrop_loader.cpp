@@ -32,9 +32,10 @@ std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64
                                     const LoaderOptions& options) {
   const AugmentConfig& config = options.pipeline.augment;
   std::vector<CropTarget> targets(config.num_crops());
+  const int n_global = config.num_global();
   for (int c = 0; c < config.num_crops(); ++c) {
-    const int group = c < 2 ? 0 : 1;
-    const int64_t n = (c < 2 ? c : c - 2) * b + row;
+    const int group = c < n_global ? 0 : 1;
+    const int64_t n = (c < n_global ? c : c - n_global) * b + row;
     const at::Tensor& t = batch.groups[group];
     CropTarget& target = targets[c];
     if (options.pipeline.photometric) {
@@ -83,6 +84,8 @@ void LoaderOptions::validate() const {
   }
   pipeline.augment.validate();
   masks.validate(pipeline.augment.global_size);
+  if (masks.enabled && pipeline.augment.center_crop)
+    fail("masks need the two global crops; center_crop makes one crop per image");
 }
 
 struct MultiCropLoader::Slot {
@@ -122,8 +125,12 @@ MultiCropLoader::MultiCropLoader(std::shared_ptr<SampleSource> source, LoaderOpt
   if (!source_) throw std::invalid_argument("no sample source");
   if (source_->size() == 0) throw std::invalid_argument("the data set is empty: no image files");
   const int64_t n = num_samples(), w = options_.world_size;
-  per_rank_ = options_.pad_shards ? (n + w - 1) / w : n / w;
-  if (per_rank_ == 0) {
+  if (options_.exact_shards) {
+    per_rank_ = n / w + (options_.rank < n % w ? 1 : 0);
+  } else {
+    per_rank_ = options_.pad_shards ? (n + w - 1) / w : n / w;
+  }
+  if (per_rank_ == 0 && !options_.exact_shards) {
     throw std::invalid_argument("the data set has " + std::to_string(n) +
                                 " samples, fewer than world_size " + std::to_string(w) +
                                 ", and shards are not padded");
@@ -149,6 +156,10 @@ OrderOptions MultiCropLoader::order_options() const {
   o.world_size = options_.world_size;
   o.shuffle = options_.shuffle;
   o.per_rank = per_rank_;
+  if (options_.exact_shards) {
+    const int64_t n = num_samples(), w = options_.world_size, r = options_.rank;
+    o.first = r * (n / w) + std::min(r, n % w);
+  }
   o.shuffle_buffer = options_.shuffle_buffer;
   return o;
 }
@@ -173,9 +184,9 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
   // a block from reuse until the non_blocking copies reading it have finished.
   const auto host = at::TensorOptions().pinned_memory(options_.pin_memory);
   LoaderBatch batch;
-  const int64_t counts[2] = {2 * b, int64_t{config.n_local} * b};
+  const int64_t counts[2] = {int64_t{config.num_global()} * b, int64_t{config.num_local()} * b};
   const int64_t sizes[2] = {config.global_size, config.local_size};
-  for (int g = 0; g < (config.n_local > 0 ? 2 : 1); ++g) {
+  for (int g = 0; g < (config.num_local() > 0 ? 2 : 1); ++g) {
     if (options_.pipeline.photometric) {
       auto opts = host.dtype(options_.dtype);
       if (options_.channels_last) opts = opts.memory_format(at::MemoryFormat::ChannelsLast);

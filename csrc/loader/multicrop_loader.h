@@ -44,8 +44,13 @@ struct LoaderOptions {
   int rank = 0;
   int world_size = 1;
   bool shuffle = true;
-  bool drop_last = true;          // drop this rank's last partial batch
-  bool pad_shards = true;         // DistributedSampler: pad (true) or drop (false) to equal shards
+  bool drop_last = true;   // drop this rank's last partial batch
+  bool pad_shards = true;  // DistributedSampler: pad (true) or drop (false) to equal shards
+  // Every sample exactly once over the ranks (evaluation): no padding and no
+  // cut, the first n % world_size ranks take one sample more (a rank may take
+  // none); a file source's ranks take every world_size-th sample, a shard
+  // source's ranks contiguous runs. Overrides pad_shards.
+  bool exact_shards = false;
   int64_t shuffle_buffer = 1024;  // tar shards: samples shuffled together (sample_source.h)
   at::ScalarType dtype = at::kFloat;
   bool channels_last = false;
@@ -60,7 +65,8 @@ struct LoaderOptions {
 
 // One batch. With the photometric stage here: groups[0] is [2B, 3, G, G]
 // (global crop 1 of every sample, then global crop 2), groups[1] is
-// [n_local * B, 3, L, L], in `dtype`. Deferred: groups are uint8
+// [n_local * B, 3, L, L], in `dtype` (with augment.center_crop: groups[0]
+// alone, [B, 3, G, G]). Deferred: groups are uint8
 // [N, H, W, 3] and params[g] the [N, 13] float32 parameters of each crop.
 // With masks enabled, masks is bool [2B, g, g] (g = global_size /
 // patch_size), row n the mask of global crop n of groups[0].

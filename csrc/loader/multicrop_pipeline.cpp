@@ -56,8 +56,11 @@ void run_multicrop(const uint8_t* data, size_t size, Rng& rng, const PipelineOpt
   for (int c = 0; c < config.num_crops(); ++c) {
     const int out_size = config.crop_size(c);
     const CropRect& r = plans[c].rect;
-    const CropBox box =
-        scaled_crop_box(r.left, r.top, r.width, r.height, fx, fy, image.width, image.height);
+    const CropPlan& plan = plans[c];
+    const CropBox box = plan.whole_image ? scaled_box_in_image(plan.x0, plan.y0, plan.x1, plan.y1,
+                                                               fx, fy, image.width, image.height)
+                                         : scaled_crop_box(r.left, r.top, r.width, r.height, fx, fy,
+                                                           image.width, image.height);
     const CropTarget& target = targets[c];
     if (options.photometric) {
       scratch.crop.resize(static_cast<size_t>(out_size) * out_size * 3);

@@ -117,6 +117,11 @@ CropBox scaled_crop_box(int left, int top, int width, int height, double fx, dou
   return b;
 }
 
+CropBox scaled_box_in_image(double x0, double y0, double x1, double y1, double fx, double fy,
+                            int src_width, int src_height) {
+  return {x0 * fx, y0 * fy, x1 * fx, y1 * fy, 0, 0, src_width, src_height};
+}
+
 void resize_crop_bicubic(const ImageView& src, const CropBox& box, int out_width, int out_height,
                          uint8_t* dst, int64_t dst_stride, ResampleScratch& s) {
   if (out_width < 1 || out_height < 1 || !(box.x1 > box.x0) || !(box.y1 > box.y0) ||

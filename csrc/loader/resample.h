@@ -26,6 +26,13 @@ struct CropBox {
 CropBox scaled_crop_box(int left, int top, int width, int height, double fx, double fy,
                         int src_width, int src_height);
 
+// The box (x0, y0, x1, y1) of a full-size image, fractional, in an image
+// decoded at `fx`, `fy` times its full size, with the whole decoded image as
+// the clamp window: the filter reads past the box edges as resizing the whole
+// image before cropping does (the evaluation transform).
+CropBox scaled_box_in_image(double x0, double y0, double x1, double y1, double fx, double fy,
+                            int src_width, int src_height);
+
 // Reusable buffers, one per thread.
 struct ResampleScratch {
   std::vector<int32_t> weights_x, weights_y;

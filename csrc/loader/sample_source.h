@@ -30,8 +30,9 @@ struct OrderOptions {
   int rank = 0;
   int world_size = 1;
   bool shuffle = true;
-  int64_t per_rank = 0;           // samples every rank takes (padded or cut to equal length)
+  int64_t per_rank = 0;           // samples this rank takes (padded or cut to equal length)
   int64_t shuffle_buffer = 1024;  // shards: samples shuffled together (a window of the stream)
+  int64_t first = -1;  // shards: where this rank's run of the stream starts (-1: rank * per_rank)
 };
 
 // The file-system reads a source made.

@@ -157,7 +157,8 @@ std::vector<int64_t> ShardSource::epoch_order(const OrderOptions& o, int64_t epo
     int64_t next, end;
   };
   std::vector<Segment> segments;
-  int64_t p = static_cast<int64_t>(o.rank) * o.per_rank % n, left = o.per_rank;
+  int64_t p = (o.first >= 0 ? o.first : static_cast<int64_t>(o.rank) * o.per_rank) % n;
+  int64_t left = o.per_rank;
   while (left > 0) {
     const size_t k =
         static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), p) - starts.begin() - 1);
