@@ -51,7 +51,9 @@ def test_layout_manifest_and_images(small_root):
     assert manifest["classes"] == list(BUILTIN_CLASSES)
     n = len(BUILTIN_CLASSES)
     assert manifest["counts"] == {"train": 2 * n, "val": n, "test": n}
-    assert sorted(p.name for p in small_root.iterdir()) == ["manifest.json", "test", "train", "val"]
+    assert sorted(p.name for p in small_root.iterdir()) == [
+        "manifest.json", "masks", "test", "train", "val"
+    ]  # fmt: skip
     for split, per_class in (("train", 2), ("val", 1), ("test", 1)):
         assert sorted(p.name for p in (small_root / split).iterdir()) == list(BUILTIN_CLASSES)
         for name in BUILTIN_CLASSES:

@@ -7,6 +7,7 @@ download, so that ``dino-opt train`` runs anywhere. It is an ImageFolder tree::
     <root>/train/<class>/<class>_00000.jpg ...   (train_per_class per class)
     <root>/val/<class>/<class>_00000.jpg ...     (val_per_class per class, held out)
     <root>/test/<class>/<class>_00000.jpg ...    (test_per_class per class, held out)
+    <root>/masks/<split>/<class>/<class>_00000.png ...   (one label mask per image)
 
 ``val`` is what recipes are tuned on (the demo's was); ``test`` is drawn from
 other seeds and never used to choose anything, so the k-NN accuracy on it is
@@ -34,7 +35,17 @@ colours and its k-NN top-1 fell below that of the random network (12 vs
 images more than the augmentations do is what a crop-matching objective
 learns first.
 
-Every image is a pure function of ``(seed, generator version, split, class,
+Per-pixel labels: the generator knows every instance, so each image has a
+mask (PNG, mode ``L``, the image's size) in the parallel tree ``masks/``,
+outside the image splits (an ImageFolder of ``<root>/train`` sees only
+images). A pixel's label is 0 (background) or ``1 +`` the index of its class
+in :data:`BUILTIN_CLASSES` (1..10; :data:`BUILTIN_MASK_CLASSES` names them).
+A shape image's pixel takes its class where the pixel's centre lies inside
+an instance (signed distance < 0, which is where the anti-aliased edge is
+more than half ink); a texture covers the whole frame, so every pixel of a
+texture image takes its class.
+
+Every image is a pure function of ``(seed, image stream, split, class,
 index)``; JPEGs (PIL, quality 90) are byte-identical for the same parameters,
 whatever the number of workers. The tree is written into a temporary
 directory beside ``root`` and renamed into place, and ``manifest.json`` records
@@ -61,14 +72,22 @@ from PIL import Image
 
 __all__ = [
     "BUILTIN_CLASSES",
+    "BUILTIN_MASK_CLASSES",
+    "BUILTIN_MASKS",
     "BUILTIN_VERSION",
     "builtin_dataset",
     "default_root",
     "render_image",
+    "render_image_and_mask",
 ]
 
-#: Generator version: bump it whenever the images would change, so caches regenerate.
-BUILTIN_VERSION = 2
+#: Generator version: bump it whenever the tree would change, so caches regenerate
+#: (3: label masks beside the images, which are those of version 2).
+BUILTIN_VERSION = 3
+#: The seed of every image's random stream. It stays 2 when the version moves
+#: on without changing what is drawn: the demo's committed results were
+#: measured on these images (version 3 added masks, not new images).
+_IMAGE_STREAM = 2
 #: Class names, sorted, so that the index of a name is its ImageFolder label.
 BUILTIN_CLASSES = (
     "checkerboard",
@@ -82,6 +101,10 @@ BUILTIN_CLASSES = (
     "triangle",
     "waves",
 )
+#: Names of the mask labels: 0 is the background, ``1 + i`` is ``BUILTIN_CLASSES[i]``.
+BUILTIN_MASK_CLASSES = ("background", *BUILTIN_CLASSES)
+#: The folder under the root that holds the masks, one tree per split.
+BUILTIN_MASKS = "masks"
 _SHAPES = ("circle", "ring", "triangle", "square", "star", "cross")
 _SPLITS = ("train", "val", "test")
 _JPEG_QUALITY = 90
@@ -90,7 +113,8 @@ _TASK_IMAGES = 50
 
 
 def default_root() -> Path:
-    """``$DINO_OPT_DATA`` if set, else ``~/.cache/dino_opt/builtin-v2``."""
+    """``$DINO_OPT_DATA`` if set, else ``~/.cache/dino_opt/builtin-v3``
+    (``builtin-v<BUILTIN_VERSION>``)."""
     env = os.environ.get("DINO_OPT_DATA")
     if env:
         return Path(env).expanduser()
@@ -238,51 +262,74 @@ def _texture(name: str, rng: np.random.Generator, x: np.ndarray, y: np.ndarray, 
     raise ValueError(f"unknown texture {name!r}")
 
 
-def render_image(class_name: str, rng: np.random.Generator, size: int) -> np.ndarray:
-    """One ``[size, size, 3]`` uint8 image of ``class_name`` drawn with ``rng``."""
+def _draw_shapes(
+    class_name: str, rng: np.random.Generator, img: np.ndarray, mask: np.ndarray, label: int
+) -> None:
+    """Draw five to nine instances of a shape into ``img`` (in place) and
+    set ``mask`` to ``label`` where a pixel's centre is inside one."""
+    size = img.shape[0]
+    x, y = _pixel_grid(size)
+    # Instances spread over the whole frame, so that nearly every crop,
+    # local ones included, shows the class.
+    count = int(rng.integers(5, 10))
+    placed: list[tuple[float, float, float]] = []
+    for _ in range(count):
+        radius = rng.uniform(0.08, 0.15) * size
+        for _attempt in range(24):  # instances may touch, but not hide one another
+            cx, cy = rng.uniform(0.5 * radius, size - 0.5 * radius, 2)
+            if all(math.hypot(cx - qx, cy - qy) > 1.05 * (radius + qr) for qx, qy, qr in placed):
+                break
+        else:
+            continue
+        placed.append((cx, cy, radius))
+        theta = rng.uniform(0, 2 * math.pi)
+        aspect = math.exp(rng.uniform(-0.1, 0.1))
+        # Only the instance's bounding box is drawn: every shape lies within
+        # 1.2 radii (times the aspect) of its centre.
+        reach = 1.2 * radius * max(aspect, 1 / aspect) + 2
+        y0, y1 = max(0, int(cy - reach)), min(size, int(cy + reach) + 1)
+        x0, x1 = max(0, int(cx - reach)), min(size, int(cx + reach) + 1)
+        dx, dy = x[y0:y1, x0:x1] - cx, y[y0:y1, x0:x1] - cy
+        u = (math.cos(theta) * dx + math.sin(theta) * dy) / (radius * aspect)
+        v = (-math.sin(theta) * dx + math.cos(theta) * dy) * aspect / radius
+        d_px = _shape_sdf(class_name, u, v, rng) * (radius * min(aspect, 1 / aspect))
+        alpha = np.clip(0.5 - d_px, 0.0, 1.0)[..., None]
+        box = img[y0:y1, x0:x1]
+        box += (_ink(rng) - box) * alpha
+        mask[y0:y1, x0:x1][d_px < 0] = label  # the pixel centre is inside the shape
+
+
+def render_image_and_mask(
+    class_name: str, rng: np.random.Generator, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One ``[size, size, 3]`` uint8 image of ``class_name`` drawn with
+    ``rng`` and its ``[size, size]`` uint8 label mask (0: background,
+    ``1 + BUILTIN_CLASSES.index(class_name)`` where the class is: inside a
+    shape's instances, everywhere for a texture). Drawing the mask takes
+    nothing from ``rng``: the image is the same as :func:`render_image`'s."""
     if class_name not in BUILTIN_CLASSES:
         raise ValueError(f"class_name must be one of {BUILTIN_CLASSES}, got {class_name!r}")
-    x, y = _pixel_grid(size)
+    label = 1 + BUILTIN_CLASSES.index(class_name)
     img = _colour_field(rng, size)
     if class_name in _SHAPES:
-        # Instances spread over the whole frame, so that nearly every crop,
-        # local ones included, shows the class.
-        count = int(rng.integers(5, 10))
-        placed: list[tuple[float, float, float]] = []
-        for _ in range(count):
-            radius = rng.uniform(0.08, 0.15) * size
-            for _attempt in range(24):  # instances may touch, but not hide one another
-                cx, cy = rng.uniform(0.5 * radius, size - 0.5 * radius, 2)
-                if all(
-                    math.hypot(cx - qx, cy - qy) > 1.05 * (radius + qr) for qx, qy, qr in placed
-                ):
-                    break
-            else:
-                continue
-            placed.append((cx, cy, radius))
-            theta = rng.uniform(0, 2 * math.pi)
-            aspect = math.exp(rng.uniform(-0.1, 0.1))
-            # Only the instance's bounding box is drawn: every shape lies within
-            # 1.2 radii (times the aspect) of its centre.
-            reach = 1.2 * radius * max(aspect, 1 / aspect) + 2
-            y0, y1 = max(0, int(cy - reach)), min(size, int(cy + reach) + 1)
-            x0, x1 = max(0, int(cx - reach)), min(size, int(cx + reach) + 1)
-            dx, dy = x[y0:y1, x0:x1] - cx, y[y0:y1, x0:x1] - cy
-            u = (math.cos(theta) * dx + math.sin(theta) * dy) / (radius * aspect)
-            v = (-math.sin(theta) * dx + math.cos(theta) * dy) * aspect / radius
-            d_px = _shape_sdf(class_name, u, v, rng) * (radius * min(aspect, 1 / aspect))
-            alpha = np.clip(0.5 - d_px, 0.0, 1.0)[..., None]
-            box = img[y0:y1, x0:x1]
-            box += (_ink(rng) - box) * alpha
+        mask = np.zeros((size, size), dtype=np.uint8)
+        _draw_shapes(class_name, rng, img, mask, label)
     else:
+        x, y = _pixel_grid(size)
         alpha = _texture(class_name, rng, x, y, size)
         # Light and dark ink across the whole frame, tinted like the background.
         tint = _colour_field(rng, size) - 0.5
         light, dark = 0.85 + 0.5 * tint, 0.15 + 0.5 * tint
         img = dark + (light - dark) * alpha[..., None]
+        mask = np.full((size, size), label, dtype=np.uint8)
     sigma = rng.uniform(0.0, 0.04)
     img += rng.standard_normal(img.shape, dtype=np.float32) * np.float32(sigma)
-    return np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8)
+    return np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8), mask
+
+
+def render_image(class_name: str, rng: np.random.Generator, size: int) -> np.ndarray:
+    """One ``[size, size, 3]`` uint8 image of ``class_name`` drawn with ``rng``."""
+    return render_image_and_mask(class_name, rng, size)[0]
 
 
 # ---------------------------------------------------------------- the cache
@@ -291,21 +338,23 @@ def render_image(class_name: str, rng: np.random.Generator, size: int) -> np.nda
 def _image_rng(seed: int, split: int, label: int, index: int) -> np.random.Generator:
     # One independent stream per image: the output does not depend on the
     # order or the process in which images are made.
-    return np.random.default_rng([BUILTIN_VERSION, seed, split, label, index])
+    return np.random.default_rng([_IMAGE_STREAM, seed, split, label, index])
 
 
 def _write_images(task: tuple[str, int, int, int, int, int, int]) -> int:
-    """Render and save images ``start..stop-1`` of one class of one split;
-    returns the number of files."""
+    """Render and save images ``start..stop-1`` of one class of one split
+    and their masks; returns the number of images."""
     out_dir, seed, split, label, start, stop, size = task
     name = BUILTIN_CLASSES[label]
     folder = Path(out_dir) / _SPLITS[split] / name
+    masks = Path(out_dir) / BUILTIN_MASKS / _SPLITS[split] / name
     folder.mkdir(parents=True, exist_ok=True)
+    masks.mkdir(parents=True, exist_ok=True)
     for index in range(start, stop):
-        pixels = render_image(name, _image_rng(seed, split, label, index), size)
-        Image.fromarray(pixels).save(
-            folder / f"{name}_{index:05d}.jpg", "JPEG", quality=_JPEG_QUALITY
-        )
+        pixels, mask = render_image_and_mask(name, _image_rng(seed, split, label, index), size)
+        stem = f"{name}_{index:05d}"
+        Image.fromarray(pixels).save(folder / f"{stem}.jpg", "JPEG", quality=_JPEG_QUALITY)
+        Image.fromarray(mask).save(masks / f"{stem}.png", "PNG")  # uint8 [H, W]: mode L
     return stop - start
 
 
@@ -320,6 +369,9 @@ def _manifest(seed: int, image_size: int, per_class: dict[str, int]) -> dict:
         **{f"{split}_per_class": count for split, count in per_class.items()},
         "counts": {split: n * count for split, count in per_class.items()},
         "classes": list(BUILTIN_CLASSES),
+        "masks": f"{BUILTIN_MASKS}/<split>/<class>/<name>.png",
+        "mask_classes": list(BUILTIN_MASK_CLASSES),
+        "mask_edge": "a pixel is its instance's class where its centre is inside the shape",
     }
 
 
@@ -342,14 +394,18 @@ def _is_complete(root: Path, manifest: dict) -> bool:
         if per_class == 0:
             continue
         for name in BUILTIN_CLASSES:
-            folder = root / split / name
-            try:
-                found = sum(1 for e in os.scandir(folder) if e.name.endswith(".jpg"))
-            except OSError:
-                return False
-            if found != per_class:
-                return False
+            for folder, ext in ((root / split / name, ".jpg"),
+                                (root / BUILTIN_MASKS / split / name, ".png")):  # fmt: skip
+                if _count_files(folder, ext) != per_class:
+                    return False
     return True
+
+
+def _count_files(folder: Path, ext: str) -> int:
+    try:
+        return sum(1 for e in os.scandir(folder) if e.name.endswith(ext))
+    except OSError:
+        return -1
 
 
 def _check_count(name: str, value: int, minimum: int) -> int:
@@ -392,10 +448,11 @@ def builtin_dataset(
     docstring for what it holds).
 
     ``root`` defaults to :func:`default_root` (``$DINO_OPT_DATA`` or
-    ``~/.cache/dino_opt/builtin-v2``); ``root / "train"``, ``root / "val"``
+    ``~/.cache/dino_opt/builtin-v3``); ``root / "train"``, ``root / "val"``
     and ``root / "test"`` (none with ``test_per_class=0``) are ImageFolder
     trees with one folder per name in :data:`BUILTIN_CLASSES` (folder order =
-    label). The tree is reused when its ``manifest.json``
+    label); ``root / "masks" / split`` holds each image's label mask at the
+    same relative path (``.png``). The tree is reused when its ``manifest.json``
     matches the parameters and no file is missing; otherwise it is generated
     again in ``num_workers`` processes (default: the usable CPUs) into a
     temporary directory and renamed into place. An existing ``root`` that is
