@@ -179,7 +179,8 @@ def attention_maps(backbone: nn.Module, images: torch.Tensor, threshold: float =
     ``images`` (B, 3, H, W), normalised, with H and W multiples of the patch
     size (the position table is interpolated to the grid by the model). The
     model runs in evaluation mode without autograd (its mode is restored).
-    Returns a dict (tensors on the model's device, float32):
+    Returns a dict (tensors on the model's device; float32, or float64 for a
+    float64 model):
 
     - ``attention`` (B, heads, h, w): the weights of the patches, h = H / patch,
       w = W / patch (not renormalised: with the shares below they sum to 1);
@@ -197,7 +198,9 @@ def attention_maps(backbone: nn.Module, images: torch.Tensor, threshold: float =
     with _evaluating(vit):
         weights = last.attn.attention_weights(last.norm1(_last_block_input(vit, images)))
     grid = (images.shape[-2] // vit.patch_size, images.shape[-1] // vit.patch_size)
-    return split_cls_attention(weights[:, :, 0].float(), vit.num_register_tokens, grid, threshold)
+    row = weights[:, :, 0]
+    row = row if row.dtype == torch.float64 else row.float()
+    return split_cls_attention(row, vit.num_register_tokens, grid, threshold)
 
 
 def check_attention(backbone: nn.Module, images: torch.Tensor) -> float:
