@@ -4,32 +4,29 @@
 are L2-normalised, each test row takes its ``k`` most cosine-similar training
 rows, each neighbour votes for its class with weight ``exp(similarity / T)``,
 and the class with the largest summed vote is the prediction. Top-1 and top-5
-accuracy are in percent. ``extract_features`` runs a backbone over an
-evaluation data set (``EvalImageFolder``: resize, centre crop, ImageNet
-normalisation, as DINO's ``eval_knn.py``), and ``knn_evaluate`` does both for
-a train and a validation folder. ``tsne_plot`` draws a 2-D t-SNE embedding
+accuracy are in percent. ``extract_features`` (from ``features``, exported
+here too) runs a backbone over an evaluation data set (resize, centre crop,
+ImageNet normalisation, as DINO's ``eval_knn.py``), and ``knn_evaluate`` does
+both for a train and a validation folder. ``tsne_plot`` draws a 2-D t-SNE embedding
 (exact t-SNE written here in torch; sklearn is not needed) coloured by class.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from PIL import Image
 
-from ..data import DataSource, open_source
-from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
+from ..data import DataSource
+from .features import EvalImageFolder, extract_features
 
 __all__ = [
     "EvalImageFolder",
@@ -40,167 +37,6 @@ __all__ = [
     "tsne",
     "tsne_plot",
 ]
-
-
-# ---------------------------------------------------------------- data
-
-
-class EvalImageFolder(torch.utils.data.Dataset):
-    """Labelled images for evaluation: ``(image [3, S, S] float32, label)``.
-
-    ``root`` is any data :func:`~dino_opt.data.open_source` opens (an
-    ImageFolder tree, a file list with labels, tar shards with ``.cls``
-    members, a Hugging Face data set with a label column) or a
-    :class:`~dino_opt.data.DataSource`. Each image is decoded with PIL from
-    its bytes, converted to RGB, resized (bicubic, anti-aliased) so that its
-    shorter side is ``round(S * 256 / 224)``, centre-cropped to ``S x S`` and
-    normalised with the ImageNet mean and std, the evaluation transform of
-    DINO's k-NN. ``classes`` are the class names (the sorted class folders;
-    ``"0"``, ``"1"``, ... for integer labels without names, up to the largest);
-    ``named`` says which; ``targets`` the label of each image; ``samples``
-    the ``(name, label)`` pairs (a file's path, ``shard: member``, ...).
-    """
-
-    def __init__(
-        self,
-        root: str | os.PathLike | DataSource,
-        image_size: int = 224,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
-    ) -> None:
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        self.source = open_source(root)
-        labels = self.source.labels()
-        if int(labels.min()) < 0:
-            raise ValueError(
-                f"{self.source.spec!r} has images without a label (no class folders, .cls "
-                "members or label column); k-NN needs labelled data"
-            )
-        self.root = root if isinstance(root, DataSource) else Path(root)
-        self.image_size = image_size
-        self.resize_to = int(round(image_size * 256 / 224))
-        self.named = bool(self.source.classes)
-        self.classes = list(self.source.classes) or [str(i) for i in range(int(labels.max()) + 1)]
-        self.targets = labels.tolist()
-        self._mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
-        self._std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    @property
-    def samples(self) -> list[tuple[str, int]]:
-        return [(self.source.describe(i), t) for i, t in enumerate(self.targets)]
-
-    def load(self, image: str | os.PathLike | bytes) -> Image.Image:
-        """The resized, centre-cropped RGB image (before normalisation) of a
-        file or of encoded bytes."""
-        opened = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
-        with opened as im:
-            im = im.convert("RGB")
-        w, h = im.size
-        # Shorter side to resize_to, the longer one in proportion (truncated,
-        # as torchvision's Resize(int) does).
-        if w <= h:
-            nw, nh = self.resize_to, int(self.resize_to * h / w)
-        else:
-            nw, nh = int(self.resize_to * w / h), self.resize_to
-        im = im.resize((nw, nh), Image.Resampling.BICUBIC)  # PIL filters with antialias
-        s = self.image_size
-        left, top = int(round((nw - s) / 2.0)), int(round((nh - s) / 2.0))
-        return im.crop((left, top, left + s, top + s))
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        data = self.source.read(index)  # its errors name the sample
-        try:
-            im = self.load(data)
-        except (OSError, ValueError) as e:  # PIL's
-            raise type(e)(f"cannot read image {self.source.describe(index)!r}: {e}") from e
-        x = torch.from_numpy(np.asarray(im, dtype=np.uint8).copy()).permute(2, 0, 1)
-        x = x.to(torch.float32).div_(255.0)
-        return (x - self._mean) / self._std, self.targets[index]
-
-
-# ---------------------------------------------------------------- features
-
-
-def _amp_dtype(amp: bool | torch.dtype, device: torch.device) -> torch.dtype | None:
-    if amp is False or amp is None:
-        return None
-    if isinstance(amp, torch.dtype):
-        return amp
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
-
-
-@torch.no_grad()
-def extract_features(
-    model: torch.nn.Module,
-    loader_or_dataset: torch.utils.data.Dataset | Iterable,
-    device: str | torch.device = "cpu",
-    batch_size: int = 128,
-    normalize: bool = True,
-    amp: bool | torch.dtype = False,
-    num_workers: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(features [N, D] float32, labels [N] int64)``, on the CPU, in data set order.
-
-    ``loader_or_dataset`` is a Dataset of ``(image, label)`` samples (batched
-    here with ``batch_size`` and ``num_workers``) or any iterable of
-    ``(images, labels)`` batches, such as a DataLoader. ``model`` maps
-    ``[B, 3, H, W]`` to ``[B, D]``; it runs in eval mode without gradients
-    (its training mode is restored after), under autocast when ``amp`` is
-    True (bf16; fp16 on GPUs without bf16) or a dtype. With ``normalize`` the
-    rows are L2-normalised. Non-finite features raise ``ValueError``.
-    """
-    device = torch.device(device)
-    if isinstance(loader_or_dataset, torch.utils.data.Dataset):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        batches: Iterable = torch.utils.data.DataLoader(
-            loader_or_dataset,
-            batch_size=batch_size,
-            shuffle=False,
-            num_workers=num_workers,
-            pin_memory=device.type == "cuda",
-        )
-    else:
-        batches = loader_or_dataset
-    amp_dtype = _amp_dtype(amp, device)
-    was_training = model.training
-    model.eval()
-    feats: list[torch.Tensor] = []
-    labels: list[torch.Tensor] = []
-    try:
-        for batch in batches:
-            if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-                raise ValueError("each batch must be (images, labels)")
-            images, target = batch[0], batch[1]
-            images = images.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                out = model(images)
-            if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(images):
-                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(
-                    f"the model must map [B, 3, H, W] to [B, D] features; got {shape} "
-                    f"for a batch of {len(images)}"
-                )
-            out = out.float()
-            if normalize:
-                out = F.normalize(out, dim=1)
-            feats.append(out.cpu())
-            labels.append(torch.as_tensor(target, dtype=torch.int64).reshape(-1).cpu())
-    finally:
-        model.train(was_training)
-    if not feats:
-        raise ValueError("the data set is empty: no features to extract")
-    features = torch.cat(feats)
-    bad = (~torch.isfinite(features).all(dim=1)).sum().item()
-    if bad:
-        raise ValueError(f"{bad} of {len(features)} feature rows are not finite (NaN or inf)")
-    return features, torch.cat(labels)
 
 
 # ---------------------------------------------------------------- k-NN
@@ -306,12 +142,18 @@ def knn_evaluate_splits(
     temperature: float = 0.07,
     batch_size: int = 128,
     num_workers: int = 0,
-    amp: bool | torch.dtype = False,
+    amp: bool | torch.dtype | None = None,
     return_features: bool = False,
+    distributed: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """k-NN of several held-out splits (``{"val": ..., "test": ...}``) on the
     features of one labelled training split, which are extracted once; each
-    split is any data :class:`EvalImageFolder` reads.
+    split is any data :class:`EvalImageFolder` reads. The features come from
+    the native evaluation loader (:func:`extract_features` on the split's
+    source; ``num_workers``: its threads, 0 for all cores), under bf16
+    autocast on a GPU unless ``amp`` says otherwise. ``distributed``: every
+    rank of the initialised process group calls this and extracts its shard
+    (leave it False when only one rank evaluates).
     Per split: ``top1``, ``top5`` (percent), ``k``, ``temperature``,
     ``n_train``, ``n_eval``, ``classes``; with ``return_features`` also
     ``train_features``/``train_labels`` and ``eval_features``/``eval_labels``
@@ -329,11 +171,14 @@ def knn_evaluate_splits(
         num_classes = max(num_classes, len(eval_set.classes))
     classes = train_set.classes + [str(i) for i in range(len(train_set.classes), num_classes)]
     device = torch.device(device)
-    common = dict(device=device, batch_size=batch_size, amp=amp, num_workers=num_workers)
-    train_f, train_y = extract_features(backbone, train_set, **common)
+    common = dict(
+        device=device, batch_size=batch_size, amp=amp, num_workers=num_workers,
+        image_size=image_size, distributed=distributed,
+    )  # fmt: skip
+    train_f, train_y = extract_features(backbone, train_set.source, **common)
     results = {}
     for name, eval_set in eval_sets.items():
-        eval_f, eval_y = extract_features(backbone, eval_set, **common)
+        eval_f, eval_y = extract_features(backbone, eval_set.source, **common)
         scores = knn_classify(
             train_f.to(device), train_y, eval_f, eval_y, k=k, temperature=temperature,
             num_classes=num_classes,
@@ -365,7 +210,7 @@ def knn_evaluate(
     temperature: float = 0.07,
     batch_size: int = 128,
     num_workers: int = 0,
-    amp: bool | torch.dtype = False,
+    amp: bool | torch.dtype | None = None,
     return_features: bool = False,
 ) -> dict[str, Any]:
     """Extract features of two ImageFolder trees and classify the second by
