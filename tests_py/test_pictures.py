@@ -210,8 +210,15 @@ def test_save_grids_and_safe_names(gen, tmp_path):
     maps = P.attention_maps(vit, images)
     paths = P.save_attention_grid(images, maps, tmp_path, ["a/b c", "a/b c"])
     assert [p.name for p in paths] == ["a_b_c_attention.png", "a_b_c_1_attention.png"]
-    paths = P.save_pca_grid(images, P.pca_maps(vit, images), tmp_path)
+    pca = P.pca_maps(vit, images)
+    paths = P.save_pca_grid(images, pca, tmp_path)
     assert [p.name for p in paths] == ["image0_pca.png", "image1_pca.png"]
+    # the last panel (48 x 72) is the RGB map of 2 x 3 patches, each over 24 x 24 pixels
+    array = P.pca_grid_arrays(images, pca, panel=72)[1]
+    x0, y0 = P.GAP_PX + 3 * (72 + P.GAP_PX), P.TITLE_PX
+    shown = array[y0 : y0 + 48, x0 : x0 + 72].astype(np.int64)
+    rgb = pca["rgb"][1].repeat_interleave(24, 0).repeat_interleave(24, 1)
+    assert np.abs(shown - np.round(rgb.numpy() * 255)).max() <= 1
     assert P.safe_stem("../..") == "image"
 
 

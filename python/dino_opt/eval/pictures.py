@@ -425,6 +425,15 @@ def _coloured(grid: torch.Tensor, size: tuple[int, int], cmap: str = "viridis") 
     return colormaps[cmap](m)[..., :3]
 
 
+def _diverging(grid: torch.Tensor, centre: float, size: tuple[int, int]) -> np.ndarray:
+    """A patch map coloured coolwarm with ``centre`` at the middle (white):
+    red above it, blue below, scaled by the largest distance from it."""
+    m = _upsample(grid, size) - centre
+    reach = np.abs(m).max()
+    scaled = 0.5 + 0.5 * m / reach if reach > 0 else np.full_like(m, 0.5)
+    return colormaps["coolwarm"](scaled)[..., :3]
+
+
 def _panel_size(image: torch.Tensor, panel: int) -> tuple[int, int]:
     if isinstance(panel, bool) or not isinstance(panel, int) or panel < 8:
         raise ValueError(f"panel must be an int >= 8 (pixels), got {panel!r}")
@@ -501,8 +510,9 @@ def _pca_row(image, maps: dict, i: int, name: str, panel: int, mean, std) -> np.
     fg = maps["foreground"][i].detach().cpu()
     rgb = maps["rgb"][i].detach().cpu().permute(2, 0, 1)
     rgb = F.interpolate(rgb[None].float(), size=size, mode="nearest")[0].permute(1, 2, 0).numpy()
-    panels = [_rgb(image, size, mean, std), _coloured(maps["first_component"][i], size, "coolwarm"),
-              np.repeat(_upsample(fg.float(), size)[..., None], 3, axis=-1), rgb]  # fmt: skip
+    first = _diverging(maps["first_component"][i], maps["threshold"], size)
+    mask = np.repeat(_upsample(fg.float(), size)[..., None], 3, axis=-1)
+    panels = [_rgb(image, size, mean, std), first, mask, rgb]
     titles = [name, f"PC1, {maps['first_variance_share']:.0%} of var",
               f"foreground {fg.float().mean():.0%}", "PCA of foreground"]  # fmt: skip
     return _compose(panels, titles)
@@ -519,8 +529,8 @@ def pca_grid_arrays(
 ) -> list[np.ndarray]:
     """One picture per image of :func:`pca_maps`' ``maps``, as uint8 arrays
     laid out as :func:`attention_grid_arrays`: the image, the first component
-    (coolwarm, min-max scaled per image), the foreground mask (white) and the
-    components in RGB (background black)."""
+    (coolwarm centred on the threshold: red above it, blue below), the
+    foreground mask (white) and the components in RGB (background black)."""
     imgs = _image_list(images, len(maps["rgb"]))
     stems = names if names is not None else _stems(None, len(imgs))
     _stems(stems, len(imgs))
