@@ -185,7 +185,8 @@ def attention_maps(backbone: nn.Module, images: torch.Tensor, threshold: float =
     - ``attention`` (B, heads, h, w): the weights of the patches, h = H / patch,
       w = W / patch (not renormalised: with the shares below they sum to 1);
     - ``thresholded`` bool (B, heads, h, w): DINO's map keeping the top
-      ``threshold`` of the mass (:func:`threshold_attention`);
+      ``threshold`` of the mass (:func:`threshold_attention`), renormalised
+      over the patches only (the class and register tokens left out);
     - ``cls_share``, ``register_share``, ``patch_share`` (B, heads): the
       attention the class token pays itself, the register tokens, the patches;
     - ``register_attention`` (B, heads, registers): per register token;
