@@ -136,7 +136,8 @@ std::vector<int64_t> SampleSource::epoch_order(const OrderOptions& o, int64_t ep
     for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[rng.randint(0, i + 1)]);
   }
   // DistributedSampler: the ranks take every world_size-th index of the
-  // permutation, padded by wrapping around (or cut) to equal length.
+  // permutation, padded by wrapping around (or cut) to equal length; with
+  // exact shards per_rank differs by rank and no index wraps.
   std::vector<int64_t> mine(o.per_rank);
   for (int64_t k = 0; k < o.per_rank; ++k) mine[k] = order[(k * w + o.rank) % n];
   return mine;
