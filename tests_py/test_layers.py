@@ -37,6 +37,7 @@ LAYERS = {
     # L8: starting several processes of it; the install's self-check
     "dino_opt.distributed": 8,
     "dino_opt.doctor": 8,
+    "dino_opt.probing": 8,  # the probe and picture commands
     # faces: the command line, the course's names, the package; the torchrun entry
     "dino_opt.cli": 9,
     "dino_opt.lessons": 9,

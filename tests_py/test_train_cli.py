@@ -14,12 +14,15 @@ import torch
 from dino_opt.cli import main
 from dino_opt.config import load_config
 from dino_opt.data import builtin_dataset
+from dino_opt.eval import verdict
 from dino_opt.job import PROFILE_PHASES
 from dino_opt.observe import Profiler, profile_summary
 from tiny import TINY as TINY_BASE
 from tiny import knn_json
 
 TINY = [*TINY_BASE, "data.num_workers=2"]
+# The whole evaluation, at the end and after the first epoch.
+EVAL = ["eval.linear=true", "eval.dense=true", "eval.pictures=4", "eval.every_epochs=1"]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -42,7 +45,7 @@ def run(tiny_data, tmp_path_factory):
     args = ["train", "--output-dir", str(out), "--quiet", f"data.root={tiny_data / 'train'}"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(args + TINY) == 0
+        assert main(args + TINY + EVAL) == 0
     return out, printed.getvalue()
 
 
@@ -63,8 +66,13 @@ def test_train_writes_a_complete_run_folder(run):
     # the test split, never used for tuning, beside val
     assert 0 <= report["knn_test_top1_trained"] <= 100
     assert 0 <= report["knn_test_top1_random_init"] <= 100
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if "event" not in r]
     assert [r["step"] for r in rows] == list(range(1, report["steps"] + 1))
+    # eval.every_epochs=1: the teacher after the first epoch (not after the last)
+    (evaluated,) = [r for r in lines if r.get("event") == "evaluation"]
+    assert evaluated["epoch"] == 1 and evaluated["step"] == report["steps"] // 2
+    assert 0 <= evaluated["knn_top1_teacher"] <= 100 and "linear_top1_teacher" in evaluated
     assert all(r["loss"] > 0 for r in rows)
     assert {"lr", "weight_decay", "momentum", "images_per_second"} <= rows[0].keys()
     assert (out / "config.yaml").exists()
@@ -73,13 +81,25 @@ def test_train_writes_a_complete_run_folder(run):
     assert any((out / "tensorboard").iterdir())
     for name in ("training_curves.png", "tsne_random_init.png", "tsne_trained.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
-    body, summary = printed[printed.index("{") :].rstrip("\n").rsplit("\n", 1)
+    text = printed[printed.index("{") :].rstrip("\n")
+    lines = 2 if "verdict" in report else 1  # a warning when training made things worse
+    body, summary, *warning = text.rsplit("\n", lines)
     assert json.loads(body)["steps"] == report["steps"]
+    assert warning == ([f"dino-opt train: warning: {report['verdict']}"] if lines == 2 else [])
     # then one line for a person: trained vs random init on val and test, time, folder
     assert summary.startswith("dino-opt train: k-NN top-1 ")
     assert f"{report['knn_top1_trained']:.1f} % trained vs" in summary
     assert f"{report['knn_test_top1_trained']:.1f} % vs" in summary and "(test)" in summary
     assert summary.endswith(f"run folder {out}")
+    assert f"linear top-1 {report['linear_top1_trained']:.1f} % vs" in summary
+    assert f"dense mIoU {report['dense_miou_trained']:.1f} % vs" in summary
+    # the evaluation's details and the pictures, before and after training
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    assert len(evaluation["trained"]["linear"]["rows"]) == 52
+    assert "miou" in evaluation["random_init"]["dense"]["val"]
+    pictures = sorted(p.name for p in (out / "pictures").iterdir())
+    assert len(pictures) == 4 * 2 * 2  # 4 val images x attention, pca x trained, random init
+    assert all((out / "pictures" / p).read_bytes()[:8] == PNG for p in pictures)
 
 
 def test_profile_json_times_each_phase(run):
@@ -249,3 +269,58 @@ def test_a_hardware_preset_is_resolved_once_when_training_starts(tiny_data, tmp_
     saved = load_config(out / "config.yaml")
     assert saved.hardware.preset == "off" and saved.hardware.precision == "fp32"
     assert (saved.model.backbone, saved.data.batch_size) == ("vit_tiny", 8)  # TINY's, not the row's
+
+
+def test_eval_and_show_commands(run, tiny_data, tmp_path, capsys):
+    """`dino-opt eval linear|dense` and `dino-opt show` on the run's teacher."""
+    out, _ = run
+    capsys.readouterr()
+    linear = tmp_path / "linear.json"
+    assert main(["eval", "linear", str(out), "--device", "cpu", "--epochs", "2",
+                 "--output", str(linear)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    result = json.loads(linear.read_text())
+    assert len(result["rows"]) == 52 and result["epochs"] == 2 and result["image_size"] == 32
+    assert result["data"]["val"] == str(tiny_data / "val") and result["format"] == "dino_opt"
+    assert f"val top-1 {result['best']['val_top1']:.2f} %" in printed
+    assert "logistic regression (C=" in printed
+    dense = tmp_path / "dense.json"
+    assert main(["eval", "dense", str(out), "--device", "cpu", "--epochs", "2",
+                 "--output", str(dense)]) == 0  # fmt: skip
+    assert 0 <= json.loads(dense.read_text())["val"]["miou"] <= 100
+    images = sorted((tiny_data / "val" / "star").iterdir())[:1] + [tiny_data / "val" / "ring"]
+    images = [images[0], next(images[1].iterdir())]
+    pictures = tmp_path / "pictures"
+    for kind in ("attention", "pca"):
+        assert main(["show", kind, str(out), *map(str, images), "--output-dir", str(pictures),
+                     "--image-size", "48"]) == 0  # fmt: skip
+    names = sorted(p.name for p in pictures.iterdir())
+    assert names == sorted(f"{p.stem}_{k}.png" for p in images for k in ("attention", "pca"))
+
+
+def test_eval_errors_in_one_line(run, tmp_path, capsys):
+    out, _ = run
+    unknown = tmp_path / "unknown.pt"
+    torch.save({"foo": torch.zeros(3)}, unknown)
+    for args, needle in (
+        (["eval", "linear", str(unknown), "--data", str(tmp_path)], str(unknown)),
+        (["eval", "dense", str(out), "--data", str(tmp_path)], "has no masks"),
+        (["show", "attention", str(out), str(tmp_path / "missing.png"), "--output-dir",
+          str(tmp_path)], "missing.png"),
+    ):  # fmt: skip
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_verdict_names_what_to_try():
+    cfg = load_config(None)
+    worse = {"knn_top1_trained": 54.5, "knn_top1_random_init": 64.1,
+             "linear_top1_trained": 70.0, "linear_top1_random_init": 60.0}  # fmt: skip
+    message = verdict(worse, cfg)
+    assert "knn 54.5 % vs 64.1 %" in message and "linear" not in message.split("on val")[0]
+    for key in ("schedule.epochs", "schedule.momentum_teacher", "global_crops_scale"):
+        assert key in message
+    assert verdict({"knn_top1_trained": 64.1, "knn_top1_random_init": 64.1}, cfg) is None

@@ -6,6 +6,11 @@ config: the demo recipe on the built-in data set, sized for a 2-core CPU);
 ``dino-opt knn --checkpoint RUN [--data ROOT]`` prints the
 k-NN accuracy of a trained backbone on ROOT/train vs ROOT/val as JSON
 (``--weights PATH --data ROOT``: of weights in another format).
+``dino-opt eval linear|dense SOURCE [--data ROOT]`` trains DINOv2's grid of
+linear classifiers (or DINOv3's dense linear head) on the frozen backbone of a
+run, a checkpoint or weights in any format, prints a table and writes JSON;
+``dino-opt show attention|pca SOURCE IMAGE ... --output-dir DIR`` draws the
+last block's attention maps or the PCA of patch features of each image.
 ``dino-opt export RUN --format timm|hf|dino --output PATH`` writes a run's
 teacher (or student) in a format other tools load.
 ``dino-opt report RUN`` analyses a run folder (convergence, weight drift
@@ -42,7 +47,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import _C, doctor
+from . import _C, doctor, probing
 from .config import (
     PRESETS,
     Config,
@@ -68,7 +73,11 @@ from .tune import (
     resolve_hardware,
     resolve_preset,
 )
-from .weights import FORMATS, evaluate_weights, export_weights
+from .weights import (
+    FORMATS,
+    evaluate_weights,
+    export_weights,
+)
 
 __all__ = ["main", "prepare_dataset"]
 
@@ -291,7 +300,9 @@ def _resume_command(args: argparse.Namespace, out, cfg: Config) -> str:
 def summary_line(report: dict) -> str:
     """One line for a person: the k-NN of the trained teacher against the
     same network at random initialisation (val, and test where there is
-    one), the training time and the run folder."""
+    one), the linear and dense probes (val), the training time and the run
+    folder; and a second line with what to try when training made the
+    features worse than random initialisation."""
     parts = []
     if "knn_top1_trained" in report:
         parts.append(
@@ -303,11 +314,22 @@ def summary_line(report: dict) -> str:
             f"{report['knn_test_top1_trained']:.1f} % vs "
             f"{report['knn_test_top1_random_init']:.1f} % (test)"
         )
+    if "linear_top1_trained" in report:
+        parts.append(
+            f"linear top-1 {report['linear_top1_trained']:.1f} % vs "
+            f"{report['linear_top1_random_init']:.1f} % (val)"
+        )
+    if "dense_miou_trained" in report:
+        parts.append(
+            f"dense mIoU {report['dense_miou_trained']:.1f} % vs "
+            f"{report['dense_miou_random_init']:.1f} % (val)"
+        )
     if report.get("stopped_by"):
         parts.append(f"stopped by {report['stopped_by']} after {report['steps']} steps")
     parts.append(f"{report['train_seconds']:.0f} s of training")
     parts.append(f"run folder {report.get('run_folder', '?')}")
-    return "dino-opt train: " + "; ".join(parts)
+    line = "dino-opt train: " + "; ".join(parts)
+    return line + (f"\ndino-opt train: warning: {report['verdict']}" if "verdict" in report else "")
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -709,8 +731,9 @@ def _add_doctor(sub) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn, _add_export,
-                _add_report, _add_doctor):  # fmt: skip
+    for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn,
+                probing.add_eval, probing.add_show, _add_export, _add_report,
+                _add_doctor):  # fmt: skip
         add(sub)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])

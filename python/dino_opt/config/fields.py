@@ -394,11 +394,20 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """k-NN evaluation on teacher features, as in DINO."""
+    """The evaluation of the teacher: DINO's k-NN, DINOv2's linear probe on
+    cached features, DINOv3's dense probe where the data has masks, and the
+    attention and PCA pictures."""
 
     knn_k: int = _opt(20, "neighbours of the weighted k-NN vote", ge=1)
     knn_temperature: float = _opt(0.07, "temperature of the k-NN vote weights", gt=0)
-    every_epochs: int = _opt(0, "epochs between evaluations; 0: only at the end", ge=0)
+    every_epochs: int = _opt(
+        0, "epochs between evaluations of the teacher (k-NN, linear); 0: only at the end", ge=0
+    )
+    linear: bool = _opt(True, "the linear probe grid and logistic regression on cached features")
+    linear_epochs: int = _opt(10, "epochs of the linear probe's classifiers", ge=1)
+    dense: bool = _opt(True, "the dense linear probe, where the data has masks")
+    dense_epochs: int = _opt(32, "epochs of the dense probe's head", ge=1)
+    pictures: int = _opt(4, "val images whose attention and PCA pictures are drawn", ge=0)
     train_root: str | None = _opt(
         None,
         "the k-NN's labelled training data (any data.root kind); null: data.root",

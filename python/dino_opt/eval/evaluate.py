@@ -1,27 +1,49 @@
 """Evaluating what training made: k-NN accuracy of a checkpoint's backbone
 (``dino-opt knn``), a checkpoint's state read back (:func:`load_checkpoint`),
-and the end-of-run evaluation of the training job (:func:`evaluate_run`: the
-trained teacher beside the same network at random initialisation, on the
-held-out val split and on the test split)."""
+and the evaluation of the training job (:func:`evaluate_run`: the trained
+teacher beside the same network at random initialisation, on the held-out
+val split and on the test split, by k-NN, the linear probe on cached
+features and, where the data has masks, the dense probe; the attention and
+PCA pictures of a few val images; :func:`verdict` says when training made
+the features worse than random)."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 
 from ..checkpoint import CheckpointManager
 from ..config import Config
 from ..data import source_exists
-from ..observe import RunFolder
+from ..data.segmentation import segmentation_splits
+from ..observe import RunFolder, RunLog
 from ..runtime import resolve_device
 from ..train import DataRoots, build_models, build_source, data_roots
-from .knn import knn_evaluate_splits, tsne_plot
+from .dense import dense_probe
+from .features import EvalImageFolder
+from .knn import knn_classify, knn_evaluate_splits, tsne_plot
+from .linear import ProbeData, ProbeFeatures, input_columns, linear_probe, probe_features
+from .pictures import PICTURE_KINDS, picture_arrays, safe_stem
 
-__all__ = ["evaluate_checkpoint", "evaluate_run", "load_checkpoint"]
+__all__ = [
+    "draw_pictures",
+    "evaluate_backbone",
+    "evaluate_checkpoint",
+    "evaluate_run",
+    "evaluate_teacher",
+    "load_checkpoint",
+    "report_keys",
+    "verdict",
+]
 
 
 def load_checkpoint(
@@ -145,6 +167,128 @@ def _eval_roots(cfg: Config, data: str | os.PathLike | None) -> DataRoots:
     return roots
 
 
+def _splits(roots: DataRoots) -> dict:
+    """The labelled splits of a run's evaluation: train (the k-NN's
+    neighbours and the probes' training data), val and test."""
+    splits = {"train": roots.knn_train or roots.train, "val": roots.val}
+    return splits | ({"test": roots.test} if roots.test is not None else {})
+
+
+def _knn(cfg: Config, feats: dict, layout: dict) -> dict:
+    """k-NN top-1/top-5 of val and test on the final class token (the
+    columns of the probe features the backbone's output is)."""
+    cols = input_columns(layout, 1, False)
+    train_x, train_y = feats["train"]
+    out = {}
+    for split in ("val", "test"):
+        if split in feats:
+            x, y = feats[split]
+            out[split] = knn_classify(F.normalize(train_x[:, cols], dim=1), train_y,
+                                      F.normalize(x[:, cols], dim=1), y, k=cfg.eval.knn_k,
+                                      temperature=cfg.eval.knn_temperature)  # fmt: skip
+    return out
+
+
+def evaluate_backbone(cfg: Config, roots: DataRoots, net: nn.Module, device: torch.device,
+                      *, linear: bool = True, dense: bool = True) -> dict:  # fmt: skip
+    """One backbone's evaluation on a run's data: ``knn`` (val, test),
+    ``linear`` (the grid and the logistic regression on features extracted
+    once; ``cfg.eval.linear``), ``dense`` (where the data has masks;
+    ``cfg.eval.dense``), and the val ``features``/``labels`` for plots."""
+    size, splits = cfg.augmentation.global_crop_size, _splits(roots)
+    probe = ProbeFeatures(net).to(device).eval()
+    start = time.perf_counter()
+    sources = ProbeData(**splits).opened()
+    feats = probe_features(probe, sources, size, device, amp=device.type == "cuda")
+    if probe.layout["dim"] is None:
+        probe.layout["dim"] = feats["train"][0].shape[1]
+    out: dict[str, Any] = {"knn": _knn(cfg, feats, probe.layout)}
+    out["seconds"] = {"features_and_knn": time.perf_counter() - start}
+    if linear and cfg.eval.linear:
+        out["linear"] = linear_probe(
+            net, ProbeData(**splits), size, epochs=cfg.eval.linear_epochs, device=device,
+            cached=feats, seed=cfg.hardware.seed,
+        )  # fmt: skip
+    masks = segmentation_splits(Path(roots.train).parent) if dense and cfg.eval.dense else None
+    if masks is not None and "val" in masks and probe.tokens:
+        out["dense"] = dense_probe(net, masks["train"], masks["val"], masks.get("test"),
+                                   image_size=size, device=device, epochs=cfg.eval.dense_epochs,
+                                   seed=cfg.hardware.seed)  # fmt: skip
+    cols = input_columns(probe.layout, 1, False)
+    out["val_features"] = F.normalize(feats["val"][0][:, cols], dim=1)
+    out["val_labels"] = feats["val"][1]
+    out["classes"] = out.get("linear", {}).get("classes") or EvalImageFolder(roots.val).classes
+    return out
+
+
+def report_keys(name: str, result: dict) -> dict:
+    """The report's numbers of one backbone (``name``: trained, random_init)."""
+    keys = {}
+    for split, prefix in (("val", ""), ("test", "test_")):
+        if split in result["knn"]:
+            keys[f"knn_{prefix}top1_{name}"] = result["knn"][split]["top1"]
+        linear = result.get("linear")
+        if linear and f"{split}_top1" in linear["best"]:
+            keys[f"linear_{prefix}top1_{name}"] = linear["best"][f"{split}_top1"]
+        if linear and f"{split}_top1" in linear.get("logreg", {}):
+            keys[f"logreg_{prefix}top1_{name}"] = linear["logreg"][f"{split}_top1"]
+        dense = result.get("dense")
+        if dense and split in dense:
+            keys[f"dense_{prefix}miou_{name}"] = dense[split]["miou"]
+    return keys
+
+
+def _summary(result: dict) -> dict:
+    """What ``evaluation.json`` keeps of one backbone's evaluation."""
+    keep = {k: v for k, v in result.items() if k in ("knn", "dense", "seconds")}
+    if "linear" in result:
+        keep["linear"] = {k: v for k, v in result["linear"].items() if k != "classes"}
+    return keep
+
+
+def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
+                  log: RunLog | None = None, step: int = 0) -> list[Path]:  # fmt: skip
+    """The attention and PCA pictures of ``cfg.eval.pictures`` val images
+    (spread over the split) for each backbone of ``nets`` (name -> ViT), at
+    twice the training crop size, in ``folder.pictures``
+    (``<image>_<kind>_<name>.png``) and in TensorBoard."""
+    count = cfg.eval.pictures
+    if not count or not all(hasattr(n, "get_intermediate_layers") for n in nets.values()):
+        return []
+    val = EvalImageFolder(roots.val, 2 * cfg.augmentation.global_crop_size)
+    picks = sorted({i * len(val) // count for i in range(min(count, len(val)))})
+    images = [val[i][0] for i in picks]
+    names = [safe_stem(Path(val.source.describe(i)).stem) for i in picks]
+    folder.pictures.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, net in nets.items():
+        for kind in PICTURE_KINDS:
+            arrays = picture_arrays(net, images, kind, names)
+            for stem, picture in zip(names, arrays, strict=True):
+                path = folder.pictures / f"{stem}_{kind}_{name}.png"
+                Image.fromarray(picture).save(path)
+                written.append(path)
+                if log is not None:
+                    log.image(f"pictures/{kind}_{name}/{stem}", picture, step)
+    return written
+
+
+def evaluate_teacher(cfg: Config, roots: DataRoots, teacher: nn.Module, device: torch.device,
+                     log: RunLog, step: int, epoch: int) -> dict:  # fmt: skip
+    """The teacher during training (``eval.every_epochs``): k-NN and the
+    linear probe, as an ``evaluation`` row of the metrics (``epoch``: the
+    epochs done) and TensorBoard scalars ``eval_teacher/*``; returns the row."""
+    was_training = teacher.training
+    try:
+        keys = report_keys("teacher", evaluate_backbone(cfg, roots, teacher, device, dense=False))
+    finally:
+        teacher.train(was_training)
+    row = {"step": step, "epoch": epoch, "event": "evaluation", **keys}
+    log.event(row)
+    log.scalars("eval_teacher", keys, step)
+    return row
+
+
 def evaluate_run(
     cfg: Config,
     roots: DataRoots,
@@ -152,33 +296,65 @@ def evaluate_run(
     random_init: nn.Module,
     device: torch.device,
     folder: RunFolder,
+    log: RunLog | None = None,
+    step: int = 0,
 ) -> dict:
-    """The end of a training run: k-NN top-1 of the trained teacher's backbone
-    beside the same network at random initialisation, on the held-out
-    ``val`` split and, where there is one, the ``test`` split (never used to
-    tune anything); with ``logging.tsne``, a t-SNE map of each one's val
-    features in the run folder. Returns the report's keys
-    (``knn_top1_trained``, ``knn_top1_random_init``, and with a test split
-    ``knn_test_top1_trained``, ``knn_test_top1_random_init``)."""
-    train, splits = _opened(cfg, roots)
-    ev, tsne = cfg.eval, cfg.logging.tsne
-    report = {}
-    for name, net, label in (
-        ("trained", trained, "trained teacher"),
-        ("random_init", random_init, "teacher at random initialisation"),
-    ):
-        results = knn_evaluate_splits(
-            net.to(device), train, splits, cfg.augmentation.global_crop_size, device,
-            k=ev.knn_k, temperature=ev.knn_temperature, return_features=tsne,
-        )  # fmt: skip
-        report[f"knn_top1_{name}"] = results["val"]["top1"]
-        if "test" in results:
-            report[f"knn_test_top1_{name}"] = results["test"]["top1"]
-        if tsne:
-            val = results["val"]
-            tsne_plot(
-                val["eval_features"], val["eval_labels"], val["classes"], folder.tsne(name),
-                title=f"t-SNE of val features: {label} (k-NN top-1 {val['top1']:.1f}%)",
-                seed=cfg.hardware.seed,
-            )  # fmt: skip
+    """The end of a training run: the trained teacher's backbone beside the
+    same network at random initialisation, on the held-out ``val`` split
+    and, where there is one, the ``test`` split (never used to tune
+    anything): k-NN, the linear probe (``eval.linear``) and the dense probe
+    (``eval.dense``, where the data has masks); the whole of it in
+    ``evaluation.json``, every classifier's row included; the pictures of a
+    few val images (``eval.pictures``); with ``logging.tsne``, a t-SNE map
+    of each one's val features. Returns the report's keys:
+    ``knn_top1_trained``, ``knn_top1_random_init``, ``linear_top1_*``,
+    ``logreg_top1_*``, ``dense_miou_*`` and their ``test`` twins, and
+    ``verdict`` when training made the features worse."""
+    nets = {"trained": trained.to(device), "random_init": random_init.to(device)}
+    labels = {"trained": "trained teacher", "random_init": "teacher at random initialisation"}
+    report, details = {}, {}
+    for name, net in nets.items():
+        result = evaluate_backbone(cfg, roots, net, device)
+        report.update(report_keys(name, result))
+        details[name] = _summary(result)
+        if log is not None:
+            log.scalars(f"eval_{name}", report_keys(name, result), step)
+        if cfg.logging.tsne:
+            top1 = result["knn"]["val"]["top1"]
+            tsne_plot(result["val_features"], result["val_labels"], result["classes"],
+                      folder.tsne(name), title=f"t-SNE of val features: {labels[name]} "
+                      f"(k-NN top-1 {top1:.1f}%)", seed=cfg.hardware.seed)  # fmt: skip
+    pictures = draw_pictures(cfg, roots, nets, folder, log, step)
+    if pictures:
+        report["pictures"] = str(folder.pictures)
+    folder.evaluation.write_text(json.dumps(details, indent=2) + "\n")
+    message = verdict(report, cfg)
+    if message:
+        report["verdict"] = message
     return report
+
+
+def verdict(report: dict, cfg: Config) -> str | None:
+    """A warning when the trained teacher scores below its random
+    initialisation on val (k-NN or the linear probe), with what to try;
+    None when it does not."""
+
+    def below(kind: str) -> bool:
+        return report.get(f"{kind}_top1_trained", 0) < report.get(f"{kind}_top1_random_init", 0)
+
+    worse = [kind for kind in ("knn", "linear") if below(kind)]
+    if not worse:
+        return None
+    sched, aug = cfg.schedule, cfg.augmentation
+    scores = ", ".join(f"{k} {report[f'{k}_top1_trained']:.1f} % vs "
+                       f"{report[f'{k}_top1_random_init']:.1f} %" for k in worse)  # fmt: skip
+    return (
+        f"training made the features worse than random initialisation ({scores} on val). "
+        f"Try: more epochs (schedule.epochs={sched.epochs}); a teacher momentum that lets "
+        f"the teacher move in a run this short (schedule.momentum_teacher="
+        f"{sched.momentum_teacher}: the teacher averages about "
+        f"{1 / max(1e-9, 1 - sched.momentum_teacher):.0f} steps; 0.99 or lower for a few "
+        f"thousand steps); crop scales that keep the object in the crops "
+        f"(augmentation.global_crops_scale={list(aug.global_crops_scale)}, "
+        f"local_crops_scale={list(aug.local_crops_scale)})"
+    )

@@ -6,9 +6,9 @@ of a checkpoint, :meth:`CheckpointedDINOTrainer.load_state_dict`), epochs of
 steps of :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`, logging
 (:class:`~dino_opt.observe.RunLog`, health, profile), checkpoints
 (:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
-(the final checkpoint, the profile, the curves, the k-NN evaluation,
-``report.json``); and what keeps a long run alive: asynchronous
-checkpoints, rollback to the last good checkpoint, the hang watchdog.
+(the final checkpoint, profile, curves, evaluation, ``report.json``); and
+what keeps a long run alive: asynchronous checkpoints, rollback, the hang
+watchdog.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from ..train import (
 )
 from ..tune import resolve_hardware
 from ..weights import init_from
+from .evaluation import evaluate_between_epochs
 from .hang import injected_hang, report_hang, start_watchdog
 from .parts import (
     _NEVER_HELD_BACK,
@@ -116,12 +117,13 @@ class CheckpointedDINOTrainer(RollbackPolicy):
     :class:`~dino_opt.checkpoint.CheckpointManager`, ``checkpoint_manager``;
     written in the background by an
     :class:`~dino_opt.checkpoint.AsyncCheckpointWriter` with
-    ``checkpoint.async``) at the end of every ``checkpoint.every_epochs``
-    epochs, every ``checkpoint.every_steps`` optimizer steps, when a
-    SIGTERM, SIGINT or SIGUSR1 arrives (at the next step boundary, then the
-    run stops cleanly: ``report["stopped_by"]``), when the run stops on
-    repeated non-finite steps, at step 0 when a rollback policy is on, and
-    at the end; periodic ones are held back while the run is unhealthy.
+    ``checkpoint.async``) every ``checkpoint.every_epochs`` epochs and
+    ``checkpoint.every_steps`` optimizer steps, on SIGTERM, SIGINT or
+    SIGUSR1 (at the next step boundary; the run then stops:
+    ``report["stopped_by"]``), when the run stops on non-finite steps, at
+    step 0 under a rollback policy, and at the end; periodic ones are held
+    back while the run is unhealthy. The teacher is evaluated every
+    ``eval.every_epochs`` epochs and at the end.
 
     Health (``health.on_nonfinite``, ``health.on_collapse``): too many
     non-finite steps in a row, or a sustained collapse, send every rank back
@@ -133,13 +135,11 @@ class CheckpointedDINOTrainer(RollbackPolicy):
 
     The state (:meth:`state_dict`): student, teacher, optimizer, grad scaler,
     loss center, the teacher's step, epoch and step, every process's loader
-    position and RNGs, the metrics so far, the resolved config, the versions
-    and the git commit. Resuming (``auto_resume`` / ``checkpoint.resume``)
-    restores all of it (:meth:`load_state_dict`), so on the CPU a resumed run
-    gives the same losses and the same final weights, bit for bit, as one
-    that never stopped. A checkpoint from a run with another config (other
-    than logging, checkpoint, health, eval, device and loader-thread
-    settings) is refused, naming the keys.
+    position and RNGs, the metrics, the resolved config, versions and commit.
+    Resuming (``auto_resume`` / ``checkpoint.resume``) restores it all, so on
+    the CPU a resumed run ends bit for bit as one that never stopped. A
+    checkpoint of another config (but for logging, checkpoint, health, eval,
+    device and loader threads) is refused, naming the keys.
     """
 
     def __init__(
@@ -590,6 +590,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             loader.set_epoch(epoch + 1)  # the position to resume from
             self.epoch = epoch + 1
             self._save("epoch", end_of_epoch=True)
+        evaluate_between_epochs(self.config, self.parts, epoch + 1, self.device, self.log,
+                                self.step, self.world, self.lead, self.watchdog)  # fmt: skip
         return None
 
     # ------------------------------------------------------------ rollback
@@ -748,7 +750,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         plot_training_curves(self.history, self.folder.training_curves)
         if evaluate:
             nets = (teacher, p.random_teacher.backbone)
-            report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder))
+            report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder, self.log,
+                                       self.step))  # fmt: skip
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:
@@ -780,13 +783,9 @@ def run_training(cfg, *, output_dir: str | os.PathLike | None = None, quiet: boo
     teacher, the native loader, the fused loss and EMA, AMP, the DINO
     schedules; metrics as JSONL (and TensorBoard) with health diagnostics,
     the resolved config, checkpoints under ``checkpoints/`` (resumed per
-    ``cfg.checkpoint.resume``) and, at the end, k-NN top-1 of the trained
-    teacher beside the same network at random initialisation, on the val
-    and test splits. Returns the report (also written as report.json).
-
-    The run folder (:class:`~dino_opt.observe.RunFolder`) also gets
-    ``training_curves.png`` (the metrics over the steps), ``profile.json``
-    (time per step phase; ``logging.profile``) and, with a held-out split and
-    ``logging.tsne``, ``tsne_random_init.png`` and ``tsne_trained.png``
-    (t-SNE maps of the val features)."""
+    ``cfg.checkpoint.resume``) and, at the end, the evaluation of the
+    trained teacher beside the same network at random initialisation
+    (:func:`~dino_opt.eval.evaluate_run`). Returns the report (also written
+    as report.json); the run folder's files are
+    :class:`~dino_opt.observe.RunFolder`'s."""
     return CheckpointedDINOTrainer(cfg, output_dir=output_dir, quiet=quiet).train()

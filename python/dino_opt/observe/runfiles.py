@@ -58,6 +58,8 @@ class RunFolder:
     RESTARTS = "restarts.json"
     FAILURES = "failures"
     PROGRESS = "progress"
+    PICTURES = "pictures"
+    EVALUATION = "evaluation.json"
 
     config = _entry(CONFIG)
     metrics = _entry(METRICS)
@@ -74,6 +76,8 @@ class RunFolder:
     restarts = _entry(RESTARTS)
     failures = _entry(FAILURES)
     progress = _entry(PROGRESS)
+    pictures = _entry(PICTURES)
+    evaluation = _entry(EVALUATION)
 
     def tsne(self, which: str) -> Path:
         """The t-SNE map of the ``which`` teacher ('trained' or 'random_init')."""

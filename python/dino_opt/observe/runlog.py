@@ -121,6 +121,22 @@ class RunLog:
         if self._wandb is not None:
             self._wandb.log({f"events/{row['event']}": json.dumps(row)}, step=row["step"])
 
+    def scalars(self, prefix: str, values: dict[str, Any], step: int) -> None:
+        """Numbers of an evaluation (``values``), as TensorBoard scalars
+        ``<prefix>/<name>`` and in W&B; other values are passed over."""
+        numbers = {f"{prefix}/{k}": v for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
+        if self._tb is not None:
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None and numbers:
+            self._wandb.log(numbers, step=step)
+
+    def image(self, tag: str, picture, step: int) -> None:
+        """A picture (uint8 ``(height, width, 3)`` array) in TensorBoard."""
+        if self._tb is not None:
+            self._tb.add_image(tag, picture, step, dataformats="HWC")
+
     def alerts(self, messages: Sequence[str], step: int) -> None:
         """Health alerts, as TensorBoard text."""
         if self._tb is not None:

@@ -1,6 +1,14 @@
 """Weights in and out: timm, Hugging Face, DINO and DINOv2 formats, exported and loaded."""
 
 from .layouts import ViTArch
+from .probes import (
+    OpenedBackbone,
+    open_backbone,
+    probe_data,
+    run_dense_probe,
+    run_linear_probe,
+    show_weights,
+)
 from .reading import ExternalWeights, read_weights
 from .transfer import (
     FORMATS,
@@ -16,11 +24,17 @@ __all__ = [
     "ExportResult",
     "ExternalWeights",
     "FORMATS",
+    "OpenedBackbone",
     "ViTArch",
     "evaluate_weights",
     "export_backbone",
     "export_weights",
     "init_from",
     "load_backbone",
+    "open_backbone",
+    "probe_data",
+    "run_dense_probe",
+    "run_linear_probe",
+    "show_weights",
     "read_weights",
 ]

@@ -422,7 +422,7 @@ def _adapt(sd: dict, model: nn.Module, path: Path, notes: list[str]) -> dict:
     return _adapt_mask_token(sd, theirs, mine, notes)
 
 
-def _load_strict(module: nn.Module, sd: dict, what: str, path: Path) -> None:
+def load_strict(module: nn.Module, sd: dict, what: str, path: Path) -> None:
     try:
         module.load_state_dict(sd, strict=True)
     except RuntimeError as e:
@@ -470,7 +470,7 @@ def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
 
 def _load_backbone_state(module: nn.Module, sd: dict, path: Path, notes: list[str]) -> None:
     sd = _fit_pos_embed(_adapt(sd, module, path, notes), module, notes)
-    _load_strict(module, sd, "backbone", path)
+    load_strict(module, sd, "backbone", path)
 
 
 def _load_network(net: nn.Module, weights: dict, path: Path, notes: list[str]) -> None:
@@ -482,7 +482,7 @@ def _load_network(net: nn.Module, weights: dict, path: Path, notes: list[str]) -
     if shapes != {k: tuple(v.shape) for k, v in head.items()}:
         _note(notes, "head not loaded (its shapes differ from the model's): it starts fresh")
         return
-    _load_strict(net.head, head, "head", path)
+    load_strict(net.head, head, "head", path)
 
 
 def init_from(
@@ -530,7 +530,7 @@ def load_backbone(
     return notes
 
 
-def _evaluation_backbone(weights: ExternalWeights, sd: dict) -> tuple[nn.Module, int]:
+def evaluation_backbone(weights: ExternalWeights, sd: dict) -> tuple[nn.Module, int]:
     """The backbone the weights hold (a ViT as its architecture says, with
     the heads and interpolation its file says or the named size's), and
     the input size its position table is for."""
@@ -556,9 +556,9 @@ def evaluate_weights(
         raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
     weights = read_weights(path)
     sd = (weights.teacher if which == "teacher" else weights.student)["backbone"]
-    net, native = _evaluation_backbone(weights, sd)
+    net, native = evaluation_backbone(weights, sd)
     image_size = image_size or native
-    _load_strict(net, sd, "backbone", weights.path)
+    load_strict(net, sd, "backbone", weights.path)
     root = Path(data)
     splits = {s: root / s for s in ("val", "test") if (root / s).is_dir()}
     if "val" not in splits or not (root / "train").is_dir():

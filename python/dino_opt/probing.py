@@ -1,0 +1,120 @@
+"""The ``dino-opt eval`` and ``dino-opt show`` commands: probes and
+pictures of a frozen backbone from a run, a checkpoint or weights in any
+format.
+
+``dino-opt eval linear SOURCE [--data ROOT] [--mode fast|augmented]`` trains
+DINOv2's grid of linear classifiers (and, in the fast mode, its logistic
+regression) and prints the best rows; ``dino-opt eval dense SOURCE`` trains
+DINOv3's linear segmentation head where the data has masks; both write the
+whole result as JSON with ``--output``. ``dino-opt show attention|pca SOURCE
+IMAGE ... --output-dir DIR`` writes one PNG per image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .eval import probe_table
+from .weights import run_dense_probe, run_linear_probe, show_weights
+
+__all__ = ["add_eval", "add_show"]
+
+
+def _write_json(result: dict, output: str | None) -> None:
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {output}")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    common = dict(which=args.which, image_size=args.image_size, device=args.device)
+    if args.probe == "linear":
+        options = {"mode": args.mode, "epochs": args.epochs or 10, "batch_size": args.batch_size}
+        result = run_linear_probe(args.source, args.data, **common, **options)
+        print(probe_table(result, top=args.top))
+        best, logreg = result["best"], result.get("logreg")
+        line = f"best: {best['name']}: val top-1 {best['val_top1']:.2f} %"
+        line += f", test top-1 {best['test_top1']:.2f} %" if "test_top1" in best else ""
+        print(line)
+        if logreg:
+            test = f", test top-1 {logreg['test_top1']:.2f} %" if "test_top1" in logreg else ""
+            print(f"logistic regression (C={logreg['best_c']:.3g}): val top-1 "
+                  f"{logreg['val_top1']:.2f} %{test}")  # fmt: skip
+    else:
+        options = {"epochs": args.epochs} if args.epochs else {}
+        result = run_dense_probe(args.source, args.data, **common, **options,
+                                 batch_size=min(args.batch_size, 64))  # fmt: skip
+        for split in ("val", "test"):
+            if split in result:
+                print(f"{split}: mIoU {result[split]['miou']:.2f} %, pixel accuracy "
+                      f"{result[split]['pixel_acc']:.2f} %")  # fmt: skip
+    _write_json(result, args.output)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    options = {"threshold": args.threshold} if args.kind == "attention" else {}
+    paths = show_weights(args.source, args.images, args.kind, args.output_dir, which=args.which,
+                         image_size=args.image_size, **options)  # fmt: skip
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _source_arguments(p) -> None:
+    p.add_argument(
+        "source",
+        help="a dino-opt train run folder or checkpoint, or weights in any format "
+        "model.init_from reads (timm, hf, dino, dinov2)",
+    )
+    p.add_argument(
+        "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+
+
+def add_eval(sub) -> None:
+    e = sub.add_parser("eval", help="linear or dense probe of a frozen backbone")
+    e.add_argument("probe", choices=("linear", "dense"), help="the probe")
+    _source_arguments(e)
+    e.add_argument(
+        "--data",
+        help="folder holding train/ and val/ (and test/; for dense: image/mask pairs, "
+        "<split>/images and <split>/masks, or the built-in data set; default: the run's data)",
+    )
+    e.add_argument(
+        "--image-size",
+        type=int,
+        help="evaluation side (default: the run's global crop size, or the weights' own)",
+    )
+    e.add_argument(
+        "--mode",
+        choices=("fast", "augmented"),
+        default="fast",
+        help="linear: fast (cached centre-crop features, with the logistic regression) or "
+        "augmented (random-resized crops and flips through the backbone each step)",
+    )
+    e.add_argument("--epochs", type=int, help="training epochs (default: linear 10, dense 32)")
+    e.add_argument("--batch-size", type=int, default=128, help="default 128 (dense: at most 64)")
+    e.add_argument("--top", type=int, default=12, help="linear: rows of the table (default 12)")
+    e.add_argument("--output", help="write the result as JSON here")
+    e.set_defaults(run=_eval)
+
+
+def add_show(sub) -> None:
+    s = sub.add_parser("show", help="attention or PCA pictures of a backbone on image files")
+    s.add_argument("kind", choices=("attention", "pca"), help="the picture")
+    _source_arguments(s)
+    s.add_argument("images", nargs="+", help="image files")
+    s.add_argument("--output-dir", required=True, help="where the PNGs go (<stem>_<kind>.png)")
+    s.add_argument("--image-size", type=int, help="the longer side, in whole patches (default 448)")
+    s.add_argument(
+        "--threshold",
+        type=float,
+        default=0.6,
+        help="attention: the share of attention mass the thresholded map keeps (default 0.6)",
+    )
+    s.set_defaults(run=_show)
