@@ -228,8 +228,13 @@ def test_histograms_and_wandb(tiny_data, tmp_path, monkeypatch):
     (init,) = fake.inits
     assert init["project"] == "dino_opt" and init["dir"] == str(out) and init["id"] is None
     assert init["config"]["model"]["out_dim"] == 64
-    assert [s for s, _ in fake.logged] == list(range(1, report["steps"] + 1))
-    assert all(r["loss"] > 0 and "lr" in r for _, r in fake.logged)
+    rows = [(s, r) for s, r in fake.logged if "loss" in r]
+    assert [s for s, _ in rows] == list(range(1, report["steps"] + 1))
+    assert all(r["loss"] > 0 and "lr" in r for _, r in rows)
+    # then the evaluation's numbers at the last step, one call per network
+    evaluated = [r for s, r in fake.logged if "loss" not in r]
+    assert [sorted(r)[0].split("/")[0] for r in evaluated] == ["eval_trained", "eval_random_init"]
+    assert evaluated[0]["eval_trained/knn_top1_trained"] == report["knn_top1_trained"]
     assert fake.finished == 1 and fake.summary["knn_top1_trained"] == report["knn_top1_trained"]
     assert (out / "wandb_id.txt").read_text().strip() == "fake-run-1"
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"histograms": 0})
@@ -296,6 +301,13 @@ def test_eval_and_show_commands(run, tiny_data, tmp_path, capsys):
                      "--image-size", "48"]) == 0  # fmt: skip
     names = sorted(p.name for p in pictures.iterdir())
     assert names == sorted(f"{p.stem}_{k}.png" for p in images for k in ("attention", "pca"))
+    # dino-opt report shows the evaluation and the run's pictures
+    capsys.readouterr()
+    assert main(["report", str(out), "--output-dir", str(tmp_path / "report")]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert f"linear probe top-1 (val): {report['linear_top1_trained']:.1f} % trained" in printed
+    assert "dense mIoU (test):" in printed and f"pictures: 16 in {out / 'pictures'}" in printed
 
 
 def test_eval_errors_in_one_line(run, tmp_path, capsys):

@@ -326,6 +326,8 @@ def summary_line(report: dict) -> str:
         )
     if report.get("stopped_by"):
         parts.append(f"stopped by {report['stopped_by']} after {report['steps']} steps")
+    if "pictures" in report:
+        parts.append(f"attention and PCA pictures in {report['pictures']}")
     parts.append(f"{report['train_seconds']:.0f} s of training")
     parts.append(f"run folder {report.get('run_folder', '?')}")
     line = "dino-opt train: " + "; ".join(parts)

@@ -13,6 +13,7 @@ from .loader import (
     LoaderError,
     MultiCropDataset,
     MultiCropLoader,
+    NativeLoaderHandle,
     multicrop_collate,
 )
 from .masking import (
@@ -55,6 +56,7 @@ __all__ = [
     "MaskingGenerator",
     "MultiCropDataset",
     "MultiCropLoader",
+    "NativeLoaderHandle",
     "SourceError",
     "builtin_dataset",
     "collate_data_and_cast",

@@ -34,6 +34,7 @@ __all__ = [
     "LoaderError",
     "MultiCropDataset",
     "MultiCropLoader",
+    "NativeLoaderHandle",
     "multicrop_collate",
 ]
 
@@ -203,7 +204,28 @@ def _native_loader(
     return native, data
 
 
-class MultiCropLoader:
+class NativeLoaderHandle:
+    """The lifetime of a native loader held as ``_native``: ``close()``
+    stops and joins its threads (promptly, mid-epoch too; idempotent), and
+    the object is a context manager that closes it."""
+
+    _native = None
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class MultiCropLoader(NativeLoaderHandle):
     """Multi-crop batches for DINO from native threads.
 
     Args:
@@ -482,20 +504,6 @@ class MultiCropLoader:
         return s
 
     # ------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Stops and joins every thread (promptly, mid-epoch too); idempotent."""
-        if self._native is not None:
-            self._native.close()
-
-    def __enter__(self) -> MultiCropLoader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
-
     def _require_open(self):
         if self._native is None:
             raise LoaderError("the loader was not constructed")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .. import _C
-from ..data import DataSource, LoaderError, open_source
+from ..data import DataSource, LoaderError, NativeLoaderHandle, open_source
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = ["EvalImageFolder", "EvalLoader", "extract_features"]
@@ -130,7 +130,7 @@ class EvalImageFolder(torch.utils.data.Dataset):
 # ---------------------------------------------------------------- native
 
 
-class EvalLoader:
+class EvalLoader(NativeLoaderHandle):
     """The evaluation transform on the native loader's threads.
 
     ``source``: what :func:`~dino_opt.data.open_source` opens (folders, file
@@ -219,20 +219,6 @@ class EvalLoader:
     def stats(self) -> dict:
         """The native loader's counters (images, thread-seconds per stage, ...)."""
         return self._native.stats()
-
-    def close(self) -> None:
-        """Stops and joins the threads; idempotent."""
-        if self._native is not None:
-            self._native.close()
-
-    def __enter__(self) -> EvalLoader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -569,7 +569,8 @@ class DINOTrainingAnalyzer:
         are more than 2), the peak of each memory key (GiB: ``plots.MEMORY_KEYS``
         and any other ``gpu_memory_*_gb``), the time per
         phase from ``profile.json`` (None without one), the run's
-        ``report.json`` and :meth:`analyze_convergence`. Writes
+        ``report.json`` (with the evaluation's numbers), the run's
+        ``pictures`` and :meth:`analyze_convergence`. Writes
         ``performance_report.json`` and, when there are metric rows,
         ``training_curves.png`` (``plots.plot_training_curves``) into
         ``output_dir`` (default: the run folder)."""
@@ -633,9 +634,16 @@ class DINOTrainingAnalyzer:
             "run_report": run_report if isinstance(run_report, dict) else None,
             "convergence": convergence,
             "plot": os.fspath(curves) if curves is not None else None,
+            "pictures": self._pictures(),
         }
         report["report"] = os.fspath(_write_json(RunFolder(out).performance_report, report))
         return report
+
+    def _pictures(self) -> list[str]:
+        """The run's attention and PCA pictures (``pictures/*.png``)."""
+        if self.run_dir is None or not RunFolder(self.run_dir).pictures.is_dir():
+            return []
+        return sorted(os.fspath(p) for p in RunFolder(self.run_dir).pictures.glob("*.png"))
 
     def generate_report(self, output_dir: str | os.PathLike | None = None) -> dict:
         """Both reports (and their files): ``{"run_dir", "checkpoints", "performance"}``,

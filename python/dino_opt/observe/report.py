@@ -4,6 +4,7 @@ checkpoint reports as aligned tables."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["format_report"]
@@ -162,6 +163,31 @@ def _checkpoint_lines(r: Mapping[str, Any]) -> list[str]:
     return lines + _table(headers, body) + notes
 
 
+#: The evaluation's numbers in a run's report.json: (key stem, label).
+EVALUATION_KEYS = (
+    ("knn_top1", "k-NN top-1"),
+    ("linear_top1", "linear probe top-1"),
+    ("logreg_top1", "logistic regression top-1"),
+    ("dense_miou", "dense mIoU"),
+)
+
+
+def _evaluation_lines(run: Mapping[str, Any], pictures: Sequence[str]) -> list[str]:
+    """The trained teacher against random initialisation, val and test."""
+    lines = []
+    for stem, label in EVALUATION_KEYS:
+        for split, prefix in (("val", stem), ("test", stem.replace("_", "_test_", 1))):
+            trained, rand = run.get(f"{prefix}_trained"), run.get(f"{prefix}_random_init")
+            if trained is not None and rand is not None:
+                lines.append(f"  {label} ({split}): {_fmt(trained, '.1f')} % trained vs "
+                             f"{_fmt(rand, '.1f')} % at random init")  # fmt: skip
+    if run.get("verdict"):
+        lines.append(f"  warning: {run['verdict']}")
+    if pictures:
+        lines.append(f"  pictures: {len(pictures)} in {Path(pictures[0]).parent}")
+    return ["", "Evaluation:", *lines] if lines else []
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """A plain-text summary of :meth:`DINOTrainingAnalyzer.generate_report`'s
     dict (what ``dino-opt report`` prints). Also takes the dict of
@@ -177,6 +203,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     if perf:
         lines += ["", *_convergence_lines(perf.get("convergence") or {})]
         lines += ["", *_performance_lines(perf)]
+        lines += _evaluation_lines(perf.get("run_report") or {}, perf.get("pictures") or [])
         files += [perf.get("report"), perf.get("plot")]
     if ck:
         lines += ["", *_checkpoint_lines(ck)]
