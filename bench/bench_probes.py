@@ -98,12 +98,24 @@ def main() -> None:
                 [rows_of(name, r) for name, r in results.items()])  # fmt: skip
     cost = [
         ["grid, together (augmented)", f"{grid_epoch:.2f}", n, "1.00x"],
-        [f"{n} classifiers one at a time (1 measured x {n})", f"{single * n:.2f}", n,
-         f"{single * n / grid_epoch:.1f}x"],  # fmt: skip
-        ["fast mode: features once + grid (all epochs)",
-         f"{results['trained']['linear']['seconds']['grid']:.2f}", n, "-"],  # fmt: skip
-        ["fast mode: logistic regression sweep",
-         f"{results['trained']['linear']['seconds']['logreg']:.2f}", 1, "-"],  # fmt: skip
+        [
+            f"{n} classifiers one at a time (1 measured x {n})",
+            f"{single * n:.2f}",
+            n,
+            f"{single * n / grid_epoch:.1f}x",
+        ],  # fmt: skip
+        [
+            "fast mode: features once + grid (all epochs)",
+            f"{results['trained']['linear']['seconds']['grid']:.2f}",
+            n,
+            "-",
+        ],  # fmt: skip
+        [
+            "fast mode: logistic regression sweep",
+            f"{results['trained']['linear']['seconds']['logreg']:.2f}",
+            1,
+            "-",
+        ],  # fmt: skip
     ]
     print_table("Cost of the linear probe (seconds per epoch of augmented training)",
                 ["case", "seconds", "classifiers", "vs together"], cost)  # fmt: skip

@@ -32,7 +32,7 @@ def _write_json(result: dict, output: str | None) -> None:
 def _eval(args: argparse.Namespace) -> int:
     common = dict(which=args.which, image_size=args.image_size, device=args.device)
     if args.probe == "linear":
-        options = {"mode": args.mode, "epochs": args.epochs or 10, "batch_size": args.batch_size}
+        options = {"mode": args.mode, "epochs": args.epochs, "batch_size": args.batch_size}
         result = run_linear_probe(args.source, args.data, **common, **options)
         print(probe_table(result, top=args.top))
         best, logreg = result["best"], result.get("logreg")
@@ -97,7 +97,11 @@ def add_eval(sub) -> None:
         help="linear: fast (cached centre-crop features, with the logistic regression) or "
         "augmented (random-resized crops and flips through the backbone each step)",
     )
-    e.add_argument("--epochs", type=int, help="training epochs (default: linear 10, dense 32)")
+    e.add_argument(
+        "--epochs",
+        type=int,
+        help="training epochs (default: linear 100 fast, 10 augmented; dense 32)",
+    )
     e.add_argument("--batch-size", type=int, default=128, help="default 128 (dense: at most 64)")
     e.add_argument("--top", type=int, default=12, help="linear: rows of the table (default 12)")
     e.add_argument("--output", help="write the result as JSON here")

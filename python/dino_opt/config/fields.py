@@ -404,7 +404,9 @@ class EvalConfig:
         0, "epochs between evaluations of the teacher (k-NN, linear); 0: only at the end", ge=0
     )
     linear: bool = _opt(True, "the linear probe grid and logistic regression on cached features")
-    linear_epochs: int = _opt(10, "epochs of the linear probe's classifiers", ge=1)
+    linear_epochs: int = _opt(
+        100, "epochs of the linear probe's classifiers (cached features)", ge=1
+    )
     dense: bool = _opt(True, "the dense linear probe, where the data has masks")
     dense_epochs: int = _opt(32, "epochs of the dense probe's head", ge=1)
     pictures: int = _opt(4, "val images whose attention and PCA pictures are drawn", ge=0)
