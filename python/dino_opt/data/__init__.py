@@ -1,8 +1,17 @@
 """Images in: the data sources (folders, file lists, tar shards, Hugging Face
-data sets), the native multi-crop loader, DINOv2's block masks and the
-built-in data set."""
+data sets), the native multi-crop loader, DINOv2's block masks, the
+built-in data set (with per-pixel masks) and segmentation data (image/mask
+pairs)."""
 
-from .builtin import BUILTIN_CLASSES, BUILTIN_VERSION, builtin_dataset, default_root, render_image
+from .builtin import (
+    BUILTIN_CLASSES,
+    BUILTIN_MASK_CLASSES,
+    BUILTIN_VERSION,
+    builtin_dataset,
+    default_root,
+    render_image,
+    render_image_and_mask,
+)
 from .loader import (
     AUGMENT_KEYS,
     IMAGENET_MEAN,
@@ -24,6 +33,7 @@ from .masking import (
     mask_targets,
     mask_upperbound,
 )
+from .segmentation import IGNORE_INDEX, SegmentationSource, segmentation_splits
 from .shards import verify_shards, write_shards
 from .sources import (
     FORMATS,
@@ -42,6 +52,7 @@ from .sources import (
 __all__ = [
     "AUGMENT_KEYS",
     "BUILTIN_CLASSES",
+    "BUILTIN_MASK_CLASSES",
     "BUILTIN_VERSION",
     "Batch",
     "DataSource",
@@ -56,7 +67,9 @@ __all__ = [
     "MaskingGenerator",
     "MultiCropDataset",
     "MultiCropLoader",
+    "IGNORE_INDEX",
     "NativeLoaderHandle",
+    "SegmentationSource",
     "SourceError",
     "builtin_dataset",
     "collate_data_and_cast",
@@ -71,6 +84,8 @@ __all__ = [
     "multicrop_collate",
     "open_source",
     "render_image",
+    "render_image_and_mask",
+    "segmentation_splits",
     "sibling_split",
     "source_exists",
     "verify_shards",

@@ -23,8 +23,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointManager
 from ..config import Config
-from ..data import source_exists
-from ..data.segmentation import segmentation_splits
+from ..data import segmentation_splits, source_exists
 from ..observe import RunFolder, RunLog
 from ..runtime import resolve_device
 from ..train import DataRoots, build_models, build_source, data_roots
@@ -250,7 +249,7 @@ def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
                   log: RunLog | None = None, step: int = 0) -> list[Path]:  # fmt: skip
     """The attention and PCA pictures of ``cfg.eval.pictures`` val images
     (spread over the split) for each backbone of ``nets`` (name -> ViT), at
-    twice the training crop size, in ``folder.pictures``
+    twice the training crop size, each image's PCA its own, in ``folder.pictures``
     (``<image>_<kind>_<name>.png``) and in TensorBoard."""
     count = cfg.eval.pictures
     if not count or not all(hasattr(n, "get_intermediate_layers") for n in nets.values()):
@@ -263,8 +262,10 @@ def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
     written = []
     for name, net in nets.items():
         for kind in PICTURE_KINDS:
-            arrays = picture_arrays(net, images, kind, names)
-            for stem, picture in zip(names, arrays, strict=True):
+            # One image at a time: a PCA fitted over unlike images (a texture
+            # and a shape) spends its first component telling them apart.
+            for image, stem in zip(images, names, strict=True):
+                (picture,) = picture_arrays(net, [image], kind, [stem])
                 path = folder.pictures / f"{stem}_{kind}_{name}.png"
                 Image.fromarray(picture).save(path)
                 written.append(path)

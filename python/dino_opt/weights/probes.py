@@ -18,8 +18,7 @@ from typing import NamedTuple
 from torch import nn
 
 from ..config import Config
-from ..data import source_exists
-from ..data.segmentation import segmentation_splits
+from ..data import segmentation_splits, source_exists
 from ..eval import ProbeData, dense_probe, linear_probe, load_checkpoint, show
 from ..runtime import resolve_device
 from ..train import data_roots
