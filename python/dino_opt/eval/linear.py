@@ -46,6 +46,7 @@ __all__ = [
     "LOGREG_C",
     "N_LAST_BLOCKS",
     "LinearProbeGrid",
+    "ProbeData",
     "ProbeFeatures",
     "ProbeSpec",
     "accuracy",
@@ -53,6 +54,8 @@ __all__ = [
     "input_columns",
     "linear_probe",
     "logistic_regression",
+    "logreg_fit",
+    "logreg_objective",
     "probe_features",
     "probe_table",
 ]
@@ -251,7 +254,7 @@ def grid_scores(grid: LinearProbeGrid, features: torch.Tensor, labels: torch.Ten
 # ---------------------------------------------------------------- logistic regression
 
 
-def _logreg_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, c: float,
+def logreg_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, c: float,
                 init: torch.Tensor | None, max_iter: int) -> torch.Tensor:  # fmt: skip
     """Minimises ``sum_i CE_i + ||W||^2 / (2 C)`` (bias not penalised) by
     L-BFGS; returns ``[D + 1, C]`` (last row: the bias)."""
@@ -318,7 +321,7 @@ def _logistic_regression(train, val, test, cs, max_iter: int, coarse: int) -> di
 
     def sweep(indices: Iterable[int], theta: torch.Tensor | None) -> None:
         for i in indices:
-            theta = _logreg_fit(xt, yt, num_classes, cs[i], theta, max_iter)
+            theta = logreg_fit(xt, yt, num_classes, cs[i], theta, max_iter)
             top1, top5 = (v.item() for v in accuracy(_logits(theta, xv)[None], yv))
             fits[i] = (top1, top5, theta)
 
