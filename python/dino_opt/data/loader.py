@@ -205,11 +205,21 @@ def _native_loader(
 
 
 class NativeLoaderHandle:
-    """The lifetime of a native loader held as ``_native``: ``close()``
-    stops and joins its threads (promptly, mid-epoch too; idempotent), and
-    the object is a context manager that closes it."""
+    """A native loader held as ``_native``: its batches per epoch
+    (``len``), its samples, and its lifetime: ``close()`` stops and joins
+    its threads (promptly, mid-epoch too; idempotent), and the object is a
+    context manager that closes it."""
 
     _native = None
+
+    def __len__(self) -> int:
+        """Batches of this rank in an epoch."""
+        return self._native.num_batches
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the data set (all ranks)."""
+        return self._native.num_samples
 
     def close(self) -> None:
         if self._native is not None:
@@ -379,14 +389,6 @@ class MultiCropLoader(NativeLoaderHandle):
         self._next_batch = 0  # within the epoch: where iteration (or a resume) starts
 
     # ------------------------------------------------------------ iteration
-    def __len__(self) -> int:
-        return self._native.num_batches
-
-    @property
-    def num_samples(self) -> int:
-        """Samples in the data set (all ranks)."""
-        return self._native.num_samples
-
     @property
     def epoch(self) -> int:
         return self._epoch

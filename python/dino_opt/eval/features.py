@@ -189,15 +189,6 @@ class EvalLoader(NativeLoaderHandle):
         self.image_size, self.batch_size = image_size, batch_size
         self.rank, self.world_size = int(rank), int(world_size)
 
-    def __len__(self) -> int:
-        """Batches of this rank."""
-        return self._native.num_batches
-
-    @property
-    def num_samples(self) -> int:
-        """Images in the data set (all ranks)."""
-        return self._native.num_samples
-
     @property
     def indices(self) -> list[int]:
         """This rank's data set indices, in the order its batches hold them."""
