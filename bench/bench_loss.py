@@ -276,7 +276,8 @@ def main() -> None:
     if not on_gpu:
         pin_host_mmap_threshold()
     measure_peaks(results, configs, args, device)
-    ibot_peaks(ibot, args, device)
+    if ibot:
+        ibot_peaks(ibot, args, device)
 
     slug = device_slug(device)
     out = args.json or RESULTS_DIR / f"loss_{slug}.json"

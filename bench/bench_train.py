@@ -5,7 +5,8 @@ optimisation switched on one at a time, and all together.
     python bench/bench_train.py [--config cpu|recipe|max_batch] [--quick]
         [--only baseline,dino_opt,loader,...] [--steps N] [--warmup N]
         [--batch-size N] [--workers N] [--repeats N] [--data DIR] [--compile]
-        [--photometric cpu|gpu] [--epoch N] [--no-isolate] [--json PATH]
+        [--photometric cpu|gpu] [--epoch N] [--no-isolate] [--without compile,...]
+        [--time-budget S] [--json PATH]
 
 Rows (same model, same initialisation from one seed, same schedules):
 
@@ -55,8 +56,12 @@ optimizer state and activations) on a GPU; on the CPU the peak resident set
 of the training process (DataLoader worker processes are not in it; the
 native loader's threads and buffers are). Losses are read at the end (for dino_opt's rows
 from device tensors); steps 1, 10 and the last are in the table, all in the
-JSON. Both trainers compute the same step up to the clipping rule (DINO clips
-each parameter's gradient to norm 3 on its own, dino_opt the global norm);
+JSON. With ``--time-budget``, a row is started only while at least
+``MIN_ROW_SECONDS`` of the budget are left and is stopped when it runs out;
+the rows that did not run or were stopped are in the table and the JSON as
+such, so that a bench cut short still writes its results. Both trainers
+compute the same step up to the clipping rule (DINO clips each parameter's
+gradient to norm 3 on its own, dino_opt the global norm);
 tests_py/test_reference_trainer.py checks that they agree.
 """
 
@@ -133,6 +138,7 @@ PRESETS = {
     ),
 }  # fmt: skip
 QUICK = dict(steps=2, warmup=1)
+MIN_ROW_SECONDS = 15  # with --time-budget: less than this left, a row is not started
 QUICK_CPU_BATCH = 8
 SEARCH_START, SEARCH_GRANULARITY = 64, 32
 
@@ -613,6 +619,20 @@ def merge_rounds(rounds: list[dict]) -> dict:
     return out
 
 
+class Budget:
+    """The bench's time budget (``--time-budget``; None: none)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float | None:
+        return None if self.end is None else self.end - time.monotonic()
+
+    def describe(self) -> str:
+        return f"the bench's time budget ({self.seconds:.0f} s)"
+
+
 def run_spec(spec: dict) -> dict:
     s, case, toggles = spec["settings"], spec["case"], spec["toggles"]
     if spec["mode"] == "search":
@@ -620,9 +640,13 @@ def run_spec(spec: dict) -> dict:
     return measure(s, case, toggles, spec["batch_size"])
 
 
-def execute(spec: dict, isolate: bool) -> dict:
+def execute(spec: dict, isolate: bool, budget: Budget) -> dict:
     """``run_spec`` in a fresh process (``isolate``) or in this one; a failure
-    becomes ``{"error": ...}``."""
+    becomes ``{"error": ...}``, and so does a row for which the budget has
+    too little left (not started) or that outlasts it (stopped)."""
+    left = budget.left()
+    if left is not None and left < MIN_ROW_SECONDS:
+        return {"error": f"not run: {budget.describe()} was spent"}
     if not isolate:
         try:
             return run_spec(spec)
@@ -632,15 +656,11 @@ def execute(spec: dict, isolate: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                str(spec_path),
-                str(out_path),
-            ]
-        )
+        command = [sys.executable, str(Path(__file__).resolve()), "--child"]
+        try:
+            proc = subprocess.run([*command, str(spec_path), str(out_path)], timeout=left)
+        except subprocess.TimeoutExpired:
+            return {"error": f"stopped after {left:.0f} s: {budget.describe()} ran out"}
         if out_path.exists():
             return json.loads(out_path.read_text())
         return {"error": f"the row's process exited with status {proc.returncode}"}
@@ -720,10 +740,14 @@ def _fmt(x, digits: int) -> str:
 def run_config(config: str, args, device: torch.device, cases: list[str]) -> None:
     s = settings_for(config, args, device)
     skipped = unavailable_toggles(device, args.compile)
+    skipped.update({t: "left out (--without)" for t in args.without if t not in skipped})
     available = [t for t in TOGGLES if t not in skipped]
     rows_cases = [case for case in cases if case not in skipped]
     isolate = not args.no_isolate
+    budget = args.budget
     notes = [f"{LABELS[c]}: skipped: {skipped[c]}" for c in cases if c in skipped]
+    if args.without:
+        notes.append(f"left out of every row (--without): {', '.join(args.without)}")
     batches = {}
     searches = {}
     if config == "max_batch":
@@ -735,7 +759,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
                 settings=s, case=case, toggles=case_toggles(case, available), mode="search",
                 limit=args.max_batch_limit,
             )  # fmt: skip
-            r = execute(spec, isolate)
+            r = execute(spec, isolate, budget)
             searches[case] = r
             batches[case] = r.get("batch_size") or 0
             print(f"  {case}: batch {batches[case]}", flush=True)
@@ -772,7 +796,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
                 mode="measure",
                 batch_size=batches[case],
             )
-            r = execute(spec, isolate)
+            r = execute(spec, isolate, budget)
             runs[case].append(r)
             if "error" in r:
                 print(f"  failed: {r['error']}", flush=True)
@@ -984,6 +1008,16 @@ def main() -> None:
     parser.add_argument(
         "--no-isolate", action="store_true", help="run the rows in this process, not one each"
     )
+    parser.add_argument(
+        "--without",
+        default="",
+        help="switches left out of every row, e.g. compile (dino-opt train's default is eager)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds for the whole bench: rows that do not fit are reported as not run",
+    )
     parser.add_argument("--json", type=Path, help="output file (default docs/results/train_*.json)")
     parser.add_argument(
         "--replot", type=Path, nargs="+", help="only draw the plots of these results files"
@@ -1008,6 +1042,12 @@ def main() -> None:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(CASES)}")
     if args.photometric == "gpu" and device.type != "cuda":
         parser.error("--photometric gpu needs --device cuda")
+    if args.time_budget is not None and args.time_budget <= 0:
+        parser.error("--time-budget must be positive")
+    args.budget = Budget(args.time_budget)
+    args.without = [t.strip() for t in args.without.split(",") if t.strip()]
+    if set(args.without) - set(TOGGLES):
+        parser.error(f"--without takes switches from {', '.join(TOGGLES)}")
     for config in args.configs:
         run_config(config, args, device, cases)
 

@@ -3,7 +3,8 @@ carried prefix, torch's own libraries and the C/C++ runtime.
 
 For each file, every library it names (DT_NEEDED) is resolved as the dynamic
 linker of a process that has already imported torch would resolve it (ldd with
-torch's library folders on LD_LIBRARY_PATH, the file's own RUNPATH after them)
+torch's library folders on LD_LIBRARY_PATH, then the process's own LD_LIBRARY_PATH,
+the file's own RUNPATH after them)
 and is classified:
 
   prefix   under --prefix (then its own needs are checked the same way)
@@ -101,7 +102,9 @@ class Checker:
         self.torch_dirs, self.torch_closure = torch_libraries()
         self.built = {f.name for f in files}
         self.env = dict(os.environ)
-        self.env["LD_LIBRARY_PATH"] = ":".join(str(d) for d in self.torch_dirs)
+        # the process's own LD_LIBRARY_PATH after torch's folders, as it loads
+        inherited = [os.environ["LD_LIBRARY_PATH"]] if os.environ.get("LD_LIBRARY_PATH") else []
+        self.env["LD_LIBRARY_PATH"] = ":".join([*map(str, self.torch_dirs), *inherited])
 
     def kind(self, soname: str, path: str | None) -> str:
         if path is None:

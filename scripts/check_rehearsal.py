@@ -1,12 +1,16 @@
 """Judges the report of `make gpu-rehearsal` (scripts/gpu_rehearsal.sh): the
 GPU check ran here, without a GPU, as it would run there.
 
-It passes when every requested stage recorded its steps and each passed; the
+It prints the plan: each step's seconds here and its cap there, and the sum of
+the caps of the `proof` stage, which must fit one call (PROOF_CAP_S). It
+passes when that sum fits, every requested stage recorded its steps and each
+passed; the
 closure check found nothing but the carried prefix, torch's libraries and the
 C/C++ runtime, and libjpeg-turbo came from the prefix; dino_opt._C was loaded
 from the rehearsal's own environment; the build is JPEG-only, and its
 CMakeCache.txt found libjpeg-turbo and GoogleTest in the carried prefix and no
-OpenCV; the C++ tests ran and passed; the CUDA tests were collected and all
+OpenCV; the C++ tests ran and passed (with a carried build: its own test
+program); the CUDA tests were collected and all
 skipped (no GPU here); every benchmark's JSON was embedded; and the carried
 files fit the device's 64 MiB.
 """
@@ -20,12 +24,15 @@ import sys
 from pathlib import Path
 
 CARRY_LIMIT = 64 << 20
+PROOF_CAP_S = 480  # one call of at most 8 minutes on a cold GPU machine
 STAGE_STEPS = {
-    "build": ["unpack", "build", "closure", "import"],
-    "cuda-tests": ["ctest", "pytest_cuda"],
-    "bench": ["bench_ema", "bench_loss", "bench_profiler", "bench_photometric", "bench_loader"],
-    "e2e": ["presets", "bench_train", "bench_checkpoint"],
-}
+    "build": ["closure", "import"],
+    "carry": ["wheel"],
+    "proof": ["closure", "import", "doctor", "cpp_tests", "pytest_cuda", "bench_train",
+              "bench_loss", "bench_ema"],
+    "rest": ["bench_profiler", "bench_photometric", "bench_loader", "presets", "fsdp_job",
+             "bench_checkpoint"],
+}  # fmt: skip
 # The cache entries that say where the carried dependencies were found.
 CARRIED = ("TURBOJPEG_INCLUDE_DIR", "TURBOJPEG_LIBRARY", "GTest_DIR")
 CACHE_ENTRY = re.compile(r"^([A-Za-z_]\w*):\w+=(.*)$", re.M)
@@ -49,7 +56,7 @@ def step_problems(report: dict, stages: list[str]) -> list[str]:
 def test_problems(report: dict) -> list[str]:
     problems = []
     steps = {s["name"]: s for s in report.get("steps", [])}
-    ctest = steps.get("ctest", {}).get("counts")
+    ctest = steps.get("cpp_tests", {}).get("counts")
     if not ctest or ctest["tests"] == 0 or ctest["failed"] or ctest["errors"]:
         problems.append(f"C++ tests: {ctest}")
     cuda = steps.get("pytest_cuda", {}).get("counts")
@@ -91,10 +98,29 @@ def build_problems(report: dict, build_dir: Path, venv: Path, prefix: Path) -> l
     return problems
 
 
+def plan_problems(report: dict) -> list[str]:
+    """Prints each step's seconds here against its cap there; the caps of
+    `proof` must add up to at most PROOF_CAP_S."""
+    print(f"  {'stage':<8} {'step':<18} {'here s':>7} {'cap s':>6}")
+    for s in report.get("steps", []):
+        here, cap = s.get("seconds", "?"), s.get("cap", "?")
+        print(f"  {s['stage']:<8} {s['name']:<18} {here:>7} {cap:>6}")
+    proof = [s for s in report.get("steps", []) if s["stage"] == "proof"]
+    if not proof:
+        return []
+    total = sum(s.get("cap", 0) for s in proof)
+    print(f"  proof: the caps add up to {total} s (at most {PROOF_CAP_S} s)")
+    missing = [s["name"] for s in proof if "cap" not in s]
+    problems = [f"proof: steps without a cap: {missing}"] if missing else []
+    if total > PROOF_CAP_S:
+        problems.append(f"proof: the caps add up to {total} s, over one call's {PROOF_CAP_S} s")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report_dir", type=Path)
-    parser.add_argument("--stages", default="build,cuda-tests,bench,e2e")
+    parser.add_argument("--stages", default="build,proof,rest")
     parser.add_argument("--build-dir", type=Path, required=True)
     parser.add_argument("--venv", type=Path, required=True, help="the rehearsal's environment")
     parser.add_argument("--prefix", type=Path, required=True, help="the carried prefix")
@@ -104,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((args.report_dir / "gpu_check.json").read_text())
     problems = step_problems(report, stages)
     problems += build_problems(report, args.build_dir, args.venv, args.prefix)
-    if "cuda-tests" in stages:
+    problems += plan_problems(report)
+    if "proof" in stages:
         problems += test_problems(report)
-    for stage in ("bench", "e2e"):
+    for stage in ("proof", "rest"):
         if stage in stages:
             benches = [n for n in STAGE_STEPS[stage] if n.startswith("bench_")]
             problems += [

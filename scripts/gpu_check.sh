@@ -1,33 +1,39 @@
 #!/usr/bin/env bash
-# `make gpu-check STAGE=...`: the GPU check, in stages that each fit one
-# 10-minute call of an offline GPU machine (docs/gpu_check.md).
+# `make gpu-check STAGE=...`: the GPU check, in two stages that each fit one
+# call of a GPU machine lent for 15 minutes in all (docs/gpu_check.md).
 #
-#   build       unpack third_party/debs into the prefix; build dino_opt against
-#               this machine's torch without OpenCV, with the C++ tests; check
-#               with ldd that every built object loads from the prefix, torch's
-#               own libraries or the C/C++ runtime; import it
-#   cuda-tests  dino-opt doctor, ctest (GoogleTest) and the `cuda`-marked Python tests
-#   bench       the five piece benchmarks (EMA, loss, profiler, photometric, loader)
-#   e2e         `dino-opt presets --measure` and the end-to-end recipe bench
+#   proof  the evidence that matters most, in this order, each step's result
+#          written as it ends: the build (the carried one of `STAGE=carry`
+#          when it matches this tree, Python and torch: installed in seconds;
+#          else built here), its ldd closure and import; `dino-opt doctor`;
+#          the C++ tests; the `cuda` tests (slow ones last); the end-to-end
+#          headline (DINO's ViT-S/16 recipe, baseline vs dino_opt); the loss
+#          and EMA benches. Its steps' caps add up to at most 480 s.
+#   rest   the other benches (profiler, photometric, loader, presets), an
+#          FSDP job on NCCL, the checkpoint bench: for when time is left.
+#   carry  (where the build is prepared, not on the GPU machine) a wheel and
+#          the C++ test program built against this Python and torch, into
+#          GPU_CHECK_CARRY (default .gpu-carry) with the digest of the tree.
+#   build  the build alone (carried or built here), closure and import.
 #
-# STAGE is one of these, a comma list, or `all`. The stages after `build` build
-# first only when the native sources differ from the last build in this build
-# folder (or dino_opt does not import). Each stage has a time budget
-# (GPU_CHECK_BUDGET_S, default 450 s): every step runs under `timeout` for the
-# smaller of its own cap and what is left, so a stage always ends with its
-# report written. Every step appends its output to REPORT_DIR/gpu_check.log and
+# STAGE is one of these or a comma list; `all` is proof,rest. Each stage has a
+# time budget (GPU_CHECK_BUDGET_S, default 480 s): every step runs under
+# `timeout` for the smaller of its own cap and what is left, so a stage always
+# ends with its report written, and a step that no longer fits is recorded as
+# not run. Every step appends its output to REPORT_DIR/gpu_check.log and
 # rewrites REPORT_DIR/gpu_check.json (scripts/gpu_report.py).
 #
 # Environment: REPORT_DIR, STAGE, PYTHON, GPU_CHECK_BUILD_DIR, GPU_CHECK_PREFIX,
-# GPU_CHECK_DEBS (folder of .deb files), GPU_CHECK_CMAKE_DEFINES (extra CMake
-# definitions, space-separated NAME=VALUE), GPU_CHECK_QUICK=1 (small bench
-# sizes, for the rehearsal on a CPU), DINO_OPT_CUDA_ARCHS (default: this GPU's).
+# GPU_CHECK_DEBS (folder of .deb files), GPU_CHECK_CARRY, GPU_CHECK_CMAKE_DEFINES
+# (extra CMake definitions, space-separated NAME=VALUE), GPU_CHECK_QUICK=1
+# (small bench sizes, for the rehearsal on a CPU), DINO_OPT_CUDA_ARCHS
+# (default: this GPU's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 STAGE=${STAGE:-all}
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
 QUICK=${GPU_CHECK_QUICK:-0}
 DEBS=${GPU_CHECK_DEBS:-third_party/debs}
 REPORT_DIR=$(realpath -m "${REPORT_DIR:-build/gpu-report}")
@@ -41,8 +47,13 @@ if ! tag=$("$PY" -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.vers
 fi
 BUILD_DIR=$(realpath -m "${GPU_CHECK_BUILD_DIR:-build/gpu-$tag}")
 PREFIX=$(realpath -m "${GPU_CHECK_PREFIX:-.gpu-prefix}")
+CARRY=$(realpath -m "${GPU_CHECK_CARRY:-.gpu-carry}")
 ARCHS=${DINO_OPT_CUDA_ARCHS:-$("$PY" -c "import torch; print(''.join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else '90')")}
+DEVICE=$("$PY" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+# libjpeg-turbo from the prefix for a carried build (its RUNPATH names the
+# prefix of the machine it was built on) and the carried C++ test program.
+export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 STAMP=$BUILD_DIR/gpu-check.sources
 failed=0
 
@@ -60,16 +71,16 @@ step() {
   local limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 10 ]; then
     echo "== $stage/$name: not run, the stage's ${BUDGET} s budget is spent" | tee -a "$LOG"
-    report record "$REPORT_DIR" "$stage" "$name" -1 0
+    report record "$REPORT_DIR" "$stage" "$name" -1 0 --cap "$cap"
     failed=1
     return 1
   fi
   report start "$REPORT_DIR" "$stage" "$name"
   echo "== $stage/$name (limit $limit s): $*" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  STEP_LIMIT=$limit timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
-  report record "$REPORT_DIR" "$stage" "$name" "$rc" "$((SECONDS - t0))" "${opts[@]}"
+  report record "$REPORT_DIR" "$stage" "$name" "$rc" "$((SECONDS - t0))" --cap "$cap" "${opts[@]}"
   echo "== $stage/$name: rc $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   [ "$rc" -eq 0 ] || { failed=1; return 1; }
 }
@@ -81,11 +92,19 @@ sources_digest() {
     xargs -0 sha256sum | sha256sum | cut -d' ' -f1
 }
 
+# What a carried build must match: the native sources, the Python package
+# (the wheel holds it), this Python and torch, and the GPU architecture.
+carry_digest() {
+  { sources_digest
+    find python -type f -name '*.py' -print0 | sort -z | xargs -0 sha256sum
+    echo "$tag sm_$ARCHS"; } | sha256sum | cut -d' ' -f1
+}
+
 built_objects() {
   local site
   site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
   ls "$BUILD_DIR"/libdino_opt_core.so "$BUILD_DIR"/_C*.so "$BUILD_DIR"/dino_opt_tests \
-    "$site"/dino_opt/*.so 2>/dev/null
+    "$CARRY"/dino_opt_tests "$site"/dino_opt/*.so 2>/dev/null
 }
 
 # pyproject.toml needs scikit-build-core >= 1.1 (its [[tool.dynamic-metadata]]
@@ -95,31 +114,55 @@ ensure_build_backend() {
   local check="import scikit_build_core as s; from packaging.version import Version as V; assert V(s.__version__) >= V('1.1')"
   "$PY" -c "$check" 2>/dev/null && return 0
   local wheels=("$DEBS"/scikit_build_core-*.whl)
-  step build-backend 60 -- "$PY" -m pip install -q --no-index --no-deps --upgrade \
+  step build-backend 30 -- "$PY" -m pip install -q --no-index --no-deps --upgrade \
     --target "$PREFIX/python" "${wheels[0]}" || return 1
   export PYTHONPATH="$PREFIX/python${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-# Unpacks the carried .deb files and builds (pip's editable install, CMake and
-# ninja in BUILD_DIR); the digest of the sources is kept for ensure_built.
-build_native() {
+# The carried .deb files into the prefix (libjpeg-turbo, GoogleTest).
+unpack_debs() {
   local debs=("$DEBS"/*.deb)
-  if [ -e "${debs[0]}" ]; then
-    rm -rf "$PREFIX"
-    step unpack 60 -- "$PY" scripts/unpack_debs.py "$PREFIX" "${debs[@]}" || return 1
-  else
+  if [ ! -e "${debs[0]}" ]; then
     echo "== $stage: no .deb files in $DEBS (run 'make gpu-debs' where apt works and carry them)" |
       tee -a "$LOG"
+    return 0
   fi
-  ensure_build_backend || return 1
-  local defines=(-Ccmake.define.DINO_OPT_BUILD_TESTS=ON -Ccmake.define.DINO_OPT_WITH_OPENCV=OFF
+  rm -rf "$PREFIX"
+  step unpack 20 -- "$PY" scripts/unpack_debs.py "$PREFIX" "${debs[@]}"
+}
+
+CMAKE_DEFINES=()
+cmake_defines() {
+  CMAKE_DEFINES=(-Ccmake.define.DINO_OPT_BUILD_TESTS=ON -Ccmake.define.DINO_OPT_WITH_OPENCV=OFF
                  "-Ccmake.define.DINO_OPT_CUDA_ARCHS=$ARCHS")
   local d
-  for d in ${GPU_CHECK_CMAKE_DEFINES:-}; do defines+=("-Ccmake.define.$d"); done
+  for d in ${GPU_CHECK_CMAKE_DEFINES:-}; do CMAKE_DEFINES+=("-Ccmake.define.$d"); done
+}
+
+# Builds here: pip's editable install, CMake and ninja in BUILD_DIR; the
+# digest of the sources is kept for ensure_built.
+build_native() {
+  ensure_build_backend || return 1
+  cmake_defines
   rm -f "$STAMP"
-  step build 420 -- env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip install \
-    --no-build-isolation --no-deps -e . "-Cbuild-dir=$BUILD_DIR" "${defines[@]}" || return 1
+  step build 300 -- env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip install \
+    --no-build-isolation --no-deps -e . "-Cbuild-dir=$BUILD_DIR" "${CMAKE_DEFINES[@]}" || return 1
   sources_digest >"$STAMP"
+}
+
+# The carried build, when it was made from this tree for this Python, torch
+# and GPU: the wheel into this Python (no build, no download).
+carried_matches() {
+  [ -f "$CARRY/digest" ] && [ "$(cat "$CARRY/digest")" = "$(carry_digest)" ]
+}
+
+install_carried() {
+  local wheels=("$CARRY"/dino_opt-*.whl) site
+  step install 30 -- "$PY" -m pip install -q --no-index --no-deps --force-reinstall \
+    "${wheels[0]}" || return 1
+  # the carried C++ test program finds dino_opt's core and LibTorch here
+  site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
+  export LD_LIBRARY_PATH="$site/dino_opt:$site/torch/lib:$LD_LIBRARY_PATH"
 }
 
 # What every stage reports about the build it runs on: the ldd closure of the
@@ -127,35 +170,65 @@ build_native() {
 check_build() {
   local objects
   mapfile -t objects < <(built_objects)
-  step closure 60 --embed "closure=$REPORT_DIR/closure.json" -- "$PY" scripts/check_closure.py \
-    --prefix "$PREFIX" --json "$REPORT_DIR/closure.json" "${objects[@]}"
-  step import 60 --embed "build_info=$BUILD_DIR/build_info.json" -- "$PY" -c \
+  step closure 10 --embed "closure=$BUILD_DIR/closure.json" -- "$PY" scripts/check_closure.py \
+    --prefix "$PREFIX" --json "$BUILD_DIR/closure.json" "${objects[@]}"
+  step import 15 --embed "build_info=$BUILD_DIR/build_info.json" -- "$PY" -c \
     "import json, dino_opt; info = {**dino_opt.build_info(), 'native_module': dino_opt._C.__file__}; print(info); json.dump(info, open('$BUILD_DIR/build_info.json', 'w'))"
 }
 
-stage_build() {
-  build_native && check_build
-}
-
-# The build of the previous call on this machine, when the sources are the same.
+# The build to run on: the carried one when it matches; else the build of an
+# earlier call on this machine when the sources are the same; else a build.
 ensure_built() {
-  if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(sources_digest)" ]; then
+  mkdir -p "$BUILD_DIR"
+  if carried_matches; then
+    echo "== $stage: the carried build in $CARRY matches this tree, $tag, sm_$ARCHS" | tee -a "$LOG"
+    unpack_debs || return 1
+    if ! install_carried; then
+      echo "== $stage: the carried build did not install: building here" | tee -a "$LOG"
+      build_native || return 1
+    fi
+  elif [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(sources_digest)" ]; then
     echo "== $stage: the build in $BUILD_DIR is up to date" | tee -a "$LOG"
   else
-    build_native || return 1
+    [ -f "$CARRY/digest" ] && echo "== $stage: the carried build in $CARRY is for another tree," \
+      "Python, torch or GPU: building here" | tee -a "$LOG"
+    unpack_debs && build_native || return 1
   fi
   check_build
 }
 
-stage_cuda_tests() {
-  ensure_built || return 1
-  # The first check a user runs: every fused operator on the device against its plain form.
-  step doctor 90 -- "$PY" -m dino_opt.doctor
-  step ctest 120 --junit "$REPORT_DIR/ctest_gtest.xml" -- env \
-    GTEST_OUTPUT="xml:$REPORT_DIR/ctest_gtest.xml" ctest --test-dir "$BUILD_DIR" \
-    --output-on-failure --no-tests=error
-  step pytest_cuda 330 --junit "$REPORT_DIR/pytest_cuda.xml" -- "$PY" -m pytest tests_py -m cuda \
-    -ra -p no:cacheprovider "--junitxml=$REPORT_DIR/pytest_cuda.xml"
+stage_carry() {
+  unpack_debs || return 1
+  ensure_build_backend || return 1
+  cmake_defines
+  rm -rf "$CARRY"
+  mkdir -p "$CARRY"
+  step wheel 900 -- env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -q \
+    --no-build-isolation --no-deps . -w "$CARRY" "-Cbuild-dir=$BUILD_DIR-carry" \
+    "${CMAKE_DEFINES[@]}" || return 1
+  cp "$BUILD_DIR-carry/dino_opt_tests" "$CARRY/" && carry_digest >"$CARRY/digest"
+  du -sb "$CARRY"/* | tee -a "$LOG"
+}
+
+# The C++ tests: ctest in the build folder, or the carried test program.
+cpp_tests() {
+  local xml=$REPORT_DIR/cpp_tests.xml
+  if [ -f "$BUILD_DIR/CTestTestfile.cmake" ] && ! carried_matches; then
+    step cpp_tests 30 --junit "$xml" -- env GTEST_OUTPUT="xml:$xml" ctest --test-dir "$BUILD_DIR" \
+      --output-on-failure --no-tests=error
+  else
+    step cpp_tests 30 --junit "$xml" -- env GTEST_OUTPUT="xml:$xml" "$CARRY/dino_opt_tests"
+  fi
+}
+
+# The `cuda` tests, quick ones first (conftest.py); a test that would start
+# after the step's cap is skipped as not run, so the JUnit file is written.
+cuda_tests() {
+  local xml=$REPORT_DIR/pytest_cuda.xml workers=()
+  "$PY" -c "import xdist" 2>/dev/null && [ "$DEVICE" = cuda ] && workers=(-n 4)
+  step pytest_cuda 110 --junit "$xml" -- bash -c \
+    'export DINO_OPT_TEST_DEADLINE=$(($(date +%s) + STEP_LIMIT - 12)); exec "$@"' _ \
+    "$PY" -m pytest tests_py -m cuda "${workers[@]}" -ra -p no:cacheprovider "--junitxml=$xml"
 }
 
 # bench_step NAME CAP SCRIPT ARGS... (QUICK_ARGS after a second --)
@@ -169,33 +242,65 @@ bench_step() {
     --json "$REPORT_DIR/$name.json" "${args[@]}"
 }
 
-stage_bench() {
-  ensure_built || return 1
-  bench_step bench_ema 60 bench/bench_ema.py -- --repeats 2
-  bench_step bench_loss 90 bench/bench_loss.py -- --batch 4 --dim 4096 --repeats 1
-  bench_step bench_profiler 60 bench/bench_profiler.py -- --steps 5 --batch 4 --out-dim 256
-  bench_step bench_photometric 60 bench/bench_photometric.py -- --images 4 --repeats 1
-  # The synthetic JPEGs are generated under build/ on the first run (16 cores: seconds).
-  bench_step bench_loader 150 bench/bench_loader.py --device "$("$PY" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")" \
-    -- --count 96 --batch-size 16 --repeats 1 --warmup 1
+# The headline: DINO's ViT-S/16 recipe (2x224 + 8x96 crops, out_dim 65536,
+# batch 64, data loading included), the published step against dino_opt with
+# every switch of `dino-opt train` on (eager, its default), with and without
+# gradient checkpointing. The bench keeps 15 s for writing its table; rows
+# that do not fit are reported as not run.
+headline() {
+  local train=(--config recipe --only baseline,all,all_no_ckpt --without compile --steps 40
+               --warmup 10)
+  [ "$QUICK" = 1 ] && train=(--config cpu --quick --only baseline,all)
+  bench_step bench_train 150 bench/bench_train.py "${train[@]}" --time-budget 135
+  # the plot stays behind: $OUT brings back 8 files
+  mv -f "$REPORT_DIR/bench_train.png" "$BUILD_DIR/" 2>/dev/null || true
 }
 
-stage_e2e() {
+stage_proof() {
   ensure_built || return 1
-  # What hardware.preset=auto picks on this card, and the batch size measured for it.
-  local presets=(--measure --steps 2) tiny=()
-  [ "$QUICK" = 1 ] && presets=(--measure --steps 1 --max-batch 2) &&
-    tiny=(hardware.preset=cpu hardware.device=cpu augmentation.global_crop_size=32
-          augmentation.local_crop_size=16 model.out_dim=128 model.hidden_dim=64
-          model.bottleneck_dim=32)
-  step presets 90 --embed "presets=$REPORT_DIR/presets.json" -- bash -c \
-    "set -o pipefail; \"\$0\" -m dino_opt.cli presets --json \"\${@}\" | tee '$REPORT_DIR/presets.json'" \
-    "$PY" "${presets[@]}" "${tiny[@]}"
-  # Last: the end-to-end table (DINO's ViT-S/16 recipe, baseline vs each optimisation).
-  local train=(--config recipe --repeats 1 --steps 15 --warmup 5)
-  [ "$QUICK" = 1 ] && train=(--config cpu --quick --only baseline,all)
-  bench_step bench_train 270 bench/bench_train.py "${train[@]}"
-  # After it (it matters more): checkpoints every 1/10/100 steps, sync vs async, ViT-S/16.
+  # The first check a user runs: every fused operator on the device against its plain form.
+  step doctor 30 -- "$PY" -m dino_opt.doctor
+  cpp_tests
+  cuda_tests
+  headline
+  bench_step bench_loss 50 bench/bench_loss.py --repeats 10 -- --batch 4 --dim 4096 --repeats 1
+  bench_step bench_ema 25 bench/bench_ema.py --repeats 10 -- --repeats 2
+}
+
+# An FSDP run of one epoch of the demo on NCCL (one process on a GPU, gloo on a CPU).
+fsdp_job() {
+  local run=$BUILD_DIR/fsdp-run tiny=()
+  rm -rf "$run"
+  [ "$QUICK" = 1 ] && tiny=("${TINY[@]}" model.backbone=vit_tiny data.batch_size=16)
+  step fsdp_job 120 -- "$PY" -m dino_opt.cli train --nproc 1 --output-dir "$run" \
+    distributed.strategy=fsdp schedule.epochs=1 schedule.warmup_epochs=0 eval.linear=false \
+    eval.dense=false eval.pictures=0 logging.progress=false "${tiny[@]}"
+}
+
+# What hardware.preset=auto picks on this card, and the batch size measured for it.
+presets() {
+  local args=(--measure --steps 2)
+  [ "$QUICK" = 1 ] && args=(--measure --steps 1 --max-batch 2 hardware.preset=cpu "${TINY[@]}")
+  step presets 60 --embed "presets=$BUILD_DIR/presets.json" -- bash -c \
+    "set -o pipefail; \"\$0\" -m dino_opt.cli presets --json \"\${@}\" | tee '$BUILD_DIR/presets.json'" \
+    "$PY" "${args[@]}"
+}
+
+# The rehearsal's sizes on a CPU.
+TINY=(hardware.device=cpu augmentation.global_crop_size=32 augmentation.local_crop_size=16
+      model.out_dim=128 model.hidden_dim=64 model.bottleneck_dim=32)
+
+# Most useful first: NCCL, the loader on 16 cores, the presets, the other benches.
+stage_rest() {
+  ensure_built || return 1
+  fsdp_job
+  # The synthetic JPEGs are generated under build/ on the first run (16 cores: seconds).
+  bench_step bench_loader 90 bench/bench_loader.py --device "$DEVICE" \
+    -- --count 96 --batch-size 16 --repeats 1 --warmup 1
+  presets
+  bench_step bench_photometric 45 bench/bench_photometric.py -- --images 4 --repeats 1
+  bench_step bench_profiler 45 bench/bench_profiler.py -- --steps 5 --batch 4 --out-dim 256
+  # Checkpoints every 1/10/100 steps, sync vs async, ViT-S/16.
   bench_step bench_checkpoint 90 bench/bench_checkpoint.py --models vit_small --batch-size 64 \
     --repeats 1 -- --models demo --batch-size 8 --every 1,10 --saves 1 --min-steps 2
 }
@@ -205,17 +310,17 @@ run_stage() {
   stage_start=$SECONDS
   echo "== stage $stage (budget $BUDGET s) on $(hostname), $(date -Is)" | tee -a "$LOG"
   case $stage in
-    build) stage_build ;;
-    cuda-tests) stage_cuda_tests ;;
-    bench) stage_bench ;;
-    e2e) stage_e2e ;;
-    *) echo "gpu-check: unknown stage '$stage' (build, cuda-tests, bench, e2e or all)" | tee -a "$LOG"
+    proof) stage_proof ;;
+    rest) stage_rest ;;
+    carry) stage_carry ;;
+    build) ensure_built ;;
+    *) echo "gpu-check: unknown stage '$stage' (proof, rest, carry, build or all)" | tee -a "$LOG"
        failed=1 ;;
   esac
   echo "== stage $stage done after $((SECONDS - stage_start)) s" | tee -a "$LOG"
 }
 
-[ "$STAGE" = all ] && STAGE=build,cuda-tests,bench,e2e
+[ "$STAGE" = all ] && STAGE=proof,rest
 IFS=, read -r -a stages <<<"$STAGE"
 for s in "${stages[@]}"; do run_stage "$s"; done
 report verdict "$REPORT_DIR" | tee -a "$LOG"

@@ -14,8 +14,14 @@
 #     (CMAKE_IGNORE_PREFIX_PATH), so the system's OpenCV, libjpeg-turbo and
 #     GoogleTest cannot stand in for missing ones;
 #   - a build folder of its own; small bench sizes (GPU_CHECK_QUICK=1).
-# Each stage is a separate run, as each is a separate call there. The CUDA
-# tests skip here. Then scripts/check_rehearsal.py judges the report.
+# Each stage is a separate run, as each is a separate call there: by default
+# build, proof, rest (the build made here, as on a machine that was carried
+# none); with REHEARSAL_TORCH carry, proof, rest, where `carry` builds the
+# wheel and C++ test program that the GPU machine installs instead of
+# building, into .gpu-carry (the folder the GPU call carries), and `proof`
+# installs it. The CUDA tests skip here. Then scripts/check_rehearsal.py
+# judges the report and the plan: each step's seconds here against its cap
+# there, and the caps of `proof` within one call's 480 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -23,7 +29,10 @@ TORCH=${REHEARSAL_TORCH:-}
 ROOT=build/gpu-rehearsal${TORCH:+-torch$TORCH}
 REPORT_DIR=$(realpath -m "${REPORT_DIR:-$ROOT/report}")
 STAGES=${STAGE:-all}
-[ "$STAGES" = all ] && STAGES=build,cuda-tests,bench,e2e
+if [ "$STAGES" = all ]; then
+  if [ -n "$TORCH" ]; then STAGES=carry,proof,rest; else STAGES=build,proof,rest; fi
+fi
+CARRY=${GPU_CHECK_CARRY:-$([ -n "$TORCH" ] && echo .gpu-carry || echo "$ROOT/carry")}
 start=$SECONDS
 venv=$ROOT/venv
 tools=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -71,15 +80,20 @@ fi
 "$venv/bin/python" -c "import sys, torch; print('rehearsal environment: Python', sys.version.split()[0], 'torch', torch.__version__)"
 
 rm -rf "$REPORT_DIR"
-carried=$(du -sb third_party/debs | cut -f1)
-echo "carried: third_party/debs, $carried bytes ($(ls third_party/debs | tr '\n' ' '))"
 IFS=, read -r -a stages <<<"$STAGES"
 for stage in "${stages[@]}"; do
   PYTHON=$venv/bin/python STAGE=$stage REPORT_DIR=$REPORT_DIR GPU_CHECK_QUICK=1 \
-    GPU_CHECK_BUILD_DIR=$ROOT/build GPU_CHECK_PREFIX=$ROOT/prefix \
+    GPU_CHECK_BUILD_DIR=$ROOT/build GPU_CHECK_PREFIX=$ROOT/prefix GPU_CHECK_CARRY=$CARRY \
     GPU_CHECK_CMAKE_DEFINES="CMAKE_IGNORE_PREFIX_PATH=/usr;/" \
     bash scripts/gpu_check.sh || true
 done
-"$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$ROOT/build" \
+# What a GPU call carries: the .deb files, and the carried build when there is one.
+carry_paths=(third_party/debs)
+[ -f "$CARRY/digest" ] && carry_paths+=("$CARRY")
+carried=$(du -scb "${carry_paths[@]}" | tail -n 1 | cut -f1)
+echo "carried: ${carry_paths[*]}, $carried bytes"
+build_dir=$ROOT/build
+[[ ,$STAGES, == *,carry,* ]] && build_dir=$ROOT/build-carry
+"$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$build_dir" \
   --venv "$venv" --prefix "$ROOT/prefix" --carried-bytes "$carried"
 echo "gpu-rehearsal: $((SECONDS - start)) s"

@@ -2,13 +2,14 @@
 step so that a call killed at its time limit still brings back what ran.
 
     gpu_report.py start  REPORT_DIR STAGE STEP
-    gpu_report.py record REPORT_DIR STAGE STEP RC SECONDS [--junit F] [--embed KEY=F]...
+    gpu_report.py record REPORT_DIR STAGE STEP RC SECONDS [--cap S] [--junit F] [--embed KEY=F]...
     gpu_report.py verdict REPORT_DIR
 
 `start` marks a step as running; `record` replaces that mark with the exit
-status (0 pass, 124/137 timeout, -1 not run, else fail), the seconds, the
-pass/fail/skip counts and failing tests of a JUnit file (pytest or
-GoogleTest), and embeds JSON files (bench tables, build info, the closure
+status (0 pass, 124/137 timeout, -1 not run, else fail), the seconds and the
+step's time cap, the pass/fail/skip counts and failing tests of a JUnit file
+(pytest or GoogleTest; tests skipped because the run's time cap was reached
+are counted as not_run), and embeds JSON files (bench tables, build info, the closure
 check) under dotted keys. `verdict` prints the summary and exits 1 when a
 step failed, or when a GPU was present but no CUDA test passed.
 """
@@ -41,7 +42,7 @@ def status_of(rc: int) -> str:
 def junit_counts(path: Path) -> dict:
     """Counts over every <testcase> of a pytest or GoogleTest JUnit file, and
     the failing ones (name and the start of the message)."""
-    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_run": 0}
     failures = []
     for case in ET.parse(path).getroot().iter("testcase"):
         counts["tests"] += 1
@@ -53,7 +54,9 @@ def junit_counts(path: Path) -> dict:
                 text = problem.get("message") or problem.text or ""
                 failures.append({"test": name, "message": text[:500]})
         elif case.find("skipped") is not None or case.get("result") == "skipped":
-            counts["skipped"] += 1
+            skipped = case.find("skipped")
+            text = "" if skipped is None else (skipped.get("message") or "")
+            counts["not_run" if "not run:" in text else "skipped"] += 1
         else:
             counts["passed"] += 1
     return {"counts": counts, "failures": failures}
@@ -106,6 +109,8 @@ def record(args) -> None:
         "rc": args.rc,
         "seconds": args.seconds,
     }
+    if args.cap is not None:
+        entry["cap"] = args.cap
     if args.junit and args.junit.exists():
         try:
             entry.update(junit_counts(args.junit))
@@ -128,6 +133,11 @@ def problems_of(report: dict) -> list[str]:
         f"{s['stage']}/{s['name']}: {s['status']}" + (f" (rc {s['rc']})" if "rc" in s else "")
         for s in report["steps"]
         if s["status"] != "pass"
+    ]
+    problems += [
+        f"{s['stage']}/{s['name']}: {s['counts']['not_run']} tests not run (the time cap)"
+        for s in report["steps"]
+        if s.get("counts", {}).get("not_run")
     ]
     cuda_tests = [s for s in report["steps"] if s["name"] == "pytest_cuda" and "counts" in s]
     if report.get("build_info", {}).get("cuda_available") and cuda_tests:
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "record":
             p.add_argument("rc", type=int)
             p.add_argument("seconds", type=int)
+            p.add_argument("--cap", type=int, help="the step's time cap in seconds")
             p.add_argument("--junit", type=Path)
             p.add_argument("--embed", action="append", default=[], metavar="KEY=FILE")
     args = parser.parse_args(argv)

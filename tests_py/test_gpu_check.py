@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import dino_opt
@@ -103,6 +104,7 @@ PYTEST_XML = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite nam
 <testcase classname="t.a" name="test_cuda"><skipped message="needs a CUDA device"/></testcase>
 <testcase classname="t.a" name="test_bad"><failure message="assert 1 == 2">tb</failure></testcase>
 <testcase classname="t.a" name="test_err"><error message="fixture broke"/></testcase>
+<testcase classname="t.a" name="test_late"><skipped message="not run: time cap"/></testcase>
 </testsuite></testsuites>"""
 GTEST_XML = """<?xml version="1.0" encoding="UTF-8"?>
 <testsuites tests="3" failures="0" disabled="0" errors="0" name="AllTests">
@@ -120,17 +122,31 @@ def test_report_counts_junit_of_pytest_and_googletest(tmp_path):
     (tmp_path / "p.xml").write_text(PYTEST_XML)
     (tmp_path / "g.xml").write_text(GTEST_XML)
     report_cli(
-        "record", tmp_path, "cuda-tests", "pytest_cuda", 1, 12, "--junit", tmp_path / "p.xml"
+        "record",
+        tmp_path,
+        "proof",
+        "pytest_cuda",
+        1,
+        12,
+        "--cap",
+        110,
+        "--junit",
+        tmp_path / "p.xml",
     )
-    report_cli("record", tmp_path, "cuda-tests", "ctest", 0, 3, "--junit", tmp_path / "g.xml")
+    report_cli("record", tmp_path, "proof", "cpp_tests", 0, 3, "--junit", tmp_path / "g.xml")
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
-    assert steps[0]["counts"] == {"tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert steps[0]["counts"] == {
+        "tests": 5, "passed": 1, "failed": 1, "errors": 1, "skipped": 1, "not_run": 1
+    }  # fmt: skip
     assert steps[0]["failures"][0] == {
         "test": "t.a::test_bad",
         "message": "assert 1 == 2",
     }
-    assert steps[0]["status"] == "fail" and steps[0]["seconds"] == 12
-    assert steps[1]["counts"] == {"tests": 3, "passed": 2, "failed": 0, "errors": 0, "skipped": 1}
+    assert steps[0]["status"] == "fail" and steps[0]["seconds"] == 12 and steps[0]["cap"] == 110
+    assert "cap" not in steps[1]
+    assert steps[1]["counts"] == {
+        "tests": 3, "passed": 2, "failed": 0, "errors": 0, "skipped": 1, "not_run": 0
+    }  # fmt: skip
 
 
 def test_report_marks_a_running_step_and_replaces_the_mark(tmp_path):
@@ -169,9 +185,11 @@ def test_verdict_fails_on_a_failed_step_and_on_a_gpu_without_cuda_tests(tmp_path
         PYTEST_XML.replace('<testcase classname="t.a" name="test_ok" time="0.1"/>', "")
     )
     report_cli("record", gpu, "build", "import", 0, 1, "--embed", f"build_info={gpu / 'info.json'}")
-    report_cli("record", gpu, "cuda-tests", "pytest_cuda", 0, 5, "--junit", gpu / "p.xml")
+    report_cli("record", gpu, "proof", "pytest_cuda", 0, 5, "--junit", gpu / "p.xml")
     assert report_cli("verdict", gpu) == 1
-    assert "a GPU is present but no CUDA test passed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a GPU is present but no CUDA test passed" in out
+    assert "proof/pytest_cuda: 1 tests not run (the time cap)" in out
 
 
 # ----------------------------------------------------------------- check_closure
@@ -217,10 +235,16 @@ def test_closure_refuses_a_missing_file(tmp_path, capsys):
 def test_rehearsal_verdict_names_each_problem(tmp_path, capsys):
     report = {
         "steps": [
-            {"stage": "build", "name": n, "status": "pass", "rc": 0, "seconds": 1}
+            {"stage": "build", "name": n, "status": "pass", "rc": 0, "seconds": 1, "cap": 300}
             for n in ("unpack", "build", "closure", "import")
         ]
-        + [{"stage": "bench", "name": "bench_ema", "status": "fail", "rc": 1, "seconds": 1}],
+        + [
+            {"stage": "proof", "name": n, "status": "pass", "rc": 0, "seconds": 1, "cap": 100}
+            for n in ("closure", "import", "doctor", "cpp_tests")
+        ]
+        + [
+            {"stage": "proof", "name": "bench_ema", "status": "fail", "rc": 1, "seconds": 1},
+        ],
         "closure": {
             "violations": ["libdino_opt_core.so: libopencv_core.so.406 (other)"],
             "files": [{"needs": [{"soname": "libturbojpeg.so.0", "kind": "other"}]}],
@@ -239,7 +263,7 @@ def test_rehearsal_verdict_names_each_problem(tmp_path, capsys):
     args = [
         str(tmp_path),
         "--stages",
-        "build,bench",
+        "build,proof",
         "--build-dir",
         str(build),
         "--venv",
@@ -252,8 +276,10 @@ def test_rehearsal_verdict_names_each_problem(tmp_path, capsys):
     assert check_rehearsal.main(args) == 1
     out = capsys.readouterr().out
     for problem in (
-        "step bench/bench_ema: fail",
-        "stage bench: step bench_loss did not run",
+        "step proof/bench_ema: fail",
+        "stage proof: step bench_loss did not run",
+        "proof: the caps add up to 400 s",
+        "proof: steps without a cap: ['bench_ema']",
         "closure: libdino_opt_core.so: libopencv_core.so.406",
         "libturbojpeg.so.0 resolved as 'other'",
         "must be JPEG-only",
@@ -317,6 +343,7 @@ def run_check(tmp_path, stage, budget=450):
         "REPORT_DIR": str(tmp_path / "report"),
         "GPU_CHECK_BUILD_DIR": str(tmp_path / "build"),
         "GPU_CHECK_PREFIX": str(tmp_path / "prefix"),
+        "GPU_CHECK_CARRY": str(tmp_path / "carry"),
         "GPU_CHECK_BUDGET_S": str(budget),
     }
     done = subprocess.run(
@@ -328,9 +355,9 @@ def run_check(tmp_path, stage, budget=450):
 
 
 def test_a_stage_past_its_budget_records_its_steps_as_not_run(tmp_path):
-    # No build in the (empty) build folder: e2e builds first, but a 1 s budget
+    # No build in the (empty) build folder: proof builds first, but a 1 s budget
     # leaves no time, so the first step is recorded as not run and the stage ends.
-    done, report = run_check(tmp_path, "e2e", budget=1)
+    done, report = run_check(tmp_path, "proof", budget=1)
     assert done.returncode == 1
     assert report["steps"][0]["status"] == "not run"
     assert report["steps"][0]["name"] in ("unpack", "build")
@@ -349,3 +376,43 @@ def test_readelf_lists_what_ldd_resolves():
     core = native_objects()[0]
     needed = check_closure.needed(core)
     assert "libc.so.6" in needed and "libtorch.so" in needed
+
+
+def test_rehearsal_refuses_a_proof_whose_caps_do_not_fit_one_call(capsys):
+    steps = [
+        {"stage": "proof", "name": n, "status": "pass", "seconds": 2, "cap": cap}
+        for n, cap in (("doctor", 30), ("pytest_cuda", 300), ("bench_train", 170))
+    ]
+    assert check_rehearsal.plan_problems({"steps": steps}) == [
+        "proof: the caps add up to 500 s, over one call's 480 s"
+    ]
+    out = capsys.readouterr().out
+    assert "pytest_cuda" in out and "300" in out  # the plan: here and the cap there
+    assert check_rehearsal.plan_problems({"steps": steps[:2]}) == []
+
+
+# ----------------------------------------------------------------- the test run's time cap
+
+
+def test_tests_past_the_deadline_are_recorded_as_not_run(tmp_path):
+    xml = tmp_path / "junit.xml"
+    chosen = "tests_py/test_gpu_check.py::test_an_unknown_stage_is_refused"
+    env = {**os.environ, "DINO_OPT_TEST_DEADLINE": str(time.time() - 1)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", chosen, "-p", "no:cacheprovider", f"--junitxml={xml}"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    counts = gpu_report.junit_counts(xml)["counts"]
+    assert counts["not_run"] == 1 and counts["passed"] == 0
+
+
+def test_slow_tests_are_collected_last():
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests_py/test_memory.py"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    slow = "tests_py/test_memory.py::test_cuda_tracker_as_the_first_cuda_call_of_a_process"
+    assert len(ids) > 2 and ids[-1] == slow, ids

@@ -656,6 +656,7 @@ def test_cuda_chunks_of_neg_inf_logits(gen):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_compiled_module_matches_the_reference_at_the_scheduled_temperature(gen):
     loss_fn = DINOLoss(4096, 10, 0.04, 0.07, 2, 5).cuda()
     epoch = 1

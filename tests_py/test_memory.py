@@ -159,6 +159,7 @@ print("ok", len(timeline))
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_tracker_as_the_first_cuda_call_of_a_process():
     done = subprocess.run(
         [sys.executable, "-c", FIRST_CUDA_CALL], capture_output=True, text=True, timeout=120

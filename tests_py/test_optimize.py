@@ -508,6 +508,7 @@ def test_dynamo_traces_the_fused_forward_in_one_graph(gen):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_flash_kernel_on_cuda(gen):
     """On a GPU the converted modules run under the flash kernel alone (bf16) and
     match the hand-written forward."""

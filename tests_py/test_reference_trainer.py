@@ -285,6 +285,7 @@ def test_bench_quick_smoke_isolated(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_reports_gpu_busy_share_on_cuda(tmp_path):
     payload, stdout = run_bench(
@@ -293,3 +294,16 @@ def test_bench_reports_gpu_busy_share_on_cuda(tmp_path):
     assert "GPU busy %" in payload["table"]["columns"]
     for r in payload["results"]:
         assert 0.0 < r["gpu_busy"] <= 1.0, r["case"]
+
+
+def test_bench_rows_that_do_not_fit_its_time_budget_are_reported_not_run(tmp_path):
+    payload, stdout = run_bench(
+        tmp_path, "--only", "baseline,dino_opt", "--time-budget", "5", "--without", "compile"
+    )
+    assert "left out of every row (--without): compile" in payload["notes"]
+    results = {r["case"]: r for r in payload["results"]}
+    assert set(results) == {"baseline", "dino_opt"}
+    for r in results.values():
+        assert r["error"] == "not run: the bench's time budget (5 s) was spent"
+    assert [row[1] for row in payload["table"]["rows"]] == ["failed", "failed"]
+    assert "not run" in stdout

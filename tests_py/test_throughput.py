@@ -510,6 +510,7 @@ def test_lesson_form_and_bad_inputs(gen):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_real_search_on_a_gpu(cfg, loader):
     torch.manual_seed(0)
     student, teacher = build_models(cfg)
