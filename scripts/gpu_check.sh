@@ -14,6 +14,8 @@
 #   carry  (where the build is prepared, not on the GPU machine) a wheel and
 #          the C++ test program built against this Python and torch, into
 #          GPU_CHECK_CARRY (default .gpu-carry) with the digest of the tree.
+#   tests  the proof's build, doctor and tests, the `cuda` tests with 220 s,
+#          and the FSDP job: a second look after a proof with failures.
 #   build  the build alone (carried or built here), closure and import.
 #
 # STAGE is one of these or a comma list; `all` is proof,rest. Each stage has a
@@ -88,7 +90,7 @@ step() {
 # A digest of everything the native build reads: equal digests, same build.
 sources_digest() {
   find csrc tests_cpp cmake build_support CMakeLists.txt pyproject.toml -type f \
-    ! -name '*.pyc' -print0 | sort -z |
+    ! -name '*.pyc' -print0 | LC_ALL=C sort -z |
     xargs -0 sha256sum | sha256sum | cut -d' ' -f1
 }
 
@@ -96,15 +98,16 @@ sources_digest() {
 # (the wheel holds it), this Python and torch, and the GPU architecture.
 carry_digest() {
   { sources_digest
-    find python -type f -name '*.py' -print0 | sort -z | xargs -0 sha256sum
+    find python -type f -name '*.py' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
     echo "$tag sm_$ARCHS"; } | sha256sum | cut -d' ' -f1
 }
 
 built_objects() {
-  local site
+  local site carried=()
   site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
+  carried_matches && carried=("$CARRY"/dino_opt_tests)
   ls "$BUILD_DIR"/libdino_opt_core.so "$BUILD_DIR"/_C*.so "$BUILD_DIR"/dino_opt_tests \
-    "$CARRY"/dino_opt_tests "$site"/dino_opt/*.so 2>/dev/null
+    "${carried[@]}" "$site"/dino_opt/*.so 2>/dev/null
 }
 
 # pyproject.toml needs scikit-build-core >= 1.1 (its [[tool.dynamic-metadata]]
@@ -221,14 +224,18 @@ cpp_tests() {
   fi
 }
 
-# The `cuda` tests, quick ones first (conftest.py); a test that would start
-# after the step's cap is skipped as not run, so the JUnit file is written.
+# The `cuda` tests, quick ones first (conftest.py), in 8 processes; a test
+# that would start in the last 45 s of the step's cap is skipped as not run,
+# so that the JUnit file is written; one that runs over 60 s fails with its
+# traceback (pytest-timeout, where installed). A test that crashes its
+# process is reported by name (pytest-xdist). cuda_tests CAP
 cuda_tests() {
-  local xml=$REPORT_DIR/pytest_cuda.xml workers=()
-  "$PY" -c "import xdist" 2>/dev/null && [ "$DEVICE" = cuda ] && workers=(-n 4)
-  step pytest_cuda 110 --junit "$xml" -- bash -c \
-    'export DINO_OPT_TEST_DEADLINE=$(($(date +%s) + STEP_LIMIT - 12)); exec "$@"' _ \
-    "$PY" -m pytest tests_py -m cuda "${workers[@]}" -ra -p no:cacheprovider "--junitxml=$xml"
+  local xml=$REPORT_DIR/pytest_cuda.xml extra=()
+  "$PY" -c "import xdist" 2>/dev/null && [ "$DEVICE" = cuda ] && extra+=(-n 8)
+  "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 60)
+  step pytest_cuda "$1" --junit "$xml" -- bash -c \
+    'export DINO_OPT_TEST_DEADLINE=$(($(date +%s) + STEP_LIMIT - 45)); exec "$@"' _ \
+    "$PY" -m pytest tests_py -m cuda "${extra[@]}" -v -ra -p no:cacheprovider "--junitxml=$xml"
 }
 
 # bench_step NAME CAP SCRIPT ARGS... (QUICK_ARGS after a second --)
@@ -261,7 +268,7 @@ stage_proof() {
   # The first check a user runs: every fused operator on the device against its plain form.
   step doctor 30 -- "$PY" -m dino_opt.doctor
   cpp_tests
-  cuda_tests
+  cuda_tests 110
   headline
   bench_step bench_loss 50 bench/bench_loss.py --repeats 10 -- --batch 4 --dim 4096 --repeats 1
   bench_step bench_ema 25 bench/bench_ema.py --repeats 10 -- --repeats 2
@@ -290,6 +297,15 @@ presets() {
 TINY=(hardware.device=cpu augmentation.global_crop_size=32 augmentation.local_crop_size=16
       model.out_dim=128 model.hidden_dim=64 model.bottleneck_dim=32)
 
+# The proof's tests alone, with more time for the `cuda` tests, and the NCCL job.
+stage_tests() {
+  ensure_built || return 1
+  step doctor 30 -- "$PY" -m dino_opt.doctor
+  cpp_tests
+  cuda_tests 220
+  fsdp_job
+}
+
 # Most useful first: NCCL, the loader on 16 cores, the presets, the other benches.
 stage_rest() {
   ensure_built || return 1
@@ -312,9 +328,10 @@ run_stage() {
   case $stage in
     proof) stage_proof ;;
     rest) stage_rest ;;
+    tests) stage_tests ;;
     carry) stage_carry ;;
     build) ensure_built ;;
-    *) echo "gpu-check: unknown stage '$stage' (proof, rest, carry, build or all)" | tee -a "$LOG"
+    *) echo "gpu-check: unknown stage '$stage' (proof, rest, tests, carry, build or all)" | tee -a "$LOG"
        failed=1 ;;
   esac
   echo "== stage $stage done after $((SECONDS - stage_start)) s" | tee -a "$LOG"
