@@ -268,10 +268,10 @@ stage_proof() {
   # The first check a user runs: every fused operator on the device against its plain form.
   step doctor 30 -- "$PY" -m dino_opt.doctor
   cpp_tests
-  cuda_tests 110
+  cuda_tests 130
   headline
-  bench_step bench_loss 50 bench/bench_loss.py --repeats 10 -- --batch 4 --dim 4096 --repeats 1
-  bench_step bench_ema 25 bench/bench_ema.py --repeats 10 -- --repeats 2
+  bench_step bench_loss 40 bench/bench_loss.py --repeats 10 -- --batch 4 --dim 4096 --repeats 1
+  bench_step bench_ema 20 bench/bench_ema.py --repeats 10 -- --repeats 2
 }
 
 # An FSDP run of one epoch of the demo on NCCL (one process on a GPU, gloo on a CPU).
@@ -311,7 +311,7 @@ stage_rest() {
   ensure_built || return 1
   fsdp_job
   # The synthetic JPEGs are generated under build/ on the first run (16 cores: seconds).
-  bench_step bench_loader 90 bench/bench_loader.py --device "$DEVICE" \
+  bench_step bench_loader 90 bench/bench_loader.py --device "$DEVICE" --repeats 2 \
     -- --count 96 --batch-size 16 --repeats 1 --warmup 1
   presets
   bench_step bench_photometric 45 bench/bench_photometric.py -- --images 4 --repeats 1

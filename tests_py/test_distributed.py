@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dino_opt.distributed import launch_distributed_training
-from dino_opt.runtime import all_reduce_metrics, launched_world
+from dino_opt.runtime import all_reduce_metrics, launched_world, with_index
 from tiny import TINY as TINY_BASE
 from tiny import tiny_train_only
 
@@ -134,3 +134,12 @@ def test_launch_in_process_on_cpus_keeps_the_callers_signal_handlers(
         for sig, h in before.items():
             signal.signal(sig, h)
     assert report["steps"] == 10  # 40 images, 2 ranks x 4 per step
+
+
+def test_a_cuda_device_gets_its_index(monkeypatch):
+    # NCCL's group of one (fsdp on one GPU) refused torch.device("cuda") on the
+    # first GPU run: "Please use a device_id with index".
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert with_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert with_index(torch.device("cpu")) == torch.device("cpu")

@@ -240,7 +240,7 @@ def dino_reference_update(student, teacher, m):
 def perturb(module, gen):
     with torch.no_grad():
         for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen))
+            p.add_(torch.randn(p.shape, generator=gen).to(p.device))
 
 
 def test_ema_teacher_builds_a_frozen_copy_and_follows_dino(gen):

@@ -289,7 +289,16 @@ def test_bench_quick_smoke_isolated(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_reports_gpu_busy_share_on_cuda(tmp_path):
     payload, stdout = run_bench(
-        tmp_path, "--config", "recipe", "--only", "baseline,all", "--batch-size", "8", device="cuda"
+        tmp_path,
+        "--config",
+        "recipe",
+        "--only",
+        "baseline,all",
+        "--batch-size",
+        "8",
+        "--without",
+        "compile",
+        device="cuda",
     )
     assert "GPU busy %" in payload["table"]["columns"]
     for r in payload["results"]:

@@ -517,11 +517,15 @@ def test_real_search_on_a_gpu(cfg, loader):
     model = DINOModel(student, teacher)
     before = state_of(model)
     opt = ThroughputOptimizer(copy.deepcopy(model), "cuda")
-    allocated = torch.cuda.memory_allocated()
     result = opt.find_optimal_batch_size(loader, max_batch_size=16, steps=2, warmup=1)
     check_table(result, 0.9, 1, 16)
     assert [r["batch_size"] for r in result["trials"]] == [1, 2, 4, 8, 16]
     for row in result["trials"]:
         assert 0 < row["memory_fraction"] < 0.9
-    assert torch.cuda.memory_allocated() <= allocated  # every trial freed
+    # Every trial freed what it built: a second search leaves nothing more. (The
+    # first matrix product of a process keeps cuBLAS's workspace, 33 MiB on an
+    # H200, for the process's life: the first search grew by that much.)
+    allocated = torch.cuda.memory_allocated()
+    opt.find_optimal_batch_size(loader, max_batch_size=4, steps=1, warmup=1)
+    assert torch.cuda.memory_allocated() <= allocated
     assert_same_state(model, before)

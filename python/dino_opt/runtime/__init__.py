@@ -1,6 +1,6 @@
 """A run's process: device, precision, process group, collectives, signals, watchdog."""
 
-from .device import resolve_device, resolve_precision
+from .device import resolve_device, resolve_precision, with_index
 from .process import (
     DistInfo,
     all_reduce_metrics,
@@ -48,6 +48,7 @@ __all__ = [
     "replicated",
     "resolve_device",
     "resolve_precision",
+    "with_index",
     "shard_model",
     "world_size",
     "wrap_student",

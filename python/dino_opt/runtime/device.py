@@ -29,3 +29,12 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     if precision not in choices:
         raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
     return choices[precision]
+
+
+def with_index(dev: torch.device) -> torch.device:
+    """A CUDA device with its index (the current device's where none is
+    given): NCCL's process group is bound to one device and refuses
+    ``cuda`` alone ("Please use a device_id with index")."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .device import resolve_device
+from .device import resolve_device, with_index
 from .sharding import FSDPModule, fsdp_no_sync
 
 __all__ = [
@@ -113,7 +113,7 @@ def init_distributed(
 
     placed = launched_world()
     if placed is None or placed[1] == 1:
-        dev = resolve_device(device)
+        dev = with_index(resolve_device(device))
         if group_alone and not dist.is_initialized():
             dist.init_process_group(
                 backend or ("nccl" if dev.type == "cuda" else "gloo"),
