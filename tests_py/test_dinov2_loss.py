@@ -437,3 +437,19 @@ def test_two_ranks_centers_equal_one_process(two_ranks):
         torch.testing.assert_close(got["dino_center"], dino.state_dict()["center"])
         torch.testing.assert_close(got["ibot_center"], ibot.state_dict()["center"])
         assert torch.equal(got["loaded_center"], torch.ones(1, 24)) and got["loaded_updated"]
+
+
+@pytest.mark.parametrize("make", [lambda: DINOLoss(12, center_momentum=0.6),
+                                  lambda: iBOTPatchLoss(12, center_momentum=0.6)])  # fmt: skip
+def test_a_second_update_before_it_is_applied_replaces_the_first(make, gen):
+    # dinov2's semantics (kept by dinov3): update_center stores the batch's sum;
+    # a second call before apply_center_update overwrites it.
+    loss = make()
+    shape = (5, 12) if isinstance(loss, DINOLoss) else (2, 5, 12)
+    first, second = randn(gen, *shape), randn(gen, *shape)
+    loss.update_center(first)
+    loss.update_center(second)
+    loss.apply_center_update()
+    rows = second.double().reshape(-1, 12)
+    want = ref_center(torch.zeros(12, dtype=torch.float64), rows.mean(dim=0), 0.6)
+    torch.testing.assert_close(loss.center.double().reshape(-1), want, rtol=1e-6, atol=1e-7)

@@ -145,7 +145,11 @@ class _CenteredLoss(nn.Module):
         return self._pending is None
 
     def _start_center_update(self, batch_sum: torch.Tensor, rows: int) -> None:
-        self.apply_center_update()  # at most one update in flight
+        # As dinov2 (and dinov3): a second update started before the first is
+        # applied replaces it; only the last batch moves the center. Its
+        # all-reduce is waited for, so that every rank's collectives stay in order.
+        if self._pending is not None and self._pending[1] is not None:
+            self._pending[1].wait()
         totals = torch.cat([batch_sum.reshape(-1), batch_sum.new_tensor([float(rows)])])
         handle = dist.all_reduce(totals, async_op=True) if _distributed() else None
         self._pending = (totals, handle)
