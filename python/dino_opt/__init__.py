@@ -6,10 +6,9 @@ The hot paths are a C++/CUDA core registered as PyTorch operators
 
 import os
 
-import torch  # noqa: F401  (loads libtorch before the native core)
-
-from . import _C, ops  # noqa: F401  (_C loads the core library, which registers the ops)
+from . import ops  # noqa: F401  (its operators' Python side)
 from ._compat import install_module_aliases
+from ._native import _C  # noqa: F401  (the core library, which registers the ops)
 from .ops import (
     DINOLoss,
     EMATeacher,

@@ -47,7 +47,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import _C, doctor, probing
+from . import doctor, probing
+from ._native import _C
 from .config import (
     PRESETS,
     Config,
@@ -63,6 +64,7 @@ from .job import run_training
 from .models import CHECKPOINT_POLICIES
 from .observe import DINOTrainingAnalyzer, format_report
 from .runtime import EXIT_HANG, TrainingHungError, launched_world
+from .train import RECIPES
 from .tune import (
     MEMORY_ARCHS,
     STRATEGIES,
@@ -212,23 +214,12 @@ DEMO_PRESET = {
 }
 
 
-# The DINOv2 recipe's demo: the DINO demo's data, crops, network and schedule
-# with DINOv2's losses (iBOT, KoLeo), masks and mask token, Sinkhorn-Knopp
-# targets (val 50.6 % against 47.6 % with softmax centering). Without
-# LayerScale: at 1e-5 a random network's features are nearly the same for
-# every image (k-NN at chance), so the gain over random initialisation would
-# not compare with DINO's.
-DINOV2_DEMO_CHANGES = {
-    "recipe": {"name": "dinov2", "centering": "sinkhorn_knopp"},
-    "model": {"img_size": 224},
-}
-
-
 def _merged(base: dict, changes: dict) -> dict:
     return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
 
 
-DEMO_PRESETS = {"dino": DEMO_PRESET, "dinov2": _merged(DEMO_PRESET, DINOV2_DEMO_CHANGES)}
+# Each recipe's demo: the DINO demo with the recipe's changes (its module says them).
+DEMO_PRESETS = {name: _merged(DEMO_PRESET, r.demo_changes) for name, r in RECIPES.items()}
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """The configuration: fields, the checked Config, YAML and overrides, the presets table."""
 
 from .fields import (
+    RECIPE_NEEDS,
     AugmentationConfig,
     CheckpointConfig,
     ConfigError,
@@ -30,6 +31,7 @@ from .presets import PRESET_KEYS, PRESET_NAMES, PRESETS, HardwarePreset, preset_
 from .schema import Config, default_config, validate
 
 __all__ = [
+    "RECIPE_NEEDS",
     "RECIPES_DIR",
     "AugmentationConfig",
     "CheckpointConfig",

@@ -12,6 +12,7 @@ from typing import Any
 from .presets import PRESET_NAMES
 
 __all__ = [
+    "RECIPE_NEEDS",
     "AugmentationConfig",
     "CheckpointConfig",
     "ConfigError",
@@ -266,6 +267,15 @@ class ScheduleConfig:
     center_momentum: float = _opt(0.9, "momentum of the teacher output centre", ge=0, le=1)
 
 
+#: The recipes, and what each needs of the rest of a configuration, checked
+#: when it is parsed (each recipe's module in dino_opt.train.recipes builds
+#: everything else): ``patch_tokens``, a ViT backbone, with the reason.
+RECIPE_NEEDS: dict[str, dict[str, str]] = {
+    "dino": {},
+    "dinov2": {"patch_tokens": "its iBOT loss is over patch tokens"},
+}
+
+
 @dataclass
 class RecipeConfig:
     """Which self-supervised recipe trains: DINO, or DINOv2 (DINO + iBOT + KoLeo)."""
@@ -274,7 +284,7 @@ class RecipeConfig:
         "dino",
         "dino: the DINO loss over the class tokens; dinov2: DINO's loss plus iBOT's masked-patch "
         "loss and the KoLeo regulariser",
-        choices=("dino", "dinov2"),
+        choices=tuple(RECIPE_NEEDS),
     )
     centering: str = _opt(
         "centering",

@@ -14,6 +14,7 @@ from .fields import (
     _ALIASES,
     _SECTIONS,
     _SPECS,
+    RECIPE_NEEDS,
     AugmentationConfig,
     CheckpointConfig,
     ConfigError,
@@ -389,9 +390,10 @@ def _check_relations(cfg: Config) -> None:
             f"model.patch_size applies to ViT backbones only; model.backbone is "
             f"{m.backbone!r} (leave model.patch_size at its default)"
         )
-    if cfg.recipe.name == "dinov2" and not m.backbone.startswith("vit"):
+    needs_tokens = RECIPE_NEEDS[cfg.recipe.name].get("patch_tokens")
+    if needs_tokens and not m.backbone.startswith("vit"):
         errors.append(
-            f"recipe.name=dinov2 needs a ViT backbone (its iBOT loss is over patch tokens); "
+            f"recipe.name={cfg.recipe.name} needs a ViT backbone ({needs_tokens}); "
             f"model.backbone is {m.backbone!r}"
         )
     errors += _sharding_conflicts(cfg)

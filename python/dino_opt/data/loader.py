@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _C
+from .._native import _C
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
 from .masking import mask_options, mask_targets
 from .sources import open_source

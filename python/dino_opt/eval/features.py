@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
-from .. import _C
+from .._native import _C
 from ..data import DataSource, LoaderError, NativeLoaderHandle, open_source
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _C
+from .._native import _C
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -15,6 +15,7 @@ __all__ = [
     "build_info",
     "dino_loss",
     "ema_update_",
+    "gram_loss",
     "ibot_loss",
     "multicrop_photometric",
 ]
@@ -184,6 +185,68 @@ def ibot_loss(
         student, targets.detach(), weights.detach(), float(student_temp)
     )
     return loss
+
+
+@torch.library.register_fake("dino_opt::gram_loss")
+def _gram_loss_fake(student, teacher, apply_norm=True, remove_neg=False,
+                    remove_only_teacher_neg=False, form=0):  # fmt: skip
+    torch._check(student.dim() in (2, 3), lambda: "student must be [B, N, D] or [M, D]")
+    return student.new_empty((), dtype=_loss_acc_dtype(student.dtype))
+
+
+@torch.library.register_fake("dino_opt::gram_loss_backward")
+def _gram_loss_backward_fake(grad, student, *args):
+    return student.new_empty(student.shape)
+
+
+def _gram_loss_setup_context(ctx, inputs, output):
+    student, teacher, *options = inputs  # apply_norm, the clamping, the form
+    ctx.save_for_backward(student, teacher)
+    ctx.options = tuple(options)
+
+
+def _gram_loss_backward(ctx, grad_loss):
+    # Only the student gets a gradient: the Gram teacher is a constant.
+    grad_student = None
+    if ctx.needs_input_grad[0]:
+        grad_student = torch.ops.dino_opt.gram_loss_backward(
+            grad_loss, *ctx.saved_tensors, *ctx.options
+        )
+    return grad_student, *[None] * (1 + len(ctx.options))
+
+
+torch.library.register_autograd(
+    "dino_opt::gram_loss", _gram_loss_backward, setup_context=_gram_loss_setup_context
+)
+
+
+def gram_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    *,
+    apply_norm: bool = True,
+    remove_neg: bool = False,
+    remove_only_teacher_neg: bool = False,
+) -> torch.Tensor:
+    """DINOv3's Gram anchoring loss, fused: the mean over the entries of
+    ``(S S^T - T T^T)^2``, S and T the student's and the Gram teacher's patch
+    features, each row divided by its L2 norm when ``apply_norm``.
+
+    ``student`` and ``teacher`` of one shape: ``[B, N, D]`` gives a Gram matrix
+    per image (the mean over B x N x N entries), ``[M, D]`` one Gram matrix of
+    all M rows (the mean over M x M). ``remove_neg`` clamps both similarities
+    at 0; ``remove_only_teacher_neg`` clamps the teacher's, and the student's
+    only where both are negative (the two exclude each other). Inputs float64,
+    float32, bfloat16 or float16; arithmetic in float32 (float64 for a float64
+    student). No N x N matrix is made: without clamping and with D < N the
+    loss goes through D x D matrices, otherwise through tiles of rows.
+    Differentiable in ``student`` only. Returns a 0-dim float32 (float64)
+    tensor; no rows give NaN, as the mean of nothing.
+    """
+    return torch.ops.dino_opt.gram_loss(
+        student, teacher.detach(), bool(apply_norm), bool(remove_neg),
+        bool(remove_only_teacher_neg), 0,
+    )  # fmt: skip
 
 
 # ImageNet statistics, the normalisation of DINO's augmentation.

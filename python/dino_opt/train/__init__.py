@@ -17,6 +17,7 @@ from .build import (
 )
 from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper, StudentOutputs, TeacherTargets
 from .param_groups import dinov2_param_groups, layer_id, param_groups
+from .recipes import RECIPES, Recipe, recipe_of
 from .trainer import DINOModel, MemoryOptimizedDINOTrainer
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "DINOv2Wrapper",
     "DataRoots",
     "MemoryOptimizedDINOTrainer",
+    "RECIPES",
+    "Recipe",
     "StudentOutputs",
     "TeacherTargets",
     "backbone_options",
@@ -41,5 +44,6 @@ __all__ = [
     "layer_id",
     "loader_masks",
     "param_groups",
+    "recipe_of",
     "trainer_options",
 ]

@@ -13,7 +13,6 @@ through these functions, so a key means the same thing everywhere:
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,11 +28,10 @@ from ..data import (
     open_source,
     sibling_split,
 )
-from ..models import DINOHead, apply_block_options, build_dino_models
-from ..ops import DINOLoss, Schedules
-from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
-from .param_groups import dinov2_param_groups, param_groups
-from .trainer import DINOModel, MemoryOptimizedDINOTrainer
+from ..models import apply_block_options, build_dino_models
+from ..ops import Schedules
+from .recipes import recipe_of
+from .trainer import DINOModel
 
 __all__ = [
     "DataRoots",
@@ -55,19 +53,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def backbone_options(cfg: Config) -> dict:
     """The ViT options of ``cfg.model`` as :func:`~dino_opt.models.build_backbone`
-    takes them (the position-embedding grid defaults to DINO's 224 pixels, to
-    the global crops' with the dinov2 recipe, as DINOv2 sizes it; the mask
-    token with the dinov2 recipe)."""
+    takes them, with the recipe's (the position-embedding grid when
+    ``model.img_size`` is unset: DINO's 224 pixels, the global crops' for
+    DINOv2; the mask token)."""
     m = cfg.model
+    options = recipe_of(cfg).backbone_options(cfg)
     return dict(
         num_register_tokens=m.num_register_tokens, layerscale_init=m.layerscale_init,
         ffn_layer=m.ffn_layer, qkv_bias=m.qkv_bias, proj_bias=m.proj_bias, ffn_bias=m.ffn_bias,
         drop_path_uniform=m.drop_path_uniform, interpolate_offset=m.interpolate_offset,
         interpolate_antialias=m.interpolate_antialias,
-        img_size=m.img_size or (
-            cfg.augmentation.global_crop_size if cfg.recipe.name == "dinov2" else 224
-        ),
-        use_mask_token=cfg.recipe.name == "dinov2",
+        img_size=m.img_size or options["img_size"], use_mask_token=options["use_mask_token"],
     )  # fmt: skip
 
 
@@ -89,36 +85,14 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
     apply_block_options(student.backbone, h.activation_checkpointing, h.checkpoint_every,
                         compile=h.compile)  # fmt: skip
     apply_block_options(teacher.backbone, compile=h.compile)  # no backward: nothing to recompute
-    if cfg.recipe.name != "dinov2":
-        return student, teacher
-    ibot = None
-    if cfg.recipe.ibot_separate_head:
-        ibot = DINOHead(student.backbone.embed_dim, cfg.recipe.ibot_out_dim,
-                        use_bn=m.use_bn_in_head, norm_last_layer=m.norm_last_layer,
-                        hidden_dim=m.hidden_dim, bottleneck_dim=m.bottleneck_dim)  # fmt: skip
-    student = DINOv2Wrapper(student.backbone, student.head, ibot)
-    teacher = DINOv2Wrapper(teacher.backbone, teacher.head, copy.deepcopy(ibot))
-    teacher.requires_grad_(False)
-    return student, teacher
+    return recipe_of(cfg).wrap_models(cfg, student, teacher)
 
 
-def build_loss(cfg: Config) -> DINOLoss | DINOv2Loss:
-    """The loss of ``cfg`` (temperatures, centre momentum, crops per image),
-    on the CPU: DINO's, or the dinov2 recipe's :class:`~dino_opt.train.DINOv2Loss`."""
-    s, r = cfg.schedule, cfg.recipe
-    if r.name == "dinov2":
-        ibot_dim = r.ibot_out_dim if r.ibot_separate_head else cfg.model.out_dim
-        return DINOv2Loss(
-            cfg.model.out_dim, ibot_dim, cfg.augmentation.num_local_views,
-            student_temp=s.student_temp, center_momentum=s.center_momentum,
-            centering=r.centering,
-            weights=(r.dino_loss_weight, r.ibot_loss_weight, r.koleo_loss_weight),
-        )  # fmt: skip
-    return DINOLoss(
-        cfg.model.out_dim, 2 + cfg.augmentation.num_local_views, s.warmup_teacher_temp,
-        s.teacher_temp, s.warmup_teacher_temp_epochs, s.epochs, s.student_temp,
-        s.center_momentum,
-    )  # fmt: skip
+def build_loss(cfg: Config) -> nn.Module:
+    """The loss of ``cfg``'s recipe (temperatures, centre momentum, crops per
+    image), on the CPU: DINO's :class:`~dino_opt.ops.DINOLoss`, or the dinov2
+    recipe's :class:`~dino_opt.train.DINOv2Loss`."""
+    return recipe_of(cfg).build_loss(cfg)
 
 
 class DataRoots(NamedTuple):
@@ -222,12 +196,8 @@ def build_loader(
 
 
 def loader_masks(cfg: Config) -> dict | None:
-    """The loader's block masks of ``cfg.recipe`` (dinov2), or None (dino)."""
-    r = cfg.recipe
-    if r.name != "dinov2":
-        return None
-    return {"patch_size": cfg.model.patch_size, "ratio": tuple(r.mask_ratio_min_max),
-            "probability": r.mask_sample_probability}  # fmt: skip
+    """The loader's block masks of ``cfg``'s recipe (dinov2), or None (dino)."""
+    return recipe_of(cfg).loader_masks(cfg)
 
 
 def build_optimizer(
@@ -249,11 +219,7 @@ def build_optimizer(
     ``cfg`` None: the defaults (AdamW)."""
     cfg = cfg or Config()
     optim = cfg.optim
-    layerwise = optim.layerwise_decay != 1.0 or optim.patch_embed_lr_mult != 1.0
-    if cfg.recipe.name == "dinov2" or layerwise:
-        groups = dinov2_param_groups(student, optim.layerwise_decay, optim.patch_embed_lr_mult)
-    else:
-        groups = param_groups(student)
+    groups = recipe_of(cfg).param_groups(cfg, student)
     if optim.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=weight_decay)
     fused = optim.fused if optim.fused is not None else device.type == "cuda"
@@ -261,29 +227,12 @@ def build_optimizer(
 
 
 def build_schedules(cfg: Config, niter_per_epoch: int, world_size: int = 1) -> Schedules:
-    """DINO's per-iteration schedules for ``cfg``: learning rate (scaled by
-    the global batch, :func:`~dino_opt.config.effective_lr`), weight decay and
-    teacher momentum, for ``niter_per_epoch`` optimizer steps per epoch."""
-    s, o = cfg.schedule, cfg.optim
-    if cfg.recipe.name == "dinov2":
-        return Schedules.dinov2(
-            base_lr=effective_lr(cfg, world_size=world_size), min_lr=o.min_lr,
-            weight_decay=o.weight_decay, weight_decay_end=o.weight_decay_end,
-            momentum_teacher=s.momentum_teacher, warmup_teacher_temp=s.warmup_teacher_temp,
-            teacher_temp=s.teacher_temp, warmup_teacher_temp_epochs=s.warmup_teacher_temp_epochs,
-            freeze_last_layer_epochs=o.freeze_last_layer, epochs=s.epochs,
-            warmup_epochs=s.warmup_epochs, niter_per_epoch=niter_per_epoch,
-        )  # fmt: skip
-    return Schedules.dino(
-        base_lr=effective_lr(cfg, world_size=world_size),
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        weight_decay_end=o.weight_decay_end,
-        momentum_teacher=s.momentum_teacher,
-        epochs=s.epochs,
-        warmup_epochs=s.warmup_epochs,
-        niter_per_epoch=niter_per_epoch,
-    )
+    """The per-iteration schedules of ``cfg``'s recipe: learning rate (scaled
+    by the global batch, :func:`~dino_opt.config.effective_lr`), weight decay
+    and teacher momentum (DINOv2: also the teacher temperature and the last
+    layer's freezing), for ``niter_per_epoch`` optimizer steps per epoch."""
+    base_lr = effective_lr(cfg, world_size=world_size)
+    return recipe_of(cfg).build_schedules(cfg, niter_per_epoch, base_lr)
 
 
 def trainer_options(cfg: Config) -> dict:
@@ -296,13 +245,12 @@ def trainer_options(cfg: Config) -> dict:
         "crop_batch_size": cfg.hardware.crop_batch_size,
         "accumulation_steps": cfg.optim.accumulation_steps,
         "gradient_clip": cfg.optim.clip_grad,
-        # dinov2: the last layers are frozen by their learning-rate schedule
-        "freeze_last_layer": 0 if cfg.recipe.name == "dinov2" else cfg.optim.freeze_last_layer,
+        "freeze_last_layer": recipe_of(cfg).freeze_last_layer(cfg),
     }
 
 
 def build_trainer(cfg: Config, model: DINOModel, loss_fn, optimizer, device: torch.device):
     """The one-step engine of ``cfg.recipe``: :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`
     (dino) or :class:`~dino_opt.train.DINOv2Trainer` (dinov2)."""
-    cls = DINOv2Trainer if cfg.recipe.name == "dinov2" else MemoryOptimizedDINOTrainer
+    cls = recipe_of(cfg).trainer_class(cfg)
     return cls(model, loss_fn, optimizer, trainer_options(cfg), device)

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from ..config import Config, apply_overrides, load_config
-from ..data import mask_upperbound
 from ..models import CHECKPOINT_POLICIES
-from ..train import build_models
+from ..train import build_models, recipe_of
 
 __all__ = [
     "MEMORY_ARCHS",
@@ -272,25 +271,18 @@ class _Step:
 
 
 def _step(cfg: Config, counts: ModelCounts) -> _Step:
-    a, p, r = cfg.augmentation, counts.patch_size, cfg.recipe
+    a, p = cfg.augmentation, counts.patch_size
     g = (a.global_crop_size // p) ** 2
-    masked = 0
-    if r.name == "dinov2":
-        masked = mask_upperbound(2 * cfg.data.batch_size, g, tuple(r.mask_ratio_min_max),
-                                 r.mask_sample_probability)  # fmt: skip
+    masked = recipe_of(cfg).masked_tokens(cfg, g)
     return _Step(cfg.data.batch_size, g + counts.extra_tokens,
                  (a.local_crop_size // p) ** 2 + counts.extra_tokens, a.num_local_views,
                  masked)  # fmt: skip
 
 
 def _head_rows(cfg: Config, counts: ModelCounts, s: _Step) -> tuple[int, int]:
-    """(rows through the DINO head, rows through a separate iBOT head)."""
+    """(rows through the DINO head, rows through a separate patch (iBOT) head)."""
     rows = s.batch * (2 + s.n_local)
-    if cfg.recipe.name != "dinov2":
-        return rows, 0
-    if "ibot_head" in counts.units:
-        return rows, s.masked
-    return rows + s.masked, 0
+    return recipe_of(cfg).head_rows(rows, s.masked, "ibot_head" in counts.units)
 
 
 def _head_bytes_per_row(cfg: Config, counts: ModelCounts, a: int, out_dim: int) -> int:
@@ -300,19 +292,14 @@ def _head_bytes_per_row(cfg: Config, counts: ModelCounts, a: int, out_dim: int) 
     its float32 log-probabilities)."""
     m = cfg.model
     mlp = a * counts.embed_dim + 4 * a * m.hidden_dim + (2 * a + 3 * _FP32) * m.bottleneck_dim
-    loss = (a + 2 * _FP32) if cfg.recipe.name == "dinov2" else (a + _FP32)
-    return mlp + loss * out_dim
+    return mlp + recipe_of(cfg).loss_bytes_per_logit(a) * out_dim
 
 
 def _teacher_outputs(cfg: Config, s: _Step, a: int) -> int:
     """What the teacher's pass leaves for the student's: its logits of the
     global crops (autocast dtype and float32; DINOv2: float32 targets and
     logits, and the iBOT targets of the masked tokens)."""
-    k, rows = cfg.model.out_dim, 2 * s.batch
-    if cfg.recipe.name != "dinov2":
-        return rows * k * (a + _FP32)
-    ibot = cfg.recipe.ibot_out_dim if cfg.recipe.ibot_separate_head else k
-    return rows * k * 2 * _FP32 + s.masked * ibot * _FP32
+    return recipe_of(cfg).teacher_output_bytes(cfg, 2 * s.batch, s.masked, a)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -477,7 +464,7 @@ def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy
     weight normalisation make (the crops are :func:`_crop_bytes`)."""
     rows, ibot_rows = _head_rows(cfg, counts, s)
     heads = rows * _head_bytes_per_row(cfg, counts, a, cfg.model.out_dim)
-    heads += ibot_rows * _head_bytes_per_row(cfg, counts, a, cfg.recipe.ibot_out_dim)
+    heads += ibot_rows * _head_bytes_per_row(cfg, counts, a, recipe_of(cfg).patch_head_dim(cfg))
     weights = a * counts.head_weight  # the heads' weight-normalised last layers
     if strategy == "ddp" and a != _FP32:
         weights += a * (counts.student - counts.head_weight)  # autocast's cached casts
@@ -518,7 +505,8 @@ def _activations(
         )
     last = recompute if (counts.depth - 1) % every == 0 else 0
     rows, ibot_rows = _head_rows(cfg, counts, s)
-    logits = (rows * cfg.model.out_dim + ibot_rows * cfg.recipe.ibot_out_dim) * (_FP32 + a)
+    patch_dim = recipe_of(cfg).patch_head_dim(cfg)
+    logits = (rows * cfg.model.out_dim + ibot_rows * patch_dim) * (_FP32 + a)
     global_tokens = 2 * s.batch * s.global_tokens
     end = global_tokens * (per_token + working + recompute) + crops
     return kept, max(s.largest_group * (working + last), logits), end

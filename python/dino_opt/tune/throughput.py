@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _C
+from .._native import _C
 from ..config import Config, effective_lr
 from ..data import DataLoadingOptimizer, MultiCropLoader
 from ..observe import MemoryTracker

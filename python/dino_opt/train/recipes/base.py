@@ -1,0 +1,107 @@
+"""What a training recipe is, and the registry of recipes.
+
+A recipe is one object that says everything it changes of a run: the
+backbone options it needs (the position-embedding grid, a mask token), the
+heads it wraps around student and teacher, its loss, the loader's masks, its
+parameter groups, schedules and frozen last layer, its trainer step, its terms
+of the memory model and its demo preset. The builders, the job and the memory
+model ask :func:`recipe_of` and never test a recipe's name. Its configuration
+keys (the ``recipe`` section) and what it needs of the rest of the
+configuration are in :mod:`dino_opt.config`, which parses without building
+anything.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...config import Config
+
+__all__ = ["FP32", "RECIPES", "Recipe", "recipe_of", "register"]
+
+FP32 = 4  # bytes of a float32
+
+
+class Recipe:
+    """The interface; :class:`~dino_opt.train.recipes.dino.DINORecipe` is
+    the first implementation, and the others derive from it."""
+
+    name: str = ""
+    #: The changes to DINO's demo preset that make this recipe's demo
+    #: (``dino-opt train --demo NAME``), as nested dicts of config sections.
+    demo_changes: dict = {}
+
+    def backbone_options(self, cfg: Config) -> dict:
+        """ViT options beyond ``cfg.model``'s: ``img_size`` (the position
+        embeddings' grid when ``model.img_size`` is unset) and ``use_mask_token``."""
+        raise NotImplementedError
+
+    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
+        """Student and teacher as the recipe trains them, from DINO's pair."""
+        raise NotImplementedError
+
+    def build_loss(self, cfg: Config) -> nn.Module:
+        raise NotImplementedError
+
+    def loader_masks(self, cfg: Config) -> dict | None:
+        """The loader's ``masks`` argument (block masks of the global crops), or None."""
+        raise NotImplementedError
+
+    def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
+        raise NotImplementedError
+
+    def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):
+        raise NotImplementedError
+
+    def freeze_last_layer(self, cfg: Config) -> int:
+        """Epochs the trainer keeps the head's last layer frozen (0: the
+        schedules do it)."""
+        raise NotImplementedError
+
+    def trainer_class(self, cfg: Config) -> type:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------- memory model terms
+
+    def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
+        """The most masked patch tokens of a batch (rows of a patch loss)."""
+        raise NotImplementedError
+
+    def head_rows(self, rows: int, masked: int, separate_patch_head: bool) -> tuple[int, int]:
+        """(rows through the DINO head, rows through a separate patch head),
+        given the class-token rows and the masked tokens."""
+        raise NotImplementedError
+
+    def patch_head_dim(self, cfg: Config) -> int:
+        """Output dimension of the separate patch head (when there is one)."""
+        raise NotImplementedError
+
+    def loss_bytes_per_logit(self, a: int) -> int:
+        """What the loss keeps per head logit besides the logits in the
+        autocast dtype (``a`` bytes)."""
+        raise NotImplementedError
+
+    def teacher_output_bytes(self, cfg: Config, global_rows: int, masked: int, a: int) -> int:
+        """What the teacher's pass leaves for the student's."""
+        raise NotImplementedError
+
+
+RECIPES: dict[str, Recipe] = {}
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Adds ``recipe`` under its name (one recipe per name)."""
+    if recipe.name in RECIPES:
+        raise ValueError(f"a recipe named {recipe.name!r} is registered already")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def recipe_of(cfg: Config) -> Recipe:
+    """The recipe ``cfg.recipe.name`` names."""
+    try:
+        return RECIPES[cfg.recipe.name]
+    except KeyError:
+        raise ValueError(
+            f"recipe.name: unknown recipe {cfg.recipe.name!r}; registered: {sorted(RECIPES)}"
+        ) from None
