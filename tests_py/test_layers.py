@@ -14,7 +14,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "python" / "dino_opt"
 LAYERS = {
     # L0: the native core, and the old module paths kept importable
     "dino_opt._C": 0,
-    "dino_opt._native": 0.5,  # loads _C once and hands it to every folder
     "dino_opt._compat": 0,
     # L1: foundations, each folder about one thing and needing only the core
     "dino_opt.ops": 1,  # operators' Python side, the DINO loss, the EMA, the schedules
@@ -43,6 +42,7 @@ LAYERS = {
     "dino_opt.cli": 9,
     "dino_opt.lessons": 9,
     "dino_opt.dinov2": 9,
+    "dino_opt.dinov3": 9,
     "dino_opt": 9,
     "dino_opt.train.__main__": 10,
 }

@@ -8,7 +8,6 @@ import os
 
 from . import ops  # noqa: F401  (its operators' Python side)
 from ._compat import install_module_aliases
-from ._native import _C  # noqa: F401  (the core library, which registers the ops)
 from .ops import (
     DINOLoss,
     EMATeacher,
@@ -19,6 +18,7 @@ from .ops import (
     ibot_loss,
     update_teacher,
 )
+from .ops.native import _C  # noqa: F401  (the core library, which registers the ops)
 
 __version__ = "0.1.0"
 

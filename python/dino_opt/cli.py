@@ -48,7 +48,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import doctor, probing
-from ._native import _C
 from .config import (
     PRESETS,
     Config,
@@ -63,6 +62,7 @@ from .eval import evaluate_checkpoint
 from .job import run_training
 from .models import CHECKPOINT_POLICIES
 from .observe import DINOTrainingAnalyzer, format_report
+from .ops.native import _C
 from .runtime import EXIT_HANG, TrainingHungError, launched_world
 from .train import RECIPES
 from .tune import (

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._native import _C
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
+from ..ops.native import _C
 from .masking import mask_options, mask_targets
 from .sources import open_source
 

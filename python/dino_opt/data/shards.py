@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .._native import _C
+from ..ops.native import _C
 from .sources import DataSource, index_candidates, open_source, shard_files
 
 __all__ = ["verify_shards", "write_shards"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._native import _C
+from ..ops.native import _C
 
 __all__ = [
     "FORMATS",

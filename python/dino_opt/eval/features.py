@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
-from .._native import _C
 from ..data import DataSource, LoaderError, NativeLoaderHandle, open_source
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
+from ..ops.native import _C
 
 __all__ = ["EvalImageFolder", "EvalLoader", "extract_features"]
 

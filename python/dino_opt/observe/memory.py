@@ -18,7 +18,7 @@ import torch
 from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 from torch.profiler import ProfilerActivity, profile
 
-from .._native import _C
+from ..ops.native import _C
 
 __all__ = [
     "AllocationTrace",

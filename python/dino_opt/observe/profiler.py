@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
-from .._native import _C
+from ..ops.native import _C
 from .memory import device_index
 
 __all__ = [

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._native import _C
+from .native import _C
 
 __all__ = [
     "IMAGENET_MEAN",

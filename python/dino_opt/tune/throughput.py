@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._native import _C
 from ..config import Config, effective_lr
 from ..data import DataLoadingOptimizer, MultiCropLoader
 from ..observe import MemoryTracker
 from ..observe.memory import GB
 from ..ops import DINOLoss
+from ..ops.native import _C
 from ..train import DINOModel, MemoryOptimizedDINOTrainer, build_optimizer, trainer_options
 
 __all__ = ["OptimizedDataLoader", "ThroughputOptimizer", "dynamic_batch_size"]

@@ -4,6 +4,6 @@ libtorch), then ``dino_opt._C``, whose library registers the
 
 import torch  # noqa: F401  (loads libtorch before the native core)
 
-from . import _C
+from .. import _C
 
 __all__ = ["_C"]
