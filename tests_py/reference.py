@@ -63,3 +63,34 @@ def ibot_loss_dinov2_form(student, targets, weights, student_temp, n_images):
     masked tokens, divided by the number of images."""
     log_q = F.log_softmax(student / student_temp, dim=-1)
     return -(torch.sum(targets * log_q, dim=-1) * weights).sum() / n_images
+
+
+def gram_loss_reference(
+    student,
+    teacher,
+    img_level=True,
+    apply_norm=True,
+    remove_neg=False,
+    remove_only_teacher_neg=False,
+):
+    """DINOv3's Gram anchoring loss as its paper describes it, in the inputs'
+    dtype: the rows normalised, the full Gram matrices (one per image with
+    ``img_level``, else one over all rows), the negative similarities set to 0
+    as asked (``remove_only_teacher_neg``: the teacher's, and the student's
+    where both are negative), then the mean squared difference."""
+    if apply_norm:
+        student, teacher = F.normalize(student, dim=-1), F.normalize(teacher, dim=-1)
+    if not img_level:
+        student, teacher = (
+            student.reshape(-1, student.shape[-1]),
+            teacher.reshape(-1, teacher.shape[-1]),
+        )
+    sim_s = student @ student.transpose(-1, -2)
+    sim_t = teacher @ teacher.transpose(-1, -2)
+    if remove_neg:
+        sim_s = sim_s.masked_fill(sim_s < 0, 0.0)
+        sim_t = sim_t.masked_fill(sim_t < 0, 0.0)
+    elif remove_only_teacher_neg:
+        sim_s = sim_s.masked_fill((sim_s < 0) & (sim_t < 0), 0.0)
+        sim_t = sim_t.masked_fill(sim_t < 0, 0.0)
+    return ((sim_s - sim_t) ** 2).mean()

@@ -21,9 +21,10 @@ def test_the_command_reports_and_passes_on_this_machine():
         assert what in text
     for op in ("dino_loss fwd+bwd float32", "dino_loss fwd+bwd bfloat16", "ema_update_",
                "ibot_loss fwd+bwd float32", "ibot_loss fwd+bwd bfloat16",
+               "gram_loss fwd+bwd float32",
                "multicrop_photometric"):  # fmt: skip
         assert f"ok   {op}" in text
-    assert "7 passed, 0 failed" in text
+    assert "8 passed, 0 failed" in text
 
 
 def test_the_cli_subcommand_is_the_same(capsys):
@@ -40,7 +41,7 @@ def test_a_wrong_operator_fails_with_exit_1(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "FAIL dino_loss fwd+bwd float32" in out
     assert "ok   ema_update_" in out
-    assert "failed" in out.splitlines()[-1] and not out.splitlines()[-1].startswith("7 passed")
+    assert "failed" in out.splitlines()[-1] and not out.splitlines()[-1].startswith("8 passed")
 
 
 def test_a_wrong_ibot_operator_fails_with_exit_1(monkeypatch, capsys):
@@ -49,6 +50,14 @@ def test_a_wrong_ibot_operator_fails_with_exit_1(monkeypatch, capsys):
     assert doctor.main(["--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL ibot_loss fwd+bwd float32" in out and "ok   dino_loss fwd+bwd float32" in out
+
+
+def test_a_wrong_gram_operator_fails_with_exit_1(monkeypatch, capsys):
+    real = doctor.gram_loss_backward_torch
+    monkeypatch.setattr(doctor, "gram_loss_backward_torch", lambda *a: real(*a) * 1.001)
+    assert doctor.main(["--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL gram_loss fwd+bwd float32" in out and "ok   ibot_loss fwd+bwd float32" in out
 
 
 def test_a_nan_counts_as_a_failure():

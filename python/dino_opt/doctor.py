@@ -27,6 +27,8 @@ from .ops import (
     dino_loss_backward_torch,
     dino_loss_torch,
     ema_update_torch,
+    gram_loss_backward_torch,
+    gram_loss_torch,
     ibot_loss_backward_torch,
     ibot_loss_torch,
     photometric_torch,
@@ -205,6 +207,34 @@ def _check_ibot(device, dtype, gen, size) -> Check:
     return Check(name, error, tol, seconds, _reference(device))
 
 
+def _check_gram(device, dtype, gen, size) -> Check:
+    """The Gram loss (over the batch, clamped as dinov3's default) and its
+    gradient, the operator with autograd vs the plain form."""
+    rows, dim = size
+    student = torch.randn(rows, dim, generator=gen, device=gen.device) + 0.2
+    teacher = student + 0.5 * torch.randn(rows, dim, generator=gen, device=gen.device)
+    student, teacher = student.to(device, dtype), teacher.to(device, dtype)
+    options = (True, True, False, 0)  # apply_norm, remove_neg, remove_only_teacher_neg, form
+    x = student.clone().requires_grad_(True)
+
+    def fused():
+        loss = torch.ops.dino_opt.gram_loss(x, teacher, *options)
+        loss.backward()
+        return loss
+
+    loss, seconds = _timed(fused, device)
+    ref_device = device if _compiled_for(device) else torch.device("cpu")
+    s, t = student.to(ref_device), teacher.to(ref_device)
+    ref_loss = gram_loss_torch(s, t, *options)
+    one = torch.ones((), device=ref_device)
+    ref_grad = gram_loss_backward_torch(one, s, t, *options)
+    error = max(_max_diff(loss, ref_loss, ref_loss), _max_diff(x.grad, ref_grad, ref_grad))
+    # similarities are at most 1: the "logits" of this loss
+    tol = _loss_tolerance(dtype, 1.0)
+    name = f"gram_loss fwd+bwd {str(dtype)[6:]} {rows}x{dim}"
+    return Check(name, error, tol, seconds, _reference(device))
+
+
 def _reference(device: torch.device) -> str:
     return "plain torch" if _compiled_for(device) else "the CPU kernel"
 
@@ -268,6 +298,8 @@ def run_checks(device: torch.device, seed: int = 0) -> list[Check]:
         checks.append(_check_loss(device, dtype, big, loss_size))
     for dtype in (torch.float32, torch.bfloat16):
         checks.append(_check_ibot(device, dtype, big, ibot_size))
+    gram_size = (8192, 1024) if device.type == "cuda" else (512, 64)
+    checks.append(_check_gram(device, torch.float32, big, gram_size))
     for dtype in (torch.float32, torch.bfloat16):
         checks.append(_check_ema(device, dtype, gen, 1 << 16))
     checks.append(_check_photometric(device, gen, 96 if device.type != "cpu" else 32))

@@ -8,6 +8,8 @@ from .fallback import (
     dino_loss_torch,
     ema_update_torch,
     fallback_warned,
+    gram_loss_backward_torch,
+    gram_loss_torch,
     ibot_loss_backward_torch,
     ibot_loss_torch,
 )
@@ -18,6 +20,7 @@ from .library import (
     build_info,
     dino_loss,
     ema_update_,
+    gram_loss,
     ibot_loss,
     multicrop_photometric,
 )
@@ -42,6 +45,9 @@ __all__ = [
     "ema_update_",
     "ema_update_torch",
     "fallback_warned",
+    "gram_loss",
+    "gram_loss_backward_torch",
+    "gram_loss_torch",
     "ibot_loss",
     "ibot_loss_backward_torch",
     "ibot_loss_torch",
@@ -56,3 +62,10 @@ __all__ = [
 from .dinov2_loss import KoLeoLoss, iBOTPatchLoss, sinkhorn_knopp  # noqa: E402
 
 __all__ += ["KoLeoLoss", "iBOTPatchLoss", "sinkhorn_knopp"]
+
+# dinov3's Gram anchoring loss. Importing the module .gram_loss sets the
+# package's attribute of that name to the module: the function is bound again.
+from .gram_loss import GramLoss  # noqa: E402
+from .library import gram_loss  # noqa: E402, F811
+
+__all__ += ["GramLoss"]

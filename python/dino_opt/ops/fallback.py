@@ -25,6 +25,8 @@ __all__ = [
     "dino_loss_torch",
     "ema_update_torch",
     "fallback_warned",
+    "gram_loss_backward_torch",
+    "gram_loss_torch",
     "ibot_loss_backward_torch",
     "ibot_loss_torch",
 ]
@@ -218,6 +220,81 @@ def ibot_loss_backward_torch(grad, student, targets, weights, student_lse, stude
     return g.reshape(student.shape).to(student.dtype)
 
 
+# ------------------------------------------------------------------ Gram loss
+
+
+def _gram_check(op, student, teacher, remove_neg, remove_only_teacher_neg, form) -> None:
+    """The kernels' argument checks."""
+    if student.dim() not in (2, 3) or teacher.shape != student.shape:
+        shapes = f"{tuple(student.shape)} and {tuple(teacher.shape)}"
+        raise RuntimeError(f"{op}: student and teacher must be of one shape, [B, N, D] or "
+                           f"[M, D]; got {shapes}")  # fmt: skip
+    if student.dtype not in _FLOATS or teacher.dtype not in _FLOATS:
+        raise RuntimeError(f"{op}: student is {student.dtype} and teacher {teacher.dtype}; "
+                           "expected float64, float32, bfloat16 or float16")  # fmt: skip
+    if student.device != teacher.device:
+        raise RuntimeError(f"{op}: student and teacher must be on one device, got "
+                           f"{student.device} and {teacher.device}")  # fmt: skip
+    if remove_neg and remove_only_teacher_neg:
+        raise RuntimeError(f"{op}: remove_neg and remove_only_teacher_neg exclude each other")
+    if form not in (0, 1, 2) or (form == 1 and (remove_neg or remove_only_teacher_neg)):
+        raise RuntimeError(f"{op}: form must be 0, 1 (no clamping only) or 2, got {form}")
+
+
+def _gram_rows(x, apply_norm):
+    """x in the accumulation dtype as [B, N, D] (B = 1 for [M, D]), its rows
+    normalised when asked, and their norms (None without apply_norm)."""
+    x = x.to(_acc(x))
+    x = x if x.dim() == 3 else x[None]
+    if not apply_norm:
+        return x, None
+    norm = x.norm(dim=-1, keepdim=True)
+    return x / norm.clamp_min(1e-12), norm
+
+
+def _gram_diff(student, teacher, apply_norm, remove_neg, remove_only_teacher_neg):
+    """(d, dd/ds, normalised student, its norms): the difference of the Gram
+    matrices, clamped as dinov3 clamps them, and its slope in the student's."""
+    s, norm = _gram_rows(student, apply_norm)
+    t, _ = _gram_rows(teacher.to(s.dtype), apply_norm)
+    sim_s, sim_t = s @ s.transpose(1, 2), t @ t.transpose(1, 2)
+    keep = torch.ones_like(sim_s, dtype=torch.bool)
+    if remove_neg:
+        keep = sim_s >= 0
+    elif remove_only_teacher_neg:
+        keep = (sim_s >= 0) | (sim_t >= 0)
+    if remove_neg or remove_only_teacher_neg:
+        sim_t = sim_t.clamp_min(0)
+    d = torch.where(keep, sim_s, 0) - sim_t
+    return d, keep.to(d.dtype), s, norm
+
+
+@torch.no_grad()
+def gram_loss_torch(student, teacher, apply_norm=True, remove_neg=False,
+                    remove_only_teacher_neg=False, form=0):  # fmt: skip
+    """``dino_opt::gram_loss`` in plain torch: the Gram matrices made whole
+    (dinov3's form), in float32 (float64 for float64 students)."""
+    _gram_check("gram_loss", student, teacher, remove_neg, remove_only_teacher_neg, form)
+    d, _, _, _ = _gram_diff(student, teacher, apply_norm, remove_neg, remove_only_teacher_neg)
+    return d.square().mean()
+
+
+@torch.no_grad()
+def gram_loss_backward_torch(grad, student, teacher, apply_norm, remove_neg,
+                             remove_only_teacher_neg, form):  # fmt: skip
+    """``dino_opt::gram_loss_backward`` in plain torch: ``4 grad / count * (d
+    dd/ds) S`` w.r.t. the normalised rows S, then through the normalisation."""
+    _gram_check("gram_loss_backward", student, teacher, remove_neg, remove_only_teacher_neg, form)
+    d, slope, s, norm = _gram_diff(
+        student, teacher, apply_norm, remove_neg, remove_only_teacher_neg
+    )
+    g = (d * slope) @ s * (grad.to(s.dtype) * 4 / max(d.numel(), 1))
+    if norm is not None:
+        along = torch.where(norm > 1e-12, (s * g).sum(-1, keepdim=True), 0)
+        g = (g - s * along) / norm.clamp_min(1e-12)
+    return g.reshape(student.shape).to(student.dtype)
+
+
 # ------------------------------------------------------------------ EMA
 
 
@@ -274,6 +351,8 @@ FALLBACK_OPS = {
     "dino_opt::dino_loss_backward": (dino_loss_backward_torch, lambda args: args[1].device),
     "dino_opt::ibot_loss": (ibot_loss_torch, lambda args: args[0].device),
     "dino_opt::ibot_loss_backward": (ibot_loss_backward_torch, lambda args: args[1].device),
+    "dino_opt::gram_loss": (gram_loss_torch, lambda args: args[0].device),
+    "dino_opt::gram_loss_backward": (gram_loss_backward_torch, lambda args: args[1].device),
     "dino_opt::ema_update_": (
         ema_update_torch,
         lambda args: args[0][0].device if args[0] else None,
