@@ -8,6 +8,7 @@ from torch import nn
 
 from .head import DINOHead, WeightNormLinear
 from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
+from .rope import RopePositionEmbedding
 from .vit import (
     VisionTransformer,
     apply_block_options,
@@ -17,25 +18,50 @@ from .vit import (
     vit_small,
     vit_tiny,
 )
+from .vit_dinov3 import (
+    DINOV3_SIZES,
+    DinoV3VisionTransformer,
+    convert_dinov3_state_dict,
+    convert_timm_dinov3_state_dict,
+    vit_7b_dinov3,
+    vit_base_dinov3,
+    vit_huge_plus_dinov3,
+    vit_large_dinov3,
+    vit_large_plus_dinov3,
+    vit_small_dinov3,
+    vit_small_plus_dinov3,
+)
 from .wrapper import MultiCropWrapper
 
 __all__ = [
     "BACKBONES",
     "CHECKPOINT_POLICIES",
+    "DINOV3_SIZES",
     "FFN_LAYERS",
     "VIT_OPTIONS",
     "DINOHead",
+    "DinoV3VisionTransformer",
     "MultiCropWrapper",
+    "RopePositionEmbedding",
     "VisionTransformer",
     "WeightNormLinear",
     "apply_block_options",
     "build_backbone",
     "build_dino_models",
+    "convert_dinov3_state_dict",
+    "convert_timm_dinov3_state_dict",
     "vit_base",
     "vit_giant2",
     "vit_large",
     "vit_small",
     "vit_tiny",
+    "vit_7b_dinov3",
+    "vit_base_dinov3",
+    "vit_huge_plus_dinov3",
+    "vit_large_dinov3",
+    "vit_large_plus_dinov3",
+    "vit_small_dinov3",
+    "vit_small_plus_dinov3",
 ]
 
 _VITS = {"vit_tiny": vit_tiny, "vit_small": vit_small, "vit_base": vit_base,
