@@ -395,8 +395,50 @@ def test_the_mask_token_is_in_the_graph_without_masks(gen):
     # As DINOv3: the class token adds 0 x mask token, so the mask token always
     # has a (zero) gradient and data-parallel wrappers see every parameter used.
     model = tiny().double().train()
-    model.forward_features(torch.randn(1, 3, 32, 32, generator=gen, dtype=F64))[
-        "x_norm_clstoken"
-    ].sum().backward()
+    cls = model.forward_features(torch.randn(1, 3, 32, 32, generator=gen, dtype=F64))
+    weights = torch.randn(32, generator=gen, dtype=F64)  # a plain sum of a LayerNorm output is flat
+    (cls["x_norm_clstoken"] @ weights).sum().backward()
     assert model.mask_token.grad is not None and not model.mask_token.grad.any()
     assert model.cls_token.grad.any()
+
+
+def hf_to_ours(sd: dict, depth: int) -> dict:
+    """Hugging Face DINOv3ViTModel weights (non-gated MLP) under our names."""
+    emb = "embeddings."
+    out = {"cls_token": sd[emb + "cls_token"], "register_tokens": sd[emb + "register_tokens"],
+           "patch_embed.proj.weight": sd[emb + "patch_embeddings.weight"],
+           "patch_embed.proj.bias": sd[emb + "patch_embeddings.bias"],
+           "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}  # fmt: skip
+    names = {"norm1.": "norm1.", "norm2.": "norm2.", "attn.proj.": "attention.o_proj.",
+             "ls1.gamma": "layer_scale1.lambda1", "ls2.gamma": "layer_scale2.lambda1",
+             "mlp.fc1.": "mlp.up_proj.", "mlp.fc2.": "mlp.down_proj."}  # fmt: skip
+    for i in range(depth):
+        a, b = f"model.layer.{i}.", f"blocks.{i}."
+        for key, value in sd.items():
+            for ours, theirs in names.items():
+                if key.startswith(a + theirs):
+                    out[b + ours + key[len(a + theirs) :]] = value
+        att = a + "attention."
+        out[b + "attn.qkv.weight"] = torch.cat([sd[f"{att}{p}_proj.weight"] for p in "qkv"])
+        out[b + "attn.qkv.q_bias"] = sd[att + "q_proj.bias"]
+        out[b + "attn.qkv.v_bias"] = sd[att + "v_proj.bias"]
+    return out
+
+
+def test_features_equal_hugging_faces_dinov3(gen):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DINOv3ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        num_register_tokens=4, layerscale_value=1.0,
+    )  # fmt: skip
+    hf = randomize(transformers.DINOv3ViTModel(config).double().eval(), gen)
+    ours = DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=4).double().eval()
+    ours.load_state_dict(hf_to_ours(hf.state_dict(), 2), strict=True)
+    for size in [(224, 224), (160, 224)]:
+        x = torch.randn(2, 3, *size, generator=gen, dtype=F64)
+        with torch.no_grad():
+            ref = hf(pixel_values=x).last_hidden_state
+            out = ours.forward_features(x)
+        # Hugging Face's RoPE runs in float32: agreement to float32 rounding.
+        torch.testing.assert_close(out["x_norm_clstoken"], ref[:, 0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(out["x_norm_patchtokens"], ref[:, 5:], rtol=0, atol=1e-6)
