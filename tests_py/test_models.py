@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from dino_opt.config import apply_overrides, default_config
 from dino_opt.models import (
     BACKBONES,
     DINOHead,
@@ -19,6 +20,8 @@ from dino_opt.models import (
 )
 from dino_opt.models import layers as layers_module
 from dino_opt.models.vit import Attention, drop_path
+from dino_opt.models.vit_dinov3 import DinoV3VisionTransformer
+from dino_opt.train import build_models
 from torch import nn
 
 
@@ -445,3 +448,24 @@ def test_build_backbone_vits_and_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision.models", None)
     with pytest.raises(ImportError, match="torchvision"):
         build_backbone("resnet50")
+
+
+def test_the_dinov3_sizes_are_backbones_of_the_config():
+    # model.backbone=vit_*_dinov3 builds DINOv3's ViT (RoPE, 4 storage tokens,
+    # LayerScale) with the recipe's options; the ViT options its size fixes are refused.
+    cfg = apply_overrides(default_config(), ["model.backbone=vit_small_dinov3", "model.out_dim=32",
+                                             "recipe.name=dinov2"])  # fmt: skip
+    student, teacher = build_models(cfg)
+    backbone = student.backbone
+    assert isinstance(backbone, DinoV3VisionTransformer) and backbone.embed_dim == 384
+    assert backbone.n_storage_tokens == 4 and backbone.mask_token is not None
+    # DINOv3's ViT-S/16 (21,596,160) and the mask token the recipe asks for
+    assert sum(p.numel() for p in backbone.parameters()) == 21_596_160 + 384
+    feats = backbone.forward_features(torch.randn(2, 3, 32, 32))
+    assert feats["x_norm_clstoken"].shape == (2, 384)
+    assert feats["x_norm_patchtokens"].shape == (2, 4, 384)
+    bad = apply_overrides(default_config(), ["model.backbone=vit_base_dinov3",
+                                             "model.num_register_tokens=2"])  # fmt: skip
+    with pytest.raises(ValueError, match="'vit_base_dinov3' is a DINOv3 size, which fixes "
+                                         "num_register_tokens"):  # fmt: skip
+        build_models(bad)

@@ -243,3 +243,19 @@ def test_bad_input_one_line(gen, tmp_path):
         with pytest.raises(error) as info:
             call()
         assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_attention_of_a_dinov3_vit_with_its_rope(gen):
+    # A DINOv3 ViT rotates queries and keys with RoPE: the maps come from the
+    # attention it computes (its own get_last_selfattention), in float64.
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    vit, _ = build_backbone("vit_small_dinov3", drop_path_rate=0.0)
+    vit = vit.double().eval()
+    images = torch.randn(2, 3, 32, 48, generator=gen, dtype=torch.float64)
+    maps = P.attention_maps(vit, images)
+    with torch.no_grad():
+        row = vit.get_last_selfattention(images)[:, :, 0]
+    patches = row[..., 1 + vit.num_register_tokens :].reshape(2, vit.num_heads, 2, 3)
+    torch.testing.assert_close(maps["attention"], patches, rtol=1e-12, atol=1e-14)
+    assert maps["register_attention"].shape == (2, vit.num_heads, 4)
+    assert P.check_attention(vit, images) < 1e-12

@@ -35,7 +35,7 @@ from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
 from torch import nn
 
-from ..models import MultiCropWrapper, VisionTransformer
+from ..models import DinoV3VisionTransformer, MultiCropWrapper, VisionTransformer
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
@@ -121,11 +121,17 @@ def _evaluating(module: nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
-def _last_block_input(vit: VisionTransformer, images: torch.Tensor) -> torch.Tensor:
-    x = vit.prepare_tokens(images)
+def _last_block_input(vit: VisionTransformer, images: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The last block's input tokens, and what else its blocks take: a DINOv3
+    ViT's RoPE of the patch grid (its attention rotates queries and keys)."""
+    if isinstance(vit, DinoV3VisionTransformer):
+        x, grid = vit.prepare_tokens_with_masks(images)
+        extra = (vit.rope(grid, x),)
+    else:
+        x, extra = vit.prepare_tokens(images), ()
     for block in vit.blocks[:-1]:
-        x = block(x)
-    return x
+        x = block(x, *extra)
+    return x, extra
 
 
 # ------------------------------------------------------------------ attention
@@ -197,7 +203,8 @@ def attention_maps(backbone: nn.Module, images: torch.Tensor, threshold: float =
     images = _checked_images(vit, images, "attention_maps")
     last = vit.blocks[-1]
     with _evaluating(vit):
-        weights = last.attn.attention_weights(last.norm1(_last_block_input(vit, images)))
+        x, extra = _last_block_input(vit, images)
+        weights = last.attn.attention_weights(last.norm1(x), *extra)
     grid = (images.shape[-2] // vit.patch_size, images.shape[-1] // vit.patch_size)
     row = weights[:, :, 0]
     row = row if row.dtype == torch.float64 else row.float()
@@ -215,12 +222,13 @@ def check_attention(backbone: nn.Module, images: torch.Tensor) -> float:
     images = _checked_images(vit, images, "check_attention")
     attn = vit.blocks[-1].attn
     with _evaluating(vit):
-        x = vit.blocks[-1].norm1(_last_block_input(vit, images))
+        x, extra = _last_block_input(vit, images)
+        x = vit.blocks[-1].norm1(x)
         b, n, c = x.shape
         v = attn.qkv(x).reshape(b, n, 3, attn.num_heads, c // attn.num_heads)[:, :, 2]
-        heads = attn.attention_weights(x) @ v.transpose(1, 2)
+        heads = attn.attention_weights(x, *extra) @ v.transpose(1, 2)
         explicit = attn.proj(heads.transpose(1, 2).reshape(b, n, c))
-        return (explicit - attn(x)).abs().max().item()
+        return (explicit - attn(x, *extra)).abs().max().item()
 
 
 # ------------------------------------------------------------------ PCA

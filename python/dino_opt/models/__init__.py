@@ -66,8 +66,17 @@ __all__ = [
 
 _VITS = {"vit_tiny": vit_tiny, "vit_small": vit_small, "vit_base": vit_base,
          "vit_large": vit_large, "vit_giant2": vit_giant2}  # fmt: skip
+_DINOV3 = {
+    "vit_small_dinov3": vit_small_dinov3,
+    "vit_small_plus_dinov3": vit_small_plus_dinov3,
+    "vit_base_dinov3": vit_base_dinov3,
+    "vit_large_dinov3": vit_large_dinov3,
+    "vit_large_plus_dinov3": vit_large_plus_dinov3,
+    "vit_huge_plus_dinov3": vit_huge_plus_dinov3,
+    "vit_7b_dinov3": vit_7b_dinov3,
+}
 _RESNETS = {"resnet18": 512, "resnet50": 2048}
-BACKBONES = tuple(_VITS) + tuple(_RESNETS)
+BACKBONES = tuple(_VITS) + tuple(_DINOV3) + tuple(_RESNETS)
 
 #: The ViT options of :func:`build_backbone` and their defaults (DINO's ViT).
 #: ``ffn_layer`` None: the architecture's own (SwiGLU for vit_giant2, else the MLP).
@@ -125,9 +134,29 @@ def build_backbone(
         vit = {k: v for k, v in vit.items() if not (k == "ffn_layer" and v is None)}
         model = _VITS[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **vit, **kwargs)
         return model, model.embed_dim
+    if name in _DINOV3:
+        model = _dinov3_backbone(name, patch_size, drop_path_rate, vit, kwargs)
+        return model, model.embed_dim
     if name in _RESNETS:
         return _resnet(name, vit, kwargs), _RESNETS[name]
     raise ValueError(f"unknown backbone {name!r}; allowed: {', '.join(BACKBONES)}")
+
+
+# What a DINOv3 size takes from the ViT options: the rest (storage tokens,
+# LayerScale, biases, MLP, RoPE in place of a position table) is the size's own.
+_DINOV3_TAKES = ("img_size", "use_mask_token")
+
+
+def _dinov3_backbone(
+    name: str, patch_size: int, drop_path_rate: float, vit_options: dict, kwargs: dict
+) -> nn.Module:
+    changed = [k for k, v in vit_options.items()
+               if k not in _DINOV3_TAKES and v != VIT_OPTIONS[k]]  # fmt: skip
+    if changed:
+        raise ValueError(f"backbone {name!r} is a DINOv3 size, which fixes {', '.join(changed)} "
+                         "(leave them at their defaults)")  # fmt: skip
+    taken = {k: vit_options[k] for k in _DINOV3_TAKES}
+    return _DINOV3[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **taken, **kwargs)
 
 
 def _resnet(name: str, vit_options: dict, kwargs: dict) -> nn.Module:
