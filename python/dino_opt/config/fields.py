@@ -275,17 +275,23 @@ class ScheduleConfig:
 RECIPE_NEEDS: dict[str, dict[str, str]] = {
     "dino": {},
     "dinov2": {"patch_tokens": "its iBOT loss is over patch tokens"},
+    "dinov3": {
+        "patch_tokens": "its iBOT and Gram anchoring losses are over patch tokens",
+        "gram_teacher": "its Gram teacher is a whole copy of the teacher's backbone",
+    },
 }
 
 
 @dataclass
 class RecipeConfig:
-    """Which self-supervised recipe trains: DINO, or DINOv2 (DINO + iBOT + KoLeo)."""
+    """Which self-supervised recipe trains: DINO, DINOv2 (DINO + iBOT + KoLeo), or
+    DINOv3 (DINOv2's losses plus Gram anchoring)."""
 
     name: str = _opt(
         "dino",
         "dino: the DINO loss over the class tokens; dinov2: DINO's loss plus iBOT's masked-patch "
-        "loss and the KoLeo regulariser",
+        "loss and the KoLeo regulariser; dinov3: dinov2's losses plus Gram anchoring of the "
+        "patch tokens to a Gram teacher",
         choices=tuple(RECIPE_NEEDS),
     )
     centering: str = _opt(
@@ -310,6 +316,59 @@ class RecipeConfig:
         False, "dinov2: a head of its own for the patch tokens (else DINO's head is shared)"
     )
     ibot_out_dim: int = _opt(65536, "dinov2: prototypes of the separate iBOT head", ge=1)
+    gram_loss_weight: float = _opt(
+        1.0, "dinov3: weight of the Gram anchoring loss (DINOv3's 7B run: 2)", ge=0
+    )
+    gram_ckpt: str | None = _opt(
+        None,
+        "dinov3: the Gram teacher's first weights: a dino-opt checkpoint (its teacher's "
+        "backbone) or a file of a backbone's state dict; null: none, the EMA teacher's at "
+        "gram_it_load_ema_teacher",
+    )
+    gram_it_load_ema_teacher: int = _opt(
+        0,
+        "dinov3: at the start of this iteration the Gram teacher becomes a copy of the EMA "
+        "teacher's backbone; -1: never (then gram_ckpt is needed)",
+        ge=-1,
+    )
+    gram_rep_update: bool = _opt(
+        True, "dinov3: refresh the Gram teacher from the EMA teacher every gram_update_frequency"
+    )
+    gram_update_frequency: int = _opt(
+        50000, "dinov3: iterations between refreshes of the Gram teacher", ge=1
+    )
+    gram_it_first_update: int = _opt(
+        0, "dinov3: no refresh before this many iterations are done", ge=0
+    )
+    gram_max_updates: int | None = _opt(
+        None, "dinov3: the most refreshes of the Gram teacher; null: no limit", ge=0
+    )
+    gram_img_level: bool = _opt(
+        True, "dinov3: one Gram matrix per image (false: one over the batch's patches)"
+    )
+    gram_normalized: bool = _opt(
+        True, "dinov3: L2-normalise the patch features before their Gram matrices"
+    )
+    gram_remove_neg: bool = _opt(
+        False, "dinov3: clamp the student's and the Gram teacher's similarities at 0"
+    )
+    gram_remove_only_teacher_neg: bool = _opt(
+        False,
+        "dinov3: clamp the Gram teacher's similarities at 0, the student's where both are negative",
+    )
+    gram_tokens_used: str = _opt(
+        "all",
+        "dinov3: the patch tokens of the Gram loss: all, or those masked or unmasked for "
+        "the student (these two need gram_img_level: false)",
+        choices=("all", "masked", "unmasked"),
+    )
+    gram_teacher_crop_size: int | None = _opt(
+        None,
+        "dinov3: side in pixels the global crops are resized to for the Gram teacher (its "
+        "patch features are resized back to the student's grid, bicubic); null: the "
+        "student's crops as they are",
+        ge=1,
+    )
 
 
 @dataclass

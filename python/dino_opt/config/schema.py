@@ -397,6 +397,7 @@ def _check_relations(cfg: Config) -> None:
             f"model.backbone is {m.backbone!r}"
         )
     errors += _sharding_conflicts(cfg)
+    errors += _gram_conflicts(cfg)
     h = cfg.health
     if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:
         errors.append(
@@ -405,6 +406,41 @@ def _check_relations(cfg: Config) -> None:
         )
     if errors:
         raise ConfigError(errors)
+
+
+def _gram_conflicts(cfg: Config) -> list[str]:
+    """The ``recipe.gram_*`` keys of a recipe with a Gram teacher, checked together."""
+    r = cfg.recipe
+    needs = RECIPE_NEEDS[r.name].get("gram_teacher")
+    if not needs:
+        return []
+    errors = []
+    if r.gram_ckpt is None and r.gram_it_load_ema_teacher < 0:
+        errors.append(
+            f"recipe.name={r.name} needs weights for its Gram teacher: set recipe.gram_ckpt, "
+            "or recipe.gram_it_load_ema_teacher >= 0 (it is -1)"
+        )
+    if r.gram_remove_neg and r.gram_remove_only_teacher_neg:
+        errors.append(
+            "recipe.gram_remove_neg and recipe.gram_remove_only_teacher_neg exclude each other"
+        )
+    if r.gram_tokens_used != "all" and r.gram_img_level:
+        errors.append(
+            f"recipe.gram_tokens_used={r.gram_tokens_used} needs recipe.gram_img_level=false "
+            "(a crop's masked or unmasked tokens vary in number: one Gram matrix over the batch)"
+        )
+    size, patch = r.gram_teacher_crop_size, cfg.model.patch_size
+    if size is not None and size % patch:
+        errors.append(
+            f"recipe.gram_teacher_crop_size ({size}) must be a multiple of model.patch_size "
+            f"({patch})"
+        )
+    if cfg.distributed.strategy == "fsdp":
+        errors.append(
+            f"recipe.name={r.name} takes distributed.strategy=ddp, not fsdp ({needs}, "
+            "and a sharded teacher is not copied yet)"
+        )
+    return errors
 
 
 def _sharding_conflicts(cfg: Config) -> list[str]:

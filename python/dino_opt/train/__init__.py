@@ -16,6 +16,7 @@ from .build import (
     trainer_options,
 )
 from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper, StudentOutputs, TeacherTargets
+from .dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions, GramTeacher, refresh_due
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, recipe_of
 from .trainer import DINOModel, MemoryOptimizedDINOTrainer
@@ -25,6 +26,10 @@ __all__ = [
     "DINOv2Loss",
     "DINOv2Trainer",
     "DINOv2Wrapper",
+    "DINOv3Loss",
+    "DINOv3Trainer",
+    "GramOptions",
+    "GramTeacher",
     "DataRoots",
     "MemoryOptimizedDINOTrainer",
     "RECIPES",
@@ -45,5 +50,6 @@ __all__ = [
     "loader_masks",
     "param_groups",
     "recipe_of",
+    "refresh_due",
     "trainer_options",
 ]

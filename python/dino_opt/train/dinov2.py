@@ -40,11 +40,14 @@ __all__ = ["DINOv2Loss", "DINOv2Trainer", "DINOv2Wrapper", "StudentOutputs", "Te
 class TeacherTargets(NamedTuple):
     """The teacher's side of a step: DINO targets [2, B, K] (crop order
     swapped), iBOT targets [masked tokens, K'], and its head's class-token
-    logits [2B, K] in crop order (for the health checks)."""
+    logits [2B, K] in crop order (for the health checks); ``gram``: a Gram
+    teacher's patch features of the global crops [2B, N, D] (the dinov3
+    recipe), else None."""
 
     dino: torch.Tensor
     ibot: torch.Tensor
     cls_logits: torch.Tensor
+    gram: torch.Tensor | None = None
 
 
 class DINOv2Loss(nn.Module):
@@ -127,12 +130,15 @@ class DINOv2Loss(nn.Module):
 class StudentOutputs(NamedTuple):
     """The student's side of a step: head outputs of the local crops' and
     global crops' class tokens and of the masked patch tokens, and the global
-    crops' backbone class tokens (KoLeo's input)."""
+    crops' backbone class tokens (KoLeo's input); ``global_patches``: the
+    global crops' patch tokens after the backbone's final norm [2B, N, D]
+    when the wrapper keeps them (``keep_patch_tokens``), else None."""
 
     local_logits: torch.Tensor | None
     global_logits: torch.Tensor
     patch_logits: torch.Tensor
     global_cls: torch.Tensor
+    global_patches: torch.Tensor | None = None
 
 
 class DINOv2Wrapper(MultiCropWrapper):
@@ -143,11 +149,14 @@ class DINOv2Wrapper(MultiCropWrapper):
     ``masks`` [2B, tokens] replacing masked patches by the mask token) and the
     local crops ``crops[2:]``, the patch tokens at ``mask_indices`` (into the
     flattened [2B * tokens]) through ``ibot_head`` (None: DINO's head, shared).
-    Going through ``forward`` keeps DistributedDataParallel's hooks."""
+    With ``keep_patch_tokens`` the outputs also hold the global crops' patch
+    tokens (a Gram loss's input). Going through ``forward`` keeps
+    DistributedDataParallel's hooks."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module, ibot_head: nn.Module | None = None):
         super().__init__(backbone, head)
         self.ibot_head = ibot_head
+        self.keep_patch_tokens = False
 
     def forward(self, crops, masks=None, mask_indices=None):
         if mask_indices is None:
@@ -163,8 +172,10 @@ class DINOv2Wrapper(MultiCropWrapper):
         n_local, n_glob = len(local_cls), len(cls)
         patch_logits = (self.ibot_head(patches) if self.ibot_head is not None
                         else logits[n_local + n_glob :])  # fmt: skip
+        kept = out["x_norm_patchtokens"] if self.keep_patch_tokens else None
         return StudentOutputs(logits[:n_local] if local else None,
-                              logits[n_local : n_local + n_glob], patch_logits, cls)  # fmt: skip
+                              logits[n_local : n_local + n_glob], patch_logits, cls,
+                              kept)  # fmt: skip
 
 
 class DINOv2Trainer(MemoryOptimizedDINOTrainer):

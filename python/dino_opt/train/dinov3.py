@@ -1,0 +1,235 @@
+"""The DINOv3 recipe's training step: DINOv2's step (DINO's class-token loss,
+iBOT's masked-patch loss, KoLeo) plus Gram anchoring, as one micro-batch of
+:class:`DINOv3Trainer` (a :class:`~dino_opt.train.DINOv2Trainer`).
+
+Gram anchoring (Siméoni et al., 2025) keeps the student's patch-to-patch
+similarities near those of a Gram teacher: ``gram_weight * GramLoss(student's
+patch tokens of the global crops, the Gram teacher's of the same crops)``,
+both after the backbone's final norm, the student's with its masks. The Gram
+teacher (:class:`GramTeacher`) is a frozen copy of the teacher's backbone
+held by the loss (:class:`DINOv3Loss`), so that its weights and its count of
+refreshes are in the loss's state dict, saved in each checkpoint and restored
+on resume. It gets its weights from a file (:meth:`GramTeacher.load_file`),
+or from the EMA teacher at the start of iteration ``it_load_ema_teacher``; it
+is refreshed from the EMA teacher after each optimizer step whose iteration
+``it`` has ``it + 1 >= it_first_update`` and ``(it + 1) % update_frequency ==
+0``, at most ``max_updates`` times (:func:`refresh_due`). Until it has
+weights the step has no Gram term.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import CheckpointManager
+from ..ops.gram_loss import GramLoss
+from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
+
+__all__ = ["DINOv3Loss", "DINOv3Trainer", "GramOptions", "GramTeacher", "refresh_due"]
+
+
+class GramOptions(NamedTuple):
+    """The Gram anchoring options (the config's ``recipe.gram_*`` keys)."""
+
+    loss_weight: float = 1.0
+    ckpt: str | None = None
+    it_load_ema_teacher: int = 0
+    rep_update: bool = True
+    update_frequency: int = 50000
+    it_first_update: int = 0
+    max_updates: int | None = None
+    img_level: bool = True
+    normalized: bool = True
+    remove_neg: bool = False
+    remove_only_teacher_neg: bool = False
+    tokens_used: str = "all"
+    teacher_crop_size: int | None = None
+
+
+def refresh_due(options: GramOptions, iteration: int, updates: int) -> bool:
+    """Whether the Gram teacher is refreshed from the EMA teacher after the
+    optimizer step of ``iteration`` (from 0), ``updates`` refreshes done."""
+    o, done = options, iteration + 1
+    return (o.rep_update and done >= o.it_first_update and done % o.update_frequency == 0
+            and (o.max_updates is None or updates < o.max_updates))  # fmt: skip
+
+
+def _backbone_state(state: dict) -> dict:
+    """A backbone's state dict from a file's: a dino-opt checkpoint's
+    teacher backbone, a wrapper's ``backbone.`` entries, or the dict itself."""
+    if isinstance(state.get("teacher"), dict):
+        state = state["teacher"]
+    inner = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    return inner or state
+
+
+class GramTeacher(nn.Module):
+    """A frozen copy of the teacher's backbone (:meth:`attach`) and its
+    schedule: ``loaded`` (it has weights) and ``updates`` (refreshes done),
+    kept in the state dict. :meth:`before_step` and :meth:`after_step` apply
+    the schedule of :class:`GramOptions`; :meth:`patch_tokens` gives its
+    patch features of the global crops on the student's grid."""
+
+    def __init__(self, options: GramOptions):
+        super().__init__()
+        self.options = options
+        self.backbone: nn.Module | None = None
+        self.loaded = False
+        self.updates = 0
+
+    def train(self, mode: bool = True) -> GramTeacher:
+        """The flag only: the Gram teacher's backbone stays in eval mode."""
+        super().train(mode)
+        if self.backbone is not None:
+            self.backbone.eval()
+        return self
+
+    def get_extra_state(self) -> dict:
+        return {"loaded": self.loaded, "updates": self.updates}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.loaded, self.updates = bool(state["loaded"]), int(state["updates"])
+
+    def attach(self, teacher_backbone: nn.Module) -> None:
+        """Makes the Gram teacher a frozen copy of ``teacher_backbone``'s
+        architecture, with the weights of ``options.ckpt`` when given."""
+        self.backbone = copy.deepcopy(teacher_backbone).requires_grad_(False).eval()
+        if self.options.ckpt is not None:
+            self.load_file(self.options.ckpt)
+
+    def load_file(self, path: str) -> None:
+        """The weights of ``path`` (see :func:`_backbone_state`); ValueError
+        naming the file when they do not fit."""
+        where = Path(path)
+        state = CheckpointManager(where.parent).load(where, verify=False)
+        try:
+            self.backbone.load_state_dict(_backbone_state(state))
+        except RuntimeError as e:
+            reason = " ".join(str(e).split())
+            raise ValueError(f"recipe.gram_ckpt={path!r} does not fit the Gram teacher "
+                             f"(the teacher's backbone): {reason}") from None  # fmt: skip
+        self.loaded = True
+
+    @torch.no_grad()
+    def copy_from(self, teacher_backbone: nn.Module) -> None:
+        """The weights and buffers of ``teacher_backbone``, copied in."""
+        self.backbone.load_state_dict(teacher_backbone.state_dict())
+        self.loaded = True
+
+    def before_step(self, iteration: int, teacher_backbone: nn.Module) -> bool:
+        """At the start of ``iteration``: the EMA teacher's weights when it is
+        ``it_load_ema_teacher``. Returns whether they were copied."""
+        if iteration != self.options.it_load_ema_teacher:
+            return False
+        self.copy_from(teacher_backbone)
+        return True
+
+    def after_step(self, iteration: int, teacher_backbone: nn.Module) -> bool:
+        """After the optimizer step of ``iteration``: a refresh when
+        :func:`refresh_due`. Returns whether there was one."""
+        if not refresh_due(self.options, iteration, self.updates):
+            return False
+        self.copy_from(teacher_backbone)
+        self.updates += 1
+        return True
+
+    @torch.no_grad()
+    def patch_tokens(self, glob: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Patch features [2B, N, D] of the global crops ``glob`` (after the
+        final norm, no masks), on the student's grid: crops resized to
+        ``teacher_crop_size`` first when set, features resized back
+        (bicubic) when their grid differs."""
+        images = torch.cat(list(glob))
+        size = self.options.teacher_crop_size
+        student_grid = [s // self.backbone.patch_size for s in images.shape[-2:]]
+        if size is not None and size != images.shape[-1]:
+            images = F.interpolate(images, size=(size, size), mode="bicubic", align_corners=False)
+        tokens = self.backbone.forward_features(images)["x_norm_patchtokens"]
+        grid = [s // self.backbone.patch_size for s in images.shape[-2:]]
+        if grid == student_grid:
+            return tokens
+        maps = tokens.transpose(1, 2).unflatten(-1, grid)
+        maps = F.interpolate(maps, size=student_grid, mode="bicubic", align_corners=False)
+        return maps.flatten(-2).transpose(1, 2)
+
+
+class DINOv3Loss(DINOv2Loss):
+    """:class:`DINOv2Loss` plus Gram anchoring: ``gram``
+    (:class:`~dino_opt.ops.gram_loss.GramLoss`) weighted by
+    ``options.loss_weight``, and the Gram teacher ``gram_teacher``
+    (:class:`GramTeacher`, in the state dict). The other arguments are
+    :class:`DINOv2Loss`'s."""
+
+    def __init__(self, out_dim: int, ibot_out_dim: int, n_local: int, *,
+                 gram: GramOptions | None = None, **dinov2) -> None:  # fmt: skip
+        super().__init__(out_dim, ibot_out_dim, n_local, **dinov2)
+        gram = gram or GramOptions()
+        self.gram = GramLoss(apply_norm=gram.normalized, img_level=gram.img_level,
+                             remove_neg=gram.remove_neg,
+                             remove_only_teacher_neg=gram.remove_only_teacher_neg)  # fmt: skip
+        self.gram_teacher = GramTeacher(gram)
+        self.gram_weight = gram.loss_weight
+
+    def gram_term(self, student: torch.Tensor, teacher: torch.Tensor, masks: torch.Tensor):
+        """The Gram loss of the student's patch tokens [2B, N, D] against the
+        Gram teacher's, over ``tokens_used`` (``masks`` [2B, N]: the
+        student's masked patches)."""
+        o = self.gram_teacher.options
+        if o.tokens_used != "all":
+            keep = masks if o.tokens_used == "masked" else ~masks
+            student, teacher = student[keep], teacher[keep]
+        return self.gram(student.float(), teacher.float(), img_level=o.img_level)
+
+    def forward(self, student, targets: TeacherTargets, mask_info: dict):
+        """:class:`DINOv2Loss`'s total and parts, plus ``gram_weight`` times
+        the Gram term (part ``gram``) when ``targets.gram`` holds the Gram
+        teacher's features."""
+        total, parts = super().forward(student, targets, mask_info)
+        if targets.gram is None:
+            return total, parts
+        gram = self.gram_term(student.global_patches, targets.gram, mask_info["collated_masks"])
+        parts["gram"] = gram.detach()
+        return total + self.gram_weight * gram, parts
+
+
+class DINOv3Trainer(DINOv2Trainer):
+    """One DINOv3 micro-batch at a time: :class:`DINOv2Trainer`'s step, with
+    ``loss_fn`` a :class:`DINOv3Loss` whose Gram teacher is made here, a
+    copy of the teacher's backbone; its schedule follows the optimizer steps
+    (``model.teacher_step``, restored on resume): see the module docstring.
+    The student must keep its global patch tokens (the recipe's wrapper)."""
+
+    def __init__(self, model, loss_fn, optimizer, config, device):
+        super().__init__(model, loss_fn, optimizer, config, device)
+        self.gram_teacher = loss_fn.gram_teacher
+        self.gram_teacher.attach(model.teacher.backbone)
+        self.gram_teacher.to(self.device)
+
+    def train_step_optimized(
+        self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        if self.at_step_boundary:
+            self.gram_teacher.before_step(self.model.teacher_step, self.model.teacher.backbone)
+        return super().train_step_optimized(crops, epoch, masks)
+
+    def optimize_step(self) -> bool:
+        stepped = super().optimize_step()
+        if stepped:
+            self.gram_teacher.after_step(self.model.teacher_step - 1, self.model.teacher.backbone)
+        return stepped
+
+    @torch.no_grad()
+    def _teacher_targets(self, glob: list[torch.Tensor], info) -> TeacherTargets:
+        targets = super()._teacher_targets(glob, info)
+        if not self.gram_teacher.loaded:
+            return targets
+        with self._autocast():
+            gram = self.gram_teacher.patch_tokens(glob)
+        return targets._replace(gram=gram)

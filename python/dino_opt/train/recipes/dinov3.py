@@ -1,0 +1,67 @@
+"""The DINOv3 recipe (Siméoni et al., 2025): DINOv2's losses (DINO, iBOT,
+KoLeo; DINOv3 trains them with a separate iBOT head and Sinkhorn-Knopp
+targets, ``recipe.ibot_separate_head`` and ``recipe.centering``) plus Gram
+anchoring of the student's patch tokens to a Gram teacher, a frozen copy of
+the teacher's backbone (the ``recipe.gram_*`` keys; :mod:`dino_opt.train.dinov3`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...config import Config
+from ..dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions
+from .base import register
+from .dinov2 import DINOv2Recipe
+
+__all__ = ["DINOv3Recipe", "gram_options"]
+
+
+def gram_options(cfg: Config) -> GramOptions:
+    """The :class:`~dino_opt.train.dinov3.GramOptions` of ``cfg.recipe``'s ``gram_*`` keys."""
+    r = cfg.recipe
+    return GramOptions(
+        loss_weight=r.gram_loss_weight, ckpt=r.gram_ckpt,
+        it_load_ema_teacher=r.gram_it_load_ema_teacher, rep_update=r.gram_rep_update,
+        update_frequency=r.gram_update_frequency, it_first_update=r.gram_it_first_update,
+        max_updates=r.gram_max_updates, img_level=r.gram_img_level,
+        normalized=r.gram_normalized, remove_neg=r.gram_remove_neg,
+        remove_only_teacher_neg=r.gram_remove_only_teacher_neg,
+        tokens_used=r.gram_tokens_used, teacher_crop_size=r.gram_teacher_crop_size,
+    )  # fmt: skip
+
+
+class DINOv3Recipe(DINOv2Recipe):
+    name = "dinov3"
+    # The demo: the dinov2 demo (the DINO demo's data, crops, network and
+    # schedule) with DINOv3's separate iBOT head, and a Gram teacher taken
+    # from the EMA teacher at iteration 40 and refreshed after iterations 80
+    # and 120 (the demo makes 93 to 240 optimizer steps).
+    demo_changes = {
+        "recipe": {
+            "name": "dinov3", "centering": "sinkhorn_knopp", "ibot_separate_head": True,
+            "ibot_out_dim": 1024, "gram_it_load_ema_teacher": 40, "gram_update_frequency": 40,
+            "gram_it_first_update": 80, "gram_max_updates": 2,
+        },
+        "model": {"img_size": 224},
+    }  # fmt: skip
+
+    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
+        student, teacher = super().wrap_models(cfg, student, teacher)
+        student.keep_patch_tokens = True  # the Gram loss's input
+        return student, teacher
+
+    def build_loss(self, cfg: Config) -> nn.Module:
+        s, r = cfg.schedule, cfg.recipe
+        return DINOv3Loss(
+            cfg.model.out_dim, self.patch_head_dim(cfg), cfg.augmentation.num_local_views,
+            student_temp=s.student_temp, center_momentum=s.center_momentum,
+            centering=r.centering,
+            weights=(r.dino_loss_weight, r.ibot_loss_weight, r.koleo_loss_weight),
+            gram=gram_options(cfg),
+        )  # fmt: skip
+
+    def trainer_class(self, cfg: Config) -> type:
+        return DINOv3Trainer
+
+
+register(DINOv3Recipe())
