@@ -185,7 +185,8 @@ class DINOv3Loss(DINOv2Loss):
         if o.tokens_used != "all":
             keep = masks if o.tokens_used == "masked" else ~masks
             student, teacher = student[keep], teacher[keep]
-        return self.gram(student.float(), teacher.float(), img_level=o.img_level)
+        # half-precision features are computed in float32 by the operator
+        return self.gram(student, teacher.to(student.dtype), img_level=o.img_level)
 
     def forward(self, student, targets: TeacherTargets, mask_info: dict):
         """:class:`DINOv2Loss`'s total and parts, plus ``gram_weight`` times

@@ -1,0 +1,317 @@
+"""The DINOv3 recipe as a whole: its configuration (the recipe.gram_* keys
+and their errors), the Gram term of a step against the float64 reference of
+the published formula, the Gram teacher's schedule (loaded from the EMA
+teacher, refreshed, at most max_updates times) and its file, the demo, and
+`dino-opt train` end to end (the gram loss logged, resume bit for bit)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dino_opt.checkpoint import CheckpointManager
+from dino_opt.cli import DEMO_PRESETS, main
+from dino_opt.config import ConfigError, load_config
+from dino_opt.data import mask_targets
+from dino_opt.train import (
+    DINOModel,
+    DINOv2Loss,
+    DINOv3Loss,
+    DINOv3Trainer,
+    GramOptions,
+    GramTeacher,
+    StudentOutputs,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_schedules,
+    build_trainer,
+    refresh_due,
+)
+from reference import gram_loss_reference
+from tiny import TINY, tiny_train_only
+
+DINOV3_TINY = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
+               "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64",
+               "model.drop_path_rate=0"]  # fmt: skip
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_gram_keys_parse_with_their_defaults():
+    recipe = {"name": "dinov3", "gram_ckpt": "teacher.pt", "gram_it_load_ema_teacher": -1,
+              "gram_max_updates": 3}  # fmt: skip
+    cfg = load_config({"recipe": recipe})
+    r = cfg.recipe
+    assert (r.gram_ckpt, r.gram_it_load_ema_teacher, r.gram_max_updates) == ("teacher.pt", -1, 3)
+    assert (r.gram_loss_weight, r.gram_update_frequency, r.gram_tokens_used) == (1.0, 50000, "all")
+    assert r.gram_teacher_crop_size is None and r.gram_img_level and r.gram_normalized
+    # another recipe does not read them
+    load_config(None, ["recipe.name=dinov2", "recipe.gram_it_load_ema_teacher=-1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["recipe.gram_it_load_ema_teacher=-1"], "needs weights for its Gram teacher"),
+        (["recipe.gram_remove_neg=true", "recipe.gram_remove_only_teacher_neg=true"],
+         "exclude each other"),
+        (["recipe.gram_tokens_used=masked"], "needs recipe.gram_img_level=false"),
+        (["recipe.gram_teacher_crop_size=30"], "multiple of model.patch_size"),
+        (["distributed.strategy=fsdp"], "takes distributed.strategy=ddp"),
+        (["recipe.gram_update_frequency=0"], "recipe.gram_update_frequency"),
+        (["recipe.gram_tokens_used=some"], "recipe.gram_tokens_used"),
+        (["model.backbone=resnet18", "model.patch_size=16"], "needs a ViT backbone"),
+    ],
+)  # fmt: skip
+def test_gram_key_errors_in_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*DINOV3_TINY, *overrides])
+    assert len(e.value.errors) == 1 and needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------ the Gram term
+
+
+def _outputs(gen, b=3, n=16, d=8, k=32):
+    """Random float64 student outputs and teacher targets of a DINOv2 step,
+    and the mask information of random masks."""
+    masks = torch.rand(2 * b, 4, 4, generator=gen) < 0.4
+    info = mask_targets(masks)
+    m = len(info["mask_indices_list"])
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    student = StudentOutputs(r(2 * b, k), r(2 * b, k), r(m, k), r(2 * b, d), r(2 * b, n, d))
+    return student, info, r(2 * b, n, d)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(img_level=False), dict(remove_neg=True), dict(normalized=False),
+     dict(remove_only_teacher_neg=True, img_level=False, tokens_used="masked"),
+     dict(img_level=False, tokens_used="unmasked")],
+    ids=["image", "batch", "remove_neg", "raw", "teacher_neg-masked", "unmasked"],
+)  # fmt: skip
+def test_the_step_adds_the_weighted_gram_loss_to_dinov2s(options):
+    gen = torch.Generator().manual_seed(0)
+    student, info, gram_teacher = _outputs(gen)
+    kw = dict(student_temp=0.1, centering="sinkhorn_knopp")
+    dinov2 = DINOv2Loss(32, 32, 2, **kw).double()
+    dinov3 = DINOv3Loss(32, 32, 2, gram=GramOptions(loss_weight=0.7, **options), **kw).double()
+    cls, patch = (torch.randn(6, 32, generator=gen), torch.randn(len(info["mask_indices_list"]),
+                                                                   32, generator=gen))  # fmt: skip
+    targets = dinov2.teacher_targets(cls, patch, 0.04, info["n_masked_patches"])
+    base, base_parts = dinov2(student, targets, info)
+    total, parts = dinov3(student, targets._replace(gram=gram_teacher), info)
+    keep = {"all": slice(None), "masked": info["collated_masks"],
+            "unmasked": ~info["collated_masks"]}[options.get("tokens_used", "all")]  # fmt: skip
+    ref = gram_loss_reference(student.global_patches[keep], gram_teacher[keep],
+                              options.get("img_level", True), options.get("normalized", True),
+                              options.get("remove_neg", False),
+                              options.get("remove_only_teacher_neg", False))  # fmt: skip
+    torch.testing.assert_close(parts["gram"], ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(total, base + 0.7 * ref, rtol=1e-10, atol=1e-12)
+    assert set(parts) == set(base_parts) | {"gram"}
+    # no Gram teacher features yet: DINOv2's loss, no gram part
+    total, parts = dinov3(student, targets, info)
+    assert torch.equal(total, base) and "gram" not in parts
+
+
+def _trainer(extra=(), seed=0):
+    torch.manual_seed(seed)
+    cfg = load_config(None, [*DINOV3_TINY, "hardware.precision=fp32", *extra])
+    student, teacher = build_models(cfg)
+    model = DINOModel(student, teacher, 0.9)
+    opt = build_optimizer(cfg, student, torch.device("cpu"))
+    trainer = build_trainer(cfg, model, build_loss(cfg), opt, "cpu")
+    trainer.set_schedules(build_schedules(cfg, 5), 3)
+    return cfg, trainer
+
+
+def _batch(cfg, b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gs, ls = cfg.augmentation.global_crop_size, cfg.augmentation.local_crop_size
+    crops = [torch.randn(b, 3, gs, gs, generator=g) for _ in range(2)]
+    crops += [torch.randn(b, 3, ls, ls, generator=g) for _ in range(2)]
+    side = gs // cfg.model.patch_size
+    return crops, torch.rand(2 * b, side, side, generator=g) < 0.4
+
+
+def test_the_trainers_gram_term_is_the_gram_loss_of_the_students_patch_tokens():
+    cfg, trainer = _trainer()
+    assert isinstance(trainer, DINOv3Trainer)
+    crops, masks = _batch(cfg)
+    _, metrics = trainer.train_step_optimized(crops, 0, masks=masks)  # iteration 0: loaded
+    info = mask_targets(masks)
+    with torch.no_grad():
+        student = trainer.model.student(crops, masks=info["collated_masks"],
+                                        mask_indices=info["mask_indices_list"])  # fmt: skip
+        teacher = trainer.model.teacher.backbone.forward_features(torch.cat(crops[:2]))
+    ref = gram_loss_reference(student.global_patches.double(),
+                              teacher["x_norm_patchtokens"].double())  # fmt: skip
+    torch.testing.assert_close(metrics["gram"].double(), ref, rtol=1e-5, atol=1e-7)
+    grads = [p.grad for p in trainer.model.student.backbone.parameters() if p.grad is not None]
+    assert grads and all(p.grad is None for p in trainer.gram_teacher.parameters())
+
+
+def test_the_gram_teacher_on_larger_crops_is_resized_to_the_students_grid():
+    cfg, trainer = _trainer(["recipe.gram_teacher_crop_size=64"])
+    crops, _ = _batch(cfg)
+    tokens = trainer.gram_teacher.patch_tokens(crops[:2])
+    side = cfg.augmentation.global_crop_size // cfg.model.patch_size
+    assert tokens.shape == (8, side * side, 192) and torch.isfinite(tokens).all()
+    same = _trainer()[1].gram_teacher.patch_tokens(crops[:2])
+    assert not torch.allclose(tokens, same)
+
+
+# ------------------------------------------------------------ the schedule
+
+
+def test_refresh_rule_and_the_gram_teachers_schedule():
+    options = GramOptions(it_load_ema_teacher=3, update_frequency=4, it_first_update=6,
+                          max_updates=2)  # fmt: skip
+    gram, teacher = GramTeacher(options), torch.nn.Linear(2, 2)
+    gram.attach(teacher)
+    loads, refreshes = [], []
+    for it in range(20):
+        teacher.weight.data.fill_(it)
+        if gram.before_step(it, teacher):
+            loads.append(it)
+        teacher.weight.data.fill_(it + 0.5)  # the optimizer step's EMA
+        if gram.after_step(it, teacher):
+            refreshes.append(it)
+            assert torch.equal(gram.backbone.weight, teacher.weight)
+    # loaded at the start of iteration 3; refreshed when (it + 1) >= 6 and
+    # (it + 1) % 4 == 0, twice at most: after iterations 7 and 11
+    assert loads == [3] and refreshes == [7, 11] and gram.updates == 2
+    assert torch.all(gram.backbone.weight == 11.5)
+    assert not refresh_due(options._replace(rep_update=False), 7, 0)
+    assert refresh_due(options._replace(max_updates=None), 19, 9)
+
+
+def test_the_trainer_follows_the_schedule_over_optimizer_steps():
+    schedule = ["recipe.gram_it_load_ema_teacher=1", "recipe.gram_update_frequency=2",
+                "recipe.gram_it_first_update=2", "recipe.gram_max_updates=1"]  # fmt: skip
+    cfg, trainer = _trainer(schedule)
+    teacher, gram = trainer.model.teacher.backbone, trainer.gram_teacher
+    seen, snapshot = [], None
+    for it in range(5):
+        crops, masks = _batch(cfg, seed=it)
+        _, metrics = trainer.train_step_optimized(crops, 0, masks=masks)
+        seen.append("gram" in metrics)
+        assert trainer.optimize_step()
+        if it == 1:  # refreshed after iteration 1 ((1 + 1) % 2 == 0), then never (max 1)
+            snapshot = {k: v.clone() for k, v in teacher.state_dict().items()}
+    assert seen == [False, True, True, True, True] and gram.updates == 1 and gram.loaded
+    for k, v in gram.backbone.state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
+    assert any(not torch.equal(v, teacher.state_dict()[k]) for k, v in snapshot.items())
+    state = trainer.loss_fn.state_dict()
+    assert state["gram_teacher._extra_state"] == {"loaded": True, "updates": 1}
+    restored = _trainer(["recipe.gram_it_load_ema_teacher=1"], seed=1)[1]
+    restored.loss_fn.load_state_dict(state)
+    assert (restored.gram_teacher.loaded, restored.gram_teacher.updates) == (True, 1)
+    for k, v in restored.gram_teacher.backbone.state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
+
+
+def test_the_gram_teacher_from_a_file_and_a_file_that_does_not_fit(tmp_path):
+    cfg, trainer = _trainer()
+    backbone = trainer.model.teacher.backbone
+    weights = {f"backbone.{k}": v + 1 for k, v in backbone.state_dict().items()}
+    good = tmp_path / "good.pt"
+    torch.save({"teacher": weights, "step": 3}, good)
+    _, loaded = _trainer([f"recipe.gram_ckpt={good}", "recipe.gram_it_load_ema_teacher=-1"])
+    assert loaded.gram_teacher.loaded
+    for k, v in loaded.gram_teacher.backbone.state_dict().items():
+        assert torch.equal(v, weights[f"backbone.{k}"]), k
+    bad = tmp_path / "bad.pt"
+    torch.save({k: v[..., :1] for k, v in backbone.state_dict().items()}, bad)
+    with pytest.raises(ValueError, match="bad.pt' does not fit the Gram teacher") as e:
+        _trainer([f"recipe.gram_ckpt={bad}"])
+    assert "\n" not in str(e.value)
+
+
+def test_the_dinov3_demo_is_the_dinov2_demo_with_a_gram_teacher():
+    dinov2, dinov3 = load_config(DEMO_PRESETS["dinov2"]), load_config(DEMO_PRESETS["dinov3"])
+    a, b = dinov2.to_dict(), dinov3.to_dict()
+    changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
+    assert changed == {"recipe.name", "recipe.ibot_separate_head", "recipe.ibot_out_dim",
+                       "recipe.gram_it_load_ema_teacher", "recipe.gram_update_frequency",
+                       "recipe.gram_it_first_update", "recipe.gram_max_updates"}  # fmt: skip
+    assert b["recipe"]["ibot_out_dim"] == b["model"]["out_dim"]
+
+
+# ------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory):
+    return tiny_train_only(tmp_path_factory)
+
+
+# 10 optimizer steps: the Gram teacher loaded at the start of iteration 2,
+# refreshed after iterations 3 and 5 (then max_updates)
+GRAM_SCHEDULE = ["recipe.gram_it_load_ema_teacher=2", "recipe.gram_update_frequency=2",
+                 "recipe.gram_it_first_update=4", "recipe.gram_max_updates=2"]  # fmt: skip
+
+
+def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
+            f"data.root={root}", *DINOV3_TINY, *GRAM_SCHEDULE, "data.num_workers=2",
+            "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
+            *extra]  # fmt: skip
+
+
+def _final(out: Path) -> dict:
+    report = json.loads((out / "report.json").read_text())
+    return torch.load(report["checkpoint"], weights_only=True)
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_train_logs_the_gram_loss_and_resumes_bit_for_bit(train_root, tmp_path):
+    ref = tmp_path / "ref"
+    done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss_gram" in r] == list(range(3, 11))
+    assert all(r["loss_gram"] >= 0 for r in rows if "loss_gram" in r)
+    out = tmp_path / "run"
+    p = subprocess.Popen(_cmd(out, train_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    manager = CheckpointManager(out / "checkpoints")
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline:
+        if any(r.step >= 4 for r in manager.checkpoints()):
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    done = subprocess.run(_cmd(out, train_root), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _final(out), _final(ref)
+    assert b["loss"]["gram_teacher._extra_state"] == {"loaded": True, "updates": 2}
+    assert any(k.startswith("gram_teacher.backbone.") for k in b["loss"])
+    for key in ("student", "teacher", "loss"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert _same(a[key][name], b[key][name]), f"{key}.{name} differs"
+
+
+def test_a_gram_checkpoint_that_is_missing_is_one_line(train_root, tmp_path, capsys):
+    missing = tmp_path / "missing.pt"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--output-dir", str(tmp_path / "out"), "--quiet", f"data.root={train_root}",
+              *DINOV3_TINY, f"recipe.gram_ckpt={missing}"])  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if "error" in x]
+    assert e.value.code == 2 and len(lines) == 1 and str(missing) in lines[0], err
