@@ -24,7 +24,7 @@ from dino_opt.train import (
     DINOv3Trainer,
     GramOptions,
     GramTeacher,
-    StudentOutputs,
+    PatchStudentOutputs,
     build_loss,
     build_models,
     build_optimizer,
@@ -85,7 +85,7 @@ def _outputs(gen, b=3, n=16, d=8, k=32):
     info = mask_targets(masks)
     m = len(info["mask_indices_list"])
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    student = StudentOutputs(r(2 * b, k), r(2 * b, k), r(m, k), r(2 * b, d), r(2 * b, n, d))
+    student = PatchStudentOutputs(r(2 * b, k), r(2 * b, k), r(m, k), r(2 * b, d), r(2 * b, n, d))
     return student, info, r(2 * b, n, d)
 
 

@@ -15,7 +15,14 @@ from .build import (
     loader_masks,
     trainer_options,
 )
-from .dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper, StudentOutputs, TeacherTargets
+from .dinov2 import (
+    DINOv2Loss,
+    DINOv2Trainer,
+    DINOv2Wrapper,
+    PatchStudentOutputs,
+    StudentOutputs,
+    TeacherTargets,
+)
 from .dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions, GramTeacher, refresh_due
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, recipe_of
@@ -32,6 +39,7 @@ __all__ = [
     "GramTeacher",
     "DataRoots",
     "MemoryOptimizedDINOTrainer",
+    "PatchStudentOutputs",
     "RECIPES",
     "Recipe",
     "StudentOutputs",

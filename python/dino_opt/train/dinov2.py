@@ -34,7 +34,8 @@ from ..ops.dinov2_loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
 from ..runtime import no_sync
 from .trainer import MemoryOptimizedDINOTrainer
 
-__all__ = ["DINOv2Loss", "DINOv2Trainer", "DINOv2Wrapper", "StudentOutputs", "TeacherTargets"]
+__all__ = ["DINOv2Loss", "DINOv2Trainer", "DINOv2Wrapper", "PatchStudentOutputs", "StudentOutputs",
+           "TeacherTargets"]  # fmt: skip
 
 
 class TeacherTargets(NamedTuple):
@@ -130,15 +131,23 @@ class DINOv2Loss(nn.Module):
 class StudentOutputs(NamedTuple):
     """The student's side of a step: head outputs of the local crops' and
     global crops' class tokens and of the masked patch tokens, and the global
-    crops' backbone class tokens (KoLeo's input); ``global_patches``: the
-    global crops' patch tokens after the backbone's final norm [2B, N, D]
-    when the wrapper keeps them (``keep_patch_tokens``), else None."""
+    crops' backbone class tokens (KoLeo's input)."""
 
     local_logits: torch.Tensor | None
     global_logits: torch.Tensor
     patch_logits: torch.Tensor
     global_cls: torch.Tensor
-    global_patches: torch.Tensor | None = None
+
+
+class PatchStudentOutputs(NamedTuple):
+    """:class:`StudentOutputs` and the global crops' patch tokens after the
+    backbone's final norm, ``global_patches`` [2B, N, D] (a Gram loss's input)."""
+
+    local_logits: torch.Tensor | None
+    global_logits: torch.Tensor
+    patch_logits: torch.Tensor
+    global_cls: torch.Tensor
+    global_patches: torch.Tensor
 
 
 class DINOv2Wrapper(MultiCropWrapper):
@@ -149,8 +158,8 @@ class DINOv2Wrapper(MultiCropWrapper):
     ``masks`` [2B, tokens] replacing masked patches by the mask token) and the
     local crops ``crops[2:]``, the patch tokens at ``mask_indices`` (into the
     flattened [2B * tokens]) through ``ibot_head`` (None: DINO's head, shared).
-    With ``keep_patch_tokens`` the outputs also hold the global crops' patch
-    tokens (a Gram loss's input). Going through ``forward`` keeps
+    With ``keep_patch_tokens`` the outputs are :class:`PatchStudentOutputs`,
+    which also hold the global crops' patch tokens. Going through ``forward`` keeps
     DistributedDataParallel's hooks."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module, ibot_head: nn.Module | None = None):
@@ -172,10 +181,11 @@ class DINOv2Wrapper(MultiCropWrapper):
         n_local, n_glob = len(local_cls), len(cls)
         patch_logits = (self.ibot_head(patches) if self.ibot_head is not None
                         else logits[n_local + n_glob :])  # fmt: skip
-        kept = out["x_norm_patchtokens"] if self.keep_patch_tokens else None
-        return StudentOutputs(logits[:n_local] if local else None,
-                              logits[n_local : n_local + n_glob], patch_logits, cls,
-                              kept)  # fmt: skip
+        outputs = (logits[:n_local] if local else None, logits[n_local : n_local + n_glob],
+                   patch_logits, cls)  # fmt: skip
+        if self.keep_patch_tokens:
+            return PatchStudentOutputs(*outputs, out["x_norm_patchtokens"])
+        return StudentOutputs(*outputs)
 
 
 class DINOv2Trainer(MemoryOptimizedDINOTrainer):
