@@ -147,7 +147,8 @@ def test_yaml_round_trip(tmp_path, comments):
 def test_yaml_comments_document_keys_and_choices():
     text = config_to_yaml(default_config())
     line = next(ln for ln in text.splitlines() if ln.startswith("  backbone:"))
-    assert "vit_tiny | vit_small | vit_base | vit_large | vit_giant2 | resnet18 | resnet50" in line
+    assert "vit_tiny | vit_small | vit_base | vit_large | vit_giant2 | vit_small_dinov3 |" in line
+    assert "| vit_7b_dinov3 | resnet18 | resnet50" in line
     assert "  global_crops_scale: [0.4, 1.0]  #" in text
     assert "# " not in config_to_yaml(default_config(), comments=False)
 
@@ -434,7 +435,8 @@ def test_range_errors(section, key, value, message):
             "backbone",
             "vit_smal",
             "model.backbone must be one of vit_tiny, vit_small, vit_base, vit_large, vit_giant2, "
-            "resnet18, resnet50; "
+            "vit_small_dinov3, vit_small_plus_dinov3, vit_base_dinov3, vit_large_dinov3, "
+            "vit_large_plus_dinov3, vit_huge_plus_dinov3, vit_7b_dinov3, resnet18, resnet50; "
             "got 'vit_smal' (did you mean 'vit_small'?)",
         ),
         ("model", "patch_size", 12, "model.patch_size must be one of 8, 14, 16; got 12"),
