@@ -438,7 +438,9 @@ def test_build_backbone_vits_and_errors(monkeypatch):
         model, dim = build_backbone("vit_small", patch_size=8, drop_path_rate=0.0)
     assert dim == 384 and model.patch_size == 8
     assert BACKBONES == ("vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
-                         "resnet18", "resnet50")  # fmt: skip
+                         "vit_small_dinov3", "vit_small_plus_dinov3", "vit_base_dinov3",
+                         "vit_large_dinov3", "vit_large_plus_dinov3", "vit_huge_plus_dinov3",
+                         "vit_7b_dinov3", "resnet18", "resnet50")  # fmt: skip
     with pytest.raises(ValueError, match="vit_tiny, vit_small, vit_base, vit_large, vit_giant2"):
         build_backbone("vit_huge")
     with pytest.raises(ValueError, match="ResNet.*num_register_tokens"):
