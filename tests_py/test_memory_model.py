@@ -210,3 +210,20 @@ def test_one_process_step_within_10_percent(policy, every, one_thread):
         _optimizer_step(student, optimizer, cfg)
     model = estimate_memory(cfg, strategy="ddp", world_size=1)
     assert _pct(model.step, trace.peak()) <= 0.10, (model.step, trace.peak())
+
+
+def test_the_dinov3_gram_teacher_is_counted():
+    # The dinov3 recipe keeps a frozen copy of the teacher's backbone (its Gram
+    # teacher) and that copy's float32 patch tokens of the global crops.
+    common = ["model.backbone=vit_small", "data.batch_size=8", "recipe.ibot_separate_head=true"]
+    v2 = load_config(None, [*common, "recipe.name=dinov2"])
+    v3 = load_config(None, [*common, "recipe.name=dinov3"])
+    c2, c3 = count_model(v2), count_model(v3)
+    with torch.device("meta"):
+        _, teacher = build_models(v3)
+    backbone = sum(p.numel() for p in teacher.backbone.parameters())
+    assert c3.teacher - c2.teacher == backbone
+    e2, e3 = estimate_memory(v2, counts=c2), estimate_memory(v3, counts=c3)
+    assert e3.teacher - e2.teacher == 4 * backbone
+    patches = (v3.augmentation.global_crop_size // v3.model.patch_size) ** 2
+    assert e3.activations - e2.activations == 2 * 8 * patches * 384 * 4

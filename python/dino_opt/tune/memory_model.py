@@ -180,13 +180,19 @@ def count_model(cfg: Config) -> ModelCounts:
     hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
     return ModelCounts(
         student=_numel(student), trainable=_numel(student, trainable=True),
-        teacher=_numel(teacher), units=_units(student), embed_dim=vit.embed_dim,
+        teacher=_numel(teacher) + _frozen_copies(cfg, teacher), units=_units(student),
+        embed_dim=vit.embed_dim,
         depth=len(vit.blocks), num_heads=vit.num_heads,
         ffn="mlp" if hasattr(mlp, "fc1") else "swiglu", ffn_hidden=hidden,
         layerscale=not isinstance(block.ls1, nn.Identity),
         extra_tokens=1 + vit.num_register_tokens, patch_size=vit.patch_size,
         head_weight=sum(h.last_layer.weight_v.numel() for h in _heads(student).values()),
     )  # fmt: skip
+
+
+def _frozen_copies(cfg: Config, teacher: nn.Module) -> int:
+    """Parameters of the frozen copies of the teacher's backbone the recipe keeps."""
+    return recipe_of(cfg).frozen_backbone_copies(cfg) * _numel(teacher.backbone)
 
 
 def _numel(module: nn.Module, trainable: bool = False) -> int:
@@ -468,7 +474,8 @@ def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy
     weights = a * counts.head_weight  # the heads' weight-normalised last layers
     if strategy == "ddp" and a != _FP32:
         weights += a * (counts.student - counts.head_weight)  # autocast's cached casts
-    return heads + weights + _teacher_outputs(cfg, s, a)
+    frozen = recipe_of(cfg).frozen_copy_output_bytes(cfg, counts.embed_dim, s.batch)
+    return heads + weights + _teacher_outputs(cfg, s, a) + frozen
 
 
 def _crop_bytes(cfg: Config, s: _Step, a: int) -> int:

@@ -85,6 +85,15 @@ class Recipe:
         """What the teacher's pass leaves for the student's."""
         raise NotImplementedError
 
+    def frozen_backbone_copies(self, cfg: Config) -> int:
+        """Frozen copies of the teacher's backbone the recipe keeps besides
+        the teacher (DINOv3: its Gram teacher)."""
+        raise NotImplementedError
+
+    def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
+        """What those copies' passes leave for the student's loss."""
+        raise NotImplementedError
+
 
 RECIPES: dict[str, Recipe] = {}
 

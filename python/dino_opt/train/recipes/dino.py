@@ -76,5 +76,11 @@ class DINORecipe(Recipe):
         # the teacher's logits of the global crops, autocast dtype and float32
         return global_rows * cfg.model.out_dim * (a + FP32)
 
+    def frozen_backbone_copies(self, cfg: Config) -> int:
+        return 0
+
+    def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
+        return 0
+
 
 register(DINORecipe())

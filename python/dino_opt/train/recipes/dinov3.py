@@ -10,7 +10,7 @@ from torch import nn
 
 from ...config import Config
 from ..dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions
-from .base import register
+from .base import FP32, register
 from .dinov2 import DINOv2Recipe
 
 __all__ = ["DINOv3Recipe", "gram_options"]
@@ -62,6 +62,14 @@ class DINOv3Recipe(DINOv2Recipe):
 
     def trainer_class(self, cfg: Config) -> type:
         return DINOv3Trainer
+
+    def frozen_backbone_copies(self, cfg: Config) -> int:
+        return 1  # the Gram teacher
+
+    def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
+        # the Gram teacher's patch tokens of the global crops, float32, kept for the Gram loss
+        side = cfg.augmentation.global_crop_size // cfg.model.patch_size
+        return 2 * batch * side * side * embed_dim * FP32
 
 
 register(DINOv3Recipe())
