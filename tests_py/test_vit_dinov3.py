@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from dino_opt import dinov3
 from dino_opt.models import (
     DINOV3_SIZES,
     DinoV3VisionTransformer,
@@ -442,3 +443,45 @@ def test_features_equal_hugging_faces_dinov3(gen):
         # Hugging Face's RoPE runs in float32: agreement to float32 rounding.
         torch.testing.assert_close(out["x_norm_clstoken"], ref[:, 0], rtol=0, atol=1e-6)
         torch.testing.assert_close(out["x_norm_patchtokens"], ref[:, 5:], rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------- the hub's names
+
+
+def test_hub_backbones_load_dinovs_released_layout(tmp_path, gen):
+    source = randomize(v3.vit_small_plus_dinov3(use_mask_token=True), gen)  # float32, as released
+    path = tmp_path / "dinov3_vits16plus_pretrain_lvd1689m-4057cbaa.pth"
+    torch.save(dinov3_layout(source.state_dict(), gen), path)
+    source = source.double()
+    for weights in (str(path), path.as_uri()):
+        model = dinov3.dinov3_vits16plus(weights=weights).double().eval()
+        assert model.rope_embed.rescale_coords == 2.0  # the hub's setting (training only)
+        x = torch.randn(2, 3, 48, 32, generator=gen, dtype=F64)
+        with torch.no_grad():
+            want, got = source.eval().forward_features(x), model.forward_features(x)
+        for key in ("x_norm_clstoken", "x_norm_regtokens", "x_norm_patchtokens"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-12)
+    assert isinstance(dinov3.dinov3_vitb16(pretrained=False), DinoV3VisionTransformer)
+    sat = dinov3.dinov3_vitl16(pretrained=False, weights=dinov3.Weights.SAT493M)
+    assert sat.local_cls_norm is not None
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda d: d.dinov3_vits16(), "pretrained=True needs weights=<path of the .pth file>"),
+        (lambda d: d.dinov3_vits16(weights="https://x/y.pth"), "give a local file"),
+        (lambda d: d.dinov3_vits16(weights="/no/such.pth"), "do not exist"),
+    ],
+)
+def test_hub_backbones_refuse_what_they_cannot_load(call, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        call(dinov3)
+
+
+def test_hub_backbone_with_weights_of_another_size(tmp_path, gen):
+    source = v3.vit_small_dinov3(use_mask_token=True)
+    path = tmp_path / "small.pth"
+    torch.save(dinov3_layout(source.state_dict(), gen), path)
+    with pytest.raises(ValueError, match=r"dinov3_vitb16: .*small.pth does not hold its weights"):
+        dinov3.dinov3_vitb16(weights=path)
