@@ -13,6 +13,8 @@ anything.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from torch import nn
 
 from ...config import Config
@@ -22,7 +24,7 @@ __all__ = ["FP32", "RECIPES", "Recipe", "recipe_of", "register"]
 FP32 = 4  # bytes of a float32
 
 
-class Recipe:
+class Recipe(ABC):
     """The interface; :class:`~dino_opt.train.recipes.dino.DINORecipe` is
     the first implementation, and the others derive from it."""
 
@@ -31,68 +33,72 @@ class Recipe:
     #: (``dino-opt train --demo NAME``), as nested dicts of config sections.
     demo_changes: dict = {}
 
+    @abstractmethod
     def backbone_options(self, cfg: Config) -> dict:
         """ViT options beyond ``cfg.model``'s: ``img_size`` (the position
         embeddings' grid when ``model.img_size`` is unset) and ``use_mask_token``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
         """Student and teacher as the recipe trains them, from DINO's pair."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build_loss(self, cfg: Config) -> nn.Module:
-        raise NotImplementedError
+        """The recipe's loss module, on the CPU."""
 
+    @abstractmethod
     def loader_masks(self, cfg: Config) -> dict | None:
         """The loader's ``masks`` argument (block masks of the global crops), or None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
-        raise NotImplementedError
+        """The optimizer's parameter groups of ``student``."""
 
+    @abstractmethod
     def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):
-        raise NotImplementedError
+        """The per-iteration schedules (:class:`~dino_opt.ops.Schedules`) from ``base_lr``."""
 
+    @abstractmethod
     def freeze_last_layer(self, cfg: Config) -> int:
         """Epochs the trainer keeps the head's last layer frozen (0: the
         schedules do it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def trainer_class(self, cfg: Config) -> type:
-        raise NotImplementedError
+        """The one-step engine's class."""
 
     # ---------------------------------------------------------- memory model terms
 
+    @abstractmethod
     def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
         """The most masked patch tokens of a batch (rows of a patch loss)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def head_rows(self, rows: int, masked: int, separate_patch_head: bool) -> tuple[int, int]:
         """(rows through the DINO head, rows through a separate patch head),
         given the class-token rows and the masked tokens."""
-        raise NotImplementedError
 
+    @abstractmethod
     def patch_head_dim(self, cfg: Config) -> int:
         """Output dimension of the separate patch head (when there is one)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss_bytes_per_logit(self, a: int) -> int:
         """What the loss keeps per head logit besides the logits in the
         autocast dtype (``a`` bytes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def teacher_output_bytes(self, cfg: Config, global_rows: int, masked: int, a: int) -> int:
         """What the teacher's pass leaves for the student's."""
-        raise NotImplementedError
 
+    @abstractmethod
     def frozen_backbone_copies(self, cfg: Config) -> int:
         """Frozen copies of the teacher's backbone the recipe keeps besides
         the teacher (DINOv3: its Gram teacher)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
         """What those copies' passes leave for the student's loss."""
-        raise NotImplementedError
 
 
 RECIPES: dict[str, Recipe] = {}

@@ -51,14 +51,21 @@ class DINOv2Recipe(DINORecipe):
         teacher.requires_grad_(False)
         return student, teacher
 
+    loss_class = DINOv2Loss
+
     def build_loss(self, cfg: Config) -> nn.Module:
         s, r = cfg.schedule, cfg.recipe
-        return DINOv2Loss(
+        return self.loss_class(
             cfg.model.out_dim, self.patch_head_dim(cfg), cfg.augmentation.num_local_views,
             student_temp=s.student_temp, center_momentum=s.center_momentum,
             centering=r.centering,
             weights=(r.dino_loss_weight, r.ibot_loss_weight, r.koleo_loss_weight),
+            **self.more_loss_options(cfg),
         )  # fmt: skip
+
+    def more_loss_options(self, cfg: Config) -> dict:
+        """Keywords a derived recipe's loss class takes besides DINOv2's."""
+        return {}
 
     def loader_masks(self, cfg: Config) -> dict | None:
         r = cfg.recipe

@@ -50,15 +50,10 @@ class DINOv3Recipe(DINOv2Recipe):
         student.keep_patch_tokens = True  # the Gram loss's input
         return student, teacher
 
-    def build_loss(self, cfg: Config) -> nn.Module:
-        s, r = cfg.schedule, cfg.recipe
-        return DINOv3Loss(
-            cfg.model.out_dim, self.patch_head_dim(cfg), cfg.augmentation.num_local_views,
-            student_temp=s.student_temp, center_momentum=s.center_momentum,
-            centering=r.centering,
-            weights=(r.dino_loss_weight, r.ibot_loss_weight, r.koleo_loss_weight),
-            gram=gram_options(cfg),
-        )  # fmt: skip
+    loss_class = DINOv3Loss
+
+    def more_loss_options(self, cfg: Config) -> dict:
+        return {"gram": gram_options(cfg)}
 
     def trainer_class(self, cfg: Config) -> type:
         return DINOv3Trainer
