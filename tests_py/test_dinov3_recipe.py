@@ -5,18 +5,21 @@ teacher, refreshed, at most max_updates times) and its file, the demo, and
 `dino-opt train` end to end (the gram loss logged, resume bit for bit)."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import DEMO_PRESETS, main
 from dino_opt.config import ConfigError, load_config
 from dino_opt.data import mask_targets
+from dino_opt.ops import warmup_cosine_constant
 from dino_opt.train import (
     DINOModel,
     DINOv2Loss,
@@ -65,6 +68,9 @@ def test_gram_keys_parse_with_their_defaults():
         (["recipe.gram_teacher_crop_size=30"], "multiple of model.patch_size"),
         (["distributed.strategy=fsdp"], "takes distributed.strategy=ddp"),
         (["recipe.gram_update_frequency=0"], "recipe.gram_update_frequency"),
+        (["recipe.gram_loss_weight_warmup_epochs=2", "recipe.gram_loss_weight_cosine_epochs=1",
+          "schedule.epochs=2", "schedule.warmup_epochs=0"], "must be <= schedule.epochs"),
+        (["recipe.gram_loss_weight_end=-1"], "recipe.gram_loss_weight_end"),
         (["recipe.gram_tokens_used=some"], "recipe.gram_tokens_used"),
         (["model.backbone=resnet18", "model.patch_size=16"], "needs a ViT backbone"),
     ],
@@ -217,6 +223,53 @@ def test_the_trainer_follows_the_schedule_over_optimizer_steps():
     assert (restored.gram_teacher.loaded, restored.gram_teacher.updates) == (True, 1)
     for k, v in restored.gram_teacher.backbone.state_dict().items():
         assert torch.equal(v, snapshot[k]), k
+
+
+def _weight_reference(start, peak, end, warmup, total, cosine):
+    """DINOv3's Gram weight schedule, one iteration at a time: linear from
+    start (peak not reached), a half cosine from peak to end whose last value
+    is end, then end."""
+    out = []
+    for i in range(total):
+        if i < warmup:
+            out.append(start + (peak - start) * i / warmup)
+        elif i < warmup + cosine:
+            t = (i - warmup) / (cosine - 1) if cosine > 1 else 0.0
+            out.append(end + (peak - end) * (1 + math.cos(math.pi * t)) / 2)
+        else:
+            out.append(end)
+    return out
+
+
+@pytest.mark.parametrize(
+    "start, peak, end, warmup, total, cosine",
+    [(0.0, 2.0, 0.5, 7, 40, 20), (1.0, 1.0, 1.0, 0, 9, 9), (0.3, 2.0, 0.0, 5, 12, 7),
+     (0.0, 0.0, 2.0, 0, 25, 1), (2.0, 1.0, 3.0, 10, 10, 0)],
+)  # fmt: skip
+def test_the_gram_weight_schedule_matches_the_formula(start, peak, end, warmup, total, cosine):
+    got = warmup_cosine_constant(start, peak, end, warmup, total, cosine)
+    ref = _weight_reference(start, peak, end, warmup, total, cosine)
+    assert got.dtype == np.float64 and np.allclose(got, ref, rtol=0, atol=1e-12)
+    rest = warmup_cosine_constant(start, peak, end, warmup, total)  # cosine over the rest
+    assert np.allclose(rest, _weight_reference(start, peak, end, warmup, total, total - warmup))
+    with pytest.raises(ValueError, match="fit in the"):
+        warmup_cosine_constant(start, peak, end, warmup, total, total - warmup + 1)
+
+
+def test_the_trainer_takes_the_gram_weight_of_each_iteration():
+    keys = ["recipe.gram_loss_weight=2", "recipe.gram_loss_weight_start=0",
+            "recipe.gram_loss_weight_end=0.5", "recipe.gram_loss_weight_warmup_epochs=1",
+            "schedule.epochs=3", "schedule.warmup_epochs=1"]  # fmt: skip
+    cfg, trainer = _trainer(keys)
+    schedules = build_schedules(cfg, 4)
+    weights = schedules.gram_weight
+    assert np.allclose(weights, _weight_reference(0.0, 2.0, 0.5, 4, 12, 8))
+    for it in (0, 2, 5, 11):
+        trainer.set_schedules(schedules, it)
+        assert trainer.loss_fn.gram_weight == weights[it]
+    constant = build_schedules(load_config(None, DINOV3_TINY), 4).gram_weight
+    assert np.all(constant == 1.0)  # the defaults: gram_loss_weight throughout
+    assert build_schedules(load_config(None, TINY), 4).gram_weight is None  # no Gram term
 
 
 def test_the_gram_teacher_from_a_file_and_a_file_that_does_not_fit(tmp_path):

@@ -369,6 +369,26 @@ class RecipeConfig:
         "student's crops as they are",
         ge=1,
     )
+    gram_loss_weight_start: float | None = _opt(
+        None,
+        "dinov3: the Gram weight's schedule: it starts here and rises linearly to "
+        "gram_loss_weight over gram_loss_weight_warmup_epochs; null: gram_loss_weight",
+        ge=0,
+    )
+    gram_loss_weight_end: float | None = _opt(
+        None,
+        "dinov3: after the warm-up the Gram weight follows a half cosine from "
+        "gram_loss_weight to this value, then stays there; null: gram_loss_weight",
+        ge=0,
+    )
+    gram_loss_weight_warmup_epochs: int = _opt(
+        0, "dinov3: epochs of the Gram weight's linear warm-up", ge=0
+    )
+    gram_loss_weight_cosine_epochs: int | None = _opt(
+        None,
+        "dinov3: epochs of the Gram weight's cosine (then constant); null: the rest of the run",
+        ge=0,
+    )
 
 
 @dataclass

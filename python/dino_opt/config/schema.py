@@ -435,6 +435,13 @@ def _gram_conflicts(cfg: Config) -> list[str]:
             f"recipe.gram_teacher_crop_size ({size}) must be a multiple of model.patch_size "
             f"({patch})"
         )
+    cosine = r.gram_loss_weight_cosine_epochs or 0
+    if r.gram_loss_weight_warmup_epochs + cosine > cfg.schedule.epochs:
+        errors.append(
+            f"recipe.gram_loss_weight_warmup_epochs ({r.gram_loss_weight_warmup_epochs}) plus "
+            f"recipe.gram_loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "
+            f"({cfg.schedule.epochs})"
+        )
     if cfg.distributed.strategy == "fsdp":
         errors.append(
             f"recipe.name={r.name} takes distributed.strategy=ddp, not fsdp ({needs}, "

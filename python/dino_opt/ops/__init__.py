@@ -26,7 +26,7 @@ from .library import (
 )
 from .loss import DINOLoss, NonFiniteLossError
 from .photometric_torch import photometric_torch
-from .schedules import Schedules, cosine_scheduler, teacher_temp_schedule
+from .schedules import Schedules, cosine_scheduler, teacher_temp_schedule, warmup_cosine_constant
 
 __all__ = [
     "DINOLoss",
@@ -55,6 +55,7 @@ __all__ = [
     "photometric_torch",
     "teacher_temp_schedule",
     "update_teacher",
+    "warmup_cosine_constant",
 ]
 
 # dinov2's losses (its class-token DINOLoss stays in dino_opt.ops.dinov2_loss:

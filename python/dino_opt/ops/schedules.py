@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Schedules", "cosine_scheduler", "teacher_temp_schedule"]
+__all__ = ["Schedules", "cosine_scheduler", "teacher_temp_schedule", "warmup_cosine_constant"]
 
 
 def cosine_scheduler(
@@ -62,6 +62,33 @@ def teacher_temp_schedule(
     )
 
 
+def warmup_cosine_constant(
+    start: float,
+    peak: float,
+    end: float,
+    warmup_iters: int,
+    total_iters: int,
+    cosine_iters: int | None = None,
+) -> np.ndarray:
+    """Per-iteration schedule of DINOv3's loss weights: ``warmup_iters``
+    values linear from ``start`` towards ``peak`` (``peak`` itself not
+    reached), then ``cosine_iters`` values (None: all the rest) of a half
+    cosine from ``peak`` to exactly ``end``, then ``end`` up to
+    ``total_iters``. A float64 array of ``total_iters`` values."""
+    if cosine_iters is None:
+        cosine_iters = total_iters - warmup_iters
+    if min(warmup_iters, cosine_iters) < 0 or warmup_iters + cosine_iters > total_iters:
+        raise ValueError(
+            f"warmup_cosine_constant: warmup ({warmup_iters}) and cosine ({cosine_iters}) "
+            f"iterations must be >= 0 and fit in the {total_iters} iterations"
+        )
+    warmup = np.linspace(start, peak, warmup_iters, endpoint=False)
+    angle = np.linspace(0.0, np.pi, cosine_iters)
+    cosine = end + (peak - end) * (1 + np.cos(angle)) / 2
+    constant = np.full(total_iters - warmup_iters - cosine_iters, float(end))
+    return np.concatenate((warmup, cosine, constant))
+
+
 @dataclass
 class Schedules:
     """The per-iteration schedules of a run (one value per optimizer step).
@@ -70,6 +97,8 @@ class Schedules:
     the learning rate of the heads' last layers, 0 while they are frozen)
     are None for DINO, whose teacher temperature is per epoch (in its loss)
     and whose trainer freezes the last layer by dropping its gradients.
+    ``gram_weight`` (DINOv3: the Gram anchoring loss's weight) is None for
+    the recipes without Gram anchoring.
     """
 
     lr: np.ndarray
@@ -77,6 +106,7 @@ class Schedules:
     momentum: np.ndarray
     teacher_temp: np.ndarray | None = None
     last_layer_lr: np.ndarray | None = None
+    gram_weight: np.ndarray | None = None
 
     @classmethod
     def dino(

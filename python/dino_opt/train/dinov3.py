@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import CheckpointManager
+from ..ops import Schedules
 from ..ops.gram_loss import GramLoss
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
 
@@ -212,6 +213,13 @@ class DINOv3Trainer(DINOv2Trainer):
         self.gram_teacher = loss_fn.gram_teacher
         self.gram_teacher.attach(model.teacher.backbone)
         self.gram_teacher.to(self.device)
+
+    def set_schedules(self, schedules: Schedules, iteration: int, lr_scale: float = 1.0) -> None:
+        """:class:`DINOv2Trainer`'s, and the Gram loss's weight of ``iteration``
+        when ``schedules.gram_weight`` has one."""
+        super().set_schedules(schedules, iteration, lr_scale)
+        if schedules.gram_weight is not None:
+            self.loss_fn.gram_weight = float(schedules.gram_weight[iteration])
 
     def train_step_optimized(
         self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None

@@ -6,14 +6,18 @@ the teacher's backbone (the ``recipe.gram_*`` keys; :mod:`dino_opt.train.dinov3`
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 from torch import nn
 
 from ...config import Config
+from ...ops import warmup_cosine_constant
 from ..dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions
 from .base import FP32, register
 from .dinov2 import DINOv2Recipe
 
-__all__ = ["DINOv3Recipe", "gram_options"]
+__all__ = ["DINOv3Recipe", "gram_options", "gram_weight_schedule"]
 
 
 def gram_options(cfg: Config) -> GramOptions:
@@ -28,6 +32,22 @@ def gram_options(cfg: Config) -> GramOptions:
         remove_only_teacher_neg=r.gram_remove_only_teacher_neg,
         tokens_used=r.gram_tokens_used, teacher_crop_size=r.gram_teacher_crop_size,
     )  # fmt: skip
+
+
+def gram_weight_schedule(cfg: Config, niter_per_epoch: int) -> np.ndarray:
+    """The Gram loss's weight per iteration (DINOv3's ``gram.loss_weight_schedule``):
+    linear from ``gram_loss_weight_start`` to ``gram_loss_weight`` over the
+    warm-up epochs, a half cosine to ``gram_loss_weight_end`` over the cosine
+    epochs (null: the rest), then constant. With the defaults it is
+    ``gram_loss_weight`` throughout."""
+    r, n = cfg.recipe, niter_per_epoch
+    peak = r.gram_loss_weight
+    start = peak if r.gram_loss_weight_start is None else r.gram_loss_weight_start
+    end = peak if r.gram_loss_weight_end is None else r.gram_loss_weight_end
+    cosine = r.gram_loss_weight_cosine_epochs
+    cosine_iters = None if cosine is None else cosine * n
+    warmup_iters, total = r.gram_loss_weight_warmup_epochs * n, cfg.schedule.epochs * n
+    return warmup_cosine_constant(start, peak, end, warmup_iters, total, cosine_iters)
 
 
 class DINOv3Recipe(DINOv2Recipe):
@@ -54,6 +74,11 @@ class DINOv3Recipe(DINOv2Recipe):
 
     def more_loss_options(self, cfg: Config) -> dict:
         return {"gram": gram_options(cfg)}
+
+    def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):
+        schedules = super().build_schedules(cfg, niter_per_epoch, base_lr)
+        gram = gram_weight_schedule(cfg, niter_per_epoch)
+        return dataclasses.replace(schedules, gram_weight=gram)
 
     def trainer_class(self, cfg: Config) -> type:
         return DINOv3Trainer
