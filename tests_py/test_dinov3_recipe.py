@@ -35,6 +35,7 @@ from dino_opt.train import (
     build_trainer,
     refresh_due,
 )
+from dino_opt.train.recipes import recipe_of
 from reference import gram_loss_reference
 from tiny import TINY, tiny_train_only
 
@@ -270,6 +271,21 @@ def test_the_trainer_takes_the_gram_weight_of_each_iteration():
     constant = build_schedules(load_config(None, DINOV3_TINY), 4).gram_weight
     assert np.all(constant == 1.0)  # the defaults: gram_loss_weight throughout
     assert build_schedules(load_config(None, TINY), 4).gram_weight is None  # no Gram term
+
+
+def test_without_gram_anchoring_the_step_is_dinov2s():
+    off = ["recipe.gram_use_loss=false", "recipe.gram_it_load_ema_teacher=-1"]
+    cfg, trainer = _trainer(off)  # no weights are needed: no Gram teacher at all
+    assert trainer.gram_teacher.backbone is None
+    assert recipe_of(cfg).frozen_backbone_copies(cfg) == 0
+    v2 = _trainer(["recipe.name=dinov2"])[1]
+    for it in range(2):
+        crops, masks = _batch(cfg, seed=it)
+        loss, metrics = trainer.train_step_optimized(crops, 0, masks=masks)
+        ref, _ = v2.train_step_optimized(crops, 0, masks=masks)
+        assert "gram" not in metrics and torch.equal(loss, ref)
+        assert trainer.optimize_step() and v2.optimize_step()
+    assert not trainer.gram_teacher.loaded
 
 
 def test_the_gram_teacher_from_a_file_and_a_file_that_does_not_fit(tmp_path):

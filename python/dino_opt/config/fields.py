@@ -316,6 +316,11 @@ class RecipeConfig:
         False, "dinov2: a head of its own for the patch tokens (else DINO's head is shared)"
     )
     ibot_out_dim: int = _opt(65536, "dinov2: prototypes of the separate iBOT head", ge=1)
+    gram_use_loss: bool = _opt(
+        True,
+        "dinov3: Gram anchoring on; false: no Gram teacher and no Gram term (DINOv3's "
+        "pretraining and its ImageNet-1k recipe)",
+    )
     gram_loss_weight: float = _opt(
         1.0, "dinov3: weight of the Gram anchoring loss (DINOv3's 7B run: 2)", ge=0
     )

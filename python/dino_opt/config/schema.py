@@ -412,7 +412,7 @@ def _gram_conflicts(cfg: Config) -> list[str]:
     """The ``recipe.gram_*`` keys of a recipe with a Gram teacher, checked together."""
     r = cfg.recipe
     needs = RECIPE_NEEDS[r.name].get("gram_teacher")
-    if not needs:
+    if not needs or not r.gram_use_loss:
         return []
     errors = []
     if r.gram_ckpt is None and r.gram_it_load_ema_teacher < 0:

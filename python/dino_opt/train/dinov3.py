@@ -39,6 +39,7 @@ __all__ = ["DINOv3Loss", "DINOv3Trainer", "GramOptions", "GramTeacher", "refresh
 class GramOptions(NamedTuple):
     """The Gram anchoring options (the config's ``recipe.gram_*`` keys)."""
 
+    use_loss: bool = True
     loss_weight: float = 1.0
     ckpt: str | None = None
     it_load_ema_teacher: int = 0
@@ -58,7 +59,8 @@ def refresh_due(options: GramOptions, iteration: int, updates: int) -> bool:
     """Whether the Gram teacher is refreshed from the EMA teacher after the
     optimizer step of ``iteration`` (from 0), ``updates`` refreshes done."""
     o, done = options, iteration + 1
-    return (o.rep_update and done >= o.it_first_update and done % o.update_frequency == 0
+    return (o.use_loss and o.rep_update and done >= o.it_first_update
+            and done % o.update_frequency == 0
             and (o.max_updates is None or updates < o.max_updates))  # fmt: skip
 
 
@@ -127,7 +129,7 @@ class GramTeacher(nn.Module):
     def before_step(self, iteration: int, teacher_backbone: nn.Module) -> bool:
         """At the start of ``iteration``: the EMA teacher's weights when it is
         ``it_load_ema_teacher``. Returns whether they were copied."""
-        if iteration != self.options.it_load_ema_teacher:
+        if not self.options.use_loss or iteration != self.options.it_load_ema_teacher:
             return False
         self.copy_from(teacher_backbone)
         return True
@@ -211,8 +213,9 @@ class DINOv3Trainer(DINOv2Trainer):
     def __init__(self, model, loss_fn, optimizer, config, device):
         super().__init__(model, loss_fn, optimizer, config, device)
         self.gram_teacher = loss_fn.gram_teacher
-        self.gram_teacher.attach(model.teacher.backbone)
-        self.gram_teacher.to(self.device)
+        if self.gram_teacher.options.use_loss:  # else it never has weights: no Gram term
+            self.gram_teacher.attach(model.teacher.backbone)
+            self.gram_teacher.to(self.device)
 
     def set_schedules(self, schedules: Schedules, iteration: int, lr_scale: float = 1.0) -> None:
         """:class:`DINOv2Trainer`'s, and the Gram loss's weight of ``iteration``

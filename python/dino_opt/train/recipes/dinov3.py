@@ -24,7 +24,7 @@ def gram_options(cfg: Config) -> GramOptions:
     """The :class:`~dino_opt.train.dinov3.GramOptions` of ``cfg.recipe``'s ``gram_*`` keys."""
     r = cfg.recipe
     return GramOptions(
-        loss_weight=r.gram_loss_weight, ckpt=r.gram_ckpt,
+        use_loss=r.gram_use_loss, loss_weight=r.gram_loss_weight, ckpt=r.gram_ckpt,
         it_load_ema_teacher=r.gram_it_load_ema_teacher, rep_update=r.gram_rep_update,
         update_frequency=r.gram_update_frequency, it_first_update=r.gram_it_first_update,
         max_updates=r.gram_max_updates, img_level=r.gram_img_level,
@@ -84,9 +84,11 @@ class DINOv3Recipe(DINOv2Recipe):
         return DINOv3Trainer
 
     def frozen_backbone_copies(self, cfg: Config) -> int:
-        return 1  # the Gram teacher
+        return int(cfg.recipe.gram_use_loss)  # the Gram teacher
 
     def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
+        if not cfg.recipe.gram_use_loss:
+            return 0
         # the Gram teacher's patch tokens of the global crops, float32, kept for the Gram loss
         side = cfg.augmentation.global_crop_size // cfg.model.patch_size
         return 2 * batch * side * side * embed_dim * FP32
