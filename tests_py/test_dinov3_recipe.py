@@ -17,7 +17,7 @@ import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import DEMO_PRESETS, main
-from dino_opt.config import ConfigError, load_config
+from dino_opt.config import ConfigError, load_config, recipe_names
 from dino_opt.data import mask_targets
 from dino_opt.ops import warmup_cosine_constant
 from dino_opt.train import (
@@ -36,6 +36,7 @@ from dino_opt.train import (
     refresh_due,
 )
 from dino_opt.train.recipes import recipe_of
+from dino_opt.train.recipes.dinov3 import gram_weight_schedule
 from reference import gram_loss_reference
 from tiny import TINY, tiny_train_only
 
@@ -80,6 +81,30 @@ def test_gram_key_errors_in_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*DINOV3_TINY, *overrides])
     assert len(e.value.errors) == 1 and needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_packaged_dinov3_configs_are_dinov3s_recipes():
+    assert {"dinov3_vitl16", "dinov3_vitl16_pretrain", "dinov3_vitl16_gram_anchor"} <= set(
+        recipe_names()
+    )
+    im1k = load_config("dinov3_vitl16")
+    r, o, s = im1k.recipe, im1k.optim, im1k.schedule
+    assert (im1k.model.backbone, r.name, r.centering, r.gram_use_loss) == (
+        "vit_large_dinov3", "dinov3", "sinkhorn_knopp", False)  # fmt: skip
+    assert (o.lr, o.layerwise_decay, o.scaling_rule, s.epochs, s.momentum_teacher) == (
+        1e-3, 0.9, "sqrt_wrt_1024", 100, 0.992)  # fmt: skip
+    pretrain = load_config("dinov3_vitl16_pretrain")
+    assert pretrain.augmentation.global_crop_size == 256 and not pretrain.recipe.gram_use_loss
+    assert pretrain.optim.min_lr == pretrain.optim.lr  # constant after the warm-up
+    with pytest.raises(ConfigError, match="needs weights for its Gram teacher"):
+        load_config("dinov3_vitl16_gram_anchor")  # the pretrained run must be named
+    gram = load_config("dinov3_vitl16_gram_anchor", ["recipe.gram_ckpt=pretrain.pt"]).recipe
+    assert (gram.gram_update_frequency, gram.gram_max_updates, gram.gram_img_level) == (
+        10000, 3, True)  # fmt: skip
+    weights = gram_weight_schedule(load_config("dinov3_vitl16_gram_anchor",
+                                               ["recipe.gram_ckpt=pretrain.pt"]), 1000)  # fmt: skip
+    assert weights[0] == 0 and weights[999] == 2.0 and np.all(weights[999:] == 2.0)
+    assert np.all(np.diff(weights[:1000]) >= 0)
 
 
 # ------------------------------------------------------------ the Gram term
