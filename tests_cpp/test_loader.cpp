@@ -95,6 +95,36 @@ Image random_image(int w, int h, uint32_t seed) {
   return img;
 }
 
+TEST(LoaderSizePairs, DrawsFollowTheRatiosAndDependOnlyOnSeedEpochAndBatch) {
+  const std::vector<double> probs = {0.3, 0.3, 0.3, 0.05, 0.05, 0.0};
+  const auto cumulative = size_pair_cumulative(probs);
+  ASSERT_EQ(cumulative.size(), probs.size());
+  EXPECT_DOUBLE_EQ(cumulative.back(), 1.0);
+  constexpr int kDraws = 200000;
+  std::vector<int> counts(probs.size(), 0);
+  int changed_by_epoch = 0;
+  for (int64_t batch = 0; batch < kDraws; ++batch) {
+    const int k = draw_size_pair(11, 3, batch, cumulative);
+    ASSERT_GE(k, 0);
+    ASSERT_LT(k, static_cast<int>(probs.size()));
+    ASSERT_EQ(k, draw_size_pair(11, 3, batch, cumulative));  // a pure function of its keys
+    ++counts[k];
+    changed_by_epoch += k != draw_size_pair(11, 4, batch, cumulative);
+  }
+  for (size_t k = 0; k < probs.size(); ++k) {
+    // 6 standard deviations of a binomial count (the draws are fixed by the seed).
+    const double mean = kDraws * probs[k], sd = std::sqrt(kDraws * probs[k] * (1 - probs[k]));
+    EXPECT_NEAR(counts[k], mean, 6 * sd + 1e-9) << "pair " << k;
+  }
+  EXPECT_EQ(counts.back(), 0);  // probability 0: never
+  EXPECT_GT(changed_by_epoch, kDraws / 2);
+  EXPECT_EQ(draw_size_pair(11, 3, 5, {1.0}), 0);
+  EXPECT_THROW(size_pair_cumulative({0.5, 0.4}), std::invalid_argument);
+  EXPECT_THROW(size_pair_cumulative({1.5, -0.5}), std::invalid_argument);
+  EXPECT_THROW(size_pair_cumulative({}), std::invalid_argument);
+  EXPECT_NO_THROW(size_pair_cumulative({0.1 + 0.2, 0.7}));  // rounding is not an error
+}
+
 TEST(LoaderResample, SameSizeIsACopyAndConstantStaysConstant) {
   const Image img = random_image(40, 30, 1);
   ResampleScratch s;
@@ -358,6 +388,65 @@ TEST_F(LoaderThreads, MasksFollowThePlanWhateverTheThreadCount) {
   const auto resumed = masks_and_crops(one, 1, 1);
   ASSERT_EQ(resumed.size(), 2u);
   EXPECT_TRUE(at::equal(resumed[0].first, got[1].first));
+}
+
+TEST_F(LoaderThreads, SizePairsShapeEachBatchWhateverTheThreadCountAndResume) {
+  LoaderOptions o = small_options();
+  o.seed = 9;
+  o.batch_size = 2;  // 6 batches an epoch
+  o.size_pairs = {{24, 12}, {32, 16}};
+  o.size_probs = {0.5, 0.5};
+  o.masks.enabled = true;
+  o.masks.patch_size = 4;
+  MultiCropLoader three(samples_, o);
+  o.num_threads = 1;
+  MultiCropLoader one(samples_, o);
+  ASSERT_EQ(three.num_size_pairs(), 2);
+  std::vector<int> seen(2, 0);
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    three.start_epoch(epoch);
+    one.start_epoch(epoch);
+    int64_t k = 0;
+    while (auto batch = three.next()) {
+      const int pair = three.size_pair_of(epoch, k);
+      EXPECT_EQ(batch->size_pair, pair);
+      ++seen[pair];
+      const int64_t g = pair == 0 ? 24 : 32, l = pair == 0 ? 12 : 16;
+      EXPECT_EQ(batch->groups[0].sizes(), (at::IntArrayRef{4, 3, g, g}));
+      EXPECT_EQ(batch->groups[1].sizes(), (at::IntArrayRef{4, 3, l, l}));
+      EXPECT_EQ(batch->masks.sizes(), (at::IntArrayRef{4, g / 4, g / 4}));
+      const auto other = one.next();
+      ASSERT_TRUE(other.has_value());
+      EXPECT_TRUE(at::equal(batch->groups[0], other->groups[0]));
+      EXPECT_TRUE(at::equal(batch->groups[1], other->groups[1]));
+      EXPECT_TRUE(at::equal(batch->masks, other->masks));
+      ++k;
+    }
+    EXPECT_EQ(k, 6);
+  }
+  EXPECT_GT(seen[0], 0);
+  EXPECT_GT(seen[1], 0);
+  // Resumed at batch 3 of epoch 2: the same pairs and crops as the whole epoch.
+  const auto whole = masks_and_crops(three, 2);
+  const auto resumed = masks_and_crops(one, 2, 3);
+  ASSERT_EQ(resumed.size(), 3u);
+  for (size_t k = 0; k < resumed.size(); ++k) {
+    EXPECT_TRUE(at::equal(resumed[k].second, whole[k + 3].second)) << "batch " << k + 3;
+    EXPECT_TRUE(at::equal(resumed[k].first, whole[k + 3].first)) << "batch " << k + 3;
+  }
+  // Errors name the pair or the ratios.
+  o.size_probs = {0.5, 0.4};
+  EXPECT_THROW(MultiCropLoader(samples_, o), std::invalid_argument);
+  o.size_probs = {1.0};
+  EXPECT_THROW(MultiCropLoader(samples_, o), std::invalid_argument);
+  o.size_probs = {};
+  o.size_pairs = {{24, 12}, {30, 16}};  // 30 is no multiple of the patch size 4
+  try {
+    MultiCropLoader bad(samples_, o);
+    FAIL() << "expected the pair to be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("crop size pair 1"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -164,7 +164,9 @@ void bind_loader(py::module_& m) {
                        const std::string& dtype, bool channels_last, bool photometric,
                        bool pin_memory, bool skip_errors, int64_t max_pixels,
                        std::vector<float> mean, std::vector<float> std, bool dct_scaling,
-                       const py::dict& masks, int64_t shuffle_buffer, bool exact_shards) {
+                       const py::dict& masks, int64_t shuffle_buffer, bool exact_shards,
+                       const std::vector<std::pair<int, int>>& size_pairs,
+                       std::vector<double> size_probs) {
              if (mean.size() != 3 || std.size() != 3)
                throw std::invalid_argument("mean and std need 3 values");
              LoaderOptions o;
@@ -192,6 +194,9 @@ void bind_loader(py::module_& m) {
              o.skip_errors = skip_errors;
              o.masks = parse_masks(masks);
              o.shuffle_buffer = shuffle_buffer;
+             for (const auto& [global_size, local_size] : size_pairs)
+               o.size_pairs.push_back({global_size, local_size});
+             o.size_probs = std::move(size_probs);
              return std::make_unique<MultiCropLoader>(std::move(source), std::move(o));
            }),
            py::arg("source"), py::arg("batch_size"), py::arg("augment"), py::arg("num_threads"),
@@ -200,12 +205,24 @@ void bind_loader(py::module_& m) {
            py::arg("channels_last"), py::arg("photometric"), py::arg("pin_memory"),
            py::arg("skip_errors"), py::arg("max_pixels"), py::arg("mean"), py::arg("std"),
            py::arg("dct_scaling"), py::arg("masks") = py::dict(), py::arg("shuffle_buffer") = 1024,
-           py::arg("exact_shards") = false)
+           py::arg("exact_shards") = false,
+           py::arg("size_pairs") = std::vector<std::pair<int, int>>(),
+           py::arg("size_probs") = std::vector<double>())
       .def_property_readonly("source", &MultiCropLoader::source)
       .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
       .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)
       .def_property_readonly("num_batches", &MultiCropLoader::num_batches)
       .def("epoch_indices", &MultiCropLoader::epoch_indices, py::arg("epoch"))
+      .def_property_readonly("num_size_pairs", &MultiCropLoader::num_size_pairs)
+      .def("size_pair_of", &MultiCropLoader::size_pair_of, py::arg("epoch"), py::arg("batch"),
+           "The crop-size pair (an index) of batch `batch` of `epoch`")
+      .def(
+          "size_pair",
+          [](const MultiCropLoader& l, int pair) {
+            const CropSizePair p = l.size_pair(pair);
+            return std::make_pair(p.global_size, p.local_size);
+          },
+          py::arg("pair"), "The (global, local) crop sides of pair `pair`")
       .def("start_epoch", &MultiCropLoader::start_epoch, py::arg("epoch"),
            py::arg("first_batch") = 0, py::call_guard<py::gil_scoped_release>())
       .def("next",

@@ -19,6 +19,8 @@ uint64_t splitmix64(uint64_t& state) {
 
 uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
+constexpr uint64_t kSizePairKey = 0x53495a4550414952ull;  // "SIZEPAIR": a batch's crop sizes
+
 }  // namespace
 
 uint64_t mix_keys(uint64_t seed, uint64_t key_a, uint64_t key_b) {
@@ -134,6 +136,43 @@ void AugmentConfig::validate() const {
   if (!(hue >= 0 && hue <= 0.5)) fail("hue must be in [0, 0.5], got " + std::to_string(hue));
   if (!(blur_sigma_lo > 0 && blur_sigma_lo <= blur_sigma_hi && blur_sigma_hi <= 64))
     fail("blur sigma range must satisfy 0 < lo <= hi <= 64");
+}
+
+std::vector<double> size_pair_cumulative(const std::vector<double>& probs, double tolerance) {
+  if (probs.empty()) throw std::invalid_argument("crop size ratios: none given");
+  double total = 0;
+  for (size_t k = 0; k < probs.size(); ++k) {
+    if (!(probs[k] >= 0.0 && std::isfinite(probs[k]))) {
+      throw std::invalid_argument("crop size ratio " + std::to_string(k) +
+                                  " must be a finite number >= 0, got " + std::to_string(probs[k]));
+    }
+    total += probs[k];
+  }
+  if (!(std::abs(total - 1.0) <= tolerance))
+    throw std::invalid_argument("crop size ratios must sum to 1, got " + std::to_string(total));
+  std::vector<double> cumulative(probs.size());
+  double sum = 0;
+  for (size_t k = 0; k < probs.size(); ++k) {
+    sum += probs[k];
+    cumulative[k] = sum / total;
+  }
+  return cumulative;
+}
+
+int draw_size_pair(uint64_t seed, int64_t epoch, int64_t batch,
+                   const std::vector<double>& cumulative) {
+  const int n = static_cast<int>(cumulative.size());
+  if (n <= 1) return 0;
+  Rng rng(mix_keys(seed, kSizePairKey, static_cast<uint64_t>(epoch)), static_cast<uint64_t>(batch),
+          0);
+  const double u = rng.uniform();
+  for (int k = 0; k < n; ++k) {
+    if (u < cumulative[k]) return k;
+  }
+  // Rounding left the last sum under 1: the last pair with a probability.
+  int k = n - 1;
+  while (k > 0 && cumulative[k] == cumulative[k - 1]) --k;
+  return k;
 }
 
 PhotometricParams sample_photometric(Rng& rng, const AugmentConfig& config, int crop) {

@@ -72,6 +72,26 @@ struct AugmentConfig {
   void validate() const;
 };
 
+// One (global, local) pair of crop sides: a multi-size loader draws one pair
+// per batch (high-resolution adaptation, DINOv3's global_local_crop_pairs_ratios).
+struct CropSizePair {
+  int global_size = 224;
+  int local_size = 96;
+};
+
+// The running sums of `probs`, divided by their total, for draw_size_pair;
+// throws std::invalid_argument unless every probability is finite and >= 0
+// and the total is within `tolerance` of 1.
+std::vector<double> size_pair_cumulative(const std::vector<double>& probs, double tolerance = 1e-6);
+
+// The pair (an index into the `cumulative` of size_pair_cumulative) of batch
+// `batch` of `epoch`: one uniform draw from a stream keyed by (seed, epoch,
+// batch) alone, so every rank draws the same pair for the same step and a
+// resumed epoch the same pairs; a pair of probability 0 is never drawn. No
+// crop or mask stream draws from it.
+int draw_size_pair(uint64_t seed, int64_t epoch, int64_t batch,
+                   const std::vector<double>& cumulative);
+
 // The photometric parameters of crop `crop` (0, 1 global; then local).
 PhotometricParams sample_photometric(Rng& rng, const AugmentConfig& config, int crop);
 

@@ -61,6 +61,14 @@ std::array<int, 2> row_mask_counts(const std::vector<int>& plan, int64_t row, in
 
 bool unshared(const at::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
 
+// Whether the consumer dropped every tensor of a pooled batch.
+bool unused(const LoaderBatch& pooled) {
+  bool free = unshared(pooled.labels) && unshared(pooled.indices);
+  for (const auto& t : pooled.groups) free = free && unshared(t);
+  for (const auto& t : pooled.params) free = free && unshared(t);
+  return free && (!pooled.masks.defined() || unshared(pooled.masks));
+}
+
 }  // namespace
 
 void LoaderOptions::validate() const {
@@ -83,13 +91,36 @@ void LoaderOptions::validate() const {
     if (!(pipeline.normalization.std[c] != 0.0f)) fail("std must be nonzero in every channel");
   }
   pipeline.augment.validate();
-  masks.validate(pipeline.augment.global_size);
   if (masks.enabled && pipeline.augment.center_crop)
     fail("masks need the two global crops; center_crop makes one crop per image");
+  if (size_pairs.empty()) {
+    if (!size_probs.empty()) fail("crop size ratios need crop size pairs");
+    masks.validate(pipeline.augment.global_size);
+    return;
+  }
+  if (pipeline.augment.center_crop)
+    fail("crop size pairs need the multi-crop transform; center_crop makes one crop per image");
+  if (!size_probs.empty() && size_probs.size() != size_pairs.size()) {
+    fail(std::to_string(size_probs.size()) + " crop size ratios for " +
+         std::to_string(size_pairs.size()) + " crop size pairs");
+  }
+  for (size_t k = 0; k < size_pairs.size(); ++k) {
+    AugmentConfig augment = pipeline.augment;
+    augment.global_size = size_pairs[k].global_size;
+    augment.local_size = size_pairs[k].local_size;
+    try {
+      augment.validate();
+      masks.validate(augment.global_size);
+    } catch (const std::invalid_argument& e) {
+      fail("crop size pair " + std::to_string(k) + ": " + e.what());
+    }
+  }
+  if (!size_probs.empty()) size_pair_cumulative(size_probs);
 }
 
 struct MultiCropLoader::Slot {
   int64_t batch = -1;
+  int pair = 0;
   int64_t size = 0;
   int64_t done = 0;
   LoaderBatch out;
@@ -136,6 +167,20 @@ MultiCropLoader::MultiCropLoader(std::shared_ptr<SampleSource> source, LoaderOpt
                                 ", and shards are not padded");
   }
   for (int i = 0; i < options_.prefetch; ++i) slots_.push_back(std::make_unique<Slot>());
+  if (options_.size_pairs.empty()) {
+    pipelines_.push_back(options_.pipeline);
+    size_cumulative_ = {1.0};
+  } else {
+    for (const CropSizePair& pair : options_.size_pairs) {
+      pipelines_.push_back(options_.pipeline);
+      pipelines_.back().augment.global_size = pair.global_size;
+      pipelines_.back().augment.local_size = pair.local_size;
+    }
+    const auto n = options_.size_pairs.size();
+    size_cumulative_ = size_pair_cumulative(
+        options_.size_probs.empty() ? std::vector<double>(n, 1.0 / static_cast<double>(n))
+                                    : options_.size_probs);
+  }
 }
 
 MultiCropLoader::~MultiCropLoader() { close(); }
@@ -168,22 +213,31 @@ std::vector<int64_t> MultiCropLoader::epoch_indices(int64_t epoch) const {
   return source_->epoch_order(order_options(), epoch);
 }
 
-LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
+int MultiCropLoader::size_pair_of(int64_t epoch, int64_t batch) const {
+  return draw_size_pair(options_.seed, epoch, batch, size_cumulative_);
+}
+
+CropSizePair MultiCropLoader::size_pair(int pair) const {
+  if (pair < 0 || pair >= num_size_pairs()) {
+    throw std::out_of_range("crop size pair " + std::to_string(pair) + " of " +
+                            std::to_string(num_size_pairs()));
+  }
+  const AugmentConfig& a = pipelines_[pair].augment;
+  return {a.global_size, a.local_size};
+}
+
+LoaderBatch MultiCropLoader::allocate_batch(int64_t b, int pair) {
   if (!options_.pin_memory) {
     for (const LoaderBatch& pooled : pool_) {
-      if (pooled.labels.size(0) != b) continue;
-      bool free = unshared(pooled.labels) && unshared(pooled.indices);
-      for (const auto& t : pooled.groups) free = free && unshared(t);
-      for (const auto& t : pooled.params) free = free && unshared(t);
-      free = free && (!pooled.masks.defined() || unshared(pooled.masks));
-      if (free) return pooled;
+      if (pooled.labels.size(0) == b && pooled.size_pair == pair && unused(pooled)) return pooled;
     }
   }
-  const AugmentConfig& config = options_.pipeline.augment;
+  const AugmentConfig& config = pipeline_of(pair).augment;
   // Pinned batches come from torch's caching host allocator, which also keeps
   // a block from reuse until the non_blocking copies reading it have finished.
   const auto host = at::TensorOptions().pinned_memory(options_.pin_memory);
   LoaderBatch batch;
+  batch.size_pair = pair;
   const int64_t counts[2] = {int64_t{config.num_global()} * b, int64_t{config.num_local()} * b};
   const int64_t sizes[2] = {config.global_size, config.local_size};
   for (int g = 0; g < (config.num_local() > 0 ? 2 : 1); ++g) {
@@ -203,8 +257,19 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b) {
   }
   batch.labels = at::empty({b}, host.dtype(at::kLong));
   batch.indices = at::empty({b}, host.dtype(at::kLong));
-  if (!options_.pin_memory && pool_.size() < static_cast<size_t>(options_.prefetch) + 2)
-    pool_.push_back(batch);
+  if (!options_.pin_memory) {
+    if (pool_.size() < static_cast<size_t>(options_.prefetch) + 2) {
+      pool_.push_back(batch);
+    } else if (num_size_pairs() > 1) {
+      // A full pool of other pairs' batches: an unused one makes room.
+      for (LoaderBatch& pooled : pool_) {
+        if (unused(pooled)) {
+          pooled = batch;
+          break;
+        }
+      }
+    }
+  }
   return batch;
 }
 
@@ -221,7 +286,7 @@ MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, 
       source_->read(index, attempt == 0 ? position : -1, bytes);
       result.times.decode += std::chrono::duration<double>(Clock::now() - t).count();
       Rng rng(options_.seed, static_cast<uint64_t>(epoch), key);
-      run_multicrop(bytes.data(), bytes.size(), rng, options_.pipeline, targets, scratch,
+      run_multicrop(bytes.data(), bytes.size(), rng, pipeline_of(batch.size_pair), targets, scratch,
                     &result.times);
       batch.labels.data_ptr<int64_t>()[row] = source_->label(index);
       batch.indices.data_ptr<int64_t>()[row] = index;
@@ -248,9 +313,10 @@ MultiCropLoader::FillResult MultiCropLoader::fill_row(const LoaderBatch& batch, 
   }
 }
 
-std::vector<int> MultiCropLoader::plan_masks(int64_t batch, int64_t b, int64_t epoch) const {
+std::vector<int> MultiCropLoader::plan_masks(int64_t batch, int64_t b, int64_t epoch,
+                                             int pair) const {
   if (!options_.masks.enabled) return {};
-  const int g = options_.masks.grid(options_.pipeline.augment.global_size);
+  const int g = options_.masks.grid(pipeline_of(pair).augment.global_size);
   Rng rng = mask_plan_stream(options_.seed, epoch, options_.rank, batch);
   return plan_mask_counts(rng, static_cast<int>(2 * b), g * g, options_.masks);
 }
@@ -258,7 +324,7 @@ std::vector<int> MultiCropLoader::plan_masks(int64_t batch, int64_t b, int64_t e
 void MultiCropLoader::fill_masks(const LoaderBatch& batch, int64_t row, int64_t b, uint64_t key,
                                  int64_t epoch, const std::array<int, 2>& counts) const {
   if (!batch.masks.defined()) return;
-  const BlockMasker masker(options_.masks, options_.pipeline.augment.global_size);
+  const BlockMasker masker(options_.masks, pipeline_of(batch.size_pair).augment.global_size);
   auto* masks = static_cast<uint8_t*>(batch.masks.data_ptr());  // bool: one byte, 0 or 1
   for (int view = 0; view < 2; ++view) {
     Rng rng = mask_stream(options_.seed, epoch, key, view);
@@ -329,13 +395,14 @@ void MultiCropLoader::worker_loop() {
       slot = Slot{};
       slot.batch = batch;
       slot.size = batch_size_of(batch);
+      slot.pair = size_pair_of(epoch_, batch);
       try {
-        slot.out = allocate_batch(slot.size);
+        slot.out = allocate_batch(slot.size, slot.pair);
       } catch (const std::exception& e) {
         slot.error = std::string("cannot allocate the batch: ") + e.what();
         slot.error_row = -1;
       }
-      slot.mask_counts = plan_masks(batch, slot.size, epoch_);
+      slot.mask_counts = plan_masks(batch, slot.size, epoch_, slot.pair);
     }
     const bool allocated = !slot.out.groups.empty();
     const LoaderBatch out = slot.out;  // handles, so the tensors outlive a reset of the slot
@@ -437,13 +504,14 @@ LoaderBatch MultiCropLoader::load_sample(int64_t index, int64_t epoch) {
                             std::to_string(num_samples()) + " samples");
   }
   LoaderBatch batch;
+  const int pair = size_pair_of(epoch, index);  // a batch of one: batch `index`
   {
     std::lock_guard<std::mutex> lk(mu_);
-    batch = allocate_batch(1);
+    batch = allocate_batch(1, pair);
   }
   const uint64_t key = static_cast<uint64_t>(index);
   FillResult result = fill_row(batch, 0, 1, index, key, epoch, -1);
-  fill_masks(batch, 0, 1, key, epoch, row_mask_counts(plan_masks(index, 1, epoch), 0, 1));
+  fill_masks(batch, 0, 1, key, epoch, row_mask_counts(plan_masks(index, 1, epoch, pair), 0, 1));
   {
     std::lock_guard<std::mutex> lk(mu_);
     record(result, true);

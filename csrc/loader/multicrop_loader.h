@@ -58,6 +58,12 @@ struct LoaderOptions {
   bool skip_errors = false;  // on_error="skip"
   int max_skip_attempts = 16;
   MaskConfig masks;  // DINOv2's block masks of the global crops (off by default)
+  // High-resolution adaptation: with pairs, each batch makes all of its crops
+  // at one (global, local) pair, drawn per batch with probability
+  // size_probs[k] (empty: uniform) by draw_size_pair, and pipeline.augment's
+  // two sizes are unused. Empty: pipeline.augment's sizes for every batch.
+  std::vector<CropSizePair> size_pairs;
+  std::vector<double> size_probs;
 
   // Throws std::invalid_argument naming the option that is out of range.
   void validate() const;
@@ -66,7 +72,8 @@ struct LoaderOptions {
 // One batch. With the photometric stage here: groups[0] is [2B, 3, G, G]
 // (global crop 1 of every sample, then global crop 2), groups[1] is
 // [n_local * B, 3, L, L], in `dtype` (with augment.center_crop: groups[0]
-// alone, [B, 3, G, G]). Deferred: groups are uint8
+// alone, [B, 3, G, G]); G and L are the batch's pair's (size_pair) when the
+// loader has several. Deferred: groups are uint8
 // [N, H, W, 3] and params[g] the [N, 13] float32 parameters of each crop.
 // With masks enabled, masks is bool [2B, g, g] (g = global_size /
 // patch_size), row n the mask of global crop n of groups[0].
@@ -77,6 +84,7 @@ struct LoaderBatch {
   at::Tensor labels;   // int64 [B]
   at::Tensor indices;  // int64 [B], data set indices (after skip replacements)
   int64_t batch_index = 0;
+  int size_pair = 0;  // index into LoaderOptions::size_pairs (0 without pairs)
 };
 
 struct LoaderStats {
@@ -109,6 +117,13 @@ class MultiCropLoader {
 
   // This rank's data set indices for `epoch`, in order (shuffled, sharded).
   std::vector<int64_t> epoch_indices(int64_t epoch) const;
+  // The crop-size pair of batch `batch` of `epoch` (draw_size_pair; 0
+  // without pairs): the same on every rank, whatever the thread count.
+  int size_pair_of(int64_t epoch, int64_t batch) const;
+  // How many pairs the loader draws from (1 without size_pairs).
+  int num_size_pairs() const { return static_cast<int>(pipelines_.size()); }
+  // The (global, local) sides of pair `pair`.
+  CropSizePair size_pair(int pair) const;
 
   // Starts producing `epoch` at batch `first_batch`; abandons any batches of
   // an unfinished epoch.
@@ -123,6 +138,7 @@ class MultiCropLoader {
   // Sample `index` alone, on the calling thread, through the same pipeline
   // (a batch of one: [2, 3, G, G] and [n_local, 3, L, L], or raw + params),
   // its random stream keyed by (seed, epoch, index); for a torch Dataset.
+  // With size pairs, its pair is that of batch `index` (a batch of one).
   // With masks on, its two global crops' masks follow a plan of their own
   // (a batch of one, keyed by the index). Throws LoaderError as next() does.
   LoaderBatch load_sample(int64_t index, int64_t epoch);
@@ -142,19 +158,25 @@ class MultiCropLoader {
   // order, -1 outside it) into row `row` of a batch of `b`.
   FillResult fill_row(const LoaderBatch& batch, int64_t row, int64_t b, int64_t index, uint64_t key,
                       int64_t epoch, int64_t position) const;
+  // The pipeline of the crops of pair `pair` (options_.pipeline without pairs).
+  const PipelineOptions& pipeline_of(int pair) const { return pipelines_[pair]; }
   OrderOptions order_options() const;
   // The requested mask sizes of the 2b global crops of batch `batch` (empty
   // when masks are off), and the masks of row `row`'s two global crops
   // (`counts` from that plan, `key` the sample's stream key).
-  std::vector<int> plan_masks(int64_t batch, int64_t b, int64_t epoch) const;
+  std::vector<int> plan_masks(int64_t batch, int64_t b, int64_t epoch, int pair) const;
   void fill_masks(const LoaderBatch& batch, int64_t row, int64_t b, uint64_t key, int64_t epoch,
                   const std::array<int, 2>& counts) const;
-  LoaderBatch allocate_batch(int64_t size);
+  LoaderBatch allocate_batch(int64_t size, int pair);
   int64_t batch_size_of(int64_t batch) const;
 
   const std::shared_ptr<SampleSource> source_;
   const LoaderOptions options_;
   int64_t per_rank_ = 0;
+  // One pipeline per size pair (options_.pipeline with the pair's sides), or
+  // options_.pipeline alone; and the pairs' cumulative probabilities.
+  std::vector<PipelineOptions> pipelines_;
+  std::vector<double> size_cumulative_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // workers: a task, or closing

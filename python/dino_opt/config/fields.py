@@ -143,8 +143,22 @@ class DataConfig:
 class AugmentationConfig:
     """DINO's multi-crop and photometric augmentation (docs/design.md, "The algorithm")."""
 
-    global_crop_size: int = _opt(224, "side of the 2 global crops", ge=1)
-    local_crop_size: int = _opt(96, "side of the local crops", ge=1)
+    global_crop_size: int | tuple[int, ...] = _opt(
+        224,
+        "side of the 2 global crops; a list: one side per crop-size pair, each step's batch "
+        "at one pair drawn with crop_size_ratios (high-resolution adaptation, docs/dinov3.md)",
+        ge=1,
+    )
+    local_crop_size: int | tuple[int, ...] = _opt(
+        96, "side of the local crops; a list: one per pair (as global_crop_size)", ge=1
+    )
+    crop_size_ratios: tuple[float, ...] | None = _opt(
+        None,
+        "the probability of each (global_crop_size, local_crop_size) pair per step, summing "
+        "to 1 (DINOv3's global_local_crop_pairs_ratios); null: uniform",
+        ge=0,
+        le=1,
+    )
     num_local_views: int = _opt(8, "local crops per image (DINO: 8)", ge=0)
     global_crops_scale: tuple[float, float] = _opt(
         (0.4, 1.0), "area fraction range of the global crops", check="scale"
@@ -166,6 +180,22 @@ class AugmentationConfig:
     blur_p_global2: float = _opt(0.1, "blur probability, global crop 2", ge=0, le=1)
     blur_p_local: float = _opt(0.5, "blur probability, local crops", ge=0, le=1)
     solarize_p_global2: float = _opt(0.2, "solarisation probability, global crop 2", ge=0, le=1)
+
+    @property
+    def crop_size_pairs(self) -> list[tuple[int, int]]:
+        """The (global, local) crop sides of each pair: one for two ints; an
+        int beside a list stands for every pair."""
+        g, loc = self.global_crop_size, self.local_crop_size
+        n = max(len(v) if isinstance(v, tuple) else 1 for v in (g, loc))
+        sides = [v if isinstance(v, tuple) else (v,) * n for v in (g, loc)]
+        return list(zip(*sides, strict=False))
+
+    @property
+    def largest_crop_sizes(self) -> tuple[int, int]:
+        """The largest global and the largest local side over the pairs (what
+        memory estimates plan for)."""
+        pairs = self.crop_size_pairs
+        return max(p[0] for p in pairs), max(p[1] for p in pairs)
 
 
 @dataclass
@@ -207,7 +237,7 @@ class ModelConfig:
     img_size: int | None = _opt(
         None,
         "image side the position embeddings are sized for (official DINOv2 weights: 518); "
-        "null: 224 (DINO), augmentation.global_crop_size (the dinov2 recipe)",
+        "null: 224 (DINO), augmentation.global_crop_size (the dinov2 recipe; a list: its first)",
         ge=1,
     )
     init_from: str | None = _opt(
@@ -367,11 +397,11 @@ class RecipeConfig:
         "the student (these two need gram_img_level: false)",
         choices=("all", "masked", "unmasked"),
     )
-    gram_teacher_crop_size: int | None = _opt(
+    gram_teacher_crop_size: int | tuple[int, ...] | None = _opt(
         None,
         "dinov3: side in pixels the global crops are resized to for the Gram teacher (its "
-        "patch features are resized back to the student's grid, bicubic); null: the "
-        "student's crops as they are",
+        "patch features are resized back to the student's grid, bicubic); a list: one per "
+        "crop-size pair (DINOv3's gram_teacher_crops_size); null: the student's crops as they are",
         ge=1,
     )
     gram_loss_weight_start: float | None = _opt(
@@ -684,7 +714,7 @@ _ALIASES: dict[str, dict[str, tuple[str, dict[Any, Any]]]] = {
 
 @dataclass(frozen=True)
 class _Spec:
-    kind: str  # "int", "float", "bool", "str" or "pair"
+    kind: str  # "int", "float", "bool", "str", "pair", "sizes" (int or ints) or "floats"
     attr: str  # the dataclass attribute (the key, unless that is a Python keyword)
     optional: bool
     meta: typing.Mapping[str, Any]
@@ -697,9 +727,11 @@ def _spec_of(tp: Any) -> tuple[str, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         optional = len(args) < len(typing.get_args(tp))
+        if args == [int, tuple[int, ...]]:
+            return "sizes", optional  # an int, or a list of them
         (tp,) = args
     if typing.get_origin(tp) is tuple:
-        return "pair", optional
+        return ("floats" if ... in typing.get_args(tp) else "pair"), optional
     kinds = {int: "int", float: "float", bool: "bool", str: "str"}
     return kinds[tp], optional
 

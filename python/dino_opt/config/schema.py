@@ -124,6 +124,8 @@ _KIND_NAMES = {
     "bool": "a bool (true or false)",
     "str": "a string",
     "pair": "a pair of numbers [lo, hi]",
+    "sizes": "an int or a non-empty list of ints",
+    "floats": "a non-empty list of numbers",
 }
 
 
@@ -200,6 +202,23 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         out = _to_float(value)
         if out is None:
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    elif spec.kind == "sizes":
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]  # one size: the int
+        if isinstance(value, (list, tuple)) and value:
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+                raise bad_type
+            out = tuple(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out = value
+        else:
+            raise bad_type
+    elif spec.kind == "floats":
+        if not isinstance(value, (list, tuple)) or not value:
+            raise bad_type
+        out = tuple(_to_float(v) for v in value)
+        if any(v is None for v in out):
+            raise bad_type
     else:  # pair
         if isinstance(value, str) and "," in value:
             value = value.strip("()[] ").split(",")
@@ -221,9 +240,10 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
 
     bounds = _bounds_text(meta)
     if bounds is not None:
-        numbers = out if spec.kind == "pair" else (out,)
+        numbers = out if isinstance(out, tuple) else (out,)
         if not all(_in_bounds(x, meta) for x in numbers):
             what = "both ends of " + key if spec.kind == "pair" else key
+            what = "every entry of " + key if spec.kind != "pair" and len(numbers) > 1 else what
             raise ConfigError(f"{what} must be {bounds}, got {_plain(out)!r}")
 
     check = meta["check"]
@@ -376,13 +396,16 @@ def _check_relations(cfg: Config) -> None:
         )
     if o.min_lr > o.lr:
         errors.append(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
+    errors += _crop_pair_conflicts(a)
     if m.backbone.startswith("vit"):
         # The crops must tile into whole patches.
         for key in ("global_crop_size", "local_crop_size"):
             size = getattr(a, key)
-            if size % m.patch_size:
+            bad = [v for v in (size if isinstance(size, tuple) else (size,)) if v % m.patch_size]
+            if bad:
+                what = f"({size})" if isinstance(size, int) else f"{list(size)}: {bad[0]}"
                 errors.append(
-                    f"augmentation.{key} ({size}) must be a multiple of model.patch_size "
+                    f"augmentation.{key} {what} must be a multiple of model.patch_size "
                     f"({m.patch_size}) for a ViT backbone"
                 )
     elif m.patch_size != _SPECS["model"]["patch_size"].default:
@@ -408,6 +431,52 @@ def _check_relations(cfg: Config) -> None:
         raise ConfigError(errors)
 
 
+def _crop_pair_conflicts(a: AugmentationConfig) -> list[str]:
+    """The crop-size pairs: lists of one length, one probability per pair summing to 1."""
+    g, loc = a.global_crop_size, a.local_crop_size
+    if isinstance(g, tuple) and isinstance(loc, tuple) and len(g) != len(loc):
+        return [
+            f"augmentation.global_crop_size has {len(g)} sizes but augmentation.local_crop_size "
+            f"has {len(loc)}: give one (global, local) pair per position"
+        ]
+    ratios, n = a.crop_size_ratios, len(a.crop_size_pairs)
+    if ratios is None:
+        return []
+    if len(ratios) != n:
+        return [
+            f"augmentation.crop_size_ratios has {len(ratios)} ratios for {n} crop-size "
+            "pair(s) (the lengths of augmentation.global_crop_size / local_crop_size)"
+        ]
+    if abs(sum(ratios) - 1) > 1e-6:
+        return [
+            f"augmentation.crop_size_ratios must sum to 1, got {sum(ratios):g} ({list(ratios)})"
+        ]
+    return []
+
+
+def _gram_sizes_conflicts(sizes: tuple[int, ...], pairs: list, patch: int) -> list[str]:
+    """A list of Gram teacher crop sides: one per crop-size pair, multiples of
+    the patch size, one side per global crop size (the step knows its pair by
+    its global crops' side)."""
+    key = "recipe.gram_teacher_crop_size"
+    if len(sizes) != len(pairs):
+        return [
+            f"{key} has {len(sizes)} sizes for {len(pairs)} crop-size pair(s) "
+            "(augmentation.global_crop_size / local_crop_size)"
+        ]
+    bad = [v for v in sizes if v % patch]
+    if bad:
+        return [f"{key} {list(sizes)}: {bad[0]} must be a multiple of model.patch_size ({patch})"]
+    by_global: dict[int, int] = {}
+    for (glob, _), side in zip(pairs, sizes, strict=True):
+        if by_global.setdefault(glob, side) != side:
+            return [
+                f"{key} {list(sizes)} gives the global crop size {glob} two sides "
+                f"({by_global[glob]} and {side}); pairs with one global size need one"
+            ]
+    return []
+
+
 def _gram_conflicts(cfg: Config) -> list[str]:
     """The ``recipe.gram_*`` keys of a recipe with a Gram teacher, checked together."""
     r = cfg.recipe
@@ -430,11 +499,13 @@ def _gram_conflicts(cfg: Config) -> list[str]:
             "(a crop's masked or unmasked tokens vary in number: one Gram matrix over the batch)"
         )
     size, patch = r.gram_teacher_crop_size, cfg.model.patch_size
-    if size is not None and size % patch:
+    if isinstance(size, int) and size % patch:
         errors.append(
             f"recipe.gram_teacher_crop_size ({size}) must be a multiple of model.patch_size "
             f"({patch})"
         )
+    if isinstance(size, tuple):
+        errors += _gram_sizes_conflicts(size, cfg.augmentation.crop_size_pairs, patch)
     cosine = r.gram_loss_weight_cosine_epochs or 0
     if r.gram_loss_weight_warmup_epochs + cosine > cfg.schedule.epochs:
         errors.append(

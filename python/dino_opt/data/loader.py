@@ -14,6 +14,7 @@ for users who keep ``torch.utils.data.DataLoader``;
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ __all__ = [
     "MultiCropDataset",
     "MultiCropLoader",
     "NativeLoaderHandle",
+    "crop_size_pairs",
     "multicrop_collate",
 ]
 
@@ -117,13 +119,61 @@ def _pair(name: str, value: Sequence[float]) -> tuple[float, float]:
     return lo, hi
 
 
+def _sizes(name: str, value) -> list[int] | None:
+    """``value`` as a list of sides when it is a sequence, None when it is one int."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(f"{name} must be an int or a non-empty list of ints, got {value!r}")
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise ValueError(f"{name} must be an int or a non-empty list of ints, got {value!r}")
+    return list(value)
+
+
+def crop_size_pairs(
+    global_size: int | Sequence[int],
+    local_size: int | Sequence[int],
+    crop_size_ratios: Sequence[float] | None = None,
+) -> tuple[list[tuple[int, int]], list[float]]:
+    """The (global, local) crop-size pairs and their probabilities that
+    ``global_size``, ``local_size`` and ``crop_size_ratios`` describe: one
+    pair with probability 1 for two ints; with lists, pair ``k`` is
+    ``(global_size[k], local_size[k])`` (an int on one side stands for every
+    pair), drawn with probability ``crop_size_ratios[k]`` (None: uniform).
+    Raises ``ValueError`` in one line for lists of different lengths or
+    ratios that are not probabilities summing to 1."""
+    g, loc = _sizes("global_size", global_size), _sizes("local_size", local_size)
+    n = len(g or loc or [0])
+    if g is not None and loc is not None and len(g) != len(loc):
+        raise ValueError(
+            f"global_size has {len(g)} sizes but local_size has {len(loc)}: give one "
+            "(global, local) pair per position"
+        )
+    pairs = list(zip(g or [int(global_size)] * n, loc or [int(local_size)] * n, strict=True))
+    if crop_size_ratios is None:
+        return pairs, [1.0 / n] * n
+    try:
+        ratios = [float(r) for r in crop_size_ratios]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"crop_size_ratios must be a list of numbers, got {crop_size_ratios!r}"
+        ) from None
+    if len(ratios) != n:
+        raise ValueError(f"crop_size_ratios has {len(ratios)} ratios for {n} crop-size pairs")
+    if not all(math.isfinite(r) and r >= 0 for r in ratios) or abs(sum(ratios) - 1) > 1e-6:
+        raise ValueError(
+            f"crop_size_ratios must be probabilities (each >= 0) summing to 1, got {ratios}"
+        )
+    return pairs, ratios
+
+
 def _native_loader(
     source,
     labels,
     batch_size: int,
     *,
-    global_size: int,
-    local_size: int,
+    global_size: int | Sequence[int],
+    local_size: int | Sequence[int],
     n_local: int,
     global_scale,
     local_scale,
@@ -147,6 +197,7 @@ def _native_loader(
     dct_scaling: bool,
     masks: dict | None,
     shuffle_buffer: int,
+    crop_size_ratios: Sequence[float] | None = None,
 ):
     """Checks the Python-side arguments, opens the source, then builds the
     native loader (which checks the ranges and raises ValueError naming the
@@ -165,9 +216,12 @@ def _native_loader(
         raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(AUGMENT_KEYS)}")
     if "blur_sigma" in options:
         options["blur_sigma"] = _pair("augment['blur_sigma']", options["blur_sigma"])
+    pairs, ratios = crop_size_pairs(global_size, local_size, crop_size_ratios)
+    several = _sizes("global_size", global_size) is not None
+    several = several or _sizes("local_size", local_size) is not None
     options.update(
-        global_size=int(global_size),
-        local_size=int(local_size),
+        global_size=pairs[0][0],
+        local_size=pairs[0][1],
         n_local=int(n_local),
         global_scale=_pair("global_scale", global_scale),
         local_scale=_pair("local_scale", local_scale),
@@ -200,6 +254,8 @@ def _native_loader(
         dct_scaling=bool(dct_scaling),
         masks=mask_options(masks),
         shuffle_buffer=shuffle_buffer,
+        size_pairs=pairs if several else [],
+        size_probs=ratios if several else [],
     )
     return native, data
 
@@ -247,6 +303,15 @@ class MultiCropLoader(NativeLoaderHandle):
         batch_size: samples per batch (per rank).
         global_size, local_size, n_local, global_scale, local_scale: the crops
             (DINO: 2 global 224² with scale (0.4, 1), 8 local 96² with (0.05, 0.4)).
+            Lists of sides (high-resolution adaptation): pair ``k`` is
+            ``(global_size[k], local_size[k])`` (an int on one side stands
+            for every pair), and each batch makes all of its crops at one
+            pair, drawn with ``crop_size_ratios`` (:func:`crop_size_pairs`)
+            from ``(seed, epoch, batch index)`` alone: every rank draws the
+            same pair for the same batch, a resumed epoch the same pairs
+            (:meth:`crop_sizes`).
+        crop_size_ratios: the probability of each pair (None: uniform);
+            they must sum to 1.
         num_threads: decoding threads (default: the cores this process may use).
         prefetch: batches prepared ahead of the consumer.
         seed: the seed of every random choice; ``set_epoch`` reshuffles.
@@ -329,6 +394,7 @@ class MultiCropLoader(NativeLoaderHandle):
         dct_scaling: bool = True,
         masks: dict | None = None,
         shuffle_buffer: int = 1024,
+        crop_size_ratios: Sequence[float] | None = None,
     ):
         self._native = None  # so that close() in __del__ works if a check below fails
         if photometric == "gpu":
@@ -371,9 +437,13 @@ class MultiCropLoader(NativeLoaderHandle):
             dct_scaling=dct_scaling,
             masks=masks,
             shuffle_buffer=shuffle_buffer,
+            crop_size_ratios=crop_size_ratios,
         )
         self.classes = self.source.classes
         self.shuffle_buffer = shuffle_buffer
+        native = self._native
+        #: The (global, local) crop-size pairs the batches are drawn from (one without lists).
+        self.crop_size_pairs = [tuple(native.size_pair(k)) for k in range(native.num_size_pairs)]
         self.masks = mask_options(masks) or None
         self.batch_size = batch_size
         self.n_local = int(n_local)
@@ -401,6 +471,14 @@ class MultiCropLoader(NativeLoaderHandle):
     def epoch_indices(self, epoch: int | None = None) -> list[int]:
         """This rank's data set indices for ``epoch``, in iteration order."""
         return self._native.epoch_indices(self._epoch if epoch is None else int(epoch))
+
+    def crop_sizes(self, batch: int, epoch: int | None = None) -> tuple[int, int]:
+        """The (global, local) crop sides of batch ``batch`` (from 0) of
+        ``epoch`` (default: the current one): its drawn pair, the same on
+        every rank."""
+        native = self._require_open()
+        epoch = self._epoch if epoch is None else int(epoch)
+        return tuple(native.size_pair(native.size_pair_of(epoch, int(batch))))
 
     def __iter__(self) -> Iterator[Batch]:
         native = self._require_open()
@@ -549,6 +627,11 @@ class MultiCropDataset(torch.utils.data.Dataset):
         dct_scaling: bool = True,
         masks: dict | None = None,
     ):
+        if _sizes("global_size", global_size) or _sizes("local_size", local_size):
+            raise ValueError(
+                "MultiCropDataset takes one global_size and one local_size: crop-size pairs "
+                "are drawn per batch, by MultiCropLoader"
+            )
         self._args = dict(
             source=source,
             labels=labels,

@@ -112,7 +112,7 @@ def evaluate_checkpoint(
             f"config ({cfg.model.backbone}): {e}"
         ) from e
     dev = resolve_device(device)
-    size = image_size if image_size is not None else cfg.augmentation.global_crop_size
+    size = image_size if image_size is not None else _train_size(cfg)
     train, splits = _opened(cfg, roots)
     results = knn_evaluate_splits(
         model.backbone.to(dev), train, splits, size, dev,
@@ -134,6 +134,12 @@ def evaluate_checkpoint(
         out.update(test=str(roots.test), test_top1=results["test"]["top1"],
                    test_top5=results["test"]["top5"], n_test=results["test"]["n_eval"])  # fmt: skip
     return out
+
+
+def _train_size(cfg: Config) -> int:
+    """The side of the training's global crops the evaluation resizes to
+    (with crop-size pairs, the first pair's)."""
+    return cfg.augmentation.crop_size_pairs[0][0]
 
 
 def _opened(cfg: Config, roots: DataRoots) -> tuple:
@@ -194,7 +200,7 @@ def evaluate_backbone(cfg: Config, roots: DataRoots, net: nn.Module, device: tor
     ``linear`` (the grid and the logistic regression on features extracted
     once; ``cfg.eval.linear``), ``dense`` (where the data has masks;
     ``cfg.eval.dense``), and the val ``features``/``labels`` for plots."""
-    size, splits = cfg.augmentation.global_crop_size, _splits(roots)
+    size, splits = _train_size(cfg), _splits(roots)
     probe = ProbeFeatures(net).to(device).eval()
     start = time.perf_counter()
     sources = ProbeData(**splits).opened()
@@ -254,7 +260,7 @@ def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
     count = cfg.eval.pictures
     if not count or not all(hasattr(n, "get_intermediate_layers") for n in nets.values()):
         return []
-    val = EvalImageFolder(roots.val, 2 * cfg.augmentation.global_crop_size)
+    val = EvalImageFolder(roots.val, 2 * _train_size(cfg))
     picks = sorted({i * len(val) // count for i in range(min(count, len(val)))})
     images = [val[i][0] for i in picks]
     names = [safe_stem(Path(val.source.describe(i)).stem) for i in picks]

@@ -607,6 +607,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         logging_step = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == total
         self.trainer.capture_outputs = logging_step and self.monitor is not None
         crops = batch.crops
+        # the batch's (global, local) crop sides: with crop-size pairs, its drawn pair
+        self._crop_sides = (crops[0].shape[-1], crops[2].shape[-1] if len(crops) > 2 else None)
         if cfg.debug.inject_nonfinite_at_step == self.step + 1:
             crops = [torch.full_like(crops[0], float("nan")), *crops[1:]]  # a corrupt batch
         masks = {"masks": batch.masks} if getattr(batch, "masks", None) is not None else {}
@@ -664,6 +666,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                "lr": float(s.lr[it]) * self.lr_scale, "weight_decay": float(s.weight_decay[it]),
                "momentum": float(s.momentum[it]), "images_per_second": ips,
                **{k: reduced[k] for k in parts}}  # fmt: skip
+        if len(cfg.augmentation.crop_size_pairs) > 1:
+            row["global_crop_size"], row["local_crop_size"] = self._crop_sides
         row.update(self.tracker.get_memory_stats())
         row.update({k: v for k, v in health.items() if k not in row})
         if alerts:

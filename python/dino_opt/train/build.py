@@ -168,7 +168,9 @@ def build_loader(
     :func:`build_source` opens): this rank's shard, the augmentation of
     ``cfg.augmentation``, the threads, prefetch, dtype, photometric placement
     and shuffle buffer of ``cfg.data``, seeded by ``cfg.hardware.seed``; with
-    the dinov2 recipe also the global crops' block masks (:func:`loader_masks`)."""
+    the dinov2 recipe also the global crops' block masks (:func:`loader_masks`).
+    Crop-size lists give a loader that draws one (global, local) pair per
+    batch with ``augmentation.crop_size_ratios``."""
     aug = cfg.augmentation
     gpu_photometric = cfg.data.photometric == "gpu"
     return MultiCropLoader(
@@ -176,6 +178,7 @@ def build_loader(
         cfg.data.batch_size,
         global_size=aug.global_crop_size,
         local_size=aug.local_crop_size,
+        crop_size_ratios=aug.crop_size_ratios,
         n_local=aug.num_local_views,
         global_scale=aug.global_crops_scale,
         local_scale=aug.local_crops_scale,

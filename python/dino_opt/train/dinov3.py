@@ -52,7 +52,7 @@ class GramOptions(NamedTuple):
     remove_neg: bool = False
     remove_only_teacher_neg: bool = False
     tokens_used: str = "all"
-    teacher_crop_size: int | None = None
+    teacher_crop_size: int | dict[int, int] | None = None  # a dict: by the global crops' side
 
 
 def refresh_due(options: GramOptions, iteration: int, updates: int) -> bool:
@@ -147,10 +147,13 @@ class GramTeacher(nn.Module):
     def patch_tokens(self, glob: Sequence[torch.Tensor]) -> torch.Tensor:
         """Patch features [2B, N, D] of the global crops ``glob`` (after the
         final norm, no masks), on the student's grid: crops resized to
-        ``teacher_crop_size`` first when set, features resized back
+        ``teacher_crop_size`` first when set (a dict: the side it gives
+        the crops' side, one per crop-size pair), features resized back
         (bicubic) when their grid differs."""
         images = torch.cat(list(glob))
         size = self.options.teacher_crop_size
+        if isinstance(size, dict):
+            size = size.get(images.shape[-1])
         student_grid = [s // self.backbone.patch_size for s in images.shape[-2:]]
         if size is not None and size != images.shape[-1]:
             images = F.interpolate(images, size=(size, size), mode="bicubic", align_corners=False)

@@ -25,6 +25,7 @@ refines the batch size by timing real training steps
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +108,8 @@ def resolve_preset(
     device: str = "auto",
     memory_gb: float | None = None,
     bf16: bool | None = None,
-    global_crop_size: int = 224,
-    local_crop_size: int = 96,
+    global_crop_size: int | Sequence[int] = 224,
+    local_crop_size: int | Sequence[int] = 96,
     patch_size: int = 16,
     fixed: dict[str, Any] | None = None,
 ) -> PresetChoice:
@@ -120,9 +121,10 @@ def resolve_preset(
     picks the row from the memory. Precision is bf16 on cards with bfloat16
     (Ampere and later), fp16 on older ones, ``auto`` for a GPU row on a
     machine without a GPU, and fp32 for the CPU row. The crop sizes feed the
-    memory estimate of ViT rows; ``fixed`` holds the keys of
-    :data:`PRESET_KEYS` the configuration sets itself, which the estimate
-    uses in place of the row's (``values`` still lists the row's).
+    memory estimate of ViT rows (lists, one side per crop-size pair: the
+    largest); ``fixed`` holds the keys of :data:`PRESET_KEYS` the
+    configuration sets itself, which the estimate uses in place of the
+    row's (``values`` still lists the row's).
     """
     if name not in ("auto", *PRESETS):
         close = difflib.get_close_matches(str(name).lower(), ["auto", *PRESETS], n=1)
@@ -154,6 +156,9 @@ def resolve_preset(
         "hardware.activation_checkpointing": "none",
     }
     used = {**values, **(fixed or {})}  # what training will run with
+    global_crop_size, local_crop_size = (
+        max(s) if isinstance(s, Sequence) else s for s in (global_crop_size, local_crop_size)
+    )
     estimate = None
     if used["model.backbone"].startswith("vit") and memory is not None:
         dim, depth = _vit_shape(used["model.backbone"], patch_size)
@@ -226,15 +231,17 @@ def measure_batch_size(
     """Refines ``cfg``'s batch size by measurement: times real training steps
     of ``cfg``'s model, crops and precision on ``cfg.hardware.device``
     (:meth:`~dino_opt.tune.ThroughputOptimizer.find_optimal_batch_size`,
-    random crops of the configured sizes) up to ``max_batch_size`` (default
-    twice ``cfg.data.batch_size``). Returns the search's result."""
+    random crops of the configured sizes, with crop-size pairs the largest)
+    up to ``max_batch_size`` (default twice ``cfg.data.batch_size``).
+    Returns the search's result."""
     device = resolve_device(cfg.hardware.device)
     a = cfg.augmentation
     student, teacher = build_models(cfg)
     generator = torch.Generator().manual_seed(cfg.hardware.seed)
+    global_side, local_side = a.largest_crop_sizes  # crop-size pairs: the largest
     crops = [
         torch.randn(1, 3, side, side, generator=generator)
-        for side in [a.global_crop_size] * 2 + [a.local_crop_size] * a.num_local_views
+        for side in [global_side] * 2 + [local_side] * a.num_local_views
     ]
     search = ThroughputOptimizer(
         DINOModel(student, teacher), device, loss_fn=build_loss(cfg), config=cfg

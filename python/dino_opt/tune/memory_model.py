@@ -1,7 +1,8 @@
 """Per-rank memory of a DINO or DINOv2 training step, before running it: the
 parameters, gradients, optimizer and teacher of each process under DDP and
 FSDP at any world size, and the activations of the configured crops with
-and without activation checkpointing (docs/memory.md derives every term).
+and without activation checkpointing (docs/memory.md derives every term;
+with crop-size pairs, the largest global and local sides).
 
 Parameter counts come from the real modules: :func:`count_model` builds the
 config's student and teacher on the meta device (no memory) and reads their
@@ -278,10 +279,11 @@ class _Step:
 
 def _step(cfg: Config, counts: ModelCounts) -> _Step:
     a, p = cfg.augmentation, counts.patch_size
-    g = (a.global_crop_size // p) ** 2
+    global_side, local_side = a.largest_crop_sizes  # crop-size pairs: the largest
+    g = (global_side // p) ** 2
     masked = recipe_of(cfg).masked_tokens(cfg, g)
     return _Step(cfg.data.batch_size, g + counts.extra_tokens,
-                 (a.local_crop_size // p) ** 2 + counts.extra_tokens, a.num_local_views,
+                 (local_side // p) ** 2 + counts.extra_tokens, a.num_local_views,
                  masked)  # fmt: skip
 
 
@@ -480,8 +482,8 @@ def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy
 
 def _crop_bytes(cfg: Config, s: _Step, a: int) -> int:
     """The batch of crops (float32) and, under autocast, its 16-bit copy."""
-    aug = cfg.augmentation
-    values = s.batch * 3 * (2 * aug.global_crop_size**2 + s.n_local * aug.local_crop_size**2)
+    global_side, local_side = cfg.augmentation.largest_crop_sizes
+    values = s.batch * 3 * (2 * global_side**2 + s.n_local * local_side**2)
     return values * (_FP32 + (a if a != _FP32 else 0))
 
 

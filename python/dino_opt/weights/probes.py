@@ -62,7 +62,8 @@ def open_backbone(path: str | os.PathLike, which: str = "teacher") -> OpenedBack
     net, native = evaluation_backbone(weights, sd)
     load_strict(net, sd, "backbone", weights.path)
     cfg = _run_config(Path(path)) if weights.format == "dino_opt" else None
-    size = cfg.augmentation.global_crop_size if cfg is not None else native
+    # the training crops' side (with crop-size pairs: the first pair's)
+    size = cfg.augmentation.crop_size_pairs[0][0] if cfg is not None else native
     return OpenedBackbone(net.eval(), size, weights.format, weights.backbone, cfg)
 
 

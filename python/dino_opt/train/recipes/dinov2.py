@@ -37,7 +37,8 @@ class DINOv2Recipe(DINORecipe):
     def backbone_options(self, cfg: Config) -> dict:
         # DINOv2 sizes the position embeddings for the global crops; masked
         # patches are replaced by a learned token
-        return {"img_size": cfg.augmentation.global_crop_size, "use_mask_token": True}
+        # (with crop-size pairs: the first pair's)
+        return {"img_size": cfg.augmentation.crop_size_pairs[0][0], "use_mask_token": True}
 
     def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
         m, r = cfg.model, cfg.recipe

@@ -30,8 +30,17 @@ def gram_options(cfg: Config) -> GramOptions:
         max_updates=r.gram_max_updates, img_level=r.gram_img_level,
         normalized=r.gram_normalized, remove_neg=r.gram_remove_neg,
         remove_only_teacher_neg=r.gram_remove_only_teacher_neg,
-        tokens_used=r.gram_tokens_used, teacher_crop_size=r.gram_teacher_crop_size,
+        tokens_used=r.gram_tokens_used, teacher_crop_size=_gram_crop_sizes(cfg),
     )  # fmt: skip
+
+
+def _gram_crop_sizes(cfg: Config) -> int | dict[int, int] | None:
+    """``recipe.gram_teacher_crop_size``; a list (one per crop-size pair) as
+    a dict from each pair's global crop side to its Gram teacher side."""
+    size = cfg.recipe.gram_teacher_crop_size
+    if not isinstance(size, tuple):
+        return size
+    return {g: s for (g, _), s in zip(cfg.augmentation.crop_size_pairs, size, strict=True)}
 
 
 def gram_weight_schedule(cfg: Config, niter_per_epoch: int) -> np.ndarray:
@@ -90,7 +99,7 @@ class DINOv3Recipe(DINOv2Recipe):
         if not cfg.recipe.gram_use_loss:
             return 0
         # the Gram teacher's patch tokens of the global crops, float32, kept for the Gram loss
-        side = cfg.augmentation.global_crop_size // cfg.model.patch_size
+        side = cfg.augmentation.largest_crop_sizes[0] // cfg.model.patch_size  # the largest pair
         return 2 * batch * side * side * embed_dim * FP32
 
 
