@@ -440,7 +440,8 @@ def test_build_backbone_vits_and_errors(monkeypatch):
     assert BACKBONES == ("vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
                          "vit_small_dinov3", "vit_small_plus_dinov3", "vit_base_dinov3",
                          "vit_large_dinov3", "vit_large_plus_dinov3", "vit_huge_plus_dinov3",
-                         "vit_7b_dinov3", "resnet18", "resnet50")  # fmt: skip
+                         "vit_7b_dinov3", "resnet18", "resnet50", "convnext_tiny",
+                         "convnext_small", "convnext_base", "convnext_large")  # fmt: skip
     with pytest.raises(ValueError, match="vit_tiny, vit_small, vit_base, vit_large, vit_giant2"):
         build_backbone("vit_huge")
     with pytest.raises(ValueError, match="ResNet.*num_register_tokens"):

@@ -72,6 +72,7 @@ _BACKBONES = (
     "vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
     "vit_small_dinov3", "vit_small_plus_dinov3", "vit_base_dinov3", "vit_large_dinov3",
     "vit_large_plus_dinov3", "vit_huge_plus_dinov3", "vit_7b_dinov3", "resnet18", "resnet50",
+    "convnext_tiny", "convnext_small", "convnext_base", "convnext_large",
 )  # fmt: skip
 
 

@@ -1,11 +1,22 @@
-"""Models for DINO and DINOv2: ViT backbones (SDPA attention), ResNets through
-torchvision, the DINO head and the multi-crop wrapper, and builders for
-student / teacher."""
+"""Models for DINO and DINOv2: ViT backbones (SDPA attention), DINOv3's
+ConvNeXts, ResNets through torchvision, the DINO head and the multi-crop
+wrapper, and builders for student / teacher."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from .convnext import (
+    CONVNEXT_SIZES,
+    ConvNeXt,
+    convert_convnext_state_dict,
+    convert_dinov3_convnext_state_dict,
+    convert_timm_convnext_state_dict,
+    convnext_base,
+    convnext_large,
+    convnext_small,
+    convnext_tiny,
+)
 from .head import DINOHead, WeightNormLinear
 from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
 from .rope import RopePositionEmbedding
@@ -36,9 +47,11 @@ from .wrapper import MultiCropWrapper
 __all__ = [
     "BACKBONES",
     "CHECKPOINT_POLICIES",
+    "CONVNEXT_SIZES",
     "DINOV3_SIZES",
     "FFN_LAYERS",
     "VIT_OPTIONS",
+    "ConvNeXt",
     "DINOHead",
     "DinoV3VisionTransformer",
     "MultiCropWrapper",
@@ -48,8 +61,15 @@ __all__ = [
     "apply_block_options",
     "build_backbone",
     "build_dino_models",
+    "convert_convnext_state_dict",
+    "convert_dinov3_convnext_state_dict",
     "convert_dinov3_state_dict",
+    "convert_timm_convnext_state_dict",
     "convert_timm_dinov3_state_dict",
+    "convnext_base",
+    "convnext_large",
+    "convnext_small",
+    "convnext_tiny",
     "vit_base",
     "vit_giant2",
     "vit_large",
@@ -76,7 +96,9 @@ _DINOV3 = {
     "vit_7b_dinov3": vit_7b_dinov3,
 }
 _RESNETS = {"resnet18": 512, "resnet50": 2048}
-BACKBONES = tuple(_VITS) + tuple(_DINOV3) + tuple(_RESNETS)
+_CONVNEXTS = {"convnext_tiny": convnext_tiny, "convnext_small": convnext_small,
+              "convnext_base": convnext_base, "convnext_large": convnext_large}  # fmt: skip
+BACKBONES = tuple(_VITS) + tuple(_DINOV3) + tuple(_RESNETS) + tuple(_CONVNEXTS)
 
 #: The ViT options of :func:`build_backbone` and their defaults (DINO's ViT).
 #: ``ffn_layer`` None: the architecture's own (SwiGLU for vit_giant2, else the MLP).
@@ -123,7 +145,11 @@ def build_backbone(
     (randomly initialised, ``fc`` replaced by ``Identity`` so the output is the
     pooled feature); ``patch_size``, ``drop_path_rate`` and the ViT options do
     not apply to them (a ViT option away from its default is refused) and
-    ``kwargs`` go to the torchvision constructor.
+    ``kwargs`` go to the torchvision constructor. ConvNeXts
+    (:class:`~dino_opt.models.convnext.ConvNeXt`, DINOv3's sizes) take
+    ``drop_path_rate`` and ``kwargs``; ``patch_size`` does not apply (their
+    patch size equivalent is 32) and a ViT option away from its default is
+    refused, as for ResNets.
     """
     vit = dict(num_register_tokens=num_register_tokens, layerscale_init=layerscale_init,
                ffn_layer=ffn_layer, qkv_bias=qkv_bias, proj_bias=proj_bias, ffn_bias=ffn_bias,
@@ -139,6 +165,14 @@ def build_backbone(
         return model, model.embed_dim
     if name in _RESNETS:
         return _resnet(name, vit, kwargs), _RESNETS[name]
+    if name in _CONVNEXTS:
+        changed = [k for k, v in vit.items() if v != VIT_OPTIONS[k]]
+        if changed:
+            raise ValueError(f"backbone {name!r} is a ConvNeXt; the ViT options "
+                             f"{', '.join(changed)} do not apply to it (leave them at their "
+                             "defaults)")  # fmt: skip
+        model = _CONVNEXTS[name](drop_path_rate=drop_path_rate, **kwargs)
+        return model, model.embed_dim
     raise ValueError(f"unknown backbone {name!r}; allowed: {', '.join(BACKBONES)}")
 
 
