@@ -25,6 +25,7 @@ from dino_opt.models.rope import (
     patch_coords,
     rope_periods,
 )
+from dino_opt.weights.layouts_dinov3 import from_hf_dinov3
 from torch import nn
 
 F64 = torch.float64
@@ -403,29 +404,6 @@ def test_the_mask_token_is_in_the_graph_without_masks(gen):
     assert model.cls_token.grad.any()
 
 
-def hf_to_ours(sd: dict, depth: int) -> dict:
-    """Hugging Face DINOv3ViTModel weights (non-gated MLP) under our names."""
-    emb = "embeddings."
-    out = {"cls_token": sd[emb + "cls_token"], "register_tokens": sd[emb + "register_tokens"],
-           "patch_embed.proj.weight": sd[emb + "patch_embeddings.weight"],
-           "patch_embed.proj.bias": sd[emb + "patch_embeddings.bias"],
-           "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}  # fmt: skip
-    names = {"norm1.": "norm1.", "norm2.": "norm2.", "attn.proj.": "attention.o_proj.",
-             "ls1.gamma": "layer_scale1.lambda1", "ls2.gamma": "layer_scale2.lambda1",
-             "mlp.fc1.": "mlp.up_proj.", "mlp.fc2.": "mlp.down_proj."}  # fmt: skip
-    for i in range(depth):
-        a, b = f"model.layer.{i}.", f"blocks.{i}."
-        for key, value in sd.items():
-            for ours, theirs in names.items():
-                if key.startswith(a + theirs):
-                    out[b + ours + key[len(a + theirs) :]] = value
-        att = a + "attention."
-        out[b + "attn.qkv.weight"] = torch.cat([sd[f"{att}{p}_proj.weight"] for p in "qkv"])
-        out[b + "attn.qkv.q_bias"] = sd[att + "q_proj.bias"]
-        out[b + "attn.qkv.v_bias"] = sd[att + "v_proj.bias"]
-    return out
-
-
 def test_features_equal_hugging_faces_dinov3(gen):
     transformers = pytest.importorskip("transformers")
     config = transformers.DINOv3ViTConfig(
@@ -433,8 +411,9 @@ def test_features_equal_hugging_faces_dinov3(gen):
         num_register_tokens=4, layerscale_value=1.0,
     )  # fmt: skip
     hf = randomize(transformers.DINOv3ViTModel(config).double().eval(), gen)
-    ours = DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=4).double().eval()
-    ours.load_state_dict(hf_to_ours(hf.state_dict(), 2), strict=True)
+    ours = DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=4, use_mask_token=True)
+    ours = ours.double().eval()
+    ours.load_state_dict(from_hf_dinov3(hf.state_dict()), strict=True)  # the package's key map
     for size in [(224, 224), (160, 224)]:
         x = torch.randn(2, 3, *size, generator=gen, dtype=F64)
         with torch.no_grad():

@@ -676,10 +676,14 @@ def _add_knn(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    e = sub.add_parser("export", help="write a run's weights for timm, Hugging Face or DINO")
+    e = sub.add_parser(
+        "export", help="write a run's weights for timm, Hugging Face, DINO, DINOv2 or DINOv3"
+    )
     e.add_argument("source", help="a dino-opt train run folder or checkpoint file")
     e.add_argument("--format", required=True, choices=FORMATS, help="the target's format")
-    e.add_argument("--output", required=True, help="file (timm, dino) or folder (hf) to write")
+    e.add_argument(
+        "--output", required=True, help="file (timm, dino, dinov2, dinov3) or folder (hf) to write"
+    )
     e.add_argument(
         "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
     )
@@ -693,7 +697,8 @@ def _add_export(sub) -> None:
         "--image-size",
         type=int,
         help="ViT input side the position embeddings are exported for (default: the size "
-        "they were trained for: 224 for DINO, the global crop size for the dinov2 recipe)",
+        "they were trained for: 224 for DINO, the global crop size for the dinov2 recipe; "
+        "DINOv3's RoPE ViT: the size the target's config names)",
     )
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.set_defaults(run=_export)

@@ -357,9 +357,9 @@ class RecipeConfig:
     )
     gram_ckpt: str | None = _opt(
         None,
-        "dinov3: the Gram teacher's first weights: a dino-opt checkpoint (its teacher's "
-        "backbone) or a file of a backbone's state dict; null: none, the EMA teacher's at "
-        "gram_it_load_ema_teacher",
+        "dinov3: the Gram teacher's first weights, in any format model.init_from reads (a "
+        "dino-opt checkpoint's teacher backbone, a backbone's state dict, DINOv3's, timm's or "
+        "Hugging Face's files); null: none, the EMA teacher's at gram_it_load_ema_teacher",
     )
     gram_it_load_ema_teacher: int = _opt(
         0,

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import CheckpointManager
 from ..ops import Schedules
 from ..ops.gram_loss import GramLoss
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
@@ -62,15 +60,6 @@ def refresh_due(options: GramOptions, iteration: int, updates: int) -> bool:
     return (o.use_loss and o.rep_update and done >= o.it_first_update
             and done % o.update_frequency == 0
             and (o.max_updates is None or updates < o.max_updates))  # fmt: skip
-
-
-def _backbone_state(state: dict) -> dict:
-    """A backbone's state dict from a file's: a dino-opt checkpoint's
-    teacher backbone, a wrapper's ``backbone.`` entries, or the dict itself."""
-    if isinstance(state.get("teacher"), dict):
-        state = state["teacher"]
-    inner = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-    return inner or state
 
 
 class GramTeacher(nn.Module):
@@ -108,14 +97,18 @@ class GramTeacher(nn.Module):
             self.load_file(self.options.ckpt)
 
     def load_file(self, path: str) -> None:
-        """The weights of ``path`` (see :func:`_backbone_state`); ValueError
-        naming the file when they do not fit."""
-        where = Path(path)
-        state = CheckpointManager(where.parent).load(where, verify=False)
+        """The weights of ``path``, any format
+        :func:`~dino_opt.weights.read_weights` reads (a dino-opt checkpoint's
+        teacher backbone, a backbone's state dict, DINOv3's, timm's or
+        Hugging Face's files ...), loaded as
+        :func:`~dino_opt.weights.load_backbone` loads them; a one-line
+        ValueError naming the file when they do not fit."""
+        from ..weights import load_backbone  # here: dino_opt.weights imports this package
+
         try:
-            self.backbone.load_state_dict(_backbone_state(state))
-        except RuntimeError as e:
-            reason = " ".join(str(e).split())
+            load_backbone(path, self.backbone)
+        except ValueError as e:
+            reason = str(e).removeprefix(f"{path}: ")
             raise ValueError(f"recipe.gram_ckpt={path!r} does not fit the Gram teacher "
                              f"(the teacher's backbone): {reason}") from None  # fmt: skip
         self.loaded = True

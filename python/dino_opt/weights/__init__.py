@@ -1,6 +1,7 @@
-"""Weights in and out: timm, Hugging Face, DINO and DINOv2 formats, exported and loaded."""
+"""Weights in and out: timm, Hugging Face, DINO, DINOv2 and DINOv3 formats, exported and loaded."""
 
 from .layouts import ViTArch
+from .layouts_dinov3 import DinoV3Arch
 from .probes import (
     OpenedBackbone,
     open_backbone,
@@ -21,6 +22,7 @@ from .transfer import (
 )
 
 __all__ = [
+    "DinoV3Arch",
     "ExportResult",
     "ExternalWeights",
     "FORMATS",

@@ -11,11 +11,26 @@ format         what it is
 ``dinov2``     a DINOv2 backbone state dict (the published ``*_pretrain.pth``,
                with ``mask_token``; chunked blocks too) or a DINOv2
                training checkpoint (``teacher`` / ``model``)
+``dinov3``     a DINOv3 backbone state dict (the published
+               ``dinov3_*_pretrain_*.pth``: ``storage_tokens``,
+               ``rope_embed.periods``, ``qkv.bias_mask``), a DINOv3 training
+               checkpoint (``teacher`` / ``model``), or a bare DINOv3
+               backbone in dino_opt's keys
 ``timm``       a timm ViT state dict (safetensors, or a torch file with
-               timm's register or SwiGLU layout)
+               timm's register or SwiGLU layout), or timm's DINOv3 port
+               (``vit_*_patch16_dinov3``: ``reg_token``, ``gamma_1``,
+               ``attn.q_bias``, ``fc1_g``)
 ``hf``         a Hugging Face folder or safetensors file: ViTModel (DINO),
-               Dinov2Model, Dinov2WithRegistersModel
+               Dinov2Model, Dinov2WithRegistersModel, DINOv3ViTModel
+               (``model_type`` ``dinov3_vit``, ``embeddings.register_tokens``,
+               ``layer.{i}.*``)
 =============  ==========================================================
+
+A ViT without a position table is DINOv3's (RoPE): it is read in
+:class:`~dino_opt.models.DinoV3VisionTransformer`'s keys with a
+:class:`~dino_opt.weights.layouts_dinov3.DinoV3Arch` (its ``vit_*_dinov3``
+size and options; the heads and RoPE from DINOv3's periods or the Hugging
+Face config).
 """
 
 from __future__ import annotations
@@ -32,6 +47,15 @@ from safetensors import safe_open
 
 from ..eval import load_checkpoint
 from .layouts import ViTArch, from_hf_dinov2, from_hf_vit, from_timm, is_chunked, unchunk, vit_arch
+from .layouts_dinov3 import (
+    DinoV3Arch,
+    RopeSpec,
+    dinov3_arch,
+    dinov3_layout,
+    from_dinov3_layout,
+    is_rope_vit,
+    rope_from_periods,
+)
 
 __all__ = ["ExternalWeights", "read_weights", "sub_dict"]
 
@@ -45,10 +69,12 @@ class ExternalWeights:
     ``student`` and ``teacher`` networks as ``{"backbone": ..., "head": ...}``
     state dicts in dino_opt's keys (the same one twice for a backbone-only
     file; ``head`` None when the file has none), the ``backbone`` name
-    (``"vit"`` for a ViT of no named size), its ``patch_size`` (ViTs), the
-    loss's ``center`` of a training checkpoint, and for a ViT its ``arch``
-    (shapes, registers, LayerScale, FFN, biases, mask token; the heads and
-    the position interpolation where the file says them)."""
+    (``"vit"`` for a ViT of no named size, ``"vit_dinov3"`` for a DINOv3
+    ViT of none), its ``patch_size`` (ViTs), the loss's ``center`` of a
+    training checkpoint, and for a ViT its ``arch`` (shapes, registers,
+    LayerScale, FFN, biases, mask token; the heads and the position
+    interpolation where the file says them): a :class:`ViTArch`, or a
+    :class:`DinoV3Arch` for DINOv3's ViT (its size, options and RoPE)."""
 
     path: Path
     format: str
@@ -57,7 +83,7 @@ class ExternalWeights:
     backbone: str
     patch_size: int | None = None
     center: torch.Tensor | None = None
-    arch: ViTArch | None = None
+    arch: ViTArch | DinoV3Arch | None = None
 
 
 class _Raw(NamedTuple):
@@ -67,6 +93,7 @@ class _Raw(NamedTuple):
     center: torch.Tensor | None = None
     heads: int | None = None
     interpolation: tuple[float, bool] = (0.0, False)
+    rope: RopeSpec | None = None
 
 
 def sub_dict(state: dict, prefix: str) -> dict:
@@ -128,9 +155,20 @@ def _hf_state(folder: Path) -> dict:
     return state
 
 
+def _hf_dinov3(sd: dict, config: dict) -> _Raw:
+    """A Hugging Face DINOv3ViTModel state (renamed by :func:`_in_dinov3_keys`);
+    the heads and RoPE base from its config."""
+    net = {"backbone": sd, "head": None}
+    rope = RopeSpec(float(config["rope_theta"])) if "rope_theta" in config else None
+    return _Raw("hf", net, net, None, config.get("num_attention_heads"), rope=rope)
+
+
 def _hf(sd: dict, config: dict | None = None) -> _Raw:
-    """A Hugging Face ViTModel / Dinov2Model / Dinov2WithRegistersModel state."""
+    """A Hugging Face ViTModel / Dinov2Model / Dinov2WithRegistersModel /
+    DINOv3ViTModel state."""
     config = config or {}
+    if config.get("model_type") == "dinov3_vit" or dinov3_layout(sd) == "hf":
+        return _hf_dinov3(sd, config)
     dinov2 = str(config.get("model_type", "")).startswith("dinov2") or any(
         "layer_scale1" in k for k in sd
     )
@@ -148,6 +186,8 @@ def _backbone_state(sd: dict, container: str, heads: int | None = None) -> _Raw:
         return _hf(sd)
     net = _split(sd)
     bb = net["backbone"]
+    if is_rope_vit(bb):  # DINOv3's (renamed by _in_dinov3_keys)
+        return _Raw("timm" if container == "safetensors" else "dinov3", net, net, None, heads)
     if "cls_token" not in bb:  # a ResNet
         return _Raw("timm" if container == "safetensors" else "dino", net, net, None, heads)
     dinov2 = "mask_token" in bb or "register_tokens" in bb or is_chunked(bb)
@@ -161,11 +201,12 @@ def _backbone_state(sd: dict, container: str, heads: int | None = None) -> _Raw:
     return _Raw(fmt, net, net, None, heads)
 
 
-def _timm_heads(meta: dict) -> int | None:
+def _timm_kwargs(meta: dict) -> dict:
     try:
-        return json.loads(meta.get("timm_kwargs", "{}")).get("num_heads")
-    except (ValueError, AttributeError):
-        return None
+        kwargs = json.loads(meta.get("timm_kwargs", "{}"))
+    except ValueError:
+        return {}
+    return kwargs if isinstance(kwargs, dict) else {}
 
 
 def _dino_opt_interp(ckpt: dict) -> tuple[float, bool]:
@@ -204,16 +245,39 @@ def _read_raw(path: Path) -> _Raw:
                     _dino_opt_interp(ckpt))  # fmt: skip
     if _is_safetensors(path):
         sd, meta = _read_safetensors(path)
-        return _backbone_state(sd, "safetensors", _timm_heads(meta))
+        kwargs = _timm_kwargs(meta)
+        raw = _backbone_state(sd, "safetensors", kwargs.get("num_heads"))
+        base = kwargs.get("rope_temperature")
+        return raw._replace(rope=RopeSpec(float(base))) if base else raw
     state = _torch_load(path)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return _training_checkpoint(state) or _backbone_state(state, "torch")
 
 
-def _name(sd: dict, heads: int | None) -> tuple[str, int | None, ViTArch | None]:
+def _in_dinov3_keys(raw: _Raw) -> _Raw:
+    """A DINOv3 backbone in DINOv3's own, timm's or Hugging Face's layout,
+    renamed to dino_opt's keys (student and teacher); the heads and RoPE from
+    DINOv3's periods."""
+    bb = raw.teacher["backbone"]
+    layout = dinov3_layout(bb)
+    if layout is None:
+        return raw
+    heads, rope = raw.heads, raw.rope
+    if "rope_embed.periods" in bb:
+        heads, rope = rope_from_periods(bb["rope_embed.periods"], bb["cls_token"].shape[-1])
+    fmt = raw.format if raw.format in ("dino_opt", "dino-full") else layout
+    student, teacher = ({**net, "backbone": from_dinov3_layout(net["backbone"], layout)}
+                        for net in (raw.student, raw.teacher))  # fmt: skip
+    return raw._replace(format=fmt, student=student, teacher=teacher, heads=heads, rope=rope)
+
+
+def _name(sd: dict, raw: _Raw) -> tuple[str, int | None, ViTArch | DinoV3Arch | None]:
+    if is_rope_vit(sd):
+        arch = dinov3_arch(sd, raw.heads, raw.rope)
+        return arch.name or "vit_dinov3", arch.patch_size, arch
     if "cls_token" in sd:
-        arch = vit_arch(sd, heads)
+        arch = vit_arch(sd, raw.heads)
         return arch.name or "vit", arch.patch_size, arch
     if "layer4.0.conv1.weight" in sd:
         return ("resnet50" if "layer1.0.conv3.weight" in sd else "resnet18"), None, None
@@ -222,9 +286,9 @@ def _name(sd: dict, heads: int | None) -> tuple[str, int | None, ViTArch | None]
 
 def read_weights(path: str | os.PathLike) -> ExternalWeights:
     """Weights from a timm file, a Hugging Face folder or file (ViT, Dinov2,
-    Dinov2 with registers), an original DINO or DINOv2 backbone or training
-    checkpoint, or a dino_opt checkpoint or run folder, detected from the
-    content (see the module docstring), in dino_opt's keys."""
+    Dinov2 with registers, DINOv3), an original DINO, DINOv2 or DINOv3
+    backbone or training checkpoint, or a dino_opt checkpoint or run folder,
+    detected from the content (see the module docstring), in dino_opt's keys."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"weights {str(path)!r} do not exist")
@@ -232,10 +296,11 @@ def read_weights(path: str | os.PathLike) -> ExternalWeights:
     if not raw.teacher["backbone"]:
         raise ValueError(f"{path}: holds no backbone weights")
     try:
-        name, patch, arch = _name(raw.teacher["backbone"], raw.heads)
+        raw = _in_dinov3_keys(raw)
+        name, patch, arch = _name(raw.teacher["backbone"], raw)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    if arch is not None:
+    if isinstance(arch, ViTArch):
         offset, antialias = raw.interpolation
         arch = arch.replace(interpolate_offset=offset, interpolate_antialias=antialias)
     return ExternalWeights(path, raw.format, raw.student, raw.teacher, name, patch, raw.center,

@@ -24,7 +24,17 @@ for a backbone module):
   ``teacher``, ``optimizer``, ``epoch``, ``dino_loss``, ``args``);
 - ``dinov2``: the backbone state dict in the layout of the published DINOv2
   checkpoints (``block_chunks=0``, with ``mask_token``), which DINOv2's
-  ``vision_transformer.vit_*`` loads with ``strict=True``.
+  ``vision_transformer.vit_*`` loads with ``strict=True``;
+- ``dinov3``: a DINOv3 backbone (``vit_*_dinov3``) in the layout of the
+  published DINOv3 checkpoints (``storage_tokens``, the masked qkv bias with
+  its ``bias_mask``, ``rope_embed.periods``, ``mask_token``), which DINOv3's
+  ``DinoVisionTransformer`` loads with ``strict=True``.
+
+A DINOv3 backbone also goes to ``timm`` (its ``vit_*_patch16_dinov3``,
+``_qkvb`` with a qkv bias) and ``hf`` (``DINOv3ViTModel``), not to ``dino``
+or ``dinov2``; a DINOv3 ViT has no position table, so ``image_size`` only
+sets the size the target's config names (see
+:mod:`~dino_opt.weights.layouts_dinov3`).
 
 ``image_size`` exports the position table resized the way the model resizes
 it at that size (its interpolation offset and anti-aliasing), so the target
@@ -36,6 +46,8 @@ Import (:func:`~dino_opt.weights.read_weights`, :func:`init_from`,
 detected from the file. A position table of another grid is resized to the
 model's; LayerScale, biases and the mask token are adapted where that keeps
 the function (a LayerScale of 1, zero biases: see :func:`load_backbone`).
+DINOv3's weights load into DINOv3's ViT only, and the other ViTs' into the
+others.
 ``model.init_from`` starts a training run from them; ``dino-opt knn
 --weights`` evaluates them.
 """
@@ -56,7 +68,7 @@ from torch import nn
 from ..checkpoint import atomic_write, fsync_dir
 from ..config import Config
 from ..eval import knn_evaluate_splits, load_checkpoint
-from ..models import VisionTransformer, build_backbone
+from ..models import DinoV3VisionTransformer, VisionTransformer, build_backbone
 from ..models.vit import pos_embed_grid, resize_pos_embed
 from ..runtime import resolve_device
 from .layouts import (
@@ -68,6 +80,20 @@ from .layouts import (
     to_hf_vit,
     to_timm,
     vit_arch,
+)
+from .layouts_dinov3 import (
+    DinoV3Arch,
+    dinov3_arch,
+    dinov3_load,
+    export_notes,
+    hf_dinov3_config,
+    is_rope_vit,
+    module_arch,
+    timm_dinov3_model,
+    to_dinov3,
+    to_hf_dinov3,
+    to_timm_dinov3,
+    unsupported,
 )
 from .reading import ExternalWeights, read_weights, sub_dict
 
@@ -81,7 +107,7 @@ __all__ = [
     "load_backbone",
 ]
 
-FORMATS = ("timm", "hf", "dino", "dinov2")
+FORMATS = ("timm", "hf", "dino", "dinov2", "dinov3")
 _DINO_SIZE = 224  # the input size of DINO's position tables
 
 
@@ -153,16 +179,20 @@ def _export_timm(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: d
     return f"timm.create_model({model!r}, **{kwargs})"
 
 
-def _export_hf(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dict) -> str:
+def _write_hf(output: Path, config: dict, tensors: dict, meta: dict) -> None:
     output.mkdir(parents=True)
+    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _save_safetensors(tensors, output / "model.safetensors", meta)
+
+
+def _export_hf(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dict) -> str:
     if arch.dino_v1:
         config, tensors = hf_vit_config(arch, image_size), to_hf_vit(sd, arch)
         load = "transformers.ViTModel.from_pretrained(path, add_pooling_layer=False)"
     else:
         config, tensors = hf_dinov2_config(arch, image_size), to_hf_dinov2(sd, arch)
         load = f"transformers.{config['architectures'][0]}.from_pretrained(path)"
-    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _save_safetensors(tensors, output / "model.safetensors", meta)
+    _write_hf(output, config, tensors, meta)
     return load
 
 
@@ -271,6 +301,60 @@ def _write_backbone(fmt: str, sd: dict, output: Path, image_size: int | None, me
     return _export_vit(fmt, sd, output, image_size, meta, interp, heads)
 
 
+def _check_dinov3_export(fmt: str, arch: DinoV3Arch, image_size: int) -> None:
+    if fmt in ("dino", "dinov2"):
+        raise ValueError(
+            f"--format {fmt} writes {'DINO' if fmt == 'dino' else 'DINOv2'}'s ViT (a position "
+            f"table); this is DINOv3's ({arch.describe()}, RoPE): --format dinov3, timm or hf "
+            "write it"
+        )
+    if image_size % arch.patch_size:
+        raise ValueError(
+            f"image_size {image_size} is not a multiple of the patch size {arch.patch_size}"
+        )
+    missing = unsupported(arch) if fmt in ("timm", "hf") else []
+    if missing:
+        target = "timm's" if fmt == "timm" else "Hugging Face's"
+        raise ValueError(f"--format {fmt}: {target} DINOv3 ViT has no {'; no '.join(missing)}; "
+                         "--format dinov3 writes this one")  # fmt: skip
+
+
+def _dinov3_files(fmt: str, sd: dict, arch: DinoV3Arch, image_size: int,
+                  meta: dict) -> tuple[dict, dict, str]:  # fmt: skip
+    """(tensors, metadata, load) of a DINOv3 backbone in ``fmt``."""
+    if fmt == "dinov3":
+        return to_dinov3(sd, arch), meta, dinov3_load(arch, image_size)
+    if fmt == "timm":
+        model, kwargs = timm_dinov3_model(arch, image_size)
+        meta = meta | {"timm_model": model, "timm_kwargs": json.dumps(kwargs)}
+        return to_timm_dinov3(sd, arch), meta, f"timm.create_model({model!r}, **{kwargs})"
+    return to_hf_dinov3(sd, arch), meta, "transformers.DINOv3ViTModel.from_pretrained(path)"
+
+
+def _export_dinov3(fmt: str, sd: dict, arch: DinoV3Arch, output: Path, image_size: int | None,
+                   meta: dict, force: bool) -> tuple[str, list[str], int]:  # fmt: skip
+    """Writes a DINOv3 backbone state ``sd`` as ``fmt`` (refused before
+    ``output`` is touched when the format cannot hold it); (load, notes,
+    image size)."""
+    image_size = image_size or arch.img_size
+    _check_dinov3_export(fmt, arch, image_size)
+    tensors, meta, load = _dinov3_files(fmt, sd, arch, image_size, meta)
+    _check_output(output, force)
+    if fmt == "dinov3":
+        _save_torch(tensors, output)
+    elif fmt == "timm":
+        _save_safetensors(tensors, output, meta)
+    else:
+        _write_hf(output, hf_dinov3_config(arch, image_size), tensors, meta)
+    return load, export_notes(arch, fmt), image_size
+
+
+def _refuse_dinov3_format(fmt: str, what: str) -> None:
+    if fmt == "dinov3":
+        raise ValueError(f"--format dinov3 writes DINOv3's ViT (model.backbone vit_*_dinov3); "
+                         f"{what} is not one: --format dinov2, timm or hf write it")  # fmt: skip
+
+
 def export_weights(
     source: str | os.PathLike,
     fmt: str,
@@ -296,9 +380,14 @@ def export_weights(
             f"holds a {backbone}; --format dino writes it as a torchvision state dict"
         )
     output = Path(output)
-    _check_output(output, force)
     sd = sub_dict(ckpt[which], "backbone.")
     meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which}
+    if is_rope_vit(sd):
+        arch = dinov3_arch(sd)
+        load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force)
+        return ExportResult(output, fmt, which, backbone, size, load, notes)
+    _refuse_dinov3_format(fmt, f"{source}'s {backbone}")
+    _check_output(output, force)
     if full:
         _save_torch(_dino_full(ckpt), output)
         return ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
@@ -318,9 +407,9 @@ def export_backbone(
     force: bool = False,
 ) -> ExportResult:
     """Writes a backbone module (a :class:`~dino_opt.models.VisionTransformer`
-    of any shape, or a ResNet for ``dino``) as ``fmt``, as
-    :func:`export_weights` does; its heads and position interpolation come
-    from the module."""
+    of any shape, a :class:`~dino_opt.models.DinoV3VisionTransformer`, or a
+    ResNet for ``dino``) as ``fmt``, as :func:`export_weights` does; its
+    heads, position interpolation and RoPE come from the module."""
     _check_request(fmt, "backbone", False)
     vit = isinstance(backbone, VisionTransformer)
     if fmt != "dino" and not vit:
@@ -329,8 +418,14 @@ def export_backbone(
             f"format {fmt} takes a VisionTransformer, not a {kind}; --format dino writes it"
         )
     output = Path(output)
-    _check_output(output, force)
     sd = {k: v.detach().cpu() for k, v in backbone.state_dict().items()}
+    if isinstance(backbone, DinoV3VisionTransformer):
+        arch = module_arch(backbone, sd)
+        load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, {"format": "pt"},
+                                           force)  # fmt: skip
+        return ExportResult(output, fmt, "backbone", arch.name or "vit_dinov3", size, load, notes)
+    _refuse_dinov3_format(fmt, f"a {type(backbone).__name__}")
+    _check_output(output, force)
     interp = (backbone.interpolate_offset, backbone.interpolate_antialias) if vit else (0.0, False)
     heads = backbone.num_heads if vit else None
     load, notes, size = _write_backbone(fmt, sd, output, image_size, {"format": "pt"}, interp,
@@ -379,19 +474,33 @@ def _adapt_layerscale(sd: dict, theirs: ViTArch, mine: ViTArch, path, notes) -> 
     return sd | {f"blocks.{i}.ls{n}.gamma": ones for i in range(mine.depth) for n in (1, 2)}
 
 
-def _bias_layers(arch: ViTArch) -> dict[str, list[str]]:
+def _bias_keys(arch: ViTArch | DinoV3Arch) -> dict[str, list[str]]:
+    """A block's bias entries of each bias switch (DINOv3's masked qkv bias:
+    the query's and value's)."""
     ffn = ["mlp.w12", "mlp.w3"] if arch.swiglu else ["mlp.fc1", "mlp.fc2"]
-    return {"qkv_bias": ["attn.qkv"], "proj_bias": ["attn.proj"], "ffn_bias": ffn}
+    masked = isinstance(arch, DinoV3Arch) and arch.masked_qkv_bias
+    qkv = ["attn.qkv.q_bias", "attn.qkv.v_bias"] if masked else ["attn.qkv.bias"]
+    return {"qkv_bias": qkv, "proj_bias": ["attn.proj.bias"],
+            "ffn_bias": [f"{layer}.bias" for layer in ffn]}  # fmt: skip
 
 
-def _adapt_biases(sd: dict, theirs: ViTArch, mine: ViTArch, path, notes) -> dict:
-    for flag, layers in _bias_layers(mine).items():
+def _zero_bias(sd: dict, key: str) -> torch.Tensor | None:
+    """A zero bias for entry ``key`` (a third of a qkv layer's rows for q / v)."""
+    weight = sd.get(key.rsplit(".", 1)[0] + ".weight")
+    if weight is None:
+        return None
+    return weight.new_zeros(weight.shape[0] // (3 if key.endswith(("q_bias", "v_bias")) else 1))
+
+
+def _adapt_biases(sd: dict, theirs, mine, path, notes) -> dict:
+    for flag in ("qkv_bias", "proj_bias", "ffn_bias"):
         if getattr(theirs, flag) == getattr(mine, flag):
             continue
-        keys = [f"blocks.{i}.{layer}.bias" for i in range(mine.depth) for layer in layers]
+        names = _bias_keys(mine if getattr(mine, flag) else theirs)[flag]
+        keys = [f"blocks.{i}.{name}" for i in range(mine.depth) for name in names]
         if getattr(mine, flag):
-            weights = {k: sd.get(k.removesuffix("bias") + "weight") for k in keys}
-            sd = sd | {k: w.new_zeros(w.shape[0]) for k, w in weights.items() if w is not None}
+            zeros = {k: _zero_bias(sd, k) for k in keys}
+            sd = sd | {k: z for k, z in zeros.items() if z is not None}
             _note(notes, f"{flag} of zero added (the weights have none; the same function)")
         elif all(bool((sd[k] == 0).all()) for k in keys if k in sd):
             sd = {k: v for k, v in sd.items() if k not in keys}
@@ -412,10 +521,55 @@ def _adapt_mask_token(sd: dict, theirs: ViTArch, mine: ViTArch, notes) -> dict:
     return sd
 
 
+def _adapt_key_bias(sd: dict, theirs: DinoV3Arch, mine: DinoV3Arch, path, notes) -> dict:
+    """A plain qkv bias and DINOv3's masked one (q and v, the key's zero) into each other."""
+    if not (theirs.qkv_bias and mine.qkv_bias) or theirs.mask_k_bias == mine.mask_k_bias:
+        return sd
+    out = dict(sd)
+    for i in range(mine.depth):
+        stem = f"blocks.{i}.attn.qkv."
+        if mine.mask_k_bias:
+            q, k, v = out.pop(stem + "bias").chunk(3)
+            if k.any():
+                raise ValueError(f"{path}: the weights have a key bias, the model holds it at "
+                                 "zero (DINOv3's mask_k_bias)")  # fmt: skip
+            out[stem + "q_bias"], out[stem + "v_bias"] = q, v
+        else:
+            q, v = out.pop(stem + "q_bias"), out.pop(stem + "v_bias")
+            out[stem + "bias"] = torch.cat((q, torch.zeros_like(q), v))
+    how = "masked, as the model's" if mine.mask_k_bias else "made a learned one (no mask here)"
+    _note(notes, f"the key bias of zero {how}")
+    return out
+
+
+def _adapt_local_norm(sd: dict, theirs: DinoV3Arch, mine: DinoV3Arch, notes) -> dict:
+    """The local crops' class norm (training only) left out, or started as the class norm."""
+    if theirs.untie_global_and_local_cls_norm == mine.untie_global_and_local_cls_norm:
+        return sd
+    if theirs.untie_global_and_local_cls_norm:
+        _note(notes, "the local crops' class norm left out (the model has none; training only)")
+        return {k: v for k, v in sd.items() if not k.startswith("local_cls_norm.")}
+    source = "cls_norm" if mine.untie_cls_and_patch_norms else "norm"
+    _note(notes, f"the local crops' class norm starts as the {source} (the weights have none)")
+    return sd | {f"local_cls_norm.{p}": sd[f"{source}.{p}"].clone() for p in ("weight", "bias")}
+
+
+def _adapt_dinov3(sd: dict, model: DinoV3VisionTransformer, path: Path, notes) -> dict:
+    """A DINOv3 state made to fit ``model`` where the function stays the same."""
+    theirs, mine = dinov3_arch(sd), module_arch(model)
+    sd = _adapt_layerscale(sd, theirs, mine, path, notes)
+    sd = _adapt_key_bias(sd, theirs, mine, path, notes)
+    sd = _adapt_biases(sd, dinov3_arch(sd), mine, path, notes)  # the qkv bias now as mine
+    sd = _adapt_local_norm(sd, theirs, mine, notes)
+    return _adapt_mask_token(sd, theirs, mine, notes)
+
+
 def _adapt(sd: dict, model: nn.Module, path: Path, notes: list[str]) -> dict:
     """A ViT state made to fit ``model`` where the function stays the same."""
     if "cls_token" not in sd or not isinstance(model, VisionTransformer):
         return sd
+    if isinstance(model, DinoV3VisionTransformer):
+        return _adapt_dinov3(sd, model, path, notes)
     theirs, mine = vit_arch(sd), vit_arch(model.state_dict(), model.num_heads)
     sd = _adapt_layerscale(sd, theirs, mine, path, notes)
     sd = _adapt_biases(sd, theirs, mine, path, notes)
@@ -446,7 +600,32 @@ def _module_name(sd: dict) -> tuple[str, int | None]:
     return ("resnet50" if "layer1.0.conv3.weight" in sd else "resnet18"), None
 
 
+def _check_dinov3(weights: ExternalWeights, backbone: nn.Module) -> None:
+    """DINOv3's weights into DINOv3's ViT only, of the same shape, heads and RoPE."""
+    theirs = weights.arch if isinstance(weights.arch, DinoV3Arch) else None
+    mine = module_arch(backbone) if isinstance(backbone, DinoV3VisionTransformer) else None
+    if theirs is None or mine is None:
+        held = theirs.describe() if theirs else _describe(weights.backbone, weights.patch_size)
+        model = mine.describe() if mine else _describe(*_module_name(backbone.state_dict()))
+        raise ValueError(f"{weights.path}: the weights hold {held}, the model is {model}; "
+                         "DINOv3's ViT (RoPE, model.backbone vit_*_dinov3) and the other "
+                         "backbones do not load into each other")  # fmt: skip
+    if theirs.shape() != mine.shape():
+        raise ValueError(f"{weights.path}: the weights hold {theirs.describe()}, the model is "
+                         f"{mine.describe()} (set model.backbone and model.patch_size to "
+                         "match)")  # fmt: skip
+    if theirs.num_heads and theirs.num_heads != mine.heads:
+        raise ValueError(f"{weights.path}: the weights have {theirs.num_heads} heads, the "
+                         f"model {mine.heads}")  # fmt: skip
+    if theirs.rope is not None and theirs.rope != mine.rope_spec:
+        raise ValueError(f"{weights.path}: the weights' RoPE has {theirs.rope.describe()}, the "
+                         f"model's {mine.rope_spec.describe()}")  # fmt: skip
+
+
 def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
+    if isinstance(weights.arch, DinoV3Arch) or isinstance(backbone, DinoV3VisionTransformer):
+        _check_dinov3(weights, backbone)
+        return
     if weights.arch is not None and isinstance(backbone, VisionTransformer):
         mine = vit_arch(backbone.state_dict(), backbone.num_heads)
         theirs = weights.arch
@@ -517,8 +696,10 @@ def load_backbone(
     adapted: a position table of another grid resized (as the model
     resizes tables), a LayerScale of 1 or zero biases left out where the
     model has none, a LayerScale of 1 or zero biases added where the weights
-    have none, the mask token added (zero) or left out. Anything else
-    raises ValueError naming it."""
+    have none, the mask token added (zero) or left out; for DINOv3's ViT
+    also a zero key bias between the masked and the plain qkv bias, and the
+    local crops' class norm left out or started as the class norm. Anything
+    else raises ValueError naming it."""
     if which not in ("teacher", "student"):
         raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
     weights = read_weights(path)
@@ -534,6 +715,8 @@ def evaluation_backbone(weights: ExternalWeights, sd: dict) -> tuple[nn.Module, 
     """The backbone the weights hold (a ViT as its architecture says, with
     the heads and interpolation its file says or the named size's), and
     the input size its position table is for."""
+    if isinstance(weights.arch, DinoV3Arch):
+        return DinoV3VisionTransformer(**weights.arch.model_kwargs()), weights.arch.img_size
     if weights.arch is not None:
         return VisionTransformer(**weights.arch.model_kwargs()), weights.arch.img_size
     return build_backbone(weights.backbone, drop_path_rate=0.0)[0], _DINO_SIZE
