@@ -61,7 +61,7 @@ namespace {
 
 constexpr double kEps = 1e-12;                     // F.normalize's
 constexpr int64_t kGramElems = int64_t(1) << 20;   // D x D matrices of a group of images
-constexpr int64_t kChunkElems = int64_t(1) << 19;  // a chunk of rows
+constexpr int64_t kChunkElems = int64_t(1) << 17;  // a chunk of rows
 constexpr int64_t kTileElems = int64_t(1) << 20;   // a tile of similarities
 constexpr int64_t kTileRows = 512;
 
@@ -206,7 +206,11 @@ at::Tensor tiles_sum(const Inputs& in, TileKernel tile, int64_t b0, int64_t b1) 
 // over the tiles into a buffer, then through the normalisation.
 void tiles_grad(const Inputs& in, TileKernel tile, int64_t b0, int64_t b1, const at::Tensor& scale,
                 at::Tensor& out) {
-  at::Tensor g = at::zeros({b1 - b0, in.rows, in.dim}, in.student.options().dtype(in.acc));
+  // The sums go straight into the gradient when it has the accumulation
+  // dtype; a half-precision gradient needs a float32 buffer for them.
+  at::Tensor g = out.scalar_type() == in.acc
+                     ? out.slice(0, b0, b1).zero_()
+                     : at::zeros({b1 - b0, in.rows, in.dim}, in.student.options().dtype(in.acc));
   for_each_tile(in, b0, b1,
                 [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1, const at::Tensor& si,
                     const at::Tensor& sj, at::Tensor& sim_s, const at::Tensor& sim_t) {
