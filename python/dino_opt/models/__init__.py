@@ -20,6 +20,7 @@ from .convnext import (
 from .head import DINOHead, WeightNormLinear
 from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
 from .rope import RopePositionEmbedding
+from .tokens import Tokens, backbone_tokens, feature_width, pool_to_grid
 from .vit import (
     VisionTransformer,
     apply_block_options,
@@ -56,9 +57,11 @@ __all__ = [
     "DinoV3VisionTransformer",
     "MultiCropWrapper",
     "RopePositionEmbedding",
+    "Tokens",
     "VisionTransformer",
     "WeightNormLinear",
     "apply_block_options",
+    "backbone_tokens",
     "build_backbone",
     "build_dino_models",
     "convert_convnext_state_dict",
@@ -70,6 +73,8 @@ __all__ = [
     "convnext_large",
     "convnext_small",
     "convnext_tiny",
+    "feature_width",
+    "pool_to_grid",
     "vit_base",
     "vit_giant2",
     "vit_large",

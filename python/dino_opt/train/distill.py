@@ -1,0 +1,258 @@
+"""Distillation: a student learns from a large frozen teacher (a released
+DINO, DINOv2 or DINOv3 backbone, or a dino_opt run) instead of from its own
+EMA; the EMA of the student is kept and is the run's result, as DINOv3
+distils its small models.
+
+Two ways to learn (``DistillOptions.mode``):
+
+- ``features`` (any teacher, any student): the student's class token and
+  patch tokens, through a projector of its own (:class:`FeatureProjector`,
+  trained with it), are pulled towards the frozen teacher's normalised
+  tokens of the same global crops by a cosine and a smooth-L1 term
+  (:class:`FeatureDistillLoss`). The teacher's patch grid is averaged onto
+  the student's when it is a whole multiple of it (a ViT-S/16 teacher on a
+  ResNet's stride-32 map); other grids are an error in one line.
+- ``heads`` (a teacher trained with DINO heads, a ViT student): DINOv2's
+  step (DINO, iBOT and KoLeo losses; centering or Sinkhorn-Knopp) with the
+  targets made by the frozen teacher's heads instead of the EMA teacher's
+  (:class:`HeadsDistillTrainer`); the student's patch grid must equal the
+  teacher's, since the iBOT targets are the teacher's tokens at the
+  student's masked positions.
+
+The teacher sees the global crops resized by ``teacher_scale`` (DINOv3's
+``teacher_to_student_resolution_scale``), in inference mode and the step's
+autocast, once per batch. It is held by the loss outside its state dict
+(:class:`FrozenTeacher`): checkpoints do not carry it, a resumed run opens
+its file again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import Tokens, backbone_tokens, pool_to_grid
+from ..runtime import no_sync
+from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
+from .trainer import MemoryOptimizedDINOTrainer
+
+__all__ = [
+    "DistillOptions",
+    "FeatureDistillLoss",
+    "FeatureDistillTrainer",
+    "FeatureDistillWrapper",
+    "FeatureProjector",
+    "FrozenTeacher",
+    "HeadsDistillLoss",
+    "HeadsDistillTrainer",
+    "teacher_side",
+]
+
+
+class DistillOptions(NamedTuple):
+    """The distillation options (the config's ``recipe.distill_*`` keys)."""
+
+    mode: str = "features"
+    teacher: str | None = None
+    teacher_scale: float = 1.0
+    teacher_dim: int | None = None
+    cls_weight: float = 1.0
+    patch_weight: float = 1.0
+    cosine_weight: float = 1.0
+    smooth_l1_weight: float = 1.0
+    projector_hidden: int = 0
+
+
+def teacher_side(side: int, scale: float, patch: int) -> int:
+    """The teacher's input side for a student crop of ``side`` pixels:
+    ``side * scale``, which must be a whole number of the teacher's
+    ``patch`` (ValueError naming the sizes otherwise)."""
+    out = round(side * scale)
+    if abs(out - side * scale) > 1e-6 or out % patch or out < patch:
+        raise ValueError(
+            f"recipe.distill_teacher_scale={scale:g} makes the teacher's input {side * scale:g} px "
+            f"from {side} px crops, not a multiple of its patch ({patch}); choose a scale with "
+            f"{side} * scale a multiple of {patch}"
+        )
+    return out
+
+
+class FrozenTeacher:
+    """The frozen teacher network, held outside any module's state dict:
+    ``network`` (a backbone for ``features``; backbone and heads for
+    ``heads``), its ``patch_size`` and the input ``scale``. :meth:`inputs`
+    resizes the student's crops for it (bicubic, anti-aliased when shrinking)."""
+
+    def __init__(self, network: nn.Module, patch_size: int, scale: float = 1.0):
+        self.network = network.requires_grad_(False).eval()
+        self.patch_size = int(patch_size)
+        self.scale = float(scale)
+
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> FrozenTeacher:
+        """The network moved to ``device`` (and cast to ``dtype`` when given)."""
+        self.network.to(device=device, dtype=dtype)
+        return self
+
+    def inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """``images`` [B, 3, S, S] at the teacher's side (:func:`teacher_side`)."""
+        side = teacher_side(images.shape[-1], self.scale, self.patch_size)
+        if side == images.shape[-1]:
+            return images
+        shrink = side < images.shape[-1]
+        return F.interpolate(images, size=(side, side), mode="bicubic", align_corners=False,
+                             antialias=shrink)  # fmt: skip
+
+
+def _projector(width: int, out: int, hidden: int) -> nn.Module:
+    if hidden <= 0:
+        return nn.Linear(width, out)
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, out))
+
+
+class FeatureProjector(nn.Module):
+    """The student's projectors onto the teacher's feature width: ``cls``
+    and ``patch``, each a linear layer (``hidden`` > 0: Linear, GELU, Linear)."""
+
+    def __init__(self, width: int, teacher_width: int, hidden: int = 0):
+        super().__init__()
+        self.cls = _projector(width, teacher_width, hidden)
+        self.patch = _projector(width, teacher_width, hidden)
+
+    def forward(self, tokens: Tokens) -> Tokens:
+        return Tokens(self.cls(tokens.cls), self.patch(tokens.patches), tokens.grid)
+
+
+class FeatureDistillWrapper(nn.Module):
+    """A student backbone and its :class:`FeatureProjector` (``head``):
+    ``forward(images)`` gives the projected :class:`~dino_opt.models.Tokens`
+    of a batch of images (through ``forward``, so DDP's hooks run)."""
+
+    def __init__(self, backbone: nn.Module, head: FeatureProjector):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, images: torch.Tensor) -> Tokens:
+        return self.head(backbone_tokens(self.backbone, images))
+
+
+def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
+
+
+class FeatureDistillLoss(nn.Module):
+    """The ``features`` loss: for the class tokens and the patch tokens,
+    ``cosine_weight * mean(1 - cos) + smooth_l1_weight * smooth_l1``
+    between the student's projected tokens and the teacher's, weighted by
+    ``cls_weight`` and ``patch_weight``. The teacher (:class:`FrozenTeacher`)
+    is attached with :meth:`attach_teacher`."""
+
+    student_temp = 0.1  # read by the health checks only with head outputs, never here
+
+    def __init__(self, options: DistillOptions):
+        super().__init__()
+        self.options = options
+        self.frozen: FrozenTeacher | None = None
+
+    def attach_teacher(self, teacher: FrozenTeacher) -> None:
+        self.frozen = teacher
+
+    @torch.no_grad()
+    def teacher_tokens(self, images: torch.Tensor, grid: tuple[int, int]) -> Tokens:
+        """The frozen teacher's tokens of ``images`` (resized for it), its
+        patches averaged onto the student's ``grid``."""
+        if self.frozen is None:
+            raise RuntimeError("FeatureDistillLoss: no teacher attached (attach_teacher)")
+        t = backbone_tokens(self.frozen.network, self.frozen.inputs(images))
+        return Tokens(t.cls, pool_to_grid(t.patches, t.grid, grid), grid)
+
+    def forward(self, student: Tokens, teacher: Tokens) -> tuple[torch.Tensor, dict]:
+        o = self.options
+        s_cls, s_patch = student.cls.float(), student.patches.float()
+        t_cls, t_patch = teacher.cls.float(), teacher.patches.float()
+        parts = {
+            "distill_cls_cosine": _cosine(s_cls, t_cls),
+            "distill_cls_smooth_l1": F.smooth_l1_loss(s_cls, t_cls),
+            "distill_patch_cosine": _cosine(s_patch, t_patch),
+            "distill_patch_smooth_l1": F.smooth_l1_loss(s_patch, t_patch),
+        }
+        cls = o.cosine_weight * parts["distill_cls_cosine"]
+        cls = cls + o.smooth_l1_weight * parts["distill_cls_smooth_l1"]
+        patch = o.cosine_weight * parts["distill_patch_cosine"]
+        patch = patch + o.smooth_l1_weight * parts["distill_patch_smooth_l1"]
+        total = o.cls_weight * cls + o.patch_weight * patch
+        return total, {k: v.detach() for k, v in parts.items()}
+
+
+class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
+    """One ``features`` micro-batch: the frozen teacher's tokens of the
+    global crops (once), the student's projected tokens of the same crops,
+    :class:`FeatureDistillLoss`; AMP, accumulation, clipping, the optimizer
+    step and the student's EMA are :class:`MemoryOptimizedDINOTrainer`'s.
+    Local crops are not used."""
+
+    def train_step_optimized(
+        self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        del masks  # no masks: nothing is masked in a feature distillation
+        glob = torch.cat([c.to(self.device, non_blocking=True) for c in crops[: self.n_global]])
+        self._epoch = epoch
+        self.captured = {}
+        self._sync_last = self._micro_steps + 1 >= self.accumulation_steps
+        with no_sync(self.model.student, skip=not self._sync_last):
+            with self._autocast():
+                student = self.model.student(glob)
+                teacher = self.loss_fn.teacher_tokens(glob, student.grid)
+            loss, parts = self.loss_fn(student, teacher)
+            self._backward(loss / self.accumulation_steps)
+        self._micro_steps += 1
+        return loss.detach(), {"loss": loss.detach(), **parts}
+
+
+class HeadsDistillLoss(DINOv2Loss):
+    """:class:`~dino_opt.train.DINOv2Loss` whose targets come from a frozen
+    teacher with DINO heads (:meth:`attach_teacher`, a
+    :class:`~dino_opt.train.DINOv2Wrapper`), not from the EMA teacher."""
+
+    def __init__(self, out_dim: int, ibot_out_dim: int, n_local: int, *,
+                 distill: DistillOptions | None = None, **dinov2) -> None:  # fmt: skip
+        super().__init__(out_dim, ibot_out_dim, n_local, **dinov2)
+        self.options = distill or DistillOptions(mode="heads")
+        self.frozen: FrozenTeacher | None = None
+
+    def attach_teacher(self, teacher: FrozenTeacher) -> None:
+        self.frozen = teacher
+
+
+class HeadsDistillTrainer(DINOv2Trainer):
+    """DINOv2's step (:class:`~dino_opt.train.DINOv2Trainer`) with the frozen
+    teacher's head outputs as targets: its DINO head on the class tokens of
+    the global crops, its iBOT head (or DINO's, shared) on the patch tokens
+    at the student's masked positions. The grids must match."""
+
+    @torch.no_grad()
+    def _teacher_targets(self, glob: list[torch.Tensor], info) -> TeacherTargets:
+        frozen = self.loss_fn.frozen
+        if frozen is None:
+            raise RuntimeError("HeadsDistillLoss: no teacher attached (attach_teacher)")
+        images = [frozen.inputs(g) for g in glob]
+        student_grid = glob[0].shape[-1] // self.model.teacher.backbone.patch_size
+        teacher_grid = images[0].shape[-1] // frozen.patch_size
+        if student_grid != teacher_grid:
+            raise ValueError(
+                f"recipe.distill_mode=heads needs the teacher's patch grid ({teacher_grid} x "
+                f"{teacher_grid}) equal to the student's ({student_grid} x {student_grid}): its "
+                "iBOT targets are the teacher's tokens at the student's masked patches; set "
+                "recipe.distill_teacher_scale (or use recipe.distill_mode=features)"
+            )
+        with self._autocast():
+            out = frozen.network(images, mask_indices=info["mask_indices_list"])
+        if self.capture_outputs:
+            self.captured = {"features": out.global_cls.detach().float()}
+        return self.loss_fn.teacher_targets(
+            out.global_logits, out.patch_logits, self.teacher_temp, info["n_masked_patches"]
+        )

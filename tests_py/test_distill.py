@@ -1,0 +1,254 @@
+"""Distillation's pieces: the backbone tokens of ViTs and ResNets, the grid
+alignment, the feature loss against a float64 reference written from its
+formula (values and gradients), the teacher's input size, and one step of
+each trainer (the frozen teacher's forward counted once per batch; the heads
+trainer's targets are the frozen teacher's)."""
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
+from dino_opt.train import DINOModel, DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
+from dino_opt.train.distill import (
+    DistillOptions,
+    FeatureDistillLoss,
+    FeatureDistillTrainer,
+    FeatureDistillWrapper,
+    FeatureProjector,
+    FrozenTeacher,
+    HeadsDistillLoss,
+    HeadsDistillTrainer,
+    teacher_side,
+)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def _vit(patch=8, dim=32):
+    torch.manual_seed(0)
+    return VisionTransformer(patch_size=patch, embed_dim=dim, depth=2, num_heads=2, img_size=32,
+                             drop_path_rate=0.0,
+                             use_mask_token=True).eval()  # fmt: skip
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def test_vit_tokens_are_its_normalised_class_and_patch_tokens(gen):
+    vit = _vit()
+    x = torch.randn(3, 3, 32, 48, generator=gen)
+    t = backbone_tokens(vit, x)
+    out = vit.forward_features(x)
+    assert torch.equal(t.cls, out["x_norm_clstoken"])
+    assert torch.equal(t.patches, out["x_norm_patchtokens"]) and t.grid == (4, 6)
+
+
+def test_resnet_tokens_are_its_pooled_feature_and_last_map(gen):
+    net = torchvision.models.resnet18(weights=None).eval()
+    net.fc = torch.nn.Identity()
+    x = torch.randn(2, 3, 64, 96, generator=gen)
+    t = backbone_tokens(net, x)
+    with torch.no_grad():
+        assert torch.allclose(t.cls, net(x), atol=1e-6)
+    assert t.grid == (2, 3) and t.patches.shape == (2, 6, 512)
+    with pytest.raises(ValueError, match="gives no patch features"):
+        backbone_tokens(torch.nn.Linear(3, 3), x)
+
+
+def _pool_reference(patches, grid, to):
+    (h, w), (th, tw) = grid, to
+    fh, fw = h // th, w // tw
+    maps = patches.reshape(patches.shape[0], h, w, -1)
+    out = torch.zeros(patches.shape[0], th, tw, patches.shape[-1], dtype=patches.dtype)
+    for i in range(th):
+        for j in range(tw):
+            out[:, i, j] = maps[:, i * fh : (i + 1) * fh, j * fw : (j + 1) * fw].mean((1, 2))
+    return out.reshape(patches.shape[0], th * tw, -1)
+
+
+@pytest.mark.parametrize("grid, to", [((4, 4), (2, 2)), ((6, 4), (3, 1)), ((4, 4), (4, 4)),
+                                      ((8, 6), (2, 3))])  # fmt: skip
+def test_pool_to_grid_averages_blocks(grid, to, gen):
+    patches = torch.randn(2, grid[0] * grid[1], 5, generator=gen, dtype=torch.float64)
+    assert torch.allclose(pool_to_grid(patches, grid, to), _pool_reference(patches, grid, to))
+
+
+@pytest.mark.parametrize("grid, to", [((4, 4), (3, 3)), ((2, 2), (4, 4)), ((5, 4), (2, 2))])
+def test_grids_that_do_not_divide_are_one_line(grid, to):
+    with pytest.raises(ValueError, match="cannot be aligned") as e:
+        pool_to_grid(torch.zeros(1, grid[0] * grid[1], 2), grid, to)
+    assert "\n" not in str(e.value)
+
+
+def test_teacher_side():
+    assert teacher_side(224, 1.0, 16) == 224 and teacher_side(224, 0.875, 14) == 196
+    assert teacher_side(64, 2.0, 16) == 128
+    with pytest.raises(ValueError, match="not a multiple of its patch"):
+        teacher_side(96, 1.0, 14)
+    with pytest.raises(ValueError, match="distill_teacher_scale"):
+        teacher_side(96, 0.3, 16)
+
+
+# ------------------------------------------------------------ the feature loss
+
+
+def _loss_reference(s, t, o):
+    """The feature loss written out in float64, token by token."""
+
+    def cosine(a, b):
+        rows = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        sims = [
+            (x @ y) / torch.clamp(x.norm() * y.norm(), min=1e-8) for x, y in zip(*rows, strict=True)
+        ]
+        return sum(1 - v for v in sims) / len(sims)
+
+    def smooth_l1(a, b):
+        d = (a - b).abs().flatten()
+        return torch.where(d < 1, 0.5 * d**2, d - 0.5).mean()
+
+    cls = o.cosine_weight * cosine(s.cls, t.cls) + o.smooth_l1_weight * smooth_l1(s.cls, t.cls)
+    patch = o.cosine_weight * cosine(s.patches, t.patches)
+    patch = patch + o.smooth_l1_weight * smooth_l1(s.patches, t.patches)
+    return o.cls_weight * cls + o.patch_weight * patch
+
+
+@pytest.mark.parametrize(
+    "o",
+    [DistillOptions(), DistillOptions(cls_weight=0.3, patch_weight=2.0),
+     DistillOptions(cosine_weight=0.0, smooth_l1_weight=1.5),
+     DistillOptions(cosine_weight=2.0, smooth_l1_weight=0.0)],
+)  # fmt: skip
+def test_feature_loss_matches_its_formula_with_gradients(o, gen):
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 1.5
+
+    s = Tokens(r(4, 8).requires_grad_(), r(4, 6, 8).requires_grad_(), (2, 3))
+    t = Tokens(r(4, 8), r(4, 6, 8), (2, 3))
+    loss, parts = FeatureDistillLoss(o)(s, t)
+    # the loss computes in float32: compare with the reference at that precision
+    ref = _loss_reference(Tokens(s.cls.float(), s.patches.float(), s.grid),
+                          Tokens(t.cls.float(), t.patches.float(), t.grid), o)  # fmt: skip
+    assert torch.allclose(loss.double(), ref.double(), rtol=1e-5)
+    got = torch.autograd.grad(loss, [s.cls, s.patches])
+    s64 = Tokens(s.cls.detach().requires_grad_(), s.patches.detach().requires_grad_(), s.grid)
+    want = torch.autograd.grad(_loss_reference(s64, t, o), [s64.cls, s64.patches])
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert set(parts) == {"distill_cls_cosine", "distill_cls_smooth_l1", "distill_patch_cosine",
+                          "distill_patch_smooth_l1"}  # fmt: skip
+
+
+# ------------------------------------------------------------ the trainers
+
+
+class Counting(torch.nn.Module):
+    """A backbone that counts its forward passes."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls, self.patch_size = inner, 0, inner.patch_size
+        self.sides = []
+
+    def forward_features(self, x):
+        self.calls += 1
+        self.sides.append(x.shape[-1])
+        return self.inner.forward_features(x)
+
+
+def _feature_trainer(student_backbone, teacher_backbone, width, scale=1.0):
+    o = DistillOptions(teacher_scale=scale)
+    student = FeatureDistillWrapper(student_backbone, FeatureProjector(width, 48))
+    model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9)
+    loss = FeatureDistillLoss(o)
+    loss.attach_teacher(FrozenTeacher(teacher_backbone, teacher_backbone.patch_size, scale))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    config = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0}
+    return FeatureDistillTrainer(model, loss, opt, config, "cpu")
+
+
+def test_feature_step_runs_the_teacher_once_and_trains_the_projector(gen):
+    teacher = Counting(_vit(patch=8, dim=48))
+    trainer = _feature_trainer(_vit(patch=8, dim=32), teacher, 32)
+    crops = [torch.randn(3, 3, 32, 32, generator=gen) for _ in range(2)]
+    crops += [torch.randn(3, 3, 16, 16, generator=gen) for _ in range(2)]
+    before = copy.deepcopy(trainer.model.student.state_dict())
+    for _ in range(3):
+        loss, metrics = trainer.train_step_optimized(crops, 0)
+        assert trainer.optimize_step()
+    assert teacher.calls == 3 and torch.isfinite(loss) and "distill_patch_cosine" in metrics
+    after = trainer.model.student.state_dict()
+    assert not torch.equal(before["head.cls.weight"], after["head.cls.weight"])
+    assert not torch.equal(before["backbone.blocks.0.attn.qkv.weight"],
+                           after["backbone.blocks.0.attn.qkv.weight"])  # fmt: skip
+    ema = trainer.model.teacher.state_dict()["head.cls.weight"]
+    assert not torch.equal(ema, before["head.cls.weight"])  # the student's EMA follows
+
+
+def test_a_resnet_student_learns_from_a_vit_teacher_on_a_coarser_grid(gen):
+    net = torchvision.models.resnet18(weights=None)
+    net.fc = torch.nn.Identity()
+    trainer = _feature_trainer(net, _vit(patch=8, dim=48), 512)  # 64 px: ViT 8 x 8, ResNet 2 x 2
+    crops = [torch.randn(2, 3, 64, 64, generator=gen) for _ in range(2)]
+    loss, _ = trainer.train_step_optimized(crops, 0)
+    assert torch.isfinite(loss) and trainer.optimize_step()
+
+
+def test_a_teacher_at_another_resolution(gen):
+    teacher = Counting(_vit(patch=8, dim=48))
+    trainer = _feature_trainer(_vit(patch=8, dim=32), teacher, 32, scale=2.0)
+    loss, _ = trainer.train_step_optimized([torch.randn(2, 3, 32, 32, generator=gen)] * 2, 0)
+    # 64 px for the teacher: its 8 x 8 grid averaged onto the student's 4 x 4
+    assert teacher.sides == [64] and torch.isfinite(loss)
+    crops = [torch.randn(2, 3, 32, 32, generator=gen)] * 2
+    for scale, match in ((0.75, "3 x 3 grid .* cannot be aligned with a 4 x 4"),
+                         (0.7, "not a multiple of its patch")):  # fmt: skip
+        bad = _feature_trainer(_vit(patch=8, dim=32), _vit(patch=8, dim=48), 32, scale=scale)
+        with pytest.raises(ValueError, match=match):
+            bad.train_step_optimized(crops, 0)
+
+
+def _heads_wrapper(backbone, out_dim=64, ibot_dim=40):
+    head = DINOHead(backbone.embed_dim, out_dim, hidden_dim=32, bottleneck_dim=16)
+    ibot = DINOHead(backbone.embed_dim, ibot_dim, hidden_dim=32, bottleneck_dim=16)
+    return DINOv2Wrapper(backbone, head, ibot)
+
+
+def test_heads_targets_are_the_frozen_teachers(gen):
+    # the teacher has the student's shapes (so that DINOv2's own step can take it
+    # as its EMA teacher, the reference) but weights of its own
+    student = _heads_wrapper(_vit(patch=8, dim=32))
+    teacher = _heads_wrapper(_vit(patch=8, dim=32)).eval()
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    config = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0}
+    kw = dict(centering="sinkhorn_knopp")
+
+    def trainer(cls, loss_fn, teacher_net):
+        s = copy.deepcopy(student)
+        model = DINOModel(s, teacher_net, 0.9)
+        return cls(model, loss_fn, torch.optim.SGD(s.parameters(), lr=0.0), config, "cpu")
+
+    distill_loss = HeadsDistillLoss(64, 40, 2, **kw)
+    distill_loss.attach_teacher(FrozenTeacher(copy.deepcopy(teacher), 8))
+    ema = copy.deepcopy(student).requires_grad_(False)
+    ours = trainer(HeadsDistillTrainer, distill_loss, ema)
+    # the reference: DINOv2's step whose (EMA) teacher is the frozen network itself
+    ref = trainer(DINOv2Trainer, DINOv2Loss(64, 40, 2, **kw), copy.deepcopy(teacher))
+    ref.model.teacher.load_state_dict(teacher.state_dict())  # the EMA starts as the student
+    crops = [torch.randn(4, 3, 32, 32, generator=gen) for _ in range(2)]
+    crops += [torch.randn(4, 3, 16, 16, generator=gen) for _ in range(2)]
+    masks = torch.rand(8, 4, 4, generator=gen) < 0.4
+    a, pa = ours.train_step_optimized(crops, 0, masks=masks)
+    b, pb = ref.train_step_optimized(crops, 0, masks=masks)
+    assert torch.allclose(a, b, rtol=1e-6) and set(pa) == set(pb)
+    coarse = HeadsDistillLoss(64, 40, 2, **kw)
+    coarse.attach_teacher(FrozenTeacher(copy.deepcopy(teacher), 8, scale=2.0))
+    mismatch = trainer(HeadsDistillTrainer, coarse, copy.deepcopy(ema))
+    with pytest.raises(ValueError, match="patch grid"):
+        mismatch.train_step_optimized(crops, 0, masks=masks)
