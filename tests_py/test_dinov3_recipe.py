@@ -68,7 +68,6 @@ def test_gram_keys_parse_with_their_defaults():
          "exclude each other"),
         (["recipe.gram_tokens_used=masked"], "needs recipe.gram_img_level=false"),
         (["recipe.gram_teacher_crop_size=30"], "multiple of model.patch_size"),
-        (["distributed.strategy=fsdp"], "takes distributed.strategy=ddp"),
         (["recipe.gram_update_frequency=0"], "recipe.gram_update_frequency"),
         (["recipe.gram_loss_weight_warmup_epochs=2", "recipe.gram_loss_weight_cosine_epochs=1",
           "schedule.epochs=2", "schedule.warmup_epochs=0"], "must be <= schedule.epochs"),

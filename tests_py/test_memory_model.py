@@ -227,3 +227,25 @@ def test_the_dinov3_gram_teacher_is_counted():
     assert e3.teacher - e2.teacher == 4 * backbone
     patches = (v3.augmentation.global_crop_size // v3.model.patch_size) ** 2
     assert e3.activations - e2.activations == 2 * 8 * patches * 384 * 4
+
+
+def test_fsdp_shards_the_dinov3_gram_teacher_as_the_teachers_backbone():
+    # Under fsdp the Gram teacher is sharded as the teacher's backbone: rank
+    # 0 keeps its first-dimension chunk of each backbone parameter (float32);
+    # nothing stays gathered after its forward (its root included).
+    common = ["model.backbone=vit_small", "data.batch_size=8", "recipe.ibot_separate_head=true"]
+    v2 = load_config(None, [*common, "recipe.name=dinov2"])
+    v3 = load_config(None, [*common, "recipe.name=dinov3"])
+    c2, c3 = count_model(v2), count_model(v3)
+    assert (c2.frozen_copies, c3.frozen_copies) == (0, 1)
+    with torch.device("meta"):
+        _, teacher = build_models(v3)
+    params = list(teacher.backbone.parameters())
+    whole = sum(p.numel() for p in params)
+    for world in (2, 8, 64):
+        shard = sum(-(-p.shape[0] // world) * p[0].numel() for p in params)
+        assert c3.local_frozen(world) == shard and whole / world <= shard
+        assert world == 64 or shard < whole / world * 1.05  # padding: small shards only
+        e2, e3 = (estimate_memory(v, strategy="fsdp", world_size=world, counts=c)
+                  for v, c in ((v2, c2), (v3, c3)))  # fmt: skip
+        assert e3.teacher - e2.teacher == 4 * shard

@@ -4,7 +4,9 @@ A run sharded with FSDP (``distributed.strategy: fsdp``) saves a checkpoint
 as a folder ``<prefix>-e0003-s00001200.dcp/``:
 
     __0_0.distcp, __1_0.distcp, ...   each rank's shards of the student, the
-                                      teacher and the optimizer state
+                                      teacher and the optimizer state (and
+                                      of the loss's frozen networks: the
+                                      dinov3 recipe's Gram teacher)
     .metadata                         where every tensor's pieces are (written
                                       last, once every rank has written)
     extra.pt                          the rest of the state (epoch, step, loader
@@ -135,7 +137,10 @@ def _lists(node: Any) -> Any:
 def read_sharded(folder: str | os.PathLike, *, tensors: bool = True) -> dict:
     """A sharded checkpoint as one state dict in this process: the small
     state, and with ``tensors`` the student, teacher and optimizer state as
-    whole CPU tensors (keyed by parameter name, the optimizer's by name too)."""
+    whole CPU tensors (keyed by parameter name, the optimizer's by name too).
+    A part kept partly in each (the loss: its small state in ``extra.pt``,
+    its frozen networks' weights as shards) comes back as one dict, as a
+    single-file checkpoint holds it."""
     folder = Path(folder)
     state = _read_extra(folder)
     if not tensors:
@@ -149,7 +154,11 @@ def read_sharded(folder: str | os.PathLike, *, tensors: bool = True) -> dict:
     with warnings.catch_warnings():  # "no process group: loading in one process" is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(flat, storage_reader=reader, no_dist=True)
-    return {**state, **_nest(flat, dict(metadata.planner_data or {}))}
+    for key, value in _nest(flat, dict(metadata.planner_data or {})).items():
+        if isinstance(value, dict) and isinstance(state.get(key), dict):
+            value = {**state[key], **value}
+        state[key] = value
+    return state
 
 
 def load_shards(folder: str | os.PathLike, state: dict, process_group=None) -> None:

@@ -421,6 +421,7 @@ def _check_relations(cfg: Config) -> None:
         )
     errors += _sharding_conflicts(cfg)
     errors += _gram_conflicts(cfg)
+    errors += _distill_conflicts(cfg)
     h = cfg.health
     if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:
         errors.append(
@@ -513,10 +514,23 @@ def _gram_conflicts(cfg: Config) -> list[str]:
             f"recipe.gram_loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "
             f"({cfg.schedule.epochs})"
         )
-    if cfg.distributed.strategy == "fsdp":
+    return errors
+
+
+def _distill_conflicts(cfg: Config) -> list[str]:
+    """The ``recipe.distill_*`` keys of a recipe with an external teacher."""
+    r = cfg.recipe
+    if not RECIPE_NEEDS[r.name].get("external_teacher"):
+        return []
+    errors = []
+    if r.distill_teacher is None:
+        errors.append(f"recipe.name={r.name} needs its teacher: set recipe.distill_teacher "
+                      "(a dino_opt run or checkpoint, or weights in any format model.init_from "
+                      "reads)")  # fmt: skip
+    if r.distill_mode == "heads" and not cfg.model.backbone.startswith("vit"):
         errors.append(
-            f"recipe.name={r.name} takes distributed.strategy=ddp, not fsdp ({needs}, "
-            "and a sharded teacher is not copied yet)"
+            f"recipe.distill_mode=heads trains a ViT student (its iBOT loss is over masked patch "
+            f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill_mode=features)"
         )
     return errors
 

@@ -57,6 +57,7 @@ from ..runtime import (
 )
 from ..train import (
     DINOModel,
+    attach_frozen_copies,
     build_loader,
     build_loss,
     build_models,
@@ -91,10 +92,12 @@ from .sharding import (
     SHARDED_KEYS,
     full_teacher_backbone,
     load_full_state,
+    load_loss_state,
     load_sharded_state,
     optimizer_state_by_position,
     resharded_loader_state,
     sharded_state,
+    split_shards,
     spread,
 )
 
@@ -248,10 +251,12 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 f"optim.accumulation_steps={accumulation}"
             )
         schedules = build_schedules(cfg, iters, world_size=self.world)
-        trained, teacher = spread(cfg, student, teacher, device)  # DDP, or both sharded
+        loss_fn = build_loss(cfg).to(device)
+        # the loss's copies of the teacher's backbone, made before the teacher is sharded
+        frozen = attach_frozen_copies(cfg, loss_fn, teacher)
+        trained, teacher = spread(cfg, student, teacher, device, frozen)  # DDP, or all sharded
         model = DINOModel(student, teacher, schedules.momentum)
         model.student = trained  # the EMA reads the unwrapped `student`
-        loss_fn = build_loss(cfg).to(device)
         optimizer = build_optimizer(cfg, student, device)
         trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
         return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
@@ -325,11 +330,14 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         processes as this run has, or as many others: then the loader goes on
         after the images seen, :func:`~dino_opt.job.sharding.resharded_loader_state`)
         into the built run. A sharded run's state holds ``shards``, the folder
-        its networks and optimizer are loaded from (collective)."""
+        its networks and optimizer are loaded from (collective), and the
+        shards of the loss's frozen networks."""
         p = self.parts
+        loss = state["loss"]
         if "shards" in state:
             keys = state.get("sharded_keys", list(SHARDED_KEYS))
-            load_sharded_state(state["shards"], keys, p.student, p.teacher, p.optimizer)
+            loss = {**loss, **load_sharded_state(state["shards"], keys, p.student, p.teacher,
+                                                 p.optimizer, p.loss_fn)}  # fmt: skip
         elif self.sharded:  # a ddp checkpoint, read whole
             load_full_state(state, p.student, p.teacher, p.optimizer)
         else:  # a ddp checkpoint, or a sharded one read whole (its optimizer by name)
@@ -338,7 +346,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             if "optimizer" in state:
                 optim = optimizer_state_by_position(state["optimizer"], p.student, p.optimizer)
                 p.optimizer.load_state_dict(optim)
-        p.loss_fn.load_state_dict(state["loss"])
+        load_loss_state(p.loss_fn, loss)
         if p.trainer.scaler is not None and state.get("scaler") is not None:
             p.trainer.scaler.load_state_dict(state["scaler"])
         p.model.teacher_step = int(state["teacher_step"])
@@ -418,8 +426,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         kwargs = dict(epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
                       milestone=True if reason == "final" else None)  # fmt: skip
         if self.sharded:
-            shards = {key: state.pop(key) for key in SHARDED_KEYS if key in state}
-            state["sharded_keys"] = list(shards)
+            shards = split_shards(state)
             path = self.writer.save(shards, state, **kwargs)
             if wait:
                 self.writer.wait()

@@ -2,13 +2,18 @@
 and what that changes in its state: with ``ddp`` every rank holds the whole
 student (in DistributedDataParallel), teacher and optimizer, and rank 0 saves
 them in one file; with ``fsdp`` each rank holds its shards (FSDP2), saves them
-itself into a sharded checkpoint and loads them back at any world size.
-Either way a run resumes at another world size: the loader's position is
-carried over in images seen (:func:`resharded_loader_state`)."""
+itself into a sharded checkpoint and loads them back at any world size. The
+frozen copies of the teacher's backbone a recipe's loss keeps (the dinov3
+recipe's Gram teacher) follow the teacher: whole on every rank with ``ddp``,
+sharded as the teacher's backbone with ``fsdp``, their shards saved with the
+networks' (the loss's other state, small, with the rest). Either way a run
+resumes at another world size: the loader's position is carried over in
+images seen (:func:`resharded_loader_state`)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,30 +25,51 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint import load_shards
 from ..config import Config
-from ..runtime import is_sharded, resolve_precision, shard_model, wrap_student
+from ..runtime import (
+    is_sharded,
+    resolve_precision,
+    shard_frozen_backbone,
+    shard_model,
+    wrap_student,
+)
 
 __all__ = [
     "full_teacher_backbone",
     "load_full_state",
+    "load_loss_state",
     "load_sharded_state",
     "optimizer_state_by_position",
     "resharded_loader_state",
     "sharded_state",
+    "split_shards",
     "spread",
 ]
 
 #: The parts of the state a sharded checkpoint keeps as shards.
 SHARDED_KEYS = ("student", "teacher", "optimizer")
+#: The part of it that holds the shards of the loss's frozen networks, when it has any.
+LOSS_KEY = "loss"
 
 
-def spread(cfg: Config, student: nn.Module, teacher: nn.Module, device: torch.device):
+def spread(
+    cfg: Config,
+    student: nn.Module,
+    teacher: nn.Module,
+    device: torch.device,
+    frozen: Sequence[nn.Module] = (),
+):
     """(student as trained, teacher) after ``distributed.strategy``: DDP
     around the student when there are several ranks, or both networks
     sharded with FSDP2 in place (parameters in the precision's dtype while
-    gathered, gradients reduced in float32)."""
+    gathered, gradients reduced in float32). ``frozen``: copies of the
+    teacher's backbone that the loss keeps (made by
+    :func:`~dino_opt.train.attach_frozen_copies` from the unsharded
+    teacher), left whole with ddp, sharded as the teacher's backbone with
+    fsdp."""
     if cfg.distributed.strategy == "ddp":
         return wrap_student(student, device), teacher
     dtype = resolve_precision(cfg.hardware.precision, device)
@@ -51,7 +77,31 @@ def spread(cfg: Config, student: nn.Module, teacher: nn.Module, device: torch.de
     shard_model(student, dtype, reshard_after_forward=reshard)
     # The teacher runs forward only: nothing to keep its gathered parameters for.
     shard_model(teacher, dtype, reshard_after_forward=True)
+    for network in frozen:
+        shard_frozen_backbone(network, dtype)
     return student, teacher
+
+
+def _loss_shards(loss_state: dict) -> dict:
+    """The sharded (``DTensor``) entries of a loss's state dict: the weights
+    of its sharded frozen networks."""
+    return {k: v for k, v in loss_state.items() if isinstance(v, DTensor)}
+
+
+def split_shards(state: dict) -> dict:
+    """Takes out of a sharded run's ``state`` (:meth:`~dino_opt.job.Job.state_dict`)
+    what its checkpoint keeps as shards and returns it: the networks and the
+    optimizer state (:data:`SHARDED_KEYS`), and under :data:`LOSS_KEY` the
+    loss's sharded entries (its frozen networks' weights), when it has any.
+    The rest stays (the loss's other state with it) and lists the keys taken
+    in ``sharded_keys``."""
+    shards = {key: state.pop(key) for key in SHARDED_KEYS if key in state}
+    weights = _loss_shards(state.get("loss") or {})
+    if weights:
+        shards[LOSS_KEY] = weights
+        state["loss"] = {k: v for k, v in state["loss"].items() if k not in weights}
+    state["sharded_keys"] = list(shards)
+    return shards
 
 
 def sharded_state(student: nn.Module, teacher: nn.Module, optimizer) -> dict:
@@ -64,18 +114,49 @@ def sharded_state(student: nn.Module, teacher: nn.Module, optimizer) -> dict:
 
 
 def load_sharded_state(
-    folder: str | Path, keys: list[str], student: nn.Module, teacher: nn.Module, optimizer
-) -> None:
+    folder: str | Path,
+    keys: list[str],
+    student: nn.Module,
+    teacher: nn.Module,
+    optimizer,
+    loss_fn: nn.Module | None = None,
+) -> dict:
     """Collective: the shards of ``folder`` (those of ``keys``) loaded into
-    the sharded networks and optimizer, whatever world size wrote them."""
+    the sharded networks and optimizer, whatever world size wrote them.
+    Returns the loss's sharded entries read (empty when ``keys`` has none),
+    for :func:`load_loss_state` with the loss's other state."""
     shards = {"student": get_model_state_dict(student), "teacher": get_model_state_dict(teacher)}
     if "optimizer" in keys:
         shards["optimizer"] = get_optimizer_state_dict(student, optimizer)
+    if LOSS_KEY in keys and loss_fn is not None:
+        shards[LOSS_KEY] = _loss_shards(loss_fn.state_dict())
     load_shards(folder, shards)
     set_model_state_dict(student, shards["student"])
     set_model_state_dict(teacher, shards["teacher"])
     if "optimizer" in keys:
         set_optimizer_state_dict(student, optimizer, shards["optimizer"])
+    return shards.get(LOSS_KEY, {})
+
+
+def load_loss_state(loss_fn: nn.Module, state: dict) -> None:
+    """The loss's state dict ``state`` into ``loss_fn``. Where ``loss_fn``
+    holds a shard (a sharded frozen network's weight) and ``state`` a whole
+    tensor (a ddp checkpoint, or a sharded one read whole), this rank keeps
+    its piece of it, cut locally (no communication)."""
+    current = _loss_shards(loss_fn.state_dict())
+    state = {
+        k: _piece(v, current[k]) if k in current and not isinstance(v, DTensor) else v
+        for k, v in state.items()
+    }
+    loss_fn.load_state_dict(state)
+
+
+def _piece(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's piece of ``whole``, placed as ``like``."""
+    if tuple(whole.shape) != tuple(like.shape):
+        raise ValueError(f"a tensor of shape {tuple(whole.shape)} for one of {tuple(like.shape)}")
+    whole = whole.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _names_by_position(student: nn.Module, optimizer) -> list[str]:

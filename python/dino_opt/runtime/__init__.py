@@ -15,7 +15,7 @@ from .process import (
     world_size,
     wrap_student,
 )
-from .sharding import is_sharded, replicated, shard_model
+from .sharding import is_sharded, replicated, shard_frozen_backbone, shard_model
 from .signals import GracefulStop
 from .watchdog import (
     EXIT_HANG,
@@ -49,6 +49,7 @@ __all__ = [
     "resolve_device",
     "resolve_precision",
     "with_index",
+    "shard_frozen_backbone",
     "shard_model",
     "world_size",
     "wrap_student",

@@ -9,7 +9,9 @@ updates the teacher's local shards from the student's, which line up
 because both networks are sharded the same way); a reduction over them comes
 back as a replicated ``DTensor`` (:func:`replicated` makes it a plain tensor:
 the gradient norm). :func:`fsdp_no_sync` is the accumulation counterpart of
-DistributedDataParallel's ``no_sync``.
+DistributedDataParallel's ``no_sync``. :func:`shard_frozen_backbone` shards a
+frozen copy of the teacher's backbone (the dinov3 recipe's Gram teacher) as
+the teacher's backbone is, so that their local shards line up too.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ __all__ = [
     "is_sharded",
     "mixed_precision_policy",
     "replicated",
+    "shard_frozen_backbone",
     "shard_model",
 ]
 
 # Methods other than forward that the job calls on a sharded network: they
 # must gather the parameters as forward does.
 _FORWARD_METHODS = ("forward_backbone",)
+# Those it calls on a sharded frozen backbone (the Gram teacher's patch tokens).
+_BACKBONE_FORWARD_METHODS = ("forward_features",)
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -99,6 +104,30 @@ def shard_model(
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
     return model
+
+
+def shard_frozen_backbone(backbone: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """``fully_shard`` on each of ``backbone.blocks``, then on ``backbone``
+    (in place; returned): a frozen copy of the teacher's backbone, sharded as
+    :func:`shard_model` shards the teacher's (the same units' parameters, the
+    same placements, the same mixed precision), so that copying the
+    teacher's weights into it is a copy of local shards. It runs forward
+    only, so every unit, the root too, frees its gathered parameters after
+    each forward; ``forward_features`` gathers them as ``forward`` does."""
+    blocks = getattr(backbone, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(
+            f"distributed.strategy=fsdp shards a ViT backbone block by block; "
+            f"{type(backbone).__name__} has no transformer blocks"
+        )
+    options = dict(mp_policy=mixed_precision_policy(param_dtype), reshard_after_forward=True)
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(backbone, **options)
+    for method in _BACKBONE_FORWARD_METHODS:
+        if hasattr(backbone, method):
+            register_fsdp_forward_method(backbone, method)
+    return backbone
 
 
 @contextlib.contextmanager

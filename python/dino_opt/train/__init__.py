@@ -3,6 +3,7 @@ recipe), the parameter groups, and the builders from a config."""
 
 from .build import (
     DataRoots,
+    attach_frozen_copies,
     backbone_options,
     build_loader,
     build_loss,
@@ -44,6 +45,7 @@ __all__ = [
     "Recipe",
     "StudentOutputs",
     "TeacherTargets",
+    "attach_frozen_copies",
     "backbone_options",
     "build_loader",
     "build_source",

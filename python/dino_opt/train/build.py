@@ -3,9 +3,9 @@ maps config keys to constructor arguments.
 
 The training job, the throughput search and the hardware presets all build
 through these functions, so a key means the same thing everywhere:
-:func:`build_models`, :func:`build_loss`, :func:`build_loader`,
-:func:`build_optimizer`, :func:`build_schedules`, :func:`trainer_options`
-(the :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` keys) and
+:func:`build_models`, :func:`build_loss` (and :func:`attach_frozen_copies`),
+:func:`build_loader`, :func:`build_optimizer`, :func:`build_schedules`,
+:func:`trainer_options` (the :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` keys) and
 :func:`data_roots` (which data a config trains and evaluates on) and
 :func:`build_source` (the data of one of them, opened with the config's
 ``data`` options).
@@ -35,6 +35,7 @@ from .trainer import DINOModel
 
 __all__ = [
     "DataRoots",
+    "attach_frozen_copies",
     "backbone_options",
     "build_loader",
     "build_loss",
@@ -93,6 +94,14 @@ def build_loss(cfg: Config) -> nn.Module:
     image), on the CPU: DINO's :class:`~dino_opt.ops.DINOLoss`, or the dinov2
     recipe's :class:`~dino_opt.train.DINOv2Loss`."""
     return recipe_of(cfg).build_loss(cfg)
+
+
+def attach_frozen_copies(cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+    """The frozen copies of ``teacher``'s backbone that ``cfg``'s recipe
+    keeps in ``loss_fn`` (the dinov3 recipe's Gram teacher; none for the
+    others), made now from the unsharded teacher and returned, for
+    :func:`~dino_opt.job.sharding.spread` to spread as the teacher."""
+    return recipe_of(cfg).frozen_copies(cfg, loss_fn, teacher)
 
 
 class DataRoots(NamedTuple):

@@ -15,6 +15,12 @@ is refreshed from the EMA teacher after each optimizer step whose iteration
 ``it`` has ``it + 1 >= it_first_update`` and ``(it + 1) % update_frequency ==
 0``, at most ``max_updates`` times (:func:`refresh_due`). Until it has
 weights the step has no Gram term.
+
+Under ``distributed.strategy: fsdp`` the job makes the Gram teacher before it
+shards the teacher and shards it as the teacher's backbone
+(:func:`~dino_opt.runtime.shard_frozen_backbone`): each rank holds its
+shards, a copy from the EMA teacher is a copy of local shards, and the
+checkpoint keeps its weights as shards.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..ops import Schedules
 from ..ops.gram_loss import GramLoss
@@ -62,6 +69,35 @@ def refresh_due(options: GramOptions, iteration: int, updates: int) -> bool:
             and (o.max_updates is None or updates < o.max_updates))  # fmt: skip
 
 
+def _layout(t: torch.Tensor) -> str:
+    if not isinstance(t, DTensor):
+        return f"whole {tuple(t.shape)}"
+    return f"{tuple(t.shape)} placed {t.placements} on mesh {t.device_mesh.mesh.tolist()}"
+
+
+def _copy_shards(target: dict, source: dict) -> None:
+    """``source``'s tensors into ``target``'s of the same names (state dicts
+    of two backbones), shard by shard: each rank copies its local pieces, no
+    communication, so every sharded tensor must be placed alike in both."""
+    if target.keys() != source.keys():
+        lacks, more = sorted(target.keys() - source.keys()), sorted(source.keys() - target.keys())
+        raise ValueError(f"the Gram teacher and the teacher's backbone differ: the teacher lacks "
+                         f"{lacks[:3]}, has more {more[:3]}")  # fmt: skip
+    for name, dst in target.items():
+        src = source[name]
+        alike = isinstance(dst, DTensor) == isinstance(src, DTensor) and dst.shape == src.shape
+        if alike and isinstance(dst, DTensor):
+            alike = dst.placements == src.placements and dst.device_mesh == src.device_mesh
+        if not alike:
+            raise ValueError(
+                f"the Gram teacher's {name} is {_layout(dst)}, the teacher's {_layout(src)}: "
+                "a copy of local shards needs both sharded alike (shard_frozen_backbone)"
+            )
+        if isinstance(dst, DTensor):
+            dst, src = dst.to_local(), src.to_local()
+        dst.copy_(src)
+
+
 class GramTeacher(nn.Module):
     """A frozen copy of the teacher's backbone (:meth:`attach`) and its
     schedule: ``loaded`` (it has weights) and ``updates`` (refreshes done),
@@ -91,7 +127,13 @@ class GramTeacher(nn.Module):
 
     def attach(self, teacher_backbone: nn.Module) -> None:
         """Makes the Gram teacher a frozen copy of ``teacher_backbone``'s
-        architecture, with the weights of ``options.ckpt`` when given."""
+        architecture, with the weights of ``options.ckpt`` when given. The
+        teacher must not be sharded yet (the copy is sharded after it)."""
+        if any(isinstance(p, DTensor) for p in teacher_backbone.parameters()):
+            raise ValueError(
+                "the Gram teacher is a copy of the teacher's backbone made before the teacher is "
+                "sharded (distributed.strategy=fsdp: the job's spread shards both alike)"
+            )
         self.backbone = copy.deepcopy(teacher_backbone).requires_grad_(False).eval()
         if self.options.ckpt is not None:
             self.load_file(self.options.ckpt)
@@ -115,8 +157,14 @@ class GramTeacher(nn.Module):
 
     @torch.no_grad()
     def copy_from(self, teacher_backbone: nn.Module) -> None:
-        """The weights and buffers of ``teacher_backbone``, copied in."""
-        self.backbone.load_state_dict(teacher_backbone.state_dict())
+        """The weights and buffers of ``teacher_backbone``, copied in. When
+        they are sharded, each rank copies its own shards (both backbones
+        sharded alike; ValueError naming the first that is not)."""
+        source, target = teacher_backbone.state_dict(), self.backbone.state_dict()
+        if any(isinstance(v, DTensor) for v in (*source.values(), *target.values())):
+            _copy_shards(target, source)
+        else:
+            self.backbone.load_state_dict(source)
         self.loaded = True
 
     def before_step(self, iteration: int, teacher_backbone: nn.Module) -> bool:
@@ -201,15 +249,18 @@ class DINOv3Loss(DINOv2Loss):
 
 class DINOv3Trainer(DINOv2Trainer):
     """One DINOv3 micro-batch at a time: :class:`DINOv2Trainer`'s step, with
-    ``loss_fn`` a :class:`DINOv3Loss` whose Gram teacher is made here, a
-    copy of the teacher's backbone; its schedule follows the optimizer steps
-    (``model.teacher_step``, restored on resume): see the module docstring.
+    ``loss_fn`` a :class:`DINOv3Loss` whose Gram teacher is made here when
+    the job has not made it (a copy of the teacher's backbone); its schedule
+    follows the optimizer steps (``model.teacher_step``, restored on
+    resume): see the module docstring.
     The student must keep its global patch tokens (the recipe's wrapper)."""
 
     def __init__(self, model, loss_fn, optimizer, config, device):
         super().__init__(model, loss_fn, optimizer, config, device)
         self.gram_teacher = loss_fn.gram_teacher
-        if self.gram_teacher.options.use_loss:  # else it never has weights: no Gram term
+        # else it never has weights: no Gram term; made already by the job
+        # (Recipe.frozen_copies, before the teacher is spread): as it is
+        if self.gram_teacher.options.use_loss and self.gram_teacher.backbone is None:
             self.gram_teacher.attach(model.teacher.backbone)
             self.gram_teacher.to(self.device)
 

@@ -108,7 +108,10 @@ class ModelCounts:
     ``units`` maps each FSDP unit of the student (``root``, ``blocks.i``,
     ``head``, ``ibot_head``) to its parameters' shapes, and whether they
     train; the teacher has the same units. ``ffn_hidden`` is the MLP's width,
-    or SwiGLU's hidden width (``w3``'s input)."""
+    or SwiGLU's hidden width (``w3``'s input). ``teacher`` counts the
+    recipe's ``frozen_copies`` of the teacher's backbone too (the dinov3
+    recipe's Gram teacher), which FSDP shards as the teacher's backbone (its
+    units but the heads)."""
 
     student: int
     trainable: int
@@ -123,6 +126,7 @@ class ModelCounts:
     extra_tokens: int
     patch_size: int
     head_weight: int
+    frozen_copies: int = 0
 
     def local(
         self, world_size: int, *, trainable_only: bool = False, unit: str | None = None
@@ -161,6 +165,11 @@ class ModelCounts:
     def head_units(self) -> list[str]:
         return [n for n in self.units if n in ("head", "ibot_head")]
 
+    def local_frozen(self, world_size: int) -> int:
+        """Elements of rank 0's shards of the frozen copies of the backbone."""
+        units = [n for n in self.units if n not in self.head_units]
+        return self.frozen_copies * sum(self.local(world_size, unit=n) for n in units)
+
 
 def _shard(shape: tuple[int, ...], world: int) -> int:
     if not shape:
@@ -188,6 +197,7 @@ def count_model(cfg: Config) -> ModelCounts:
         layerscale=not isinstance(block.ls1, nn.Identity),
         extra_tokens=1 + vit.num_register_tokens, patch_size=vit.patch_size,
         head_weight=sum(h.last_layer.weight_v.numel() for h in _heads(student).values()),
+        frozen_copies=recipe_of(cfg).frozen_backbone_copies(cfg),
     )  # fmt: skip
 
 
@@ -418,16 +428,20 @@ def estimate_memory(
 
 
 def _states(counts: ModelCounts, strategy: str, world: int, a: int) -> dict[str, int]:
-    """Parameters, gradients, AdamW moments, teacher, DDP buckets; the heads'
-    gradients (the first a backward pass makes), all float32. FSDP keeps the
-    root unit of a module gathered after a forward pass until its backward
-    pass, so the teacher's (which has none) stays gathered too."""
+    """Parameters, gradients, AdamW moments, teacher (with the recipe's
+    frozen copies of its backbone), DDP buckets; the heads' gradients (the
+    first a backward pass makes), all float32. FSDP keeps the root unit of a
+    module gathered after a forward pass until its backward pass, so the
+    teacher's (which has none) stays gathered too. The frozen copies are
+    sharded as the teacher's backbone, and their roots are freed after each
+    forward (:func:`~dino_opt.runtime.shard_frozen_backbone`)."""
     gathered_root = 0
     if strategy == "fsdp":
         local = counts.local
         heads = sum(local(world, trainable_only=True, unit=u) for u in counts.head_units)
         student, trainable = local(world), local(world, trainable_only=True)
-        teacher, buckets = student, 0  # the same units, sharded alike
+        # the same units, sharded alike, and the frozen copies' (the backbone's units)
+        teacher, buckets = student + counts.local_frozen(world), 0
         gathered_root = a * counts.unit_size("root")
     else:
         heads = sum(

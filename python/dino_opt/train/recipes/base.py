@@ -3,8 +3,9 @@
 A recipe is one object that says everything it changes of a run: the
 backbone options it needs (the position-embedding grid, a mask token), the
 heads it wraps around student and teacher, its loss, the loader's masks, its
-parameter groups, schedules and frozen last layer, its trainer step, its terms
-of the memory model and its demo preset. The builders, the job and the memory
+parameter groups, schedules and frozen last layer, its trainer step, the
+frozen copies of the teacher's backbone its loss keeps, its terms of the
+memory model and its demo preset. The builders, the job and the memory
 model ask :func:`recipe_of` and never test a recipe's name. Its configuration
 keys (the ``recipe`` section) and what it needs of the rest of the
 configuration are in :mod:`dino_opt.config`, which parses without building
@@ -66,6 +67,16 @@ class Recipe(ABC):
     @abstractmethod
     def trainer_class(self, cfg: Config) -> type:
         """The one-step engine's class."""
+
+    @abstractmethod
+    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+        """Makes the frozen copies of ``teacher``'s backbone that ``loss_fn``
+        (the recipe's loss) keeps, :meth:`frozen_backbone_copies` of them,
+        and returns them. The job calls it before it spreads the networks
+        over the ranks (the teacher whole) and spreads each copy as the
+        teacher's backbone (``fsdp``: sharded alike, so a copy of the
+        teacher's weights stays local); a trainer makes them itself when
+        they are not made yet."""
 
     # ---------------------------------------------------------- memory model terms
 

@@ -60,6 +60,9 @@ class DINORecipe(Recipe):
     def trainer_class(self, cfg: Config) -> type:
         return MemoryOptimizedDINOTrainer
 
+    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+        return []
+
     def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
         return 0
 

@@ -92,6 +92,12 @@ class DINOv3Recipe(DINOv2Recipe):
     def trainer_class(self, cfg: Config) -> type:
         return DINOv3Trainer
 
+    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+        if not cfg.recipe.gram_use_loss:
+            return []  # no Gram teacher
+        loss_fn.gram_teacher.attach(teacher.backbone)
+        return [loss_fn.gram_teacher.backbone]
+
     def frozen_backbone_copies(self, cfg: Config) -> int:
         return int(cfg.recipe.gram_use_loss)  # the Gram teacher
 
