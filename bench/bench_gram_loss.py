@@ -7,7 +7,7 @@ image [B, N, D] and over the batch [B * N, D], fp32 and bf16 features.
                                     [--image-rows 256] [--json PATH]
 
 Time: median of forward + backward after a warm-up. Memory: peak above the
-inputs during forward + backward (the student gradient included), measured
+inputs during forward + backward of a warm step (the student gradient included), measured
 as bench_loss.py measures it. Floor: the gradient's bytes (memory); FLOPs
 over the measured rate of one [M, D] x [D, D] matmul (time), M = B * N rows
 and n rows per Gram matrix (N per image, M over the batch): without clamping
@@ -108,6 +108,7 @@ def measure(configs, args, device, repeats, gflops):
     for config, row in zip(configs, rows, strict=True):
         for name, fn in (("ours", ours), ("dinov3", dinov3_form)):
             step = make_step(fn, config, args, device)
+            step(0)  # warm: the peak of a step in a running training, not of the first one
             row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
         row["floor_mib"] = args.rows * args.dim * config[1].itemsize / 2**20
         row["floor_ms"] = floor_flops(config, args) / (gflops * 1e9) * 1e3
@@ -138,7 +139,7 @@ def main() -> None:
     slug = device_slug(device)
     print_table(
         f"Gram loss forward+backward, B*N={args.rows}, N={args.image_rows} per image, "
-        f"D={args.dim}, {slug} (median of {repeats}; peak memory above the inputs; "
+        f"D={args.dim}, {slug} (median of {repeats}; peak memory above the inputs of a warm step; "
         f"matmul {gflops:.0f} GFLOP/s)",
         COLUMNS,
         table,
