@@ -28,6 +28,7 @@ from dino_opt.train import (
     GramOptions,
     GramTeacher,
     PatchStudentOutputs,
+    attach_frozen_copies,
     build_loss,
     build_models,
     build_optimizer,
@@ -37,6 +38,7 @@ from dino_opt.train import (
 )
 from dino_opt.train.recipes import recipe_of
 from dino_opt.train.recipes.dinov3 import gram_weight_schedule
+from dino_opt.weights import weights_reader
 from reference import gram_loss_reference
 from tiny import TINY, tiny_train_only
 
@@ -158,7 +160,9 @@ def _trainer(extra=(), seed=0):
     student, teacher = build_models(cfg)
     model = DINOModel(student, teacher, 0.9)
     opt = build_optimizer(cfg, student, torch.device("cpu"))
-    trainer = build_trainer(cfg, model, build_loss(cfg), opt, "cpu")
+    loss = build_loss(cfg)
+    attach_frozen_copies(cfg, loss, teacher, weights_reader())  # as the job makes them
+    trainer = build_trainer(cfg, model, loss, opt, "cpu")
     trainer.set_schedules(build_schedules(cfg, 5), 3)
     return cfg, trainer
 

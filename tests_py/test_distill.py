@@ -5,12 +5,22 @@ each trainer (the frozen teacher's forward counted once per batch; the heads
 trainer's targets are the frozen teacher's)."""
 
 import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torchvision
+import yaml
+from dino_opt.checkpoint import CheckpointManager
+from dino_opt.cli import main
+from dino_opt.config import Config, ConfigError, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
-from dino_opt.train import DINOModel, DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
+from dino_opt.train import DINOModel, DINOv2Loss, DINOv2Trainer, DINOv2Wrapper, build_models
 from dino_opt.train.distill import (
     DistillOptions,
     FeatureDistillLoss,
@@ -22,6 +32,7 @@ from dino_opt.train.distill import (
     HeadsDistillTrainer,
     teacher_side,
 )
+from tiny import TINY, tiny_train_only
 
 
 @pytest.fixture
@@ -252,3 +263,122 @@ def test_heads_targets_are_the_frozen_teachers(gen):
     mismatch = trainer(HeadsDistillTrainer, coarse, copy.deepcopy(ema))
     with pytest.raises(ValueError, match="patch grid"):
         mismatch.train_step_optimized(crops, 0, masks=masks)
+
+
+# ------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def train_root(tmp_path_factory):
+    return tiny_train_only(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def teacher_run(train_root, tmp_path_factory):
+    """A tiny DINOv2 run (ViT-T/8, width 192, a separate iBOT head of 40): the teacher."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    teacher = [*TINY, "recipe.name=dinov2", "recipe.ibot_separate_head=true",
+               "recipe.ibot_out_dim=40", "schedule.epochs=1",
+               "schedule.warmup_epochs=0"]  # fmt: skip
+    done = subprocess.run(_cmd(out, train_root, *teacher), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _cmd(out: Path, root: Path, *config: str) -> list[str]:
+    return [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
+            f"data.root={root}", "data.num_workers=2", "logging.tensorboard=false",
+            "logging.profile=false", "checkpoint.every_steps=1", *config]  # fmt: skip
+
+
+def _student(teacher: Path, *extra: str) -> list[str]:
+    return [*TINY, "recipe.name=distill", f"recipe.distill_teacher={teacher}",
+            "model.drop_path_rate=0", *extra]  # fmt: skip
+
+
+def _final(out: Path) -> dict:
+    report = json.loads((out / "report.json").read_text())
+    return torch.load(report["checkpoint"], weights_only=True)
+
+
+def _run_killed_and_resumed(out: Path, cmd: list[str]) -> None:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    manager = CheckpointManager(out / "checkpoints")
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline:
+        if any(r.step >= 4 for r in manager.checkpoints()):
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["features", "heads"])
+def test_distillation_trains_and_resumes_bit_for_bit(mode, train_root, teacher_run, tmp_path):
+    config = _student(teacher_run, f"recipe.distill_mode={mode}")
+    ref = tmp_path / "ref"
+    done = subprocess.run(_cmd(ref, train_root, *config), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    part = "loss_distill_patch_cosine" if mode == "features" else "loss_ibot"
+    assert all(part in r for r in rows if "loss" in r)
+    saved = yaml.safe_load((ref / "config.yaml").read_text())["recipe"]
+    if mode == "features":  # the teacher's width, read when the run started
+        assert saved["distill_teacher_dim"] == 192
+    else:  # the student's heads take the teacher's widths
+        assert saved["ibot_out_dim"] == 40 and saved["ibot_separate_head"]
+    out = tmp_path / "run"
+    _run_killed_and_resumed(out, _cmd(out, train_root, *config))
+    a, b = _final(out), _final(ref)
+    assert not any("frozen" in k or k.startswith("teacher.") for k in b["loss"])  # not saved
+    for key in ("student", "teacher", "loss"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+    # what the evaluations and the export read: the run's networks rebuilt from its config
+    _, teacher = build_models(Config.from_dict(b["config"]))
+    teacher.load_state_dict(b["teacher"])
+
+
+def test_a_resnet_student_from_a_vit_teacher(train_root, teacher_run, tmp_path):
+    out = tmp_path / "resnet"
+    config = _student(teacher_run, "model.backbone=resnet18", "model.patch_size=16",
+                      "schedule.epochs=1")  # fmt: skip
+    done = subprocess.run(_cmd(out, train_root, *config), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = _final(out)
+    assert final["teacher"]["head.patch.weight"].shape == (192, 512)  # ResNet-18 to ViT-T
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [([], "needs its teacher"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads", "model.backbone=resnet18",
+       "model.patch_size=16"], "trains a ViT student")],
+)  # fmt: skip
+def test_config_errors_are_one_line(extra, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*TINY, "recipe.name=distill", *extra])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_teachers_are_one_line(train_root, tmp_path, capsys):
+    junk = tmp_path / "junk.pt"
+    torch.save({"foo": torch.zeros(3)}, junk)
+    cases = [(junk, "features", str(junk)), (tmp_path / "missing.pt", "features", "does not exist"),
+             (junk, "heads", "needs a dino_opt run or checkpoint")]  # fmt: skip
+    for path, mode, needle in cases:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--output-dir", str(tmp_path / f"out_{mode}"), "--quiet",
+                  f"data.root={train_root}",
+                  *_student(path, f"recipe.distill_mode={mode}")])  # fmt: skip
+        err = capsys.readouterr().err
+        lines = [x for x in err.strip().splitlines() if "error" in x]
+        assert e.value.code == 2 and len(lines) == 1 and needle in lines[0], err

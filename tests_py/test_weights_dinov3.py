@@ -419,12 +419,15 @@ def test_gram_ckpt_reads_timm_and_dinov3_files(fmt, tmp_path, gen):
     source = ours(gen, ffn_layer="swiglu").float()
     path = export_backbone(source, fmt, tmp_path / FILES[fmt]).path
     gram = GramTeacher(GramOptions(ckpt=str(path), it_load_ema_teacher=-1))
-    gram.attach(DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=2, ffn_layer="swiglu"))
+    gram.attach(
+        DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=2, ffn_layer="swiglu"),
+        load_backbone,
+    )
     assert gram.loaded
     for key, value in gram.backbone.state_dict().items():
         assert torch.equal(value, source.state_dict()[key]), key
     wrong = GramTeacher(GramOptions(ckpt=str(path)))
     with pytest.raises(ValueError, match=f"recipe.gram_ckpt='.*{FILES[fmt]}' does not fit the "
                                          "Gram teacher") as e:  # fmt: skip
-        wrong.attach(VisionTransformer(embed_dim=64, depth=2, num_heads=2))
+        wrong.attach(VisionTransformer(embed_dim=64, depth=2, num_heads=2), load_backbone)
     _one_line(e)

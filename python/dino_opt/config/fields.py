@@ -310,19 +310,21 @@ RECIPE_NEEDS: dict[str, dict[str, str]] = {
         "patch_tokens": "its iBOT and Gram anchoring losses are over patch tokens",
         "gram_teacher": "its Gram teacher is a whole copy of the teacher's backbone",
     },
+    "distill": {"external_teacher": "it learns from the frozen teacher of recipe.distill_teacher"},
 }
 
 
 @dataclass
 class RecipeConfig:
-    """Which self-supervised recipe trains: DINO, DINOv2 (DINO + iBOT + KoLeo), or
-    DINOv3 (DINOv2's losses plus Gram anchoring)."""
+    """Which self-supervised recipe trains: DINO, DINOv2 (DINO + iBOT + KoLeo),
+    DINOv3 (DINOv2's losses plus Gram anchoring), or a distillation from a frozen teacher."""
 
     name: str = _opt(
         "dino",
         "dino: the DINO loss over the class tokens; dinov2: DINO's loss plus iBOT's masked-patch "
         "loss and the KoLeo regulariser; dinov3: dinov2's losses plus Gram anchoring of the "
-        "patch tokens to a Gram teacher",
+        "patch tokens to a Gram teacher; distill: learn from the frozen teacher of "
+        "recipe.distill_teacher",
         choices=tuple(RECIPE_NEEDS),
     )
     centering: str = _opt(
@@ -424,6 +426,32 @@ class RecipeConfig:
         None,
         "dinov3: epochs of the Gram weight's cosine (then constant); null: the rest of the run",
         ge=0,
+    )
+    distill_teacher: str | None = _opt(
+        None,
+        "distill: the frozen teacher: a dino_opt run or checkpoint, or weights in any format "
+        "model.init_from reads (DINO, DINOv2, DINOv3, timm, Hugging Face)",
+        check="nonempty",
+    )
+    distill_mode: str = _opt(
+        "features",
+        "distill: features (the student's projected class and patch tokens matched to the "
+        "teacher's; any teacher, any student) or heads (DINOv2's losses against the teacher's "
+        "head targets; a dino_opt teacher with heads, a ViT student)",
+        choices=("features", "heads"),
+    )
+    distill_teacher_scale: float = _opt(
+        1.0, "distill: the teacher's input side over the student's crop side", gt=0
+    )
+    distill_teacher_dim: int | None = _opt(
+        None, "distill: the teacher's feature width; null: read from the teacher's file", ge=1
+    )
+    distill_cls_weight: float = _opt(1.0, "distill: weight of the class-token terms", ge=0)
+    distill_patch_weight: float = _opt(1.0, "distill: weight of the patch-token terms", ge=0)
+    distill_cosine_weight: float = _opt(1.0, "distill: weight of the cosine terms", ge=0)
+    distill_smooth_l1_weight: float = _opt(1.0, "distill: weight of the smooth-L1 terms", ge=0)
+    distill_projector_hidden: int = _opt(
+        0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
     )
 
 

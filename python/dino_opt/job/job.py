@@ -14,7 +14,6 @@ watchdog.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import sys
@@ -55,19 +54,9 @@ from ..runtime import (
     gather_objects,
     init_distributed,
 )
-from ..train import (
-    DINOModel,
-    attach_frozen_copies,
-    build_loader,
-    build_loss,
-    build_models,
-    build_optimizer,
-    build_schedules,
-    build_trainer,
-    data_roots,
-)
+from ..train import resolve_recipe
 from ..tune import resolve_hardware
-from ..weights import init_from
+from ..weights import init_from, weights_reader
 from .evaluation import evaluate_between_epochs
 from .hang import injected_hang, report_hang, start_watchdog
 from .parts import (
@@ -78,6 +67,7 @@ from .parts import (
     _config_of,
     _Parts,
     _Rollback,
+    build_parts,
 )
 from .restarts import (
     ProgressFile,
@@ -98,7 +88,6 @@ from .sharding import (
     resharded_loader_state,
     sharded_state,
     split_shards,
-    spread,
 )
 
 __all__ = ["CheckpointedDINOTrainer", "run_training"]
@@ -206,6 +195,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         if self.lead:
             self.config, choice = resolve_hardware(self.config)
             self.hardware_preset = choice.reason if choice is not None else None
+            self.config = resolve_recipe(self.config, weights_reader())  # e.g. a teacher's widths
         self.config = broadcast_object(self.config)
         if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
             self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
@@ -232,35 +222,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         return resumed
 
     def _build(self) -> _Parts:
-        """The objects of the run (:mod:`dino_opt.train.build`), on this process's device."""
-        cfg, device = self.config, self.device
-        roots = data_roots(cfg)
-        loader = build_loader(cfg, roots.train, device, rank=self.rank, world_size=self.world)
-        student, teacher = build_models(cfg)
-        random_teacher = copy.deepcopy(teacher).eval()
-        student, teacher = student.to(device), teacher.to(device)
-        torch.manual_seed(cfg.hardware.seed + self.rank)  # same init everywhere, own drop paths
-        accumulation = cfg.optim.accumulation_steps
-        # Optimizer steps per epoch, rounded up: an accumulation that does not
-        # divide the epoch's batches carries its micro-batches into the next
-        # epoch, so the run makes up to this many per epoch on average.
-        iters = -(-len(loader) // accumulation)
-        if len(loader) < accumulation:
-            raise ValueError(
-                f"the data set gives {len(loader)} batches per epoch, fewer than "
-                f"optim.accumulation_steps={accumulation}"
-            )
-        schedules = build_schedules(cfg, iters, world_size=self.world)
-        loss_fn = build_loss(cfg).to(device)
-        # the loss's copies of the teacher's backbone, made before the teacher is sharded
-        frozen = attach_frozen_copies(cfg, loss_fn, teacher)
-        trained, teacher = spread(cfg, student, teacher, device, frozen)  # DDP, or all sharded
-        model = DINOModel(student, teacher, schedules.momentum)
-        model.student = trained  # the EMA reads the unwrapped `student`
-        optimizer = build_optimizer(cfg, student, device)
-        trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
-        return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
-                      optimizer, schedules, trainer)  # fmt: skip
+        """The objects of the run (:func:`~dino_opt.job.parts.build_parts`)."""
+        return build_parts(self.config, self.device, self.rank, self.world, weights_reader())
 
     # ------------------------------------------------------------ resume
 

@@ -3,6 +3,7 @@ checkpoint's config, the rollback signal, and the profiled phases."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +19,20 @@ from ..train import (
     DataRoots,
     DINOModel,
     MemoryOptimizedDINOTrainer,
+    WeightsReader,
+    attach_frozen_copies,
+    attach_teacher,
+    build_loader,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_schedules,
+    build_trainer,
+    data_roots,
 )
+from .sharding import spread
 
-__all__ = ["PROFILE_PHASES", "ResumeError"]
+__all__ = ["PROFILE_PHASES", "ResumeError", "build_parts"]
 
 # The phases of a training step that the job times (profile.json).
 PROFILE_PHASES = ("data_wait", "forward_backward", "optimizer_step")
@@ -101,3 +113,44 @@ class _Parts:
     optimizer: torch.optim.Optimizer
     schedules: Schedules
     trainer: MemoryOptimizedDINOTrainer
+
+
+def _iterations_per_epoch(cfg: Config, loader: MultiCropLoader) -> int:
+    """Optimizer steps per epoch, rounded up: an accumulation that does not
+    divide the epoch's batches carries its micro-batches into the next
+    epoch, so the run makes up to this many per epoch on average."""
+    accumulation = cfg.optim.accumulation_steps
+    if len(loader) < accumulation:
+        raise ValueError(
+            f"the data set gives {len(loader)} batches per epoch, fewer than "
+            f"optim.accumulation_steps={accumulation}"
+        )
+    return -(-len(loader) // accumulation)
+
+
+def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
+                reader: WeightsReader) -> _Parts:  # fmt: skip
+    """The objects of a run (:mod:`dino_opt.train.build`) on this process's
+    ``device``: the loader of this rank, the networks (the loss's frozen
+    copies of the teacher made before the teacher is sharded, a
+    distillation's frozen teacher opened through ``reader``), optimizer,
+    schedules and trainer."""
+    roots = data_roots(cfg)
+    loader = build_loader(cfg, roots.train, device, rank=rank, world_size=world)
+    student, teacher = build_models(cfg)
+    random_teacher = copy.deepcopy(teacher).eval()
+    student, teacher = student.to(device), teacher.to(device)
+    torch.manual_seed(cfg.hardware.seed + rank)  # same init everywhere, own drop paths
+    schedules = build_schedules(cfg, _iterations_per_epoch(cfg, loader), world_size=world)
+    loss_fn = build_loss(cfg).to(device)
+    frozen = attach_frozen_copies(cfg, loss_fn, teacher, reader)
+    external = attach_teacher(cfg, loss_fn, reader)
+    if external is not None:
+        external.to(device)
+    trained, teacher = spread(cfg, student, teacher, device, frozen)  # DDP, or all sharded
+    model = DINOModel(student, teacher, schedules.momentum)
+    model.student = trained  # the EMA reads the unwrapped `student`
+    optimizer = build_optimizer(cfg, student, device)
+    trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
+    return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
+                  optimizer, schedules, trainer)  # fmt: skip

@@ -1,9 +1,11 @@
-"""One training step: the memory-optimised trainer (DINO and the DINOv2
-recipe), the parameter groups, and the builders from a config."""
+"""One training step: the memory-optimised trainer (DINO) and the steps of
+the DINOv2, DINOv3 and distillation recipes, the parameter groups, and the
+builders from a config."""
 
 from .build import (
     DataRoots,
     attach_frozen_copies,
+    attach_teacher,
     backbone_options,
     build_loader,
     build_loss,
@@ -14,6 +16,7 @@ from .build import (
     build_trainer,
     data_roots,
     loader_masks,
+    resolve_recipe,
     trainer_options,
 )
 from .dinov2 import (
@@ -25,8 +28,16 @@ from .dinov2 import (
     TeacherTargets,
 )
 from .dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions, GramTeacher, refresh_due
+from .distill import (
+    DistillOptions,
+    FeatureDistillLoss,
+    FeatureDistillTrainer,
+    FeatureDistillWrapper,
+    HeadsDistillLoss,
+    HeadsDistillTrainer,
+)
 from .param_groups import dinov2_param_groups, layer_id, param_groups
-from .recipes import RECIPES, Recipe, recipe_of
+from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
 from .trainer import DINOModel, MemoryOptimizedDINOTrainer
 
 __all__ = [
@@ -39,13 +50,21 @@ __all__ = [
     "GramOptions",
     "GramTeacher",
     "DataRoots",
+    "DistillOptions",
+    "FeatureDistillLoss",
+    "FeatureDistillTrainer",
+    "FeatureDistillWrapper",
+    "HeadsDistillLoss",
+    "HeadsDistillTrainer",
     "MemoryOptimizedDINOTrainer",
     "PatchStudentOutputs",
     "RECIPES",
     "Recipe",
     "StudentOutputs",
     "TeacherTargets",
+    "WeightsReader",
     "attach_frozen_copies",
+    "attach_teacher",
     "backbone_options",
     "build_loader",
     "build_source",
@@ -61,5 +80,6 @@ __all__ = [
     "param_groups",
     "recipe_of",
     "refresh_due",
+    "resolve_recipe",
     "trainer_options",
 ]

@@ -30,12 +30,13 @@ from ..data import (
 )
 from ..models import apply_block_options, build_dino_models
 from ..ops import Schedules
-from .recipes import recipe_of
+from .recipes import WeightsReader, recipe_of
 from .trainer import DINOModel
 
 __all__ = [
     "DataRoots",
     "attach_frozen_copies",
+    "attach_teacher",
     "backbone_options",
     "build_loader",
     "build_loss",
@@ -44,6 +45,7 @@ __all__ = [
     "build_schedules",
     "build_source",
     "build_trainer",
+    "resolve_recipe",
     "data_roots",
     "loader_masks",
     "trainer_options",
@@ -96,12 +98,26 @@ def build_loss(cfg: Config) -> nn.Module:
     return recipe_of(cfg).build_loss(cfg)
 
 
-def attach_frozen_copies(cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+def attach_frozen_copies(cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
+                         reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
     """The frozen copies of ``teacher``'s backbone that ``cfg``'s recipe
-    keeps in ``loss_fn`` (the dinov3 recipe's Gram teacher; none for the
-    others), made now from the unsharded teacher and returned, for
+    keeps in ``loss_fn`` (the dinov3 recipe's Gram teacher, its
+    ``gram_ckpt`` read through ``reader``; none for the others), made now
+    from the unsharded teacher and returned, for
     :func:`~dino_opt.job.sharding.spread` to spread as the teacher."""
-    return recipe_of(cfg).frozen_copies(cfg, loss_fn, teacher)
+    return recipe_of(cfg).frozen_copies(cfg, loss_fn, teacher, reader)
+
+
+def resolve_recipe(cfg: Config, reader: WeightsReader) -> Config:
+    """``cfg`` with what its recipe reads from files when a run starts (a
+    distillation's teacher widths) written in (:meth:`Recipe.resolve`)."""
+    return recipe_of(cfg).resolve(cfg, reader)
+
+
+def attach_teacher(cfg: Config, loss_fn: nn.Module, reader: WeightsReader) -> nn.Module | None:
+    """A distillation's frozen teacher opened through ``reader`` and handed
+    to ``loss_fn``; its network, or None for the recipes without one."""
+    return recipe_of(cfg).attach_teacher(cfg, loss_fn, reader)
 
 
 class DataRoots(NamedTuple):

@@ -26,7 +26,7 @@ checkpoint keeps its weights as shards.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -125,9 +125,10 @@ class GramTeacher(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         self.loaded, self.updates = bool(state["loaded"]), int(state["updates"])
 
-    def attach(self, teacher_backbone: nn.Module) -> None:
+    def attach(self, teacher_backbone: nn.Module, load_backbone: Callable | None = None) -> None:
         """Makes the Gram teacher a frozen copy of ``teacher_backbone``'s
-        architecture, with the weights of ``options.ckpt`` when given. The
+        architecture, with the weights of ``options.ckpt`` when given (read
+        by ``load_backbone``, :func:`~dino_opt.weights.load_backbone`). The
         teacher must not be sharded yet (the copy is sharded after it)."""
         if any(isinstance(p, DTensor) for p in teacher_backbone.parameters()):
             raise ValueError(
@@ -136,17 +137,20 @@ class GramTeacher(nn.Module):
             )
         self.backbone = copy.deepcopy(teacher_backbone).requires_grad_(False).eval()
         if self.options.ckpt is not None:
-            self.load_file(self.options.ckpt)
+            self.load_file(self.options.ckpt, load_backbone)
 
-    def load_file(self, path: str) -> None:
+    def load_file(self, path: str, load_backbone: Callable | None) -> None:
         """The weights of ``path``, any format
         :func:`~dino_opt.weights.read_weights` reads (a dino-opt checkpoint's
         teacher backbone, a backbone's state dict, DINOv3's, timm's or
-        Hugging Face's files ...), loaded as
-        :func:`~dino_opt.weights.load_backbone` loads them; a one-line
-        ValueError naming the file when they do not fit."""
-        from ..weights import load_backbone  # here: dino_opt.weights imports this package
-
+        Hugging Face's files ...), loaded by ``load_backbone``
+        (:func:`~dino_opt.weights.load_backbone`, which the job hands down);
+        a one-line ValueError naming the file when they do not fit."""
+        if load_backbone is None:
+            raise ValueError(
+                f"recipe.gram_ckpt={path!r}: reading it needs dino_opt.weights' load_backbone "
+                "(attach_frozen_copies(..., reader=weights_reader()))"
+            )
         try:
             load_backbone(path, self.backbone)
         except ValueError as e:

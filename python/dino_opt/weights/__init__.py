@@ -11,6 +11,7 @@ from .probes import (
     show_weights,
 )
 from .reading import ExternalWeights, read_weights
+from .teacher import OpenedTeacher, open_teacher, weights_reader
 from .transfer import (
     FORMATS,
     ExportResult,
@@ -27,6 +28,7 @@ __all__ = [
     "ExternalWeights",
     "FORMATS",
     "OpenedBackbone",
+    "OpenedTeacher",
     "ViTArch",
     "evaluate_weights",
     "export_backbone",
@@ -34,9 +36,11 @@ __all__ = [
     "init_from",
     "load_backbone",
     "open_backbone",
+    "open_teacher",
     "probe_data",
     "run_dense_probe",
     "run_linear_probe",
     "show_weights",
     "read_weights",
+    "weights_reader",
 ]

@@ -1,17 +1,20 @@
-"""The training recipes, one module each (:mod:`.dino`, :mod:`.dinov2`, :mod:`.dinov3`):
-:func:`recipe_of` gives a config's."""
+"""The training recipes, one module each (:mod:`.dino`, :mod:`.dinov2`,
+:mod:`.dinov3`, :mod:`.distill`): :func:`recipe_of` gives a config's."""
 
-from .base import RECIPES, Recipe, recipe_of, register
+from .base import RECIPES, Recipe, WeightsReader, recipe_of, register
 from .dino import DINORecipe
 from .dinov2 import DINOv2Recipe
 from .dinov3 import DINOv3Recipe
+from .distill import DistillRecipe
 
 __all__ = [
     "DINORecipe",
     "DINOv2Recipe",
     "DINOv3Recipe",
+    "DistillRecipe",
     "RECIPES",
     "Recipe",
+    "WeightsReader",
     "recipe_of",
     "register",
 ]

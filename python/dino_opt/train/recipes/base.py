@@ -15,14 +15,27 @@ anything.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import nn
 
 from ...config import Config
 
-__all__ = ["FP32", "RECIPES", "Recipe", "recipe_of", "register"]
+__all__ = ["FP32", "RECIPES", "Recipe", "WeightsReader", "recipe_of", "register"]
 
 FP32 = 4  # bytes of a float32
+
+
+class WeightsReader(NamedTuple):
+    """What a recipe may read of weights files, handed down by the job
+    (:func:`dino_opt.weights.weights_reader`; the weights package sits above
+    the recipes): ``load_backbone(path, module)`` loads a backbone's weights
+    of any format into ``module``; ``open_teacher(path, heads)`` opens a
+    frozen teacher (:class:`~dino_opt.weights.OpenedTeacher`)."""
+
+    load_backbone: Callable
+    open_teacher: Callable
 
 
 class Recipe(ABC):
@@ -69,14 +82,30 @@ class Recipe(ABC):
         """The one-step engine's class."""
 
     @abstractmethod
-    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
+                      reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
         """Makes the frozen copies of ``teacher``'s backbone that ``loss_fn``
         (the recipe's loss) keeps, :meth:`frozen_backbone_copies` of them,
-        and returns them. The job calls it before it spreads the networks
-        over the ranks (the teacher whole) and spreads each copy as the
-        teacher's backbone (``fsdp``: sharded alike, so a copy of the
+        with the weights of files read through ``reader`` where the config
+        names some, and returns them. The job calls it before it spreads the
+        networks over the ranks (the teacher whole) and spreads each copy as
+        the teacher's backbone (``fsdp``: sharded alike, so a copy of the
         teacher's weights stays local); a trainer makes them itself when
         they are not made yet."""
+
+    @abstractmethod
+    def resolve(self, cfg: Config, reader: WeightsReader) -> Config:
+        """The config with what the recipe reads from files when a run
+        starts written into it (a distillation: its teacher's widths), so
+        that the saved config builds the same networks; ``cfg`` itself for
+        the recipes that read nothing."""
+
+    @abstractmethod
+    def attach_teacher(self, cfg: Config, loss_fn: nn.Module, reader: WeightsReader):
+        """Opens the frozen teacher the recipe learns from (distillation)
+        through ``reader``, hands it to ``loss_fn`` and returns its network
+        (for the job to place on its device); None for the recipes without
+        one."""
 
     # ---------------------------------------------------------- memory model terms
 

@@ -10,7 +10,7 @@ from ...config import Config
 from ...ops import DINOLoss, Schedules
 from ..param_groups import dinov2_param_groups, param_groups
 from ..trainer import MemoryOptimizedDINOTrainer
-from .base import FP32, Recipe, register
+from .base import FP32, Recipe, WeightsReader, register
 
 __all__ = ["DINORecipe"]
 
@@ -60,8 +60,15 @@ class DINORecipe(Recipe):
     def trainer_class(self, cfg: Config) -> type:
         return MemoryOptimizedDINOTrainer
 
-    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
+                      reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
         return []
+
+    def resolve(self, cfg: Config, reader: WeightsReader) -> Config:
+        return cfg
+
+    def attach_teacher(self, cfg: Config, loss_fn: nn.Module, reader: WeightsReader):
+        return None
 
     def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
         return 0

@@ -14,7 +14,7 @@ from torch import nn
 from ...config import Config
 from ...ops import warmup_cosine_constant
 from ..dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions
-from .base import FP32, register
+from .base import FP32, WeightsReader, register
 from .dinov2 import DINOv2Recipe
 
 __all__ = ["DINOv3Recipe", "gram_options", "gram_weight_schedule"]
@@ -92,10 +92,12 @@ class DINOv3Recipe(DINOv2Recipe):
     def trainer_class(self, cfg: Config) -> type:
         return DINOv3Trainer
 
-    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module) -> list[nn.Module]:
+    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
+                      reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
         if not cfg.recipe.gram_use_loss:
             return []  # no Gram teacher
-        loss_fn.gram_teacher.attach(teacher.backbone)
+        load = reader.load_backbone if reader is not None else None
+        loss_fn.gram_teacher.attach(teacher.backbone, load)
         return [loss_fn.gram_teacher.backbone]
 
     def frozen_backbone_copies(self, cfg: Config) -> int:

@@ -1,0 +1,117 @@
+"""Distillation (``recipe.name: distill``): the student learns from a frozen
+teacher opened from ``recipe.distill_teacher`` (any weights dino_opt reads)
+instead of from its own EMA, which is kept and is the run's result. Two
+modes (``recipe.distill_mode``, :mod:`dino_opt.train.distill`):
+``features`` (the student's tokens, through a projector, matched to the
+teacher's; any student backbone) and ``heads`` (DINOv2's losses against the
+targets of the teacher's DINO and iBOT heads; a ViT student)."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from ...config import Config, apply_overrides
+from ...models import feature_width
+from ..distill import (
+    DistillOptions,
+    FeatureDistillLoss,
+    FeatureDistillTrainer,
+    FeatureDistillWrapper,
+    FeatureProjector,
+    FrozenTeacher,
+    HeadsDistillLoss,
+    HeadsDistillTrainer,
+)
+from .base import WeightsReader, register
+from .dinov2 import DINOv2Recipe
+
+__all__ = ["DistillRecipe", "distill_options"]
+
+
+def distill_options(cfg: Config) -> DistillOptions:
+    """The :class:`~dino_opt.train.distill.DistillOptions` of the
+    ``recipe.distill_*`` keys."""
+    r = cfg.recipe
+    return DistillOptions(
+        mode=r.distill_mode, teacher=r.distill_teacher, teacher_scale=r.distill_teacher_scale,
+        teacher_dim=r.distill_teacher_dim, cls_weight=r.distill_cls_weight,
+        patch_weight=r.distill_patch_weight, cosine_weight=r.distill_cosine_weight,
+        smooth_l1_weight=r.distill_smooth_l1_weight, projector_hidden=r.distill_projector_hidden,
+    )  # fmt: skip
+
+
+def _heads(cfg: Config) -> bool:
+    return cfg.recipe.distill_mode == "heads"
+
+
+class DistillRecipe(DINOv2Recipe):
+    name = "distill"
+    # The demo: a ViT-T/16 student (the DINO demo's network, data, crops and
+    # schedule) distilled from the teacher given with recipe.distill_teacher.
+    demo_changes = {"recipe": {"name": "distill", "distill_mode": "features"}}
+
+    def backbone_options(self, cfg: Config) -> dict:
+        # DINOv2's (the global crops' grid, a mask token); no mask token without masks
+        return {**super().backbone_options(cfg), "use_mask_token": _heads(cfg)}
+
+    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
+        if _heads(cfg):
+            return super().wrap_models(cfg, student, teacher)
+        r = cfg.recipe
+        width = feature_width(student.backbone)
+        projector = FeatureProjector(
+            width, r.distill_teacher_dim or width, r.distill_projector_hidden
+        )
+        wrapped = FeatureDistillWrapper(student.backbone, projector)
+        return wrapped, copy.deepcopy(wrapped).requires_grad_(False)
+
+    loss_class = HeadsDistillLoss
+
+    def build_loss(self, cfg: Config) -> nn.Module:
+        if _heads(cfg):
+            return super().build_loss(cfg)
+        return FeatureDistillLoss(distill_options(cfg))
+
+    def more_loss_options(self, cfg: Config) -> dict:
+        return {"distill": distill_options(cfg)}
+
+    def loader_masks(self, cfg: Config) -> dict | None:
+        return super().loader_masks(cfg) if _heads(cfg) else None
+
+    def trainer_class(self, cfg: Config) -> type:
+        return HeadsDistillTrainer if _heads(cfg) else FeatureDistillTrainer
+
+    def resolve(self, cfg: Config, reader: WeightsReader) -> Config:
+        """The teacher's widths written into the config: ``distill_teacher_dim``
+        (features), or the student heads' widths (heads: the teacher's
+        prototypes), read by opening the teacher."""
+        r = cfg.recipe
+        info = reader.open_teacher(r.distill_teacher, _heads(cfg))._asdict()
+        if not _heads(cfg):
+            if r.distill_teacher_dim not in (None, info["embed_dim"]):
+                raise ValueError(
+                    f"recipe.distill_teacher_dim={r.distill_teacher_dim} but the teacher "
+                    f"{r.distill_teacher!r} gives {info['embed_dim']}-wide features"
+                )
+            return apply_overrides(cfg, [f"recipe.distill_teacher_dim={info['embed_dim']}"])
+        separate = info["ibot_out_dim"] != info["out_dim"]
+        return apply_overrides(cfg, [f"model.out_dim={info['out_dim']}",
+                                     f"recipe.ibot_separate_head={str(separate).lower()}",
+                                     f"recipe.ibot_out_dim={info['ibot_out_dim']}"])  # fmt: skip
+
+    def attach_teacher(self, cfg: Config, loss_fn: nn.Module, reader: WeightsReader) -> nn.Module:
+        """Opens the teacher (an :class:`~dino_opt.weights.OpenedTeacher`)
+        and hands it to the loss; returns its network, for the job to place."""
+        r = cfg.recipe
+        opened = reader.open_teacher(r.distill_teacher, _heads(cfg))
+        frozen = FrozenTeacher(opened.network, opened.patch_size, r.distill_teacher_scale)
+        loss_fn.attach_teacher(frozen)
+        return opened.network
+
+    def frozen_backbone_copies(self, cfg: Config) -> int:
+        return 0  # the teacher is not a copy of the student's EMA
+
+
+register(DistillRecipe())

@@ -1,0 +1,82 @@
+"""The frozen teacher of a distillation, opened from any weights: a backbone
+(any format :func:`~dino_opt.weights.read_weights` reads: dino_opt runs and
+checkpoints, DINO, DINOv2 and DINOv3 files, timm and Hugging Face exports),
+or, for a distillation through heads, a dino_opt run or checkpoint's teacher
+with its DINO head and its iBOT head where it has one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from torch import nn
+
+from ..config import Config
+from ..eval import load_checkpoint
+from ..models import feature_width
+from ..train import DINOv2Wrapper, WeightsReader, build_models
+from .probes import open_backbone
+from .transfer import load_backbone
+
+__all__ = ["OpenedTeacher", "open_teacher", "weights_reader"]
+
+
+class OpenedTeacher(NamedTuple):
+    """A frozen teacher: its ``network`` (a backbone, or with ``heads`` a
+    :class:`~dino_opt.train.DINOv2Wrapper`), ``patch_size`` (1 for a
+    network without patches), feature width ``embed_dim``, its heads'
+    widths ``out_dim`` and ``ibot_out_dim`` (None without heads; the iBOT
+    width is the DINO head's when it is shared) and the weights' ``format``."""
+
+    network: nn.Module
+    patch_size: int
+    embed_dim: int
+    out_dim: int | None
+    ibot_out_dim: int | None
+    format: str
+
+
+def _with_heads(path: Path) -> OpenedTeacher:
+    """A dino_opt run's teacher with its heads, as a DINOv2Wrapper."""
+    try:
+        ckpt = load_checkpoint(path, keys=("teacher", "config"))
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(
+            f"recipe.distill_mode=heads needs a dino_opt run or checkpoint (a teacher with its "
+            f"DINO head); {str(path)!r} is not one ({e}); use recipe.distill_mode=features"
+        ) from None
+    cfg = Config.from_dict(ckpt["config"])
+    teacher = build_models(cfg)[1]
+    teacher.load_state_dict(ckpt["teacher"])
+    if not isinstance(teacher, DINOv2Wrapper):  # a DINO run: its head serves the patches too
+        teacher = DINOv2Wrapper(teacher.backbone, teacher.head, None)
+    ibot = teacher.ibot_head if teacher.ibot_head is not None else teacher.head
+    backbone = teacher.backbone
+    return OpenedTeacher(teacher, getattr(backbone, "patch_size", 1), feature_width(backbone),
+                         teacher.head.last_layer.out_features, ibot.last_layer.out_features,
+                         "dino_opt")  # fmt: skip
+
+
+def open_teacher(path: str | os.PathLike, heads: bool = False) -> OpenedTeacher:
+    """The frozen teacher at ``path`` (in eval mode, no gradients): its
+    backbone, or with ``heads`` its backbone and DINO heads (a dino_opt run
+    or checkpoint only; ValueError naming the file otherwise)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"recipe.distill_teacher={str(path)!r} does not exist")
+    if heads:
+        opened = _with_heads(path)
+    else:
+        o = open_backbone(path)
+        net = o.net
+        opened = OpenedTeacher(net, getattr(net, "patch_size", 1), feature_width(net), None, None,
+                               o.format)  # fmt: skip
+    opened.network.requires_grad_(False).eval()
+    return opened
+
+
+def weights_reader() -> WeightsReader:
+    """What the recipes may read of weights files (:class:`~dino_opt.train.WeightsReader`):
+    :func:`~dino_opt.weights.load_backbone` and :func:`open_teacher`."""
+    return WeightsReader(load_backbone=load_backbone, open_teacher=open_teacher)
