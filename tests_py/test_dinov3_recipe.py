@@ -85,9 +85,8 @@ def test_gram_key_errors_in_one_line(overrides, needle):
 
 
 def test_the_packaged_dinov3_configs_are_dinov3s_recipes():
-    assert {"dinov3_vitl16", "dinov3_vitl16_pretrain", "dinov3_vitl16_gram_anchor"} <= set(
-        recipe_names()
-    )
+    assert {"dinov3_vitl16", "dinov3_vitl16_pretrain", "dinov3_vitl16_gram_anchor",
+            "dinov3_vitl16_high_res_adapt"} <= set(recipe_names())  # fmt: skip
     im1k = load_config("dinov3_vitl16")
     r, o, s = im1k.recipe, im1k.optim, im1k.schedule
     assert (im1k.model.backbone, r.name, r.centering, r.gram_use_loss) == (
@@ -106,6 +105,12 @@ def test_the_packaged_dinov3_configs_are_dinov3s_recipes():
                                                ["recipe.gram_ckpt=pretrain.pt"]), 1000)  # fmt: skip
     assert weights[0] == 0 and weights[999] == 2.0 and np.all(weights[999:] == 2.0)
     assert np.all(np.diff(weights[:1000]) >= 0)
+    hires = load_config("dinov3_vitl16_high_res_adapt", ["recipe.gram_ckpt=gram.pt"])
+    assert hires.augmentation.crop_size_pairs == [(512, 112), (768, 112), (768, 160),
+                                                  (768, 224), (768, 336)]  # fmt: skip
+    assert hires.augmentation.crop_size_ratios == (0.3, 0.3, 0.3, 0.05, 0.05)
+    assert hires.recipe.gram_teacher_crop_size == (768, 1152, 1152, 1152, 1152)
+    assert not hires.recipe.gram_rep_update and hires.recipe.gram_loss_weight == 1.5
 
 
 # ------------------------------------------------------------ the Gram term

@@ -83,6 +83,16 @@ MEMORY_ARCHS: dict[str, ArchRow] = {
                 "DINOv2's ViT-L/14 config: 32 per GPU, SwiGLU, heads of 131072"),
         ArchRow("dinov2_vitg14", "DINOv2 ViT-g/14", "dinov2_vitg14", (),
                 "DINOv2's ViT-g/14 config: 12 per GPU, SwiGLU, heads of 131072"),
+        ArchRow("dinov3_vitl16", "DINOv3 ViT-L/16, Gram", "dinov3_vitl16_gram_anchor",
+                ("recipe.gram_ckpt=gram.pt",),
+                "DINOv3's Gram anchoring stage on ViT-L/16: 16 per GPU, 2 x 256 + 8 x 112, "
+                "Gram teacher at 512, heads of 65536"),
+        ArchRow("dinov3_vit7b16", "DINOv3 ViT-7B/16, Gram", "dinov3_vitl16_gram_anchor",
+                ("recipe.gram_ckpt=gram.pt", "model.backbone=vit_7b_dinov3",
+                 "model.out_dim=262144", "model.hidden_dim=8192", "model.bottleneck_dim=512",
+                 "recipe.ibot_out_dim=98304"),
+                "DINOv3's ViT-7B Gram anchoring config: 16 per GPU, 2 x 256 + 8 x 112, "
+                "Gram teacher at 512, heads of 262144 and 98304"),
     )
 }  # fmt: skip
 
