@@ -24,7 +24,7 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_BASEDIR := $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo demo-dinov2 lint format gpu-check \
+.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo demo-dinov2 demo-distill lint format gpu-check \
         gpu-debs gpu-rehearsal wheel wheel-smoke build-no-cuda-toolkit cpp-install cpp-example clean
 
 setup: $(STAMPS)/build
@@ -189,6 +189,19 @@ DEMO_DINOV2_DIR ?= runs/demo_dinov2
 demo-dinov2: setup
 	rm -rf $(DEMO_DINOV2_DIR)
 	$(VENV)/bin/dino-opt train --demo dinov2 --output-dir $(DEMO_DINOV2_DIR) $(DEMO_ARGS)
+
+# Distillation on the same data: a ViT-S/16 teacher trained with the demo
+# recipe, then distilled (features) into the demo's ViT-T/16 and a ResNet-18.
+DEMO_DISTILL_DIR ?= runs/demo_distill
+demo-distill: setup
+	rm -rf $(DEMO_DISTILL_DIR)
+	$(VENV)/bin/dino-opt train --output-dir $(DEMO_DISTILL_DIR)/teacher_vits \
+		model.backbone=vit_small $(DEMO_ARGS)
+	$(VENV)/bin/dino-opt train --demo distill --output-dir $(DEMO_DISTILL_DIR)/vit_tiny \
+		recipe.distill_teacher=$(DEMO_DISTILL_DIR)/teacher_vits $(DEMO_ARGS)
+	$(VENV)/bin/dino-opt train --demo distill --output-dir $(DEMO_DISTILL_DIR)/resnet18 \
+		recipe.distill_teacher=$(DEMO_DISTILL_DIR)/teacher_vits model.backbone=resnet18 \
+		model.patch_size=16 $(DEMO_ARGS)
 
 bench: setup
 	$(PY) bench/bench_ema.py
