@@ -4,7 +4,6 @@
 // thread count. Inner loops come from the instruction-set kernel table.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
@@ -13,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/cpu/buffer_pool.h"
 #include "ops/cpu/kernel_table.h"
 #include "ops/dino_loss.h"
 #include "ops/dtype.h"
@@ -163,7 +163,7 @@ at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& stud
   const std::vector<double> lse_student = to_doubles(student_lse);
   const std::vector<double> lse_teacher = to_doubles(teacher_lse);
   const double scale = grad.item<double>() / static_cast<double>(s.loss_terms() * s.batch);
-  at::Tensor grad_student = at::empty_like(in.student);
+  at::Tensor grad_student = cpu::pooled_empty_like(in.student);  // see buffer_pool.h
   char* out = static_cast<char*>(grad_student.data_ptr());
   at::parallel_for(0, s.batch * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> scratch(s.teacher_views * kChunk);

@@ -12,7 +12,6 @@
 // from memory once. The sum is taken over the same chunks in the same order
 // whatever the thread count.
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
@@ -20,6 +19,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "ops/cpu/buffer_pool.h"
 #include "ops/cpu/kernel_table.h"
 #include "ops/dino_loss.h"
 #include "ops/dtype.h"
@@ -122,7 +122,7 @@ at::Tensor ibot_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& stud
   const Shape& s = in.shape;
   const std::vector<double> lse = to_doubles(student_lse), w = to_doubles(in.weights);
   const double g = grad.item<double>(), inv = 1.0 / student_temp;
-  at::Tensor grad_student = at::empty_like(in.student);
+  at::Tensor grad_student = cpu::pooled_empty_like(in.student);  // see buffer_pool.h
   char* out = static_cast<char*>(grad_student.data_ptr());
   at::parallel_for(0, s.rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {

@@ -1,7 +1,7 @@
 """Native operators' Python side, their plain-torch forms; the DINO and iBOT losses, EMA,
 schedules."""
 
-from .ema import EMATeacher, update_teacher
+from .ema import EMATeacher, unwrap, update_teacher
 from .fallback import (
     FALLBACK_OPS,
     dino_loss_backward_torch,
@@ -23,6 +23,7 @@ from .library import (
     gram_loss,
     ibot_loss,
     multicrop_photometric,
+    release_cpu_buffers,
 )
 from .loss import DINOLoss, NonFiniteLossError
 from .photometric_torch import photometric_torch
@@ -44,6 +45,7 @@ __all__ = [
     "dino_loss_torch",
     "ema_update_",
     "ema_update_torch",
+    "unwrap",
     "fallback_warned",
     "gram_loss",
     "gram_loss_backward_torch",
@@ -53,6 +55,7 @@ __all__ = [
     "ibot_loss_torch",
     "multicrop_photometric",
     "photometric_torch",
+    "release_cpu_buffers",
     "teacher_temp_schedule",
     "update_teacher",
     "warmup_cosine_constant",

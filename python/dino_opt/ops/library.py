@@ -18,6 +18,7 @@ __all__ = [
     "gram_loss",
     "ibot_loss",
     "multicrop_photometric",
+    "release_cpu_buffers",
 ]
 
 
@@ -126,6 +127,19 @@ def dino_loss(
         -1 if total_views is None else int(total_views),
     )
     return loss
+
+
+def release_cpu_buffers() -> tuple[int, int]:
+    """Frees the CPU loss gradients' buffers kept for the next step.
+
+    The CPU backward of :func:`dino_loss` and :func:`ibot_loss` keeps the
+    storage of its last gradients ([rows, K], over 1 MiB) and writes the next
+    step's gradient into it once nothing refers to it any more, instead of
+    asking the system for fresh pages each step (see docs/loss.md). Returns
+    (bytes freed, bytes still held: buffers in use).
+    """
+    released, held = torch.ops.dino_opt.release_cpu_buffers()
+    return int(released), int(held)
 
 
 @torch.library.register_fake("dino_opt::ibot_loss")
