@@ -30,6 +30,7 @@ from dino_opt.train.distill import (
     FrozenTeacher,
     HeadsDistillLoss,
     HeadsDistillTrainer,
+    StudentBank,
     teacher_side,
 )
 from tiny import TINY, tiny_train_only
@@ -221,6 +222,60 @@ def test_a_teacher_at_another_resolution(gen):
         bad = _feature_trainer(_vit(patch=8, dim=32), _vit(patch=8, dim=48), 32, scale=scale)
         with pytest.raises(ValueError, match=match):
             bad.train_step_optimized(crops, 0)
+
+
+def _resnet18():
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(weights=None)
+    net.fc = torch.nn.Identity()
+    return net
+
+
+def _students():
+    """Three students of a ViT-S-like teacher: two ViTs and a ResNet-18."""
+    return {"vit_a": FeatureDistillWrapper(_vit(patch=8, dim=32).train(), FeatureProjector(32, 48)),
+            "vit_b": FeatureDistillWrapper(_vit(patch=16, dim=24).train(),
+                                           FeatureProjector(24, 48, hidden=16)),
+            "resnet": FeatureDistillWrapper(_resnet18(), FeatureProjector(512, 48))}  # fmt: skip
+
+
+def _trainer_of(student, teacher_backbone, clip=0.05):
+    model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9,
+                      copy_buffers=True)  # fmt: skip
+    loss = FeatureDistillLoss(DistillOptions())
+    loss.attach_teacher(FrozenTeacher(teacher_backbone, teacher_backbone.patch_size))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    config = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
+              "gradient_clip": clip}  # fmt: skip
+    return FeatureDistillTrainer(model, loss, opt, config, "cpu")
+
+
+def test_students_of_one_teacher_train_as_each_would_alone(gen):
+    """A bank of three students: one teacher forward per batch, and every
+    student (weights, EMA, BatchNorm statistics) bit for bit as trained
+    alone: own loss, own clipping (small enough to clip), own EMA."""
+    teacher = Counting(_vit(patch=8, dim=48))
+    bank = _trainer_of(StudentBank(_students()), teacher)
+    crops = [[torch.randn(2, 3, 64, 64, generator=gen) for _ in range(2)] for _ in range(3)]
+    for batch in crops:
+        loss, metrics = bank.train_step_optimized(batch, 0)
+        assert bank.optimize_step()
+    assert teacher.calls == 3  # one forward per batch for the three students
+    assert {"vit_a", "resnet", "distill_patch_cosine_vit_b"} <= set(metrics)
+    assert torch.allclose(loss, sum(metrics[n] for n in ("vit_a", "vit_b", "resnet")))
+    for name, alone in _students().items():
+        one = _trainer_of(alone, _vit(patch=8, dim=48))
+        for batch in crops:
+            one.train_step_optimized(batch, 0)
+            one.optimize_step()
+        for net in ("student", "teacher"):
+            ours = getattr(bank.model, net).members[name].state_dict()
+            for key, value in getattr(one.model, net).state_dict().items():
+                assert torch.equal(ours[key], value), f"{name} {net}.{key}"
+    ema = bank.model.teacher.members["resnet"].backbone.bn1.running_mean
+    assert ema.abs().sum() > 0  # the EMA carries the student's BatchNorm statistics
+    with pytest.raises(ValueError, match="two students or more"):
+        StudentBank({"one": _students()["vit_a"]})
 
 
 def _heads_wrapper(backbone, out_dim=64, ibot_dim=40):

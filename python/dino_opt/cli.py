@@ -475,7 +475,7 @@ def _knn(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     result = export_weights(
         args.source, args.format, args.output, which=args.which, full=args.full,
-        image_size=args.image_size, force=args.force,
+        image_size=args.image_size, force=args.force, student=args.student,
     )  # fmt: skip
     print(json.dumps(result.to_json(), indent=2))
     return 0
@@ -701,6 +701,11 @@ def _add_export(sub) -> None:
         "DINOv3's RoPE ViT: the size the target's config names)",
     )
     e.add_argument("--force", action="store_true", help="replace an existing output")
+    e.add_argument(
+        "--student",
+        help="a distillation into several students: the one to write, by its backbone "
+        "(default: model.backbone's)",
+    )
     e.set_defaults(run=_export)
 
 

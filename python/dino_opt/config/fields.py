@@ -453,6 +453,13 @@ class RecipeConfig:
     distill_projector_hidden: int = _opt(
         0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
     )
+    distill_students: tuple[str, ...] = _opt(
+        (),
+        "distill (features): more students beside model.backbone, by backbone name, trained in "
+        "the same run from the same teacher forward (each its own projector, parameter groups, "
+        "clipping, EMA, evaluation and export)",
+        choices=_BACKBONES,
+    )
 
 
 @dataclass
@@ -743,7 +750,7 @@ _ALIASES: dict[str, dict[str, tuple[str, dict[Any, Any]]]] = {
 
 @dataclass(frozen=True)
 class _Spec:
-    kind: str  # "int", "float", "bool", "str", "pair", "sizes" (int or ints) or "floats"
+    kind: str  # "int", "float", "bool", "str", "pair", "sizes" (int or ints), "floats", "names"
     attr: str  # the dataclass attribute (the key, unless that is a Python keyword)
     optional: bool
     meta: typing.Mapping[str, Any]
@@ -760,6 +767,8 @@ def _spec_of(tp: Any) -> tuple[str, bool]:
             return "sizes", optional  # an int, or a list of them
         (tp,) = args
     if typing.get_origin(tp) is tuple:
+        if typing.get_args(tp) == (str, ...):
+            return "names", optional  # a list of strings, possibly empty
         return ("floats" if ... in typing.get_args(tp) else "pair"), optional
     kinds = {int: "int", float: "float", bool: "bool", str: "str"}
     return kinds[tp], optional

@@ -126,6 +126,7 @@ _KIND_NAMES = {
     "pair": "a pair of numbers [lo, hi]",
     "sizes": "an int or a non-empty list of ints",
     "floats": "a non-empty list of numbers",
+    "names": "a list of strings",
 }
 
 
@@ -174,6 +175,19 @@ def _in_bounds(x: float, meta: typing.Mapping[str, Any]) -> bool:
     )
 
 
+def _check_choice(key: str, value: Any, choices: tuple | None) -> None:
+    """ConfigError naming ``key`` when ``value`` is not one of ``choices``
+    (with the closest choice of a mistyped string)."""
+    if choices is None or value in choices:
+        return
+    listed = ", ".join(str(c) for c in choices)
+    hint = ""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(f"{key} must be one of {listed}; got {value!r}{hint}")
+
+
 def _convert(key: str, spec: _Spec, value: Any) -> Any:
     """Converts ``value`` to the field's type and checks its range; raises
     ConfigError naming ``key`` (``section.name``)."""
@@ -219,6 +233,11 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         out = tuple(_to_float(v) for v in value)
         if any(v is None for v in out):
             raise bad_type
+    elif spec.kind == "names":
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise bad_type
+        out = tuple(value)
     else:  # pair
         if isinstance(value, str) and "," in value:
             value = value.strip("()[] ").split(",")
@@ -230,13 +249,10 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         out = (lo, hi)
 
     choices = meta["choices"]
-    if choices is not None and out not in choices:
-        listed = ", ".join(str(c) for c in choices)
-        hint = ""
-        if isinstance(out, str):
-            close = difflib.get_close_matches(out, [str(c) for c in choices], n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{key} must be one of {listed}; got {out!r}{hint}")
+    for item in out if spec.kind == "names" else ():
+        _check_choice(key, item, choices)
+    if choices is not None and spec.kind != "names":
+        _check_choice(key, out, choices)
 
     bounds = _bounds_text(meta)
     if bounds is not None:
@@ -521,8 +537,10 @@ def _distill_conflicts(cfg: Config) -> list[str]:
     """The ``recipe.distill_*`` keys of a recipe with an external teacher."""
     r = cfg.recipe
     if not RECIPE_NEEDS[r.name].get("external_teacher"):
+        if r.distill_students:
+            return [f"recipe.distill_students is for recipe.name=distill, not {r.name}"]
         return []
-    errors = []
+    errors = _students_conflicts(cfg)
     if r.distill_teacher is None:
         errors.append(f"recipe.name={r.name} needs its teacher: set recipe.distill_teacher "
                       "(a dino_opt run or checkpoint, or weights in any format model.init_from "
@@ -533,6 +551,28 @@ def _distill_conflicts(cfg: Config) -> list[str]:
             f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill_mode=features)"
         )
     return errors
+
+
+def _students_conflicts(cfg: Config) -> list[str]:
+    """``recipe.distill_students``: distinct backbones beside
+    ``model.backbone``, in a features distillation, not sharded."""
+    students = cfg.recipe.distill_students
+    if not students:
+        return []
+    names = [cfg.model.backbone, *students]
+    if len(set(names)) < len(names):
+        return [f"recipe.distill_students {list(students)} with model.backbone="
+                f"{cfg.model.backbone} names a backbone twice; each student is named by its "
+                "backbone"]  # fmt: skip
+    if cfg.recipe.distill_mode != "features":
+        return ["recipe.distill_students trains several students with recipe.distill_mode="
+                f"features; got {cfg.recipe.distill_mode}"]  # fmt: skip
+    if cfg.distributed.strategy == "fsdp":
+        return [
+            "recipe.distill_students runs every student on every rank (ddp); "
+            "distributed.strategy=fsdp shards one student: train them in separate runs"
+        ]
+    return []
 
 
 def _sharding_conflicts(cfg: Config) -> list[str]:

@@ -1,4 +1,5 @@
-"""The teacher's evaluation while a run trains (``eval.every_epochs``)."""
+"""The teacher's evaluation while a run trains (``eval.every_epochs``), and
+the end-of-run evaluation of a distillation's other students."""
 
 from __future__ import annotations
 
@@ -6,12 +7,31 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..eval import evaluate_teacher
-from ..observe import RunLog
+from ..eval import evaluate_run, evaluate_teacher
+from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog
+from ..train import StudentBank, recipe_of
 from .sharding import full_teacher_backbone
 
-__all__ = ["evaluate_between_epochs"]
+__all__ = ["evaluate_between_epochs", "evaluate_other_students"]
+
+
+def evaluate_other_students(cfg: Config, parts, device: torch.device, folder: RunFolder,
+                            step: int) -> dict:  # fmt: skip
+    """The end-of-run evaluation (:func:`~dino_opt.eval.evaluate_run`) of
+    each student of a :class:`~dino_opt.train.StudentBank` but the first
+    (which the run's own evaluation covers), its EMA beside its random
+    initialisation, into ``students/<name>/``; the report's ``students``
+    key, by name. ``{}`` for a run of one student."""
+    teacher, random = parts.teacher, parts.random_teacher
+    if not isinstance(teacher, StudentBank):
+        return {}
+    out = {}
+    configs = recipe_of(cfg).student_configs(cfg)[1:]
+    for name, own in zip(list(teacher.members)[1:], configs, strict=True):
+        nets = (teacher.members[name].backbone, random.members[name].backbone)
+        out[name] = evaluate_run(own, parts.roots, *nets, device, folder.student(name), None, step)
+    return {"students": out}
 
 
 def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,

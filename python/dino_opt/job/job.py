@@ -57,7 +57,7 @@ from ..runtime import (
 from ..train import resolve_recipe
 from ..tune import resolve_hardware
 from ..weights import init_from, weights_reader
-from .evaluation import evaluate_between_epochs
+from .evaluation import evaluate_between_epochs, evaluate_other_students
 from .hang import injected_hang, report_hang, start_watchdog
 from .parts import (
     _NEVER_HELD_BACK,
@@ -169,6 +169,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.progress_file: ProgressFile | None = None  # several processes: read by the launcher
         self._seconds_before = 0.0  # training time of the runs this one resumes
         self._started = time.perf_counter()
+        self.reader = weights_reader()  # opens a distillation's teacher once
 
     def _set_output_dir(self, out: Path) -> None:
         """The run folder and the manager of its ``checkpoints/``."""
@@ -195,7 +196,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         if self.lead:
             self.config, choice = resolve_hardware(self.config)
             self.hardware_preset = choice.reason if choice is not None else None
-            self.config = resolve_recipe(self.config, weights_reader())  # e.g. a teacher's widths
+            self.config = resolve_recipe(self.config, self.reader)  # e.g. a teacher's widths
         self.config = broadcast_object(self.config)
         if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
             self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))
@@ -223,7 +224,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
 
     def _build(self) -> _Parts:
         """The objects of the run (:func:`~dino_opt.job.parts.build_parts`)."""
-        return build_parts(self.config, self.device, self.rank, self.world, weights_reader())
+        return build_parts(self.config, self.device, self.rank, self.world, self.reader)
 
     # ------------------------------------------------------------ resume
 
@@ -726,6 +727,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             nets = (teacher, p.random_teacher.backbone)
             report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder, self.log,
                                        self.step))  # fmt: skip
+            report.update(evaluate_other_students(cfg, p, self.device, self.folder, self.step))
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:

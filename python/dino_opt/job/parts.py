@@ -29,6 +29,7 @@ from ..train import (
     build_schedules,
     build_trainer,
     data_roots,
+    recipe_of,
 )
 from .sharding import spread
 
@@ -148,7 +149,8 @@ def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
     if external is not None:
         external.to(device)
     trained, teacher = spread(cfg, student, teacher, device, frozen)  # DDP, or all sharded
-    model = DINOModel(student, teacher, schedules.momentum)
+    model = DINOModel(student, teacher, schedules.momentum,
+                      copy_buffers=recipe_of(cfg).ema_copies_buffers)  # fmt: skip
     model.student = trained  # the EMA reads the unwrapped `student`
     optimizer = build_optimizer(cfg, student, device)
     trainer = build_trainer(cfg, model, loss_fn, optimizer, device)

@@ -60,6 +60,7 @@ class RunFolder:
     PROGRESS = "progress"
     PICTURES = "pictures"
     EVALUATION = "evaluation.json"
+    STUDENTS = "students"
 
     config = _entry(CONFIG)
     metrics = _entry(METRICS)
@@ -82,6 +83,13 @@ class RunFolder:
     def tsne(self, which: str) -> Path:
         """The t-SNE map of the ``which`` teacher ('trained' or 'random_init')."""
         return self.root / f"tsne_{which}.png"
+
+    def student(self, name: str) -> RunFolder:
+        """The folder of the evaluation of student ``name`` of a run that
+        trains several (``students/<name>/``), made when missing."""
+        folder = RunFolder(self.root / self.STUDENTS / name)
+        folder.root.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def is_run(self) -> bool:
         """Whether ``root`` looks like a run folder (metrics or checkpoints)."""

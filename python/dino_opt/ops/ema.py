@@ -15,12 +15,12 @@ from torch.distributed.tensor import DTensor
 from .library import ema_update_
 from .schedules import cosine_scheduler
 
-__all__ = ["EMATeacher", "update_teacher"]
+__all__ = ["EMATeacher", "unwrap", "update_teacher"]
 
 MomentumSchedule = float | Sequence[float] | np.ndarray | Callable[[int], float]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DistributedDataParallel / DataParallel wrapper."""
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         return model.module
@@ -38,8 +38,8 @@ def _paired_parameters(
     student: nn.Module, teacher: nn.Module
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Teacher and student parameters in matching order, checked by name and shape."""
-    s_named = list(_unwrap(student).named_parameters())
-    t_named = list(_unwrap(teacher).named_parameters())
+    s_named = list(unwrap(student).named_parameters())
+    t_named = list(unwrap(teacher).named_parameters())
     if len(s_named) != len(t_named):
         raise ValueError(
             f"teacher has {len(t_named)} parameters but student has {len(s_named)}; "
@@ -96,13 +96,13 @@ class EMATeacher:
         init_from_student: bool = True,
         copy_buffers: bool = False,
     ) -> None:
-        self.student = _unwrap(student)
+        self.student = unwrap(student)
         if teacher is None:
             teacher = copy.deepcopy(self.student)
         elif init_from_student:
             _paired_parameters(self.student, teacher)  # clear error before load_state_dict
-            _unwrap(teacher).load_state_dict(self.student.state_dict())
-        self.teacher = _unwrap(teacher)
+            unwrap(teacher).load_state_dict(self.student.state_dict())
+        self.teacher = unwrap(teacher)
         self.teacher.requires_grad_(False)
         self._teacher_params, self._student_params = _paired_parameters(self.student, self.teacher)
         self.copy_buffers = copy_buffers

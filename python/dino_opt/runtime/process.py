@@ -197,23 +197,24 @@ def broadcast_object(obj, src: int = 0):
 
 
 def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
-    """The student in DistributedDataParallel when distributed (BatchNorm
-    layers synchronised across ranks), else unchanged."""
+    """The student in DistributedDataParallel when distributed, else
+    unchanged. BatchNorm layers: synchronised across ranks on GPUs
+    (SyncBatchNorm); on CPUs, where SyncBatchNorm does not run, each rank
+    normalises by its own batch and the running statistics are rank 0's,
+    broadcast before each forward."""
     if not is_distributed():
         return student
-
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in student.modules()):
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in student.modules())
+    if has_bn and device.type == "cuda":
         student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
     ids = [device.index] if device.type == "cuda" else None
-    # No buffer broadcast before each forward (DINO's buffers are synchronised
-    # BatchNorm statistics or constants); torch 2.13 renamed the switch.
+    # Buffers broadcast before each forward only for unsynchronised BatchNorm
+    # (otherwise DINO's buffers are synchronised statistics or constants);
+    # torch 2.13 renamed the switch.
     params = inspect.signature(DistributedDataParallel).parameters
-    no_sync_buffers = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in params
-        else {"broadcast_buffers": False}
-    )
-    return DistributedDataParallel(student, device_ids=ids, **no_sync_buffers)
+    switch = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    broadcast = {switch: has_bn and device.type != "cuda"}
+    return DistributedDataParallel(student, device_ids=ids, **broadcast)
 
 
 def no_sync(module: nn.Module, skip: bool):

@@ -35,6 +35,7 @@ from .distill import (
     FeatureDistillWrapper,
     HeadsDistillLoss,
     HeadsDistillTrainer,
+    StudentBank,
 )
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
@@ -60,6 +61,7 @@ __all__ = [
     "PatchStudentOutputs",
     "RECIPES",
     "Recipe",
+    "StudentBank",
     "StudentOutputs",
     "TeacherTargets",
     "WeightsReader",

@@ -78,7 +78,17 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
     backbones carry ``cfg.hardware``'s block options
     (:func:`~dino_opt.models.apply_block_options`: the student's activation
     checkpointing, each block of both compiled with ``hardware.compile``),
-    ready to be wrapped for several processes."""
+    ready to be wrapped for several processes. A recipe with several
+    students (:meth:`Recipe.student_configs`) gets each one built so, joined
+    (:meth:`Recipe.join_students`)."""
+    recipe = recipe_of(cfg)
+    configs = recipe.student_configs(cfg)
+    if len(configs) > 1:
+        return recipe.join_students(cfg, [_one_pair(c) for c in configs])
+    return _one_pair(cfg)
+
+
+def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     m, h = cfg.model, cfg.hardware
     vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
     student, teacher = build_dino_models(

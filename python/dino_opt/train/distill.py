@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import Tokens, backbone_tokens, pool_to_grid
+from ..ops import unwrap
 from ..runtime import no_sync
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
 from .trainer import MemoryOptimizedDINOTrainer
@@ -49,6 +50,7 @@ __all__ = [
     "FrozenTeacher",
     "HeadsDistillLoss",
     "HeadsDistillTrainer",
+    "StudentBank",
     "teacher_side",
 ]
 
@@ -151,8 +153,6 @@ class FeatureDistillLoss(nn.Module):
     ``cls_weight`` and ``patch_weight``. The teacher (:class:`FrozenTeacher`)
     is attached with :meth:`attach_teacher`."""
 
-    student_temp = 0.1  # read by the health checks only with head outputs, never here
-
     def __init__(self, options: DistillOptions):
         super().__init__()
         self.options = options
@@ -162,15 +162,36 @@ class FeatureDistillLoss(nn.Module):
         self.frozen = teacher
 
     @torch.no_grad()
-    def teacher_tokens(self, images: torch.Tensor, grid: tuple[int, int]) -> Tokens:
-        """The frozen teacher's tokens of ``images`` (resized for it), its
-        patches averaged onto the student's ``grid``."""
+    def teacher_tokens(self, images: torch.Tensor, grid):
+        """The frozen teacher's tokens of ``images`` (resized for it, one
+        forward), its patches averaged onto the student's ``grid``; with a
+        dict of grids (the students of a :class:`StudentBank`), a dict of
+        tokens, one per student, from that one forward."""
         if self.frozen is None:
             raise RuntimeError("FeatureDistillLoss: no teacher attached (attach_teacher)")
         t = backbone_tokens(self.frozen.network, self.frozen.inputs(images))
+        if isinstance(grid, dict):
+            return {name: Tokens(t.cls, pool_to_grid(t.patches, t.grid, g), g)
+                    for name, g in grid.items()}  # fmt: skip
         return Tokens(t.cls, pool_to_grid(t.patches, t.grid, grid), grid)
 
-    def forward(self, student: Tokens, teacher: Tokens) -> tuple[torch.Tensor, dict]:
+    def forward(self, student, teacher) -> tuple[torch.Tensor, dict]:
+        """The loss of one student's tokens against the teacher's; for the
+        dicts of a :class:`StudentBank`, the sum of each student's loss (its
+        own gradients: the students share no parameter), the parts named
+        ``<part>_<student>`` beside each student's own, under its name (the
+        metrics: ``loss_<student>``)."""
+        if not isinstance(student, dict):
+            return self._one(student, teacher)
+        total, parts = 0.0, {}
+        for name, tokens in student.items():
+            loss, own = self._one(tokens, teacher[name])
+            total = total + loss
+            parts[name] = loss.detach()
+            parts.update({f"{k}_{name}": v for k, v in own.items()})
+        return total, parts
+
+    def _one(self, student: Tokens, teacher: Tokens) -> tuple[torch.Tensor, dict]:
         o = self.options
         s_cls, s_patch = student.cls.float(), student.patches.float()
         t_cls, t_patch = teacher.cls.float(), teacher.patches.float()
@@ -188,12 +209,51 @@ class FeatureDistillLoss(nn.Module):
         return total, {k: v.detach() for k, v in parts.items()}
 
 
+class StudentBank(nn.Module):
+    """Several students of one teacher trained in one run: ``members``, each
+    a :class:`FeatureDistillWrapper` under its name (its backbone's).
+    ``forward(images)`` gives each one's projected tokens, as a dict; the
+    teacher's forward serves them all (:meth:`FeatureDistillLoss.teacher_tokens`).
+    ``backbone`` is the first student's (what a run evaluates and exports
+    by default)."""
+
+    def __init__(self, members: dict[str, nn.Module]):
+        super().__init__()
+        if len(members) < 2:
+            raise ValueError(f"StudentBank: give two students or more, not {len(members)}")
+        self.members = nn.ModuleDict(members)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return next(iter(self.members.values())).backbone
+
+    def forward(self, images: torch.Tensor) -> dict[str, Tokens]:
+        return {name: member(images) for name, member in self.members.items()}
+
+
+def _grids(student):
+    if isinstance(student, dict):
+        return {name: tokens.grid for name, tokens in student.items()}
+    return student.grid
+
+
 class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
     """One ``features`` micro-batch: the frozen teacher's tokens of the
     global crops (once), the student's projected tokens of the same crops,
     :class:`FeatureDistillLoss`; AMP, accumulation, clipping, the optimizer
     step and the student's EMA are :class:`MemoryOptimizedDINOTrainer`'s.
-    Local crops are not used."""
+    Local crops are not used. A :class:`StudentBank` trains its students
+    from the one teacher forward, each clipped to its own gradient norm."""
+
+    def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
+        bank = unwrap(self.model.student)
+        if not isinstance(bank, StudentBank):
+            return super()._clip(params)
+        ids = {id(p) for p in params}
+        norms = []
+        for member in bank.members.values():
+            norms.append(super()._clip([p for p in member.parameters() if id(p) in ids]))
+        return torch.linalg.vector_norm(torch.stack(norms))
 
     def train_step_optimized(
         self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
@@ -206,7 +266,7 @@ class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
         with no_sync(self.model.student, skip=not self._sync_last):
             with self._autocast():
                 student = self.model.student(glob)
-                teacher = self.loss_fn.teacher_tokens(glob, student.grid)
+                teacher = self.loss_fn.teacher_tokens(glob, _grids(student))
             loss, parts = self.loss_fn(student, teacher)
             self._backward(loss / self.accumulation_steps)
         self._micro_steps += 1

@@ -38,14 +38,18 @@ class DINOModel(nn.Module):
 
     ``update_teacher(step)`` applies the fused EMA with the momentum of
     ``step`` from ``momentum_schedule`` (a float, a per-step sequence or a
-    callable) and returns it.
+    callable) and returns it. ``copy_buffers``: the update also copies the
+    student's buffers (BatchNorm statistics) into the teacher, for the
+    recipes whose teacher never runs a training-mode forward of its own
+    (a distillation: the EMA is only the result).
     """
 
-    def __init__(self, student: nn.Module, teacher: nn.Module, momentum_schedule=0.996):
+    def __init__(self, student: nn.Module, teacher: nn.Module, momentum_schedule=0.996,
+                 copy_buffers: bool = False):  # fmt: skip
         super().__init__()
         self.student = student
         self.teacher = teacher
-        self._ema = EMATeacher(student, teacher, momentum_schedule)
+        self._ema = EMATeacher(student, teacher, momentum_schedule, copy_buffers=copy_buffers)
         self.teacher_step = 0
 
     def update_teacher(self, step: int | None = None) -> float:
@@ -218,11 +222,7 @@ class MemoryOptimizedDINOTrainer:
         params = [p for p in student.parameters() if p.grad is not None]
         # Sharded gradients (FSDP): the norm is reduced over the ranks on the
         # device and comes back replicated; no host synchronisation.
-        if self.gradient_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.gradient_clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        self.last_grad_norm = replicated(norm)
+        self.last_grad_norm = replicated(self._clip(params))
         # A NaN/inf loss or gradient skips the update (counted by the caller
         # from last_step_finite). fp16: GradScaler skips it and lowers its
         # scale; a fused optimizer skips it on the device (found_inf, as
@@ -249,6 +249,13 @@ class MemoryOptimizedDINOTrainer:
         else:
             self.model.teacher_step += 1  # the momentum schedule stays aligned with the steps
         return True
+
+    def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Clips ``params``' gradients to ``gradient_clip`` (0: measures
+        only); returns their norm before clipping."""
+        if self.gradient_clip > 0:
+            return torch.nn.utils.clip_grad_norm_(params, self.gradient_clip, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
 
     def discard_accumulation(self) -> None:
         """Drops the gradients of micro-batches not yet stepped (a rollback

@@ -113,8 +113,11 @@ def _torch_load(path: Path) -> dict:
 
 def _split(state: dict) -> dict:
     """``{"backbone", "head"}`` of a network's state dict (``module.`` and a
-    backbone prefix stripped; a bare backbone gives no head)."""
+    backbone prefix stripped; a bare backbone gives no head; several
+    students of a distillation: the first one's)."""
     state = {k.removeprefix("module."): v for k, v in state.items()}
+    if state and next(iter(state)).startswith("members."):  # students of a distillation
+        state = sub_dict(state, f"members.{next(iter(state)).split('.')[1]}.")  # the first's
     if any(k.startswith("backbone.") for k in state):
         head = sub_dict(state, "head.")
         return {"backbone": sub_dict(state, "backbone."), "head": head or None}

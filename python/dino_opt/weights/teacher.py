@@ -78,5 +78,16 @@ def open_teacher(path: str | os.PathLike, heads: bool = False) -> OpenedTeacher:
 
 def weights_reader() -> WeightsReader:
     """What the recipes may read of weights files (:class:`~dino_opt.train.WeightsReader`):
-    :func:`~dino_opt.weights.load_backbone` and :func:`open_teacher`."""
-    return WeightsReader(load_backbone=load_backbone, open_teacher=open_teacher)
+    :func:`~dino_opt.weights.load_backbone` and :func:`open_teacher`. The
+    reader keeps the teacher it opened last: a run that reads the teacher's
+    widths when it starts and then attaches it opens its file once."""
+    kept: dict = {}
+
+    def open_once(path: str | os.PathLike, heads: bool = False) -> OpenedTeacher:
+        key = (str(Path(path).resolve()), bool(heads))
+        if key not in kept:
+            kept.clear()
+            kept[key] = open_teacher(path, heads)
+        return kept[key]
+
+    return WeightsReader(load_backbone=load_backbone, open_teacher=open_once)

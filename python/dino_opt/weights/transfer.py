@@ -355,6 +355,24 @@ def _refuse_dinov3_format(fmt: str, what: str) -> None:
                          f"{what} is not one: --format dinov2, timm or hf write it")  # fmt: skip
 
 
+def _student_prefix(cfg: Config, student: str | None, source, full: bool) -> tuple[str, str]:
+    """(backbone name, state-dict prefix of its backbone) of ``student`` in
+    a run of ``cfg`` (its students: ``model.backbone`` and
+    ``recipe.distill_students``; ValueError naming them for another)."""
+    names = [cfg.model.backbone, *cfg.recipe.distill_students]
+    name = student or names[0]
+    if name not in names:
+        raise ValueError(f"--student {name}: {source} trained {', '.join(names)}")
+    if len(names) == 1:
+        return name, "backbone."
+    if full:
+        raise ValueError(
+            f"--full writes DINO's checkpoint of one student; {source} trained "
+            f"{', '.join(names)}: export each backbone with --student"
+        )
+    return name, f"members.{name}.backbone."
+
+
 def export_weights(
     source: str | os.PathLike,
     fmt: str,
@@ -364,23 +382,27 @@ def export_weights(
     full: bool = False,
     image_size: int | None = None,
     force: bool = False,
+    student: str | None = None,
 ) -> ExportResult:
     """Writes the ``which`` network (teacher by default) of a training
     checkpoint or run folder ``source`` as ``fmt`` (see the module docstring)
     to ``output``; ``image_size`` None keeps the position table's own size.
-    Refuses an existing ``output`` unless ``force``, a backbone the format
-    does not take, and a checkpoint without weights, naming each."""
+    A distillation into several students: ``student`` names the one (by
+    its backbone; default: the first, ``model.backbone``). Refuses an
+    existing ``output`` unless ``force``, a backbone the format does not
+    take, an unknown student and a checkpoint without weights, naming each."""
     _check_request(fmt, which, full)
     ckpt = load_checkpoint(source, keys=(which, "config"))
-    model = Config.from_dict(ckpt["config"]).model
-    backbone = model.backbone
+    cfg = Config.from_dict(ckpt["config"])
+    model = cfg.model
+    backbone, prefix = _student_prefix(cfg, student, source, full)
     if fmt != "dino" and not backbone.startswith("vit"):
         raise ValueError(
             f"format {fmt} takes ViT backbones (vit_tiny, vit_small, vit_base, ...); {source} "
             f"holds a {backbone}; --format dino writes it as a torchvision state dict"
         )
     output = Path(output)
-    sd = sub_dict(ckpt[which], "backbone.")
+    sd = sub_dict(ckpt[which], prefix)
     meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which}
     if is_rope_vit(sd):
         arch = dinov3_arch(sd)

@@ -46,6 +46,10 @@ class Recipe(ABC):
     #: The changes to DINO's demo preset that make this recipe's demo
     #: (``dino-opt train --demo NAME``), as nested dicts of config sections.
     demo_changes: dict = {}
+    #: Whether the EMA also copies the student's buffers (BatchNorm
+    #: statistics): True where the EMA network never runs a training-mode
+    #: forward that would keep its own (a distillation).
+    ema_copies_buffers: bool = False
 
     @abstractmethod
     def backbone_options(self, cfg: Config) -> dict:
@@ -106,6 +110,16 @@ class Recipe(ABC):
         through ``reader``, hands it to ``loss_fn`` and returns its network
         (for the job to place on its device); None for the recipes without
         one."""
+
+    def student_configs(self, cfg: Config) -> list[Config]:
+        """The configs of the students a run trains, one each (``cfg``
+        alone, but for a distillation into several students)."""
+        return [cfg]
+
+    def join_students(self, cfg: Config, pairs: list[tuple[nn.Module, nn.Module]]):
+        """One (student, teacher) pair of the (student, teacher) ``pairs``
+        of :meth:`student_configs`, for the recipes with several students."""
+        raise ValueError(f"recipe {self.name} trains one student, got {len(pairs)}")
 
     # ---------------------------------------------------------- memory model terms
 

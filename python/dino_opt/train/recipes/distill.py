@@ -12,7 +12,7 @@ import copy
 
 from torch import nn
 
-from ...config import Config, apply_overrides
+from ...config import Config, apply_overrides, default_config
 from ...models import feature_width
 from ..distill import (
     DistillOptions,
@@ -23,6 +23,7 @@ from ..distill import (
     FrozenTeacher,
     HeadsDistillLoss,
     HeadsDistillTrainer,
+    StudentBank,
 )
 from .base import WeightsReader, register
 from .dinov2 import DINOv2Recipe
@@ -42,6 +43,15 @@ def distill_options(cfg: Config) -> DistillOptions:
     )  # fmt: skip
 
 
+def _student_config(cfg: Config, backbone: str) -> Config:
+    """``cfg`` with ``backbone`` as its student (alone; a ViT takes
+    ``model.patch_size``, a network without patches the default)."""
+    vit = backbone.startswith("vit")
+    patch = cfg.model.patch_size if vit else default_config().model.patch_size
+    return apply_overrides(cfg, [f"model.backbone={backbone}", f"model.patch_size={patch}",
+                                 "recipe.distill_students=[]"])  # fmt: skip
+
+
 def _heads(cfg: Config) -> bool:
     return cfg.recipe.distill_mode == "heads"
 
@@ -51,6 +61,10 @@ class DistillRecipe(DINOv2Recipe):
     # The demo: a ViT-T/16 student (the DINO demo's network, data, crops and
     # schedule) distilled from the teacher given with recipe.distill_teacher.
     demo_changes = {"recipe": {"name": "distill", "distill_mode": "features"}}
+    # The EMA student is never run in training mode: its BatchNorm statistics
+    # are the student's, or a ResNet's EMA would be evaluated with its
+    # initial ones.
+    ema_copies_buffers = True
 
     def backbone_options(self, cfg: Config) -> dict:
         # DINOv2's (the global crops' grid, a mask token); no mask token without masks
@@ -66,6 +80,25 @@ class DistillRecipe(DINOv2Recipe):
         )
         wrapped = FeatureDistillWrapper(student.backbone, projector)
         return wrapped, copy.deepcopy(wrapped).requires_grad_(False)
+
+    def student_configs(self, cfg: Config) -> list[Config]:
+        """``cfg`` (the student ``model.backbone``) and one config per
+        backbone of ``recipe.distill_students``."""
+        return [cfg, *(_student_config(cfg, name) for name in cfg.recipe.distill_students)]
+
+    def join_students(self, cfg: Config, pairs: list[tuple[nn.Module, nn.Module]]):
+        names = [c.model.backbone for c in self.student_configs(cfg)]
+        students = StudentBank({n: s for n, (s, _) in zip(names, pairs, strict=True)})
+        return students, StudentBank({n: t for n, (_, t) in zip(names, pairs, strict=True)})
+
+    def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
+        """DINOv2's groups of each student, one after the other (AdamW's
+        update is per parameter: as an optimizer each)."""
+        members = student.members.values() if isinstance(student, StudentBank) else [student]
+        groups = []
+        for member in members:
+            groups += super().param_groups(cfg, member)
+        return groups
 
     loss_class = HeadsDistillLoss
 

@@ -1,0 +1,138 @@
+"""A distillation into several students (``recipe.distill_students``) as
+the job runs it, on 2 gloo processes: a ViT-T/8 and a ResNet-18 from one
+frozen ViT teacher (a bare DINO-format file); each student's loss in the
+metrics, each one evaluated and exported; a rank killed mid-run and the
+restarted run ending bit for bit as the one never stopped; bad student
+lists in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from dino_opt.cli import main
+from dino_opt.config import ConfigError, load_config
+from dino_opt.data import builtin_dataset
+from dino_opt.models import VisionTransformer
+from tiny import TINY
+
+STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
+            "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
+            "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
+            "checkpoint.keep=20"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """40 train images (5 steps per epoch at 2 ranks of 4), 10 val."""
+    return builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
+        test_per_class=0, image_size=40,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def teacher_file(tmp_path_factory):
+    """A ViT-S/8-wide (384) teacher of 2 blocks, as DINO's backbone file."""
+    torch.manual_seed(1)
+    net = VisionTransformer(patch_size=8, embed_dim=384, depth=2, num_heads=6, img_size=32)
+    path = tmp_path_factory.mktemp("teacher") / "teacher.pth"
+    torch.save(net.state_dict(), path)
+    return path
+
+
+def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
+    command = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
+               "--nproc", "2", f"data.root={root / 'train'}", *STUDENTS,
+               f"recipe.distill_teacher={teacher}", *extra]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    state = torch.load(report["checkpoint"], weights_only=True)
+    return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
+            "state": state}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(data_root, teacher_file, tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("ref") / "run", data_root, teacher_file)
+
+
+def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, capsys):
+    rows, report, out = reference["rows"], reference["report"], reference["out"]
+    assert rows and all("loss_vit_tiny" in r and "loss_resnet18" in r for r in rows)
+    assert "knn_top1_trained" in report  # the first student: the run's own evaluation
+    resnet = report["students"]["resnet18"]
+    assert {"knn_top1_trained", "knn_top1_random_init"} <= set(resnet)
+    assert (out / "students" / "resnet18" / "evaluation.json").is_file()
+    teacher = reference["state"]["teacher"]
+    assert teacher["members.resnet18.head.patch.weight"].shape == (384, 512)
+    assert teacher["members.vit_tiny.head.patch.weight"].shape == (384, 192)
+    # the EMA's BatchNorm statistics are the student's (it never runs in training mode)
+    student = reference["state"]["student"]
+    key = "members.resnet18.backbone.layer1.0.bn1.running_mean"
+    assert torch.equal(teacher[key], student[key]) and teacher[key].abs().sum() > 0
+    target = tmp_path / "resnet18.pth"
+    assert main(["export", str(out), "--format", "dino", "--output", str(target),
+                 "--student", "resnet18"]) == 0  # fmt: skip
+    net = torchvision.models.resnet18(weights=None)
+    net.fc = torch.nn.Identity()
+    net.load_state_dict(torch.load(target, weights_only=True))
+    assert torch.equal(net.conv1.weight, teacher["members.resnet18.backbone.conv1.weight"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(out), "--format", "dino", "--output", str(tmp_path / "x.pth"),
+              "--student", "resnet50"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "trained vit_tiny, resnet18" in err
+
+
+def test_a_killed_rank_resumes_every_student_bit_for_bit(reference, data_root, teacher_file,
+                                                          tmp_path):  # fmt: skip
+    kill = ("debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")
+    run = _train(tmp_path / "run", data_root, teacher_file, *kill)
+    assert run["report"].get("restarts"), run["report"]
+    for key in ("student", "teacher", "optimizer"):
+        a, b = run["state"][key], reference["state"][key]
+        flat_a, flat_b = _tensors(a), _tensors(b)
+        assert flat_a.keys() == flat_b.keys(), key
+        for name, value in flat_b.items():
+            assert torch.equal(flat_a[name], value), f"{key}.{name} differs"
+
+
+def _tensors(state, prefix=""):
+    """Every tensor of a nested state, by its path."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return {}
+    out = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{prefix}.{k}"))
+    return out
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [(["recipe.distill_students=[vit_tiny]"], "names a backbone twice"),
+     (["recipe.distill_students=[resnet18]", "recipe.distill_mode=heads"],
+      "with recipe.distill_mode=features"),
+     (["recipe.distill_students=[resnet18]", "distributed.strategy=fsdp"], "separate runs"),
+     (["recipe.name=dino", "recipe.distill_students=[resnet18]"], "for recipe.name=distill"),
+     (["recipe.distill_students=[resnet19]"], "did you mean 'resnet18'")],
+)  # fmt: skip
+def test_bad_student_lists_are_one_line(extra, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*TINY, "recipe.name=distill", "recipe.distill_teacher=t.pth", *extra])
+    assert needle in str(e.value) and "\n" not in str(e.value)
