@@ -24,7 +24,7 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_BASEDIR := $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py fuzz bench demo demo-dinov2 demo-distill lint format gpu-check \
+.PHONY: apt-packages setup build test test-cpp test-py fuzz bench bench-check demo demo-dinov2 demo-distill lint format gpu-check \
         gpu-debs gpu-rehearsal wheel wheel-smoke build-no-cuda-toolkit cpp-install cpp-example clean
 
 setup: $(STAMPS)/build
@@ -209,6 +209,13 @@ bench: setup
 	$(PY) bench/bench_profiler.py
 	$(PY) bench/bench_photometric.py
 	$(PY) bench/bench_loader.py
+
+# Each piece's bench in its quick mode, ours beside its baseline in one process,
+# in the default environment; fails naming the piece whose ratio is under its
+# floor in bench/floors.json (twice: a second run guards against a busy machine).
+# About a minute on a 2-core machine.
+bench-check: setup
+	$(PY) bench/bench_check.py
 
 lint: setup
 	clang-format --dry-run -Werror $(CXX_FILES)

@@ -15,13 +15,18 @@ row marked ``derived`` (every_steps above ``--direct-max``) is the extra
 time of one save measured at every_steps=10 spread over N steps.
 
     python bench/bench_checkpoint.py [--models demo,vit_small] [--batch-size 64,4]
-        [--every 1,10,100] [--direct-max 100,10] [--repeats 2] [--json PATH]
+        [--every 1,10,100] [--direct-max 100,10] [--repeats 2] [--quick] [--json PATH]
+
+--quick (make bench-check): no training steps; the time a save holds the
+step up, sync (the whole write) against async (the copy to host buffers),
+median of --repeats saves of each model's state, in turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -165,6 +170,36 @@ def _rows_for(name: str, loop: _Loop, args, tmp: Path) -> list[dict]:
     return rows
 
 
+def _blocking(loop: _Loop, folder: Path, repeats: int) -> dict:
+    """Median seconds that one save holds the caller up, sync and async."""
+    manager = CheckpointManager(folder, keep_last=2)
+    writer = AsyncCheckpointWriter(manager)
+    times = {"sync": [], "async": []}
+    for _ in range(repeats):
+        loop.step += 1
+        t0 = time.perf_counter()
+        manager.save(loop.state(), epoch=0, step=loop.step)
+        times["sync"].append(time.perf_counter() - t0)
+        loop.step += 1
+        t0 = time.perf_counter()
+        writer.save(loop.state(), epoch=0, step=loop.step)
+        times["async"].append(time.perf_counter() - t0)
+        writer.wait()  # untimed: the write goes on beside the next steps
+    return {f"{k}_blocking_s": statistics.median(v) for k, v in times.items()}
+
+
+def quick(args, names, batches, tmp: Path) -> list[dict]:
+    rows = []
+    for name, batch in zip(names, batches, strict=True):
+        loop = _Loop(MODELS[name](), batch, torch.device("cpu"))
+        row = {"model": name, **_blocking(loop, tmp / name, args.repeats)}
+        row["sync_vs_async"] = row["sync_blocking_s"] / row["async_blocking_s"]
+        print(f"  {name}: a save holds the step {row['sync_blocking_s']:.3f} s sync, "
+              f"{row['async_blocking_s']:.3f} s async", flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -195,6 +230,7 @@ def main() -> None:
                              "vit_small)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--every", default="1,10,100", help="checkpoint.every_steps values")
+    parser.add_argument("--quick", action="store_true", help="save blocking times only")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -204,6 +240,13 @@ def main() -> None:
     limits = _per_model(args.direct_max, names, DEFAULT_DIRECT_MAX)
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="bench_checkpoint.", dir=RESULTS_DIR.parent.parent))
+    if args.quick:
+        try:
+            rows = quick(args, names, batches, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        write_json(args.json or Path(tmp.name + ".json"), {"machine": machine(), "quick": rows})
+        return
     try:
         for name, batch, limit in zip(names, batches, limits, strict=True):
             print(f"{name}: batch {batch} on {device}", flush=True)

@@ -5,7 +5,8 @@ student view), on the DINO recipe: B=64 per device, 2 global + 8 local and
 the iBOT masked-patch loss, dino_opt.ibot_loss vs dinov2's plain form, on
 dinov2's masking of the B * 2 global crops (see ibot_masked_tokens).
 
-    python bench/bench_loss.py [--device cpu|cuda] [--batch 64] [--only dino|ibot] [--json PATH]
+    python bench/bench_loss.py [--device cpu|cuda] [--batch 64] [--only dino|ibot] [--quick]
+                               [--json PATH]
 
 Time: median of forward + backward after a warm-up. Memory: peak allocated
 above the inputs during forward + backward (the student gradient included).
@@ -14,9 +15,13 @@ backward writes the gradient: (2 * (S + T) + S) * B * K * bytes over the
 measured copy bandwidth (iBOT: the forward reads S and T once, the backward
 reads them and writes the gradient, (3N * S_bytes + 2M * T_bytes) * K). bf16
 baselines run under autocast, as DINO runs them.
-On the CPU, PyTorch's allocator is told to use transparent huge pages
-(THP_MEM_ALLOC_ENABLE=1, unless set otherwise): every variant allocates
-hundreds of MiB per step, and without it page faults dominate and vary.
+On the CPU the bench runs in the environment it is given, as a user's script
+does: the committed figures (docs/results/loss_cpu.json) are of the default
+environment, those of loss_cpu_thp.json of THP_MEM_ALLOC_ENABLE=1 (PyTorch's
+CPU allocator asks for transparent huge pages); the JSON records which.
+--quick (make bench-check): float32, 2+8 crops at B=16 (a gradient above
+glibc's mmap threshold, as at B=64) against the reference loop, iBOT at B=8,
+no memory peaks.
 """
 
 from __future__ import annotations
@@ -27,8 +32,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch's CPU allocator
 
 import torch  # noqa: E402
 
@@ -46,6 +49,7 @@ from common import (  # noqa: E402
     time_ms,
     write_json,
 )
+from dino_opt.ops import release_cpu_buffers  # noqa: E402
 from reference import (  # noqa: E402
     dino_loss_dinov2_form,
     dino_loss_reference,
@@ -95,6 +99,7 @@ def make_inputs(ncrops, batch, dim, dtype, device):
 
 
 def measure_times(configs, args, device, on_gpu, repeats, bandwidth):
+    variants = ("dino_opt", "reference_loop") if args.quick else tuple(VARIANTS)
     results = []
     for ncrops, dtype in configs:
         inputs = make_inputs(ncrops, args.batch, args.dim, dtype, device)
@@ -105,7 +110,7 @@ def measure_times(configs, args, device, on_gpu, repeats, bandwidth):
             "dim": args.dim,
             "dtype": str(dtype),
         }
-        for name in VARIANTS:
+        for name in variants:
             step = run_variant(name, inputs, ncrops, device, dtype)
             row[f"{name}_ms"] = time_ms(step, device, warmup=5 if on_gpu else 2, repeats=repeats)
         elem = torch.empty((), dtype=dtype).element_size()
@@ -122,6 +127,7 @@ def measure_peaks(results, configs, args, device):
             step = run_variant(name, inputs, ncrops, device, dtype)
             step(0)  # warm: lazily created state is not counted
             inputs[0][0].grad = None
+            release_cpu_buffers()  # the gradient's buffer counts, as on a first step
             row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
             inputs[0][0].grad = None
         print(row, flush=True)
@@ -130,16 +136,17 @@ def measure_peaks(results, configs, args, device):
 def comparison_rows(results, label_of, baselines, on_gpu):
     rows = []
     for r in results:
-        for base in baselines:
+        for base in (b for b in baselines if f"{b}_ms" in r):
+            peaks = "dino_opt_peak_mib" in r
             rows.append(
                 [
                     f"{label_of(r)} vs {base}",
                     r["dino_opt_ms"],
                     r[f"{base}_ms"],
                     r[f"{base}_ms"] / r["dino_opt_ms"],
-                    r["dino_opt_peak_mib"],
-                    r[f"{base}_peak_mib"],
-                    r["dino_opt_peak_mib"] / r[f"{base}_peak_mib"],
+                    r["dino_opt_peak_mib"] if peaks else "-",
+                    r[f"{base}_peak_mib"] if peaks else "-",
+                    r["dino_opt_peak_mib"] / r[f"{base}_peak_mib"] if peaks else "-",
                     r["floor_ms"] if on_gpu else "-",
                     r["dino_opt_ms"] / r["floor_ms"] if on_gpu else "-",
                 ]
@@ -179,6 +186,7 @@ def ibot_fused(student, targets, weights, student_temp, n_crops):
 
 
 IBOT_VARIANTS = {"dino_opt": ibot_fused, "dinov2_form": ibot_loss_dinov2_form}
+IBOT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def ibot_inputs(args, dtype, device):
@@ -211,7 +219,7 @@ def ibot_step(name, inputs, n_crops, device, dtype):
 def ibot_times(args, device, on_gpu, repeats, bandwidth):
     # One input set: at ~5000 x 65536 each tensor is far larger than any cache.
     results = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in IBOT_DTYPES[: 1 if args.quick else 2]:
         inputs = ibot_inputs(args, dtype, device)
         n, dim = inputs[0].shape
         row = {"tokens": n, "images": args.batch, "dim": dim, "dtype": str(dtype),
@@ -227,12 +235,13 @@ def ibot_times(args, device, on_gpu, repeats, bandwidth):
 
 
 def ibot_peaks(results, args, device):
-    for row, dtype in zip(results, (torch.float32, torch.bfloat16), strict=True):
+    for row, dtype in zip(results, IBOT_DTYPES, strict=False):
         inputs = ibot_inputs(args, dtype, device)
         for name in IBOT_VARIANTS:
             step = ibot_step(name, inputs, 2 * args.batch, device, dtype)
             step(0)  # warm: lazily created state is not counted
             inputs[0].grad = None
+            release_cpu_buffers()  # the gradient's buffer counts, as on a first step
             row[f"{name}_peak_mib"] = peak_extra_bytes(lambda step=step: step(0), device) / 2**20
             inputs[0].grad = None
         print(row, flush=True)
@@ -251,33 +260,52 @@ def merged_payload(path: Path, slug: str) -> dict:
     return {"bench": "loss", "device": slug}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, help="images per step (default 64; --quick 16)")
     parser.add_argument("--dim", type=int, default=65536)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--only", choices=("dino", "ibot"), help="one table (default: both)")
+    parser.add_argument("--quick", action="store_true", help="the bench-check subset (see above)")
     parser.add_argument(
         "--json", type=Path, help="output file (default docs/results/loss_<device>.json)"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def environment() -> dict:
+    """What decides the CPU allocation costs: PyTorch's THP switch and the
+    kernel's transparent huge page mode."""
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        thp = None
+    return {"THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "kernel_thp": thp}
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    repeats = args.repeats or (20 if on_gpu else 5)
+    args.batch = args.batch or (16 if args.quick else 64)
+    repeats = args.repeats or (20 if on_gpu else 7 if args.quick else 5)
     bandwidth = copy_bandwidth_gbps(device)
     configs = [(ncrops, dtype) for ncrops in (10, 12) for dtype in (torch.float32, torch.bfloat16)]
+    configs = configs[:1] if args.quick else configs
     if args.only == "ibot":
         configs = []
     # All timings first, then all memory peaks (pinning glibc's mmap threshold
     # for the CPU peaks would change allocation costs under the timings).
     results = measure_times(configs, args, device, on_gpu, repeats, bandwidth)
-    ibot = ibot_times(args, device, on_gpu, repeats, bandwidth) if args.only != "dino" else []
-    if not on_gpu:
-        pin_host_mmap_threshold()
-    measure_peaks(results, configs, args, device)
-    if ibot:
-        ibot_peaks(ibot, args, device)
+    ibot_args = argparse.Namespace(**{**vars(args), "batch": 8 if args.quick else args.batch})
+    ibot = ibot_times(ibot_args, device, on_gpu, repeats, bandwidth) if args.only != "dino" else []
+    if not args.quick:
+        if not on_gpu:
+            pin_host_mmap_threshold()
+        measure_peaks(results, configs, args, device)
+        if ibot:
+            ibot_peaks(ibot, ibot_args, device)
 
     slug = device_slug(device)
     out = args.json or RESULTS_DIR / f"loss_{slug}.json"
@@ -295,8 +323,9 @@ def main() -> None:
             COLUMNS,
             rows,
         )
-        payload.update(machine=machine(), copy_bandwidth_gbps=bandwidth, repeats=repeats,
-                       results=results, table={"columns": COLUMNS, "rows": rows})  # fmt: skip
+        payload.update(machine=machine(), environment=environment(), copy_bandwidth_gbps=bandwidth,
+                       repeats=repeats, results=results,
+                       table={"columns": COLUMNS, "rows": rows})  # fmt: skip
     if ibot:
         rows = comparison_rows(
             ibot,
@@ -305,12 +334,13 @@ def main() -> None:
             on_gpu,
         )
         print_table(
-            f"iBOT patch loss forward+backward, B={args.batch} images x 2 global crops, "
+            f"iBOT patch loss forward+backward, B={ibot_args.batch} images x 2 global crops, "
             f"K={args.dim}, {slug} (median of {repeats}; peak memory above the inputs)",
             COLUMNS,
             rows,
         )
-        payload["ibot"] = {"machine": machine(), "copy_bandwidth_gbps": bandwidth,
+        payload["ibot"] = {"machine": machine(), "environment": environment(),
+                           "copy_bandwidth_gbps": bandwidth,
                            "repeats": repeats, "results": ibot,
                            "table": {"columns": COLUMNS, "rows": rows}}  # fmt: skip
     write_json(out, payload)
