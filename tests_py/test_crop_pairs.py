@@ -7,22 +7,19 @@ end (both shapes trained, resume bit for bit)."""
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, load_config
 from dino_opt.data import MultiCropDataset, MultiCropLoader, builtin_dataset
 from dino_opt.train import GramOptions, GramTeacher, build_models
 from dino_opt.train.recipes.dinov3 import gram_options
 from dino_opt.tune.memory_model import estimate_memory
-from tiny import TINY, tiny_train_only
+from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
 
 PAIRS = ["augmentation.global_crop_size=[32,48]", "augmentation.local_crop_size=[16,24]"]
 
@@ -265,15 +262,6 @@ def _sizes_by_step(out: Path) -> dict:
     return {r["step"]: (r["global_crop_size"], r["local_crop_size"]) for r in rows if "loss" in r}
 
 
-def _final(out: Path) -> dict:
-    report = json.loads((out / "report.json").read_text())
-    return torch.load(report["checkpoint"], weights_only=True)
-
-
-def _same(a, b) -> bool:
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-
-
 def test_train_with_two_pairs_sees_both_and_resumes_bit_for_bit(train_root, tmp_path):
     ref = tmp_path / "ref"
     done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
@@ -284,22 +272,8 @@ def test_train_with_two_pairs_sees_both_and_resumes_bit_for_bit(train_root, tmp_
     rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     assert any("loss_gram" in r for r in rows)
     out = tmp_path / "run"
-    p = subprocess.Popen(_cmd(out, train_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 300
-    while p.poll() is None and time.monotonic() < deadline:
-        if any(r.step >= 4 for r in manager.checkpoints()):
-            p.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    done = subprocess.run(_cmd(out, train_root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_killed_and_resumed(out, _cmd(out, train_root))
     resumed = _sizes_by_step(out)
     assert resumed == {step: sizes[step] for step in resumed} and max(resumed) == 10
-    a, b = _final(out), _final(ref)
-    for key in ("student", "teacher", "loss"):
-        assert a[key].keys() == b[key].keys()
-        for name in a[key]:
-            assert _same(a[key][name], b[key][name]), f"{key}.{name} differs"
+    a, b = final_state(out), final_state(ref)
+    assert_same_states(a, b)

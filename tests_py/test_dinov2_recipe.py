@@ -6,16 +6,13 @@ end to end (metrics of each loss, resume bit for bit)."""
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import DEMO_PRESETS
 from dino_opt.config import ConfigError, effective_lr, load_config, recipe_names
 from dino_opt.data import mask_targets
@@ -33,7 +30,7 @@ from dino_opt.train import (
     dinov2_param_groups,
     layer_id,
 )
-from tiny import TINY, tiny_train_only
+from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
 
 DINOV2_TINY = [*TINY, "recipe.name=dinov2", "model.layerscale_init=1e-5",
                "model.drop_path_uniform=true", "optim.layerwise_decay=0.9",
@@ -234,11 +231,6 @@ def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
             "logging.profile=false", "checkpoint.every_steps=1", *extra]  # fmt: skip
 
 
-def _final(out: Path) -> dict:
-    report = json.loads((out / "report.json").read_text())
-    return torch.load(report["checkpoint"], weights_only=True)
-
-
 def test_train_logs_each_loss_and_resumes_bit_for_bit(train_root, tmp_path):
     ref = tmp_path / "ref"
     done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
@@ -247,23 +239,9 @@ def test_train_logs_each_loss_and_resumes_bit_for_bit(train_root, tmp_path):
     rows = [r for r in rows if "loss" in r]
     assert {"loss_dino_global", "loss_dino_local", "loss_ibot", "loss_koleo"} <= set(rows[-1])
     out = tmp_path / "run"
-    p = subprocess.Popen(_cmd(out, train_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 300
-    while p.poll() is None and time.monotonic() < deadline:
-        if any(r.step >= 4 for r in manager.checkpoints()):
-            p.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    done = subprocess.run(_cmd(out, train_root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = _final(out), _final(ref)
-    for key in ("student", "teacher", "loss"):
-        assert a[key].keys() == b[key].keys()
-        for name in a[key]:
-            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+    run_killed_and_resumed(out, _cmd(out, train_root))
+    a, b = final_state(out), final_state(ref)
+    assert_same_states(a, b)
 
 
 def test_the_dinov2_demo_is_the_dino_demo_with_the_recipe():

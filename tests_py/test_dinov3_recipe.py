@@ -6,16 +6,13 @@ teacher, refreshed, at most max_updates times) and its file, the demo, and
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import DEMO_PRESETS, main
 from dino_opt.config import ConfigError, load_config, recipe_names
 from dino_opt.data import mask_targets
@@ -40,7 +37,7 @@ from dino_opt.train.recipes import recipe_of
 from dino_opt.train.recipes.dinov3 import gram_weight_schedule
 from dino_opt.weights import weights_reader
 from reference import gram_loss_reference
-from tiny import TINY, tiny_train_only
+from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
 
 DINOV3_TINY = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
                "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64",
@@ -369,15 +366,6 @@ def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
             *extra]  # fmt: skip
 
 
-def _final(out: Path) -> dict:
-    report = json.loads((out / "report.json").read_text())
-    return torch.load(report["checkpoint"], weights_only=True)
-
-
-def _same(a, b) -> bool:
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-
-
 def test_train_logs_the_gram_loss_and_resumes_bit_for_bit(train_root, tmp_path):
     ref = tmp_path / "ref"
     done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
@@ -387,25 +375,11 @@ def test_train_logs_the_gram_loss_and_resumes_bit_for_bit(train_root, tmp_path):
     assert [r["step"] for r in rows if "loss_gram" in r] == list(range(3, 11))
     assert all(r["loss_gram"] >= 0 for r in rows if "loss_gram" in r)
     out = tmp_path / "run"
-    p = subprocess.Popen(_cmd(out, train_root), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 300
-    while p.poll() is None and time.monotonic() < deadline:
-        if any(r.step >= 4 for r in manager.checkpoints()):
-            p.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    done = subprocess.run(_cmd(out, train_root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = _final(out), _final(ref)
+    run_killed_and_resumed(out, _cmd(out, train_root))
+    a, b = final_state(out), final_state(ref)
     assert b["loss"]["gram_teacher._extra_state"] == {"loaded": True, "updates": 2}
     assert any(k.startswith("gram_teacher.backbone.") for k in b["loss"])
-    for key in ("student", "teacher", "loss"):
-        assert a[key].keys() == b[key].keys()
-        for name in a[key]:
-            assert _same(a[key][name], b[key][name]), f"{key}.{name} differs"
+    assert_same_states(a, b)
 
 
 def test_a_gram_checkpoint_that_is_missing_is_one_line(train_root, tmp_path, capsys):

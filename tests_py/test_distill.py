@@ -6,17 +6,14 @@ trainer's targets are the frozen teacher's)."""
 
 import copy
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
 import yaml
-from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
 from dino_opt.config import Config, ConfigError, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
@@ -33,7 +30,7 @@ from dino_opt.train.distill import (
     StudentBank,
     teacher_side,
 )
-from tiny import TINY, tiny_train_only
+from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
 
 
 @pytest.fixture
@@ -352,26 +349,6 @@ def _student(teacher: Path, *extra: str) -> list[str]:
             "model.drop_path_rate=0", *extra]  # fmt: skip
 
 
-def _final(out: Path) -> dict:
-    report = json.loads((out / "report.json").read_text())
-    return torch.load(report["checkpoint"], weights_only=True)
-
-
-def _run_killed_and_resumed(out: Path, cmd: list[str]) -> None:
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 300
-    while p.poll() is None and time.monotonic() < deadline:
-        if any(r.step >= 4 for r in manager.checkpoints()):
-            p.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 @pytest.mark.parametrize("mode", ["features", "heads"])
 def test_distillation_trains_and_resumes_bit_for_bit(mode, train_root, teacher_run, tmp_path):
     config = _student(teacher_run, f"recipe.distill_mode={mode}")
@@ -388,13 +365,10 @@ def test_distillation_trains_and_resumes_bit_for_bit(mode, train_root, teacher_r
     else:  # the student's heads take the teacher's widths
         assert saved["ibot_out_dim"] == 40 and saved["ibot_separate_head"]
     out = tmp_path / "run"
-    _run_killed_and_resumed(out, _cmd(out, train_root, *config))
-    a, b = _final(out), _final(ref)
+    run_killed_and_resumed(out, _cmd(out, train_root, *config))
+    a, b = final_state(out), final_state(ref)
     assert not any("frozen" in k or k.startswith("teacher.") for k in b["loss"])  # not saved
-    for key in ("student", "teacher", "loss"):
-        assert a[key].keys() == b[key].keys()
-        for name in a[key]:
-            assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+    assert_same_states(a, b)
     # what the evaluations and the export read: the run's networks rebuilt from its config
     _, teacher = build_models(Config.from_dict(b["config"]))
     teacher.load_state_dict(b["teacher"])
@@ -407,7 +381,7 @@ def test_a_resnet_student_from_a_vit_teacher(train_root, teacher_run, tmp_path):
     done = subprocess.run(_cmd(out, train_root, *config), capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    final = _final(out)
+    final = final_state(out)
     assert final["teacher"]["head.patch.weight"].shape == (192, 512)  # ResNet-18 to ViT-T
 
 

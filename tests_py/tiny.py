@@ -1,10 +1,17 @@
 """The tiny training run the end-to-end tests share: ViT-T/8 at 32/16 px
 (2 global + 2 local crops), head 32-16-64, batch 8, on the CPU, no progress
-bar; a tiny built-in data set; `dino-opt knn` read as JSON. Tests add their own overrides."""
+bar; a tiny built-in data set; `dino-opt knn` read as JSON; a run killed
+and resumed, and its final state compared with a reference's. Tests add
+their own overrides."""
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import torch
+from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
 from dino_opt.data import builtin_dataset
 
@@ -47,3 +54,37 @@ def knn_json(capsys, *args: str) -> dict:
     capsys.readouterr()
     assert main(["knn", *args]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def final_state(out: Path) -> dict:
+    """The final checkpoint of the run folder ``out`` (its report's)."""
+    report = json.loads((out / "report.json").read_text())
+    return torch.load(report["checkpoint"], weights_only=True)
+
+
+def run_killed_and_resumed(out: Path, cmd: list[str], at_step: int = 4) -> None:
+    """Runs ``cmd`` (a training of the run folder ``out``), SIGKILLs it once
+    a checkpoint of step ``at_step`` or later exists, and runs it again to
+    its end (resuming)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    manager = CheckpointManager(out / "checkpoints")
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline:
+        if any(r.step >= at_step for r in manager.checkpoints()):
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_same_states(a: dict, b: dict, keys=("student", "teacher", "loss")) -> None:
+    """The ``keys`` of two checkpoints equal entry by entry, bit for bit."""
+    for key in keys:
+        assert a[key].keys() == b[key].keys(), key
+        for name, value in b[key].items():
+            same = torch.equal(a[key][name], value) if isinstance(value, torch.Tensor) else (
+                a[key][name] == value)  # fmt: skip
+            assert same, f"{key}.{name} differs"
