@@ -17,7 +17,15 @@ import yaml
 from dino_opt.cli import main
 from dino_opt.config import Config, ConfigError, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
-from dino_opt.train import DINOModel, DINOv2Loss, DINOv2Trainer, DINOv2Wrapper, build_models
+from dino_opt.train import (
+    DINOModel,
+    DINOv2Loss,
+    DINOv2Trainer,
+    DINOv2Wrapper,
+    build_models,
+    frozen_teacher_dtype,
+    parameters_in,
+)
 from dino_opt.train.distill import (
     DistillOptions,
     FeatureDistillLoss,
@@ -273,6 +281,33 @@ def test_students_of_one_teacher_train_as_each_would_alone(gen):
     assert ema.abs().sum() > 0  # the EMA carries the student's BatchNorm statistics
     with pytest.raises(ValueError, match="two students or more"):
         StudentBank({"one": _students()["vit_a"]})
+
+
+def test_a_teacher_in_bfloat16_on_a_gpu_keeps_its_buffers_and_its_tokens(gen):
+    def cfg(precision):
+        return load_config(None, [*TINY, f"hardware.precision={precision}"])
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert frozen_teacher_dtype(cfg("bf16"), cuda) == torch.bfloat16
+    assert frozen_teacher_dtype(cfg("bf16"), cpu) is None  # CPUs: bf16 is slower than float32
+    assert frozen_teacher_dtype(cfg("fp16"), cuda) is None
+    assert frozen_teacher_dtype(cfg("fp32"), cuda) is None
+    # the mixed forward (bf16 parameters, float32 inputs and buffers) under
+    # autocast, as a GPU runs it, here on the CPU's bf16 autocast
+    vit = _vit(patch=8, dim=48)
+    vit.register_buffer("periods", torch.linspace(1, 2, 5))
+    half = parameters_in(copy.deepcopy(vit), torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    assert half.periods.dtype == torch.float32
+    loss = FeatureDistillLoss(DistillOptions())
+    x = torch.randn(4, 3, 32, 32, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss.attach_teacher(FrozenTeacher(vit, 8))
+        want = loss.teacher_tokens(x, (4, 4))
+        loss.attach_teacher(FrozenTeacher(half, 8))
+        got = loss.teacher_tokens(x, (4, 4))
+    for a, b in ((got.cls, want.cls), (got.patches, want.patches)):
+        assert torch.allclose(a.float(), b.float(), atol=0.1, rtol=0.05)
 
 
 def _heads_wrapper(backbone, out_dim=64, ibot_dim=40):

@@ -30,6 +30,7 @@ from ..data import (
 )
 from ..models import apply_block_options, build_dino_models
 from ..ops import Schedules
+from ..runtime import resolve_precision
 from .recipes import WeightsReader, recipe_of
 from .trainer import DINOModel
 
@@ -37,6 +38,9 @@ __all__ = [
     "DataRoots",
     "attach_frozen_copies",
     "attach_teacher",
+    "frozen_teacher_dtype",
+    "parameters_in",
+    "place_frozen_teacher",
     "backbone_options",
     "build_loader",
     "build_loss",
@@ -124,10 +128,44 @@ def resolve_recipe(cfg: Config, reader: WeightsReader) -> Config:
     return recipe_of(cfg).resolve(cfg, reader)
 
 
-def attach_teacher(cfg: Config, loss_fn: nn.Module, reader: WeightsReader) -> nn.Module | None:
+def attach_teacher(cfg: Config, loss_fn: nn.Module, reader: WeightsReader,
+                   device: torch.device | None = None) -> nn.Module | None:  # fmt: skip
     """A distillation's frozen teacher opened through ``reader`` and handed
-    to ``loss_fn``; its network, or None for the recipes without one."""
-    return recipe_of(cfg).attach_teacher(cfg, loss_fn, reader)
+    to ``loss_fn``; its network, or None for the recipes without one. With
+    ``device``, the network is placed there (:func:`place_frozen_teacher`)."""
+    network = recipe_of(cfg).attach_teacher(cfg, loss_fn, reader)
+    if network is not None and device is not None:
+        place_frozen_teacher(cfg, network, device)
+    return network
+
+
+def frozen_teacher_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """bfloat16 where a frozen teacher's parameters are stored in it (a GPU
+    under bfloat16 autocast), else None (as loaded)."""
+    autocast = resolve_precision(cfg.hardware.precision, device)
+    return torch.bfloat16 if device.type == "cuda" and autocast == torch.bfloat16 else None
+
+
+def parameters_in(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``network`` with its parameters (not its buffers) stored in ``dtype``, in place."""
+    for p in network.parameters():
+        p.data = p.data.to(dtype)
+    return network
+
+
+def place_frozen_teacher(cfg: Config, network: nn.Module, device: torch.device) -> nn.Module:
+    """A frozen teacher on ``device`` as a run uses it: on a GPU under
+    bfloat16 autocast its parameters are stored in bfloat16 (half its
+    memory; autocast computes its matrix products in bfloat16 anyway; its
+    buffers, e.g. RoPE's periods, stay float32); each ViT block compiled
+    with ``hardware.compile`` (another network whole)."""
+    network.to(device)
+    dtype = frozen_teacher_dtype(cfg, device)
+    if dtype is not None:
+        parameters_in(network, dtype)
+    if cfg.hardware.compile:
+        apply_block_options(getattr(network, "backbone", network), compile=True)
+    return network
 
 
 class DataRoots(NamedTuple):
