@@ -197,11 +197,9 @@ demo-distill: setup
 	rm -rf $(DEMO_DISTILL_DIR)
 	$(VENV)/bin/dino-opt train --output-dir $(DEMO_DISTILL_DIR)/teacher_vits \
 		model.backbone=vit_small $(DEMO_ARGS)
-	$(VENV)/bin/dino-opt train --demo distill --output-dir $(DEMO_DISTILL_DIR)/vit_tiny \
-		recipe.distill_teacher=$(DEMO_DISTILL_DIR)/teacher_vits $(DEMO_ARGS)
-	$(VENV)/bin/dino-opt train --demo distill --output-dir $(DEMO_DISTILL_DIR)/resnet18 \
-		recipe.distill_teacher=$(DEMO_DISTILL_DIR)/teacher_vits model.backbone=resnet18 \
-		model.patch_size=16 $(DEMO_ARGS)
+	$(VENV)/bin/dino-opt train --demo distill --output-dir $(DEMO_DISTILL_DIR)/students \
+		recipe.distill_teacher=$(DEMO_DISTILL_DIR)/teacher_vits 'recipe.distill_students=[resnet18]' \
+		$(DEMO_ARGS)
 
 bench: setup
 	$(PY) bench/bench_ema.py
