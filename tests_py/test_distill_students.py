@@ -18,6 +18,7 @@ from dino_opt.cli import main
 from dino_opt.config import ConfigError, load_config
 from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
+from dino_opt.tune.memory_model import estimate_memory
 from tiny import TINY
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
@@ -136,3 +137,11 @@ def test_bad_student_lists_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*TINY, "recipe.name=distill", "recipe.distill_teacher=t.pth", *extra])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_memory_model_says_it_does_not_model_a_distillation():
+    cfg = load_config(None, [*TINY, "recipe.name=distill", "recipe.distill_teacher=t.pth",
+                             "recipe.distill_teacher_dim=384"])  # fmt: skip
+    with pytest.raises(ValueError, match="recipe.name=distill is not modelled yet") as e:
+        estimate_memory(cfg)
+    assert "\n" not in str(e.value)

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import Config, apply_overrides, load_config
 from ..models import CHECKPOINT_POLICIES
-from ..train import build_models, recipe_of
+from ..train import RECIPES, build_models, recipe_of
 
 __all__ = [
     "MEMORY_ARCHS",
@@ -193,6 +193,10 @@ def count_model(cfg: Config) -> ModelCounts:
     if not cfg.model.backbone.startswith("vit"):
         raise ValueError(f"the memory model covers ViT backbones; model.backbone is "
                          f"{cfg.model.backbone!r}")  # fmt: skip
+    if not recipe_of(cfg).memory_modelled:
+        raise ValueError(f"the memory model covers the recipes "
+                         f"{', '.join(n for n, r in RECIPES.items() if r.memory_modelled)}; "
+                         f"recipe.name={cfg.recipe.name} is not modelled yet")  # fmt: skip
     with torch.device("meta"):
         student, teacher = build_models(cfg)
     vit, block = student.backbone, student.backbone.blocks[0]

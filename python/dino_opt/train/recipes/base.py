@@ -50,6 +50,8 @@ class Recipe(ABC):
     #: statistics): True where the EMA network never runs a training-mode
     #: forward that would keep its own (a distillation).
     ema_copies_buffers: bool = False
+    #: Whether the memory model (:mod:`dino_opt.tune.memory_model`) has its terms.
+    memory_modelled: bool = True
 
     @abstractmethod
     def backbone_options(self, cfg: Config) -> dict:

@@ -65,6 +65,7 @@ class DistillRecipe(DINOv2Recipe):
     # are the student's, or a ResNet's EMA would be evaluated with its
     # initial ones.
     ema_copies_buffers = True
+    memory_modelled = False  # no terms yet for the frozen teacher and the projectors
 
     def backbone_options(self, cfg: Config) -> dict:
         # DINOv2's (the global crops' grid, a mask token); no mask token without masks
