@@ -78,18 +78,22 @@ def _step(trainer, crops) -> None:
     trainer.optimize_step()
 
 
-def _interleaved_ms(trainers: dict, crops, warmup: int, repeats: int) -> dict:
-    """Median step time of each trainer, the trainers timed in turn within
-    each round (a shared machine's drift falls on all of them alike)."""
+def _interleaved_ms(calls: dict, device: torch.device, warmup: int, repeats: int) -> dict:
+    """Median time of each of ``calls``, timed in turn within each round (a
+    shared machine's drift falls on all of them alike)."""
     for _ in range(warmup):
-        for trainer in trainers.values():
-            _step(trainer, crops)
-    samples = {name: [] for name in trainers}
+        for call in calls.values():
+            call()
+    samples = {name: [] for name in calls}
     for _ in range(repeats):
-        for name, trainer in trainers.items():
-            samples[name].append(time_ms(lambda _, t=trainer: _step(t, crops),
-                                         crops[0].device, warmup=0, repeats=1))  # fmt: skip
+        for name, call in calls.items():
+            samples[name].append(time_ms(lambda _, c=call: c(), device, warmup=0, repeats=1))
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+@torch.no_grad()
+def _teacher_forward(teacher: torch.nn.Module, crops) -> None:
+    teacher.forward_features(torch.cat(crops))
 
 
 class _Counter:
@@ -115,13 +119,14 @@ def main() -> None:
     teacher = _teacher(device)
     counter = _Counter(teacher)
     crops = [torch.randn(batch, 3, 64, 64, device=device) for _ in range(2)]
-    teacher_ms = time_ms(lambda _: teacher.forward_features(torch.cat(crops)), device,
-                         warmup=warmup, repeats=repeats)  # fmt: skip
     trainers = {name: _trainer(_config((name,), batch, device), teacher, device)
                 for name in STUDENTS}  # fmt: skip
     for n in range(2, len(STUDENTS) + 1):
         trainers[n] = _trainer(_config(STUDENTS[:n], batch, device), teacher, device)
-    ms = _interleaved_ms(trainers, crops, warmup, repeats)
+    calls = {name: (lambda t=trainer: _step(t, crops)) for name, trainer in trainers.items()}
+    calls["teacher"] = lambda: _teacher_forward(teacher, crops)
+    ms = _interleaved_ms(calls, device, warmup, repeats)
+    teacher_ms = ms["teacher"]
     rows, records = [], []
     for n in range(1, len(STUDENTS) + 1):
         students = STUDENTS[:n]
