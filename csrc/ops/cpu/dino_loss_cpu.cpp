@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "ops/cpu/kernel_table.h"
 #include "ops/dino_loss.h"
 #include "ops/dtype.h"
+#include "ops/ibot_loss_math.h"
 
 namespace dino_opt {
 namespace {
@@ -90,6 +92,15 @@ std::vector<double> to_doubles(const at::Tensor& t) {
   return std::vector<double>(d.const_data_ptr<double>(), d.const_data_ptr<double>() + d.numel());
 }
 
+// Forward: one (sample, chunk of K) item reads the chunk of each of the
+// sample's teacher and student rows once from memory (the chunk stays in cache
+// between the max and the exp) and leaves per row its chunk max and sum of exp,
+// and per (student view, teacher view) the dot of the teacher's unnormalised
+// weights w = exp(u - m_t) with x - shift (kernel_table.h, chunk_forward). With
+// every row's log-sum-exp combined from its chunks, chunk c adds to
+// sum_k p_t[k] * log q_v[k] the term
+//   exp(m_t - lse_t) * (dot + sum_k w[k] * (shift - lse_v)),
+// as the iBOT loss combines its rows (ibot_loss_detail::row_cross_entropy).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(
     const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& center_in,
     double student_temp, double teacher_temp, int64_t ncrops, int64_t view_offset,
@@ -97,46 +108,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(
   const Inputs in = prepare("dino_loss", student_in, teacher_in, center_in, student_temp,
                             teacher_temp, {ncrops, view_offset, total_views});
   const Shape& s = in.shape;
-  const int64_t student_rows = s.student_views * s.batch;
-  const int64_t rows = student_rows + s.teacher_views * s.batch;
-
-  // Pass 1: log-sum-exp of every row, from per-chunk (max, sum of exp) partials.
-  std::vector<double> maxes(rows * in.n_chunks), sums(rows * in.n_chunks);
-  at::parallel_for(0, rows * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t S = s.student_views, T = s.teacher_views, C = in.n_chunks;
+  const int64_t student_rows = S * s.batch;
+  const int64_t rows = student_rows + T * s.batch;
+  const int64_t pairs = S * T;
+  // maxes and sums by row then chunk (row < student_rows: student row), dots by
+  // (sample, chunk) item then pair.
+  std::vector<double> maxes(rows * C), sums(rows * C), dots(s.batch * C * pairs);
+  at::parallel_for(0, s.batch * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> scratch(T * kChunk);  // wide enough for any acc type
+    std::vector<const void*> student(S);
+    const void* teacher[dino_loss_detail::kMaxTeacherViews];
+    double t_max[dino_loss_detail::kMaxTeacherViews], t_sum[dino_loss_detail::kMaxTeacherViews];
+    std::vector<double> s_max(S), s_sum(S);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / in.n_chunks, c = item % in.n_chunks, k0 = c * kChunk;
-      const bool is_teacher = row >= student_rows;
-      in.kernels->row_stats(
-          is_teacher ? in.teacher_row(row - student_rows, k0) : in.student_row(row, k0),
-          is_teacher ? in.center_at(k0) : nullptr, in.chunk_size(c),
-          1.0 / (is_teacher ? teacher_temp : student_temp), &maxes[item], &sums[item]);
+      const int64_t b = item / C, c = item % C, k0 = c * kChunk;
+      for (int64_t t = 0; t < T; ++t) teacher[t] = in.teacher_row(t * s.batch + b, k0);
+      for (int64_t v = 0; v < S; ++v) student[v] = in.student_row(v * s.batch + b, k0);
+      in.kernels->chunk_forward(teacher, T, student.data(), S, in.center_at(k0), in.chunk_size(c),
+                                1.0 / student_temp, 1.0 / teacher_temp, t_max, t_sum, s_max.data(),
+                                s_sum.data(), &dots[item * pairs], scratch.data());
+      for (int64_t v = 0; v < S; ++v) {
+        maxes[(v * s.batch + b) * C + c] = s_max[v];
+        sums[(v * s.batch + b) * C + c] = s_sum[v];
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        maxes[(student_rows + t * s.batch + b) * C + c] = t_max[t];
+        sums[(student_rows + t * s.batch + b) * C + c] = t_sum[t];
+      }
     }
   });
   std::vector<double> lse(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    lse[r] =
-        dino_loss_detail::combine_lse(&maxes[r * in.n_chunks], &sums[r * in.n_chunks], in.n_chunks);
+    lse[r] = dino_loss_detail::combine_lse(&maxes[r * C], &sums[r * C], C);
   }
-  const double* lse_student = lse.data();
-  const double* lse_teacher = lse.data() + student_rows;
-
-  // Pass 2: per sample and chunk, <p_t, log_softmax(student_v)> for all pairs.
-  const int64_t pairs = s.student_views * s.teacher_views;
-  std::vector<double> dots(s.batch * in.n_chunks * pairs);
-  at::parallel_for(0, s.batch * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> scratch(s.teacher_views * kChunk);  // wide enough for any acc type
-    for (int64_t item = begin; item < end; ++item) {
-      const SampleChunk sc(in, item / in.n_chunks, item % in.n_chunks, lse_student, lse_teacher);
-      in.kernels->pair_dots(sc.teacher, s.teacher_views, sc.student.data(), s.student_views,
-                            in.center_at(sc.k0), sc.n, 1.0 / student_temp, 1.0 / teacher_temp,
-                            sc.lse_t, sc.lse_s.data(), &dots[item * pairs], scratch.data());
-    }
-  });
   double total = 0;
-  for (int64_t item = 0; item < s.batch * in.n_chunks; ++item) {
-    for (int64_t v = 0; v < s.student_views; ++v) {
-      for (int64_t t = 0; t < s.teacher_views; ++t) {
-        if (s.paired(t, v)) total += dots[item * pairs + v * s.teacher_views + t];
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t c = 0; c < C; ++c) {
+      const double* d = &dots[(b * C + c) * pairs];
+      for (int64_t v = 0; v < S; ++v) {
+        const int64_t sr = (v * s.batch + b) * C + c;
+        const double shift_minus_lse =
+            ibot_loss_detail::chunk_shift(maxes[sr]) - lse[v * s.batch + b];
+        for (int64_t t = 0; t < T; ++t) {
+          if (!s.paired(t, v)) continue;
+          const int64_t tr = student_rows + t * s.batch + b;
+          const double w_sum = sums[tr * C + c];
+          total += std::exp(maxes[tr * C + c] - lse[tr]) *
+                   (d[v * T + t] + w_sum * dino_loss_detail::log_factor(w_sum, shift_minus_lse));
+        }
       }
     }
   }
@@ -166,7 +186,7 @@ at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& stud
   at::Tensor grad_student = cpu::pooled_empty_like(in.student);  // see buffer_pool.h
   char* out = static_cast<char*>(grad_student.data_ptr());
   at::parallel_for(0, s.batch * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> scratch(s.teacher_views * kChunk);
+    std::vector<double> scratch((s.teacher_views + 1) * kChunk);
     std::vector<void*> grad_rows(s.student_views);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / in.n_chunks;

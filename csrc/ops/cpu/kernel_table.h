@@ -21,15 +21,20 @@ struct DinoLossKernels {
   // max and sum(exp(x - max)) of x = (row - center) * inv_temp (center may be null).
   void (*row_stats)(const void* row, const void* center, int64_t n, double inv_temp,
                     double* max_out, double* sum_out);
-  // out[v * n_teacher + t] = sum_k p_t[k] * (student_v[k] * inv_ts - lse_s[v]) where
-  // p_t = exp((teacher_t - center) * inv_tt - lse_t[t]); scratch holds n_teacher * n
-  // accumulation-type values.
-  void (*pair_dots)(const void* const* teacher, int64_t n_teacher, const void* const* student,
-                    int64_t n_student, const void* center, int64_t n, double inv_ts, double inv_tt,
-                    const double* lse_t, const double* lse_s, double* out, void* scratch);
+  // One sample's chunk of n elements, each logit read once: per teacher view t,
+  // teacher_max[t] = m_t and teacher_sum[t] = sum_k w_t[k], w_t = exp(u_t - m_t)
+  // (u_t = (teacher_t - center) * inv_tt; w_t = 0 where m_t = -inf); per student
+  // view v, student_max[v] and student_sum[v] as row_stats of x_v = student_v * inv_ts,
+  // and dots[v * n_teacher + t] = sum_k w_t[k] * (x_v[k] - chunk_shift(m_v)), no term
+  // where w_t[k] = 0. scratch holds n_teacher * n accumulation-type values.
+  void (*chunk_forward)(const void* const* teacher, int64_t n_teacher, const void* const* student,
+                        int64_t n_student, const void* center, int64_t n, double inv_ts,
+                        double inv_tt, double* teacher_max, double* teacher_sum,
+                        double* student_max, double* student_sum, double* dots, void* scratch);
   // grad_v[k] = scale * inv_ts * (w_v * exp(student_v[k] * inv_ts - lse_s[v])
   //                               - sum_{t != u} p_t[k]),  w_v = n_teacher - (u < n_teacher),
   // where u = v + view_offset is student view v's place among all student views.
+  // scratch holds (n_teacher + 1) * n accumulation-type values.
   void (*student_grad)(const void* const* teacher, int64_t n_teacher, const void* const* student,
                        void* const* grad, int64_t n_student, int64_t view_offset,
                        const void* center, int64_t n, double inv_ts, double inv_tt,
