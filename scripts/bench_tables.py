@@ -7,6 +7,11 @@ measurement. A table sits between two markers:
     ... rendered rows ...
     <!-- /bench-table -->
 
+and a figure in a sentence between two markers naming its path in the file
+(keys and list indices, dot-separated) and its format:
+
+    <!-- bench loss_cpu.json results.0.dino_opt_ms .1f -->19.9<!-- /bench -->
+
     python scripts/bench_tables.py            # rewrite the tables in place
     python scripts/bench_tables.py --check    # exit 1 naming the stale ones
 """
@@ -26,6 +31,10 @@ BLOCK = re.compile(
     r"(<!-- bench-table (?P<file>[\w.-]+)(?: (?P<part>\w+))? -->\n)"
     r"(?P<body>.*?)(<!-- /bench-table -->)",
     re.S,
+)
+FIGURE = re.compile(
+    r"(<!-- bench (?P<file>[\w.-]+) (?P<path>[\w.]+) (?P<fmt>[\w.]+) -->)(?P<body>.*?)"
+    r"(<!-- /bench -->)"
 )
 DROP = {"ours_MiB", "base_MiB", "ours/base_mem", "floor_ms", "ours/floor"}  # not in the text
 
@@ -57,10 +66,23 @@ def render(file: str, part: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def figure(file: str, path: str, fmt: str) -> str:
+    """The number at ``path`` (dot-separated keys and list indices) of
+    ``docs/results/<file>``, formatted with ``fmt``."""
+    value = json.loads((RESULTS / file).read_text())
+    for key in path.split("."):
+        value = value[int(key)] if isinstance(value, list) else value[key]
+    return format(value, fmt)
+
+
 def update(text: str) -> str:
-    return BLOCK.sub(
+    text = BLOCK.sub(
         lambda m: m.group(1) + render(m.group("file"), m.group("part")) + m.group(5), text
     )
+    return FIGURE.sub(
+        lambda m: m.group(1) + figure(m.group("file"), m.group("path"), m.group("fmt"))
+        + m.group(6), text
+    )  # fmt: skip
 
 
 def stale(paths=DOCS) -> list[str]:
