@@ -6,6 +6,7 @@ restarted run ending bit for bit as the one never stopped; bad student
 lists in one line."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from dino_opt.config import ConfigError, load_config
 from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
 from dino_opt.tune.memory_model import estimate_memory
+from gloo_ranks import run_ranks
 from tiny import TINY
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
@@ -145,3 +147,18 @@ def test_the_memory_model_says_it_does_not_model_a_distillation():
     with pytest.raises(ValueError, match="recipe.name=distill is not modelled yet") as e:
         estimate_memory(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_fsdp_shards_the_frozen_teacher_over_the_ranks(teacher_file, tmp_path):
+    """distributed.strategy=fsdp: each rank holds half the teacher's
+    parameters (its backbone sharded block by block, frozen), and the
+    sharded teacher's tokens are the whole one's."""
+    worker = Path(__file__).with_name("dist_distill_fsdp_worker.py")
+    ranks = run_ranks(worker, tmp_path, str(teacher_file), *TINY, "recipe.name=distill",
+                      "model.drop_path_rate=0", timeout=600)  # fmt: skip
+    numel = ranks[0]["numel"]
+    assert sum(r["local_numel"] for r in ranks) == numel
+    for r in ranks:
+        assert r["sharded"] and r["all_dtensors"] and r["frozen"]
+        assert abs(r["local_numel"] / numel - 0.5) < 0.01
+        assert r["tokens_diff"] < 1e-5 and all(math.isfinite(v) for v in r["losses"])

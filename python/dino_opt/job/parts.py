@@ -145,8 +145,8 @@ def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
     schedules = build_schedules(cfg, _iterations_per_epoch(cfg, loader), world_size=world)
     loss_fn = build_loss(cfg).to(device)
     frozen = attach_frozen_copies(cfg, loss_fn, teacher, reader)
-    attach_teacher(cfg, loss_fn, reader, device)  # a distillation's, placed on the device
-    trained, teacher = spread(cfg, student, teacher, device, frozen)  # DDP, or all sharded
+    external = attach_teacher(cfg, loss_fn, reader, device)  # a distillation's, on the device
+    trained, teacher = spread(cfg, student, teacher, device, frozen, external)  # DDP, or sharded
     model = DINOModel(student, teacher, schedules.momentum,
                       copy_buffers=recipe_of(cfg).ema_copies_buffers)  # fmt: skip
     model.student = trained  # the EMA reads the unwrapped `student`

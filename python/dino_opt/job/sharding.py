@@ -61,6 +61,7 @@ def spread(
     teacher: nn.Module,
     device: torch.device,
     frozen: Sequence[nn.Module] = (),
+    external: nn.Module | None = None,
 ):
     """(student as trained, teacher) after ``distributed.strategy``: DDP
     around the student when there are several ranks, or both networks
@@ -69,7 +70,10 @@ def spread(
     teacher's backbone that the loss keeps (made by
     :func:`~dino_opt.train.attach_frozen_copies` from the unsharded
     teacher), left whole with ddp, sharded as the teacher's backbone with
-    fsdp."""
+    fsdp. ``external``: a distillation's frozen teacher (a backbone, or a
+    network with a ``backbone``), whole on every rank with ddp; with fsdp
+    its backbone is sharded block by block (its heads stay whole), so that
+    a teacher too large for one device is spread over the ranks."""
     if cfg.distributed.strategy == "ddp":
         return wrap_student(student, device), teacher
     dtype = resolve_precision(cfg.hardware.precision, device)
@@ -79,6 +83,8 @@ def spread(
     shard_model(teacher, dtype, reshard_after_forward=True)
     for network in frozen:
         shard_frozen_backbone(network, dtype)
+    if external is not None:
+        shard_frozen_backbone(getattr(external, "backbone", external), dtype)
     return student, teacher
 
 
