@@ -5,11 +5,7 @@ metrics, each one evaluated and exported; a rank killed mid-run and the
 restarted run ending bit for bit as the one never stopped; bad student
 lists in one line."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,7 @@ from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
 from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
-from tiny import TINY
+from tiny import TINY, train_on_ranks
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
@@ -49,18 +45,8 @@ def teacher_file(tmp_path_factory):
 
 
 def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
-    command = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-               "--nproc", "2", f"data.root={root / 'train'}", *STUDENTS,
-               f"recipe.distill_teacher={teacher}", *extra]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    state = torch.load(report["checkpoint"], weights_only=True)
-    return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
-            "state": state}  # fmt: skip
+    return train_on_ranks(out, f"data.root={root / 'train'}", *STUDENTS,
+                          f"recipe.distill_teacher={teacher}", *extra)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

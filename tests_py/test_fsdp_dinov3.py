@@ -6,18 +6,14 @@ killed; checkpoints that cross strategies both ways; the sharded checkpoint
 read whole by the tools; and, in process, each rank holding only its shards
 of the Gram teacher, sharded as the teacher's backbone."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dino_opt.checkpoint import CheckpointManager, read_sharded
+from dino_opt.checkpoint import CheckpointManager
 from dino_opt.eval import load_checkpoint
 from gloo_ranks import run_ranks
-from tiny import TINY, tiny_train_only
+from tiny import TINY, tiny_train_only, train_on_ranks
 from torch.distributed.checkpoint import FileSystemReader
 
 DINOV3 = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
@@ -40,18 +36,7 @@ def train_root(tmp_path_factory):
 
 
 def _train(out: Path, root: Path, *extra: str) -> dict:
-    command = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-               "--nproc", "2", f"data.root={root}", *RUN, *extra]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    path = Path(report["checkpoint"])
-    state = read_sharded(path) if path.is_dir() else torch.load(path, weights_only=True)
-    return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
-            "state": state}  # fmt: skip
+    return train_on_ranks(out, f"data.root={root}", *RUN, *extra)
 
 
 @pytest.fixture(scope="module")

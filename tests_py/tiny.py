@@ -5,13 +5,15 @@ and resumed, and its final state compared with a reference's. Tests add
 their own overrides."""
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
-from dino_opt.checkpoint import CheckpointManager
+from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
 from dino_opt.data import builtin_dataset
 
@@ -88,3 +90,22 @@ def assert_same_states(a: dict, b: dict, keys=("student", "teacher", "loss")) ->
             same = torch.equal(a[key][name], value) if isinstance(value, torch.Tensor) else (
                 a[key][name] == value)  # fmt: skip
             assert same, f"{key}.{name} differs"
+
+
+def train_on_ranks(out: Path, *config: str, ranks: int = 2) -> dict:
+    """``dino-opt train --nproc RANKS`` into ``out`` with ``config`` (one
+    intra-op thread a rank): its ``out``, ``report``, the metric ``rows``
+    with a loss, and the final checkpoint's ``state`` (read whole when
+    sharded)."""
+    command = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
+               "--nproc", str(ranks), *config]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    path = Path(report["checkpoint"])
+    state = read_sharded(path) if path.is_dir() else torch.load(path, weights_only=True)
+    return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
+            "state": state}  # fmt: skip
