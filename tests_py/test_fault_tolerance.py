@@ -17,6 +17,7 @@ import pytest
 import torch
 from dino_opt.checkpoint import AsyncCheckpointWriter, CheckpointManager, CheckpointWriteError
 from dino_opt.cli import main
+from dino_opt.job import report_hang
 from dino_opt.observe import CollapseError, NonFiniteError
 from dino_opt.runtime import EXIT_HANG, HangWatchdog, describe_hang
 from tiny import TINY as TINY_BASE
@@ -331,3 +332,24 @@ def test_a_stuck_rank_ends_the_job_naming_it_then_the_restarted_run_finishes(tra
     (row,) = report["restarts"]
     assert (row["exitcode"], row["stuck_ranks"], row["at_step"], row["step"]) == (
         EXIT_HANG, [1], 5, 5)  # fmt: skip
+
+
+def test_the_first_hang_diagnosis_stands_while_its_checkpoint_write_finishes(tmp_path):
+    """Rank 1's watchdog fires while rank 0's waits for its checkpoint write
+    (rank 0's heartbeat is gone by then, so rank 1 blames it): hang.json keeps
+    rank 0's diagnosis, made while every rank was there."""
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    hang_file = tmp_path / "hang.json"
+
+    class SlowWriter:
+        in_flight = True
+
+        def wait(self, timeout):
+            # the other rank's watchdog fires meanwhile
+            report_hang("rank 1's view", [0], None, manager, hang_file, 2, since=0.0)
+            return "checkpoint-x.pth"
+
+    notes = report_hang("rank 0's view", [1], SlowWriter(), manager, hang_file, 2, since=0.0)
+    hang = json.loads(hang_file.read_text())
+    assert hang["stuck_ranks"] == [1] and hang["message"] == "rank 0's view"
+    assert "the checkpoint write in flight finished: checkpoint-x.pth" in notes

@@ -58,35 +58,51 @@ def report_hang(
     ``hang_file`` (the run's ``hang.json``) names the stuck ranks and the last
     checkpoint on disk. The first rank to write it since ``since`` (this
     attempt's start) wins: that rank fired while every rank was there, while
-    a later one may find rank 0's heartbeat store already gone.
+    a later one may find the first one's heartbeat already gone. So the
+    diagnosis is written at once, before the wait for the checkpoint write
+    (which can take seconds, while another rank's watchdog fires), and
+    written again by the same rank with the checkpoint on disk after it.
     Returns the notes for the watchdog's message."""
+    first = hang_file is not None and read_hang(hang_file, since) is None
+    if first:
+        _write_hang(hang_file, message, stuck, world, manager)
     notes = []
     if writer is not None and writer.in_flight:
         try:
             notes.append(f"the checkpoint write in flight finished: {writer.wait(300)}")
         except Exception as e:
             notes.append(f"the checkpoint write in flight did not finish: {e}")
-    records = manager.checkpoints()
-    last = records[-1] if records else None
+    last = _write_hang(hang_file, message, stuck, world, manager) if first else _last(manager)
     notes.append(
         f"last checkpoint on disk: {last.path} (step {last.step}); run the same command "
         "again to resume from it"
         if last
         else "no checkpoint on disk yet"
     )
-    if hang_file is not None and read_hang(hang_file, since) is None:
-        hang = {
-            "message": message,
-            "stuck_ranks": stuck,
-            "world_size": world,
-            "checkpoint": str(last.path) if last else None,
-            "checkpoint_step": last.step if last else None,
-            "time": time.time(),
-        }
-        with contextlib.suppress(OSError):
-            text = json.dumps(hang, indent=2) + "\n"
-            atomic_write(hang_file, lambda w: w.write(text.encode()))
     return "\n".join(notes)
+
+
+def _last(manager: CheckpointManager):
+    records = manager.checkpoints()
+    return records[-1] if records else None
+
+
+def _write_hang(hang_file: Path, message: str, stuck: list[int], world: int,
+                manager: CheckpointManager):  # fmt: skip
+    """Writes ``hang.json`` with the newest checkpoint on disk; returns that checkpoint."""
+    last = _last(manager)
+    hang = {
+        "message": message,
+        "stuck_ranks": stuck,
+        "world_size": world,
+        "checkpoint": str(last.path) if last else None,
+        "checkpoint_step": last.step if last else None,
+        "time": time.time(),
+    }
+    with contextlib.suppress(OSError):
+        text = json.dumps(hang, indent=2) + "\n"
+        atomic_write(hang_file, lambda w: w.write(text.encode()))
+    return last
 
 
 def injected_hang(debug: DebugConfig, step: int, rank: int, attempt: int = 0) -> None:
