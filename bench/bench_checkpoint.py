@@ -255,18 +255,26 @@ def main() -> None:
             rows += [{**r, "batch": batch} for r in _rows_for(name, loop, run, tmp)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table(
-        f"Step time with checkpoints every N steps, sync vs async ({device.type})",
-        ["model", "batch", "state MB", "every N", "step s", "sync s", "async s",
-         "sync overhead", "async overhead", "async copy s", "how"],
-        [[r["model"], r["batch"], round(r["state_mb"]), r["every_steps"], r["step_s"],
-          r["sync_step_s"], r["async_step_s"], f"{100 * r['sync_overhead']:+.1f} %",
-          f"{100 * r['async_overhead']:+.1f} %",
-          "-" if r["copy_s"] is None else f"{r['copy_s']:.3f}", r["how"]] for r in rows],
-    )  # fmt: skip
+    table = table_of(rows)
+    print_table(f"Step time with checkpoints every N steps, sync vs async ({device.type})",
+                table["columns"], table["rows"])  # fmt: skip
     slug = device.type if device.type == "cpu" else torch.cuda.get_device_name().replace(" ", "_")
     path = args.json or RESULTS_DIR / f"checkpoint_{slug}.json"
-    write_json(path, {"machine": machine(), "device": str(device), "rows": rows})
+    write_json(path, {"machine": machine(), "device": str(device), "rows": rows, "table": table})
+
+
+def table_of(rows: list[dict]) -> dict:
+    """The printed table of ``rows`` (columns and rows), also in the JSON:
+    the docs render it from there."""
+    return {
+        "columns": ["model", "batch", "state MB", "every N", "step s", "sync s", "async s",
+                    "sync overhead", "async overhead", "async copy s", "how"],
+        "rows": [[r["model"], r["batch"], round(r["state_mb"]), r["every_steps"],
+                  f"{r['step_s']:.3f}", f"{r['sync_step_s']:.3f}", f"{r['async_step_s']:.3f}",
+                  f"{100 * r['sync_overhead']:+.1f} %", f"{100 * r['async_overhead']:+.1f} %",
+                  "-" if r["copy_s"] is None else f"{r['copy_s']:.3f}", r["how"]]
+                 for r in rows],
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

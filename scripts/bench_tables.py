@@ -4,6 +4,7 @@ measurement. A table sits between two markers:
 
     <!-- bench-table loss_cpu.json -->          (the file's "table")
     <!-- bench-table loss_cpu.json ibot -->     (its "ibot" part's "table")
+    <!-- bench-table ema_cpu.json full -->      (every column, floors included)
     ... rendered rows ...
     <!-- /bench-table -->
 
@@ -26,9 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-DOCS = [ROOT / "README.md", ROOT / "docs" / "loss.md", ROOT / "docs" / "benchmarks.md"]
+DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in
+                               ("loss", "benchmarks", "ema", "loader", "checkpoints"))]  # fmt: skip
 BLOCK = re.compile(
-    r"(<!-- bench-table (?P<file>[\w.-]+)(?: (?P<part>\w+))? -->\n)"
+    r"(<!-- bench-table (?P<file>[\w.-]+)(?: (?!full\b)(?P<part>\w+))?(?P<full> full)? -->\n)"
     r"(?P<body>.*?)(<!-- /bench-table -->)",
     re.S,
 )
@@ -45,20 +47,23 @@ def _cell(v: object) -> str:
     return str(v)
 
 
-def render(file: str, part: str | None) -> str:
+def render(file: str, part: str | None, full: bool = False) -> str:
+    """The Markdown table of ``docs/results/<file>`` (its ``part``): every
+    column with ``full``, else those but memory and floors."""
     data = json.loads((RESULTS / file).read_text())
     if part:
         data = data[part]
     table = data["table"]
-    keep = [i for i, c in enumerate(table["columns"]) if c not in DROP]
+    keep = [i for i, c in enumerate(table["columns"]) if full or c not in DROP]
     env = data.get("environment", {}).get("THP_MEM_ALLOC_ENABLE")
     lines = [
         "| " + " | ".join(table["columns"][i] for i in keep) + " |",
         "|" + "---|" * len(keep),
         *("| " + " | ".join(_cell(row[i]) for i in keep) + " |" for row in table["rows"]),
         "",
-        f"*From `docs/results/{file}`{f' ({part})' if part else ''}: median of "
-        f"{data.get('repeats', '?')}, {data['machine']['cpu']}, "
+        f"*From `docs/results/{file}`{f' ({part})' if part else ''}: "
+        + (f"median of {data['repeats']}, " if "repeats" in data else "")
+        + f"{data['machine']['cpu']}, "
         f"{data['machine']['torch_threads']} threads"
         + ("" if "environment" not in data else f", THP_MEM_ALLOC_ENABLE={env or 'unset'}")
         + ".*",
@@ -77,8 +82,9 @@ def figure(file: str, path: str, fmt: str) -> str:
 
 def update(text: str) -> str:
     text = BLOCK.sub(
-        lambda m: m.group(1) + render(m.group("file"), m.group("part")) + m.group(5), text
-    )
+        lambda m: m.group(1) + render(m.group("file"), m.group("part"), bool(m.group("full")))
+        + m.group(6), text
+    )  # fmt: skip
     return FIGURE.sub(
         lambda m: m.group(1) + figure(m.group("file"), m.group("path"), m.group("fmt"))
         + m.group(6), text

@@ -241,7 +241,7 @@ def test_unsupported_combinations_are_one_line(train_root, tmp_path):
         assert "Traceback" not in done.stderr
     done = _train(tmp_path / "y", train_root, FSDP, "checkpoint.resume=/nowhere.pth", ok=False)
     assert done.returncode != 0 and "checkpoint.resume='/nowhere.pth'" in done.stderr
-    assert "restarting" not in done.stderr  # a restart would refuse it again
+    assert "restarting" not in done.stderr, done.stderr  # a restart would refuse it again
 
 
 def _checkpoint_of_step(out: Path, step: int) -> str:

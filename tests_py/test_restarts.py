@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_workers import bad_input_then_abort
 from dino_opt.cli import _resume_command, main
 from dino_opt.config import load_config
-from dino_opt.distributed.agent import _peek_exit
+from dino_opt.distributed.agent import WorkerFailedError, _peek_exit, run_agent
 from dino_opt.job import describe_exit, first_failure, read_progress, read_restarts
 from dino_opt.job.restarts import (
     ProgressFile,
@@ -248,3 +249,20 @@ def test_several_nodes_need_a_rank_an_address_and_a_run_folder(tmp_path, capsys,
         main(["train", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h",
               "--output-dir", str(tmp_path)])  # fmt: skip
     assert "node_rank must be in [0, nnodes=2), got 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("said", [True, False])
+def test_a_rank_that_said_no_restart_ends_the_job_even_if_it_crashes_on_exit(tmp_path, capfd, said):
+    # Seen in CI: a rank's bad-input exit (status 3) lost behind a SIGABRT in
+    # a process's teardown, and the job restarted to fail the same way.
+    folder = RunFolder(tmp_path)
+    with pytest.raises(WorkerFailedError) as failed:
+        run_agent(bad_input_then_abort, (said,), folder=folder, nproc=2, max_restarts=1)
+    err = capfd.readouterr().err
+    if said:
+        assert "restarting" not in err
+        assert "rank 1 exited with status 3" in str(failed.value)
+        assert "model.widht" in err
+    else:  # a crash alone is restarted
+        assert "SIGABRT; restarting every worker (restart 1 of 1)" in err
+        assert "SIGABRT" in str(failed.value)

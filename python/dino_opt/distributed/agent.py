@@ -24,10 +24,12 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -40,11 +42,17 @@ from ..job import describe_exit, first_failure, read_progress, record_failure, s
 from ..observe import RunFolder
 from ..runtime import EXIT_HANG, TrainingHungError
 
-__all__ = ["EXIT_NO_RESTART", "WorkerFailedError", "run_agent"]
+__all__ = ["EXIT_NO_RESTART", "NO_RESTART_DIR", "WorkerFailedError", "exit_no_restart", "run_agent"]
 
 #: A worker's exit status for a failure that a restart would repeat (a bad
 #: config, a checkpoint this run cannot resume): the job ends without restarts.
 EXIT_NO_RESTART = 3
+
+#: The environment variable naming the folder where a worker of
+#: :func:`run_agent` says, before it exits, that a restart would fail again
+#: (:func:`exit_no_restart`): its exit status alone can be lost, when the
+#: process crashes in its teardown or torch sees another rank's end first.
+NO_RESTART_DIR = "DINO_OPT_NO_RESTART_DIR"
 
 # torch's loggers that print a worker's failure as a traceback (and the
 # agent's progress); quiet unless verbose: the launcher says it in one line.
@@ -66,6 +74,23 @@ class WorkerFailedError(RuntimeError):
         self.exit_status = exit_status
 
 
+def exit_no_restart(message: str) -> NoReturn:
+    """Ends a worker on a failure a restart would repeat: prints ``message``
+    in one line, tells the agent (when one started this process) and exits
+    with :data:`EXIT_NO_RESTART`."""
+    print(message, file=sys.stderr, flush=True)
+    folder = os.environ.get(NO_RESTART_DIR)
+    if folder:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(message)
+    raise SystemExit(EXIT_NO_RESTART)
+
+
+def _no_restart_ranks(folder: str) -> list[int]:
+    """The ranks that said a restart would fail again (:func:`exit_no_restart`)."""
+    return sorted(int(p.name[4:]) for p in Path(folder).glob("rank*") if p.name[4:].isdigit())
+
+
 def _peek_exit(pid: int) -> int | None:
     """The exit status of the child process ``pid`` (minus the signal that
     killed it) if it has ended, else None; it is not reaped, so its owner
@@ -84,9 +109,10 @@ class _RecordingAgent(LocalElasticAgent):
     status and last completed step (``exits``) and records each failure in
     the run folder before it restarts the workers."""
 
-    def __init__(self, spec: WorkerSpec, folder: RunFolder):
+    def __init__(self, spec: WorkerSpec, folder: RunFolder, no_restart_dir: str):
         super().__init__(spec, DefaultLogsSpecs(), start_method="spawn")
         self.folder = folder
+        self.no_restart_dir = no_restart_dir  # where workers say a restart would fail again
         self.exits: list[dict] = []  # the failure the last check saw
         self.progress: dict[int, int | None] = {}
         self.restarts_used = 0
@@ -98,15 +124,17 @@ class _RecordingAgent(LocalElasticAgent):
             if code:
                 ended[w.global_rank] = code
         result = super()._monitor_workers(worker_group)
-        if EXIT_NO_RESTART in ended.values():  # the same failure again on a restart
-            self._remaining_restarts = 0
         if result.state == WorkerState.FAILED:
             for rank, failure in result.failures.items():
                 ended.setdefault(rank, failure.exitcode)
+            for rank in _no_restart_ranks(self.no_restart_dir):  # even if it crashed on exit
+                ended[rank] = EXIT_NO_RESTART
             self.progress = {w.global_rank: read_progress(self.folder, w.global_rank)
                              for w in worker_group.workers}  # fmt: skip
             self.exits = [{"rank": r, "exitcode": c, "step": self.progress.get(r)}
                           for r, c in sorted(ended.items())]  # fmt: skip
+        if EXIT_NO_RESTART in ended.values():  # the same failure again on a restart
+            self._remaining_restarts = 0
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
@@ -136,7 +164,8 @@ def _last_checkpoint(folder: RunFolder) -> str:
 def _failure(agent: _RecordingAgent, started: float) -> RuntimeError:
     """The one-line error of a job out of restarts."""
     spec = agent.get_worker_group().spec
-    root = first_failure(agent.exits) if agent.exits else None
+    said = [e for e in agent.exits if e["exitcode"] == EXIT_NO_RESTART]  # bad input: the cause
+    root = said[0] if said else first_failure(agent.exits) if agent.exits else None
     if root is None:
         what = "a worker failed"
     else:
@@ -157,7 +186,7 @@ def _failure(agent: _RecordingAgent, started: float) -> RuntimeError:
 
 
 @contextlib.contextmanager
-def _agent_settings(verbose: bool):
+def _agent_settings(verbose: bool, no_restart_dir: str):
     """While the agent runs: torch's launcher logs at their level when
     verbose (else the launcher's own line says what failed), and a fresh
     store for the workers of each attempt. By default torch's c10d
@@ -167,8 +196,10 @@ def _agent_settings(verbose: bool):
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
                if name.startswith(_TORCH_LOGGERS)]  # fmt: skip
     levels = [lg.level for lg in loggers]
-    kept = {name: os.environ.get(name) for name in (_SHARED_STORE, "PYTHONWARNINGS")}
+    kept = {name: os.environ.get(name) for name in (_SHARED_STORE, "PYTHONWARNINGS",
+                                                    NO_RESTART_DIR)}  # fmt: skip
     os.environ[_SHARED_STORE] = "1"
+    os.environ[NO_RESTART_DIR] = no_restart_dir
     # a killed worker's semaphores: its resource tracker would warn after the last line
     quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
     os.environ["PYTHONWARNINGS"] = ",".join(w for w in (kept["PYTHONWARNINGS"], quiet_tracker) if w)
@@ -219,11 +250,12 @@ def run_agent(
         rdzv_handler=get_rendezvous_handler(params), max_restarts=max_restarts,
         monitor_interval=0.5,
     )  # fmt: skip
-    agent = _RecordingAgent(spec, folder)
+    said = tempfile.TemporaryDirectory(prefix="dino_opt-no-restart-")
+    agent = _RecordingAgent(spec, folder, said.name)
     started = time.time()
     close_rendezvous = True
     try:
-        with _agent_settings(verbose):
+        with said, _agent_settings(verbose, said.name):
             result = agent.run()
     except SignalException as e:
         close_rendezvous = False  # as torch's launcher: the others see this node go

@@ -53,7 +53,7 @@ from ..runtime import (
     wrap_student,
 )
 from ..tune import resolve_hardware
-from .agent import EXIT_NO_RESTART, run_agent
+from .agent import exit_no_restart, run_agent
 
 __all__ = ["DistributedDINOTrainer", "launch_distributed_training"]
 
@@ -149,15 +149,15 @@ class DistributedDINOTrainer:
 def _train_entry(config: Config, output_dir) -> dict:
     """One worker's job. Its error is printed in one line (the launcher's
     own line only names the rank and its exit status); bad input (a
-    ValueError: a config or a checkpoint this run cannot use) exits with
-    :data:`EXIT_NO_RESTART`, since a restart would fail the same way."""
+    ValueError: a config or a checkpoint this run cannot use) ends it through
+    :func:`~dino_opt.distributed.agent.exit_no_restart`, since a restart
+    would fail the same way."""
     rank = os.environ.get("RANK", "0")
     quiet = rank != "0"  # one progress bar, rank 0's
     try:
         return CheckpointedDINOTrainer(config, output_dir=output_dir, quiet=quiet).train()
     except ValueError as e:
-        print(f"dino-opt: rank {rank}: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_NO_RESTART) from None
+        exit_no_restart(f"dino-opt: rank {rank}: {e}")
     except Exception as e:
         print(f"dino-opt: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
