@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dino_opt.models as models_module
 import pytest
 import torch
 import torchvision
@@ -418,6 +419,34 @@ def test_a_resnet_student_from_a_vit_teacher(train_root, teacher_run, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     final = final_state(out)
     assert final["teacher"]["head.patch.weight"].shape == (192, 512)  # ResNet-18 to ViT-T
+
+
+def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
+    # the student's backbone and a projector, the EMA copy of the same: no
+    # DINO head is made (at out_dim 65536 two of them cost 180 MB to build)
+    made = []
+    monkeypatch.setattr(models_module, "DINOHead", lambda *a, **k: made.append(a))
+    cfg = load_config(
+        None,
+        [
+            "recipe.name=distill",
+            "recipe.distill_teacher=x.pt",
+            "recipe.distill_teacher_dim=48",
+            "model.backbone=vit_tiny",
+            "recipe.distill_students=[resnet18]",
+        ],
+    )
+    assert cfg.student_names == ("vit_tiny", "resnet18")
+    student, teacher = build_models(cfg)
+    assert isinstance(student, StudentBank) and list(student.members) == ["vit_tiny", "resnet18"]
+    for net in (student, teacher):
+        assert not any(isinstance(m, DINOHead) for m in net.modules())
+        for member in net.members.values():
+            assert isinstance(member, FeatureDistillWrapper)
+            linears = [m for m in member.head.patch.modules() if isinstance(m, torch.nn.Linear)]
+            assert linears[-1].out_features == 48  # the teacher's width
+    assert not any(p.requires_grad for p in teacher.parameters())
+    assert made == []
 
 
 @pytest.mark.parametrize(

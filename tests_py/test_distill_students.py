@@ -1,10 +1,11 @@
 """A distillation into several students (``recipe.distill_students``) as
 the job runs it, on 2 gloo processes: a ViT-T/8 and a ResNet-18 from one
 frozen ViT teacher (a bare DINO-format file); each student's loss in the
-metrics, each one evaluated and exported; a rank killed mid-run and the
-restarted run ending bit for bit as the one never stopped; bad student
-lists in one line."""
+metrics, each one evaluated between epochs and at the end and exported; a
+rank killed mid-run and the restarted run ending bit for bit as the one
+never stopped; bad student lists in one line."""
 
+import json
 import math
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from tiny import TINY, train_on_ranks
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
             "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
-            "checkpoint.keep=20"]  # fmt: skip
+            "checkpoint.keep=20", "eval.every_epochs=1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,10 @@ def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, cap
     resnet = report["students"]["resnet18"]
     assert {"knn_top1_trained", "knn_top1_random_init"} <= set(resnet)
     assert (out / "students" / "resnet18" / "evaluation.json").is_file()
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    between = [r for r in map(json.loads, lines) if r.get("event") == "evaluation"]
+    assert len(between) == 2 and between[0]["epoch"] == between[1]["epoch"] == 1  # every student
+    assert {"knn_top1_teacher", "knn_top1_student_resnet18"} <= set(between[0]) | set(between[1])
     teacher = reference["state"]["teacher"]
     assert teacher["members.resnet18.head.patch.weight"].shape == (384, 512)
     assert teacher["members.vit_tiny.head.patch.weight"].shape == (384, 192)

@@ -111,6 +111,12 @@ class Config:
         """Checks this (possibly mutated) config; returns it, converted in place."""
         return validate(self)
 
+    @property
+    def student_names(self) -> tuple[str, ...]:
+        """The students a run trains, named by backbone: ``model.backbone``
+        (the first, the run's result) and ``recipe.distill_students``."""
+        return (self.model.backbone, *self.recipe.distill_students)
+
 
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
@@ -559,7 +565,7 @@ def _students_conflicts(cfg: Config) -> list[str]:
     students = cfg.recipe.distill_students
     if not students:
         return []
-    names = [cfg.model.backbone, *students]
+    names = cfg.student_names
     if len(set(names)) < len(names):
         return [f"recipe.distill_students {list(students)} with model.backbone="
                 f"{cfg.model.backbone} names a backbone twice; each student is named by its "

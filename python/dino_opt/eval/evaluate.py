@@ -281,18 +281,20 @@ def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
 
 
 def evaluate_teacher(cfg: Config, roots: DataRoots, teacher: nn.Module, device: torch.device,
-                     log: RunLog, step: int, epoch: int) -> dict:  # fmt: skip
+                     log: RunLog, step: int, epoch: int,
+                     name: str = "teacher") -> dict:  # fmt: skip
     """The teacher during training (``eval.every_epochs``): k-NN and the
     linear probe, as an ``evaluation`` row of the metrics (``epoch``: the
-    epochs done) and TensorBoard scalars ``eval_teacher/*``; returns the row."""
+    epochs done; keys such as ``knn_top1_<name>``) and TensorBoard scalars
+    ``eval_<name>/*``; returns the row."""
     was_training = teacher.training
     try:
-        keys = report_keys("teacher", evaluate_backbone(cfg, roots, teacher, device, dense=False))
+        keys = report_keys(name, evaluate_backbone(cfg, roots, teacher, device, dense=False))
     finally:
         teacher.train(was_training)
     row = {"step": step, "epoch": epoch, "event": "evaluation", **keys}
     log.event(row)
-    log.scalars("eval_teacher", keys, step)
+    log.scalars(f"eval_{name}", keys, step)
     return row
 
 

@@ -1,5 +1,5 @@
 """The teacher's evaluation while a run trains (``eval.every_epochs``), and
-the end-of-run evaluation of a distillation's other students."""
+that of a distillation's other students, then and at the end of the run."""
 
 from __future__ import annotations
 
@@ -23,15 +23,21 @@ def evaluate_other_students(cfg: Config, parts, device: torch.device, folder: Ru
     (which the run's own evaluation covers), its EMA beside its random
     initialisation, into ``students/<name>/``; the report's ``students``
     key, by name. ``{}`` for a run of one student."""
-    teacher, random = parts.teacher, parts.random_teacher
-    if not isinstance(teacher, StudentBank):
-        return {}
     out = {}
-    configs = recipe_of(cfg).student_configs(cfg)[1:]
-    for name, own in zip(list(teacher.members)[1:], configs, strict=True):
-        nets = (teacher.members[name].backbone, random.members[name].backbone)
+    for name, own, trained in _other_students(cfg, parts.teacher):
+        nets = (trained, parts.random_teacher.members[name].backbone)
         out[name] = evaluate_run(own, parts.roots, *nets, device, folder.student(name), None, step)
-    return {"students": out}
+    return {"students": out} if out else {}
+
+
+def _other_students(cfg: Config, teacher) -> list[tuple[str, Config, torch.nn.Module]]:
+    """(name, config, EMA backbone) of each student of a
+    :class:`~dino_opt.train.StudentBank` but the first; none for one student."""
+    if not isinstance(teacher, StudentBank):
+        return []
+    configs = recipe_of(cfg).student_configs(cfg)[1:]
+    names = list(teacher.members)[1:]
+    return [(n, c, teacher.members[n].backbone) for n, c in zip(names, configs, strict=True)]
 
 
 def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
@@ -41,8 +47,9 @@ def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
     ``roots``). After ``done`` epochs, every ``eval.every_epochs`` (not after the
     last: the end of the run evaluates), where there is a val split: the
     teacher's k-NN and linear probe on rank 0, as an ``evaluation`` row of
-    the metrics. Collective: every rank gathers a sharded teacher, then waits
-    for rank 0 in a barrier with its hang watchdog disarmed."""
+    the metrics (a distillation's other students too, keys named
+    ``student_<name>``). Collective: every rank gathers a sharded teacher,
+    then waits for rank 0 in a barrier with its hang watchdog disarmed."""
     every = cfg.eval.every_epochs
     if not every or done % every or done >= cfg.schedule.epochs or parts.roots.val is None:
         return
@@ -51,6 +58,8 @@ def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
     teacher = full_teacher_backbone(parts.teacher, parts.random_teacher, lead)
     if lead:
         evaluate_teacher(cfg, parts.roots, teacher, device, log, step, done)
+        for name, own, trained in _other_students(cfg, parts.teacher):
+            evaluate_teacher(own, parts.roots, trained, device, log, step, done, f"student_{name}")
     if world > 1:
         dist.barrier()
     if watchdog is not None:

@@ -28,7 +28,7 @@ from ..data import (
     open_source,
     sibling_split,
 )
-from ..models import apply_block_options, build_dino_models
+from ..models import MultiCropWrapper, apply_block_options, build_backbone, build_dino_models
 from ..ops import Schedules
 from ..runtime import resolve_precision
 from .recipes import WeightsReader, recipe_of
@@ -95,6 +95,12 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
 def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     m, h = cfg.model, cfg.hardware
     vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
+    recipe = recipe_of(cfg)
+    if not recipe.builds_heads(cfg):  # the student's backbone alone
+        net, _ = build_backbone(m.backbone, patch_size=m.patch_size,
+                                drop_path_rate=m.drop_path_rate, **vit)  # fmt: skip
+        apply_block_options(net, h.activation_checkpointing, h.checkpoint_every, compile=h.compile)
+        return recipe.wrap_models(cfg, MultiCropWrapper(net, nn.Identity()), None)
     student, teacher = build_dino_models(
         m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
         m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim, **vit,
@@ -102,7 +108,7 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     apply_block_options(student.backbone, h.activation_checkpointing, h.checkpoint_every,
                         compile=h.compile)  # fmt: skip
     apply_block_options(teacher.backbone, compile=h.compile)  # no backward: nothing to recompute
-    return recipe_of(cfg).wrap_models(cfg, student, teacher)
+    return recipe.wrap_models(cfg, student, teacher)
 
 
 def build_loss(cfg: Config) -> nn.Module:

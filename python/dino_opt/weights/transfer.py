@@ -359,7 +359,7 @@ def _student_prefix(cfg: Config, student: str | None, source, full: bool) -> tup
     """(backbone name, state-dict prefix of its backbone) of ``student`` in
     a run of ``cfg`` (its students: ``model.backbone`` and
     ``recipe.distill_students``; ValueError naming them for another)."""
-    names = [cfg.model.backbone, *cfg.recipe.distill_students]
+    names = cfg.student_names
     name = student or names[0]
     if name not in names:
         raise ValueError(f"--student {name}: {source} trained {', '.join(names)}")

@@ -59,8 +59,15 @@ class Recipe(ABC):
         embeddings' grid when ``model.img_size`` is unset) and ``use_mask_token``."""
 
     @abstractmethod
-    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
-        """Student and teacher as the recipe trains them, from DINO's pair."""
+    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module | None):
+        """Student and teacher as the recipe trains them, from DINO's pair
+        (or, where :meth:`builds_heads` is False, from the student's
+        backbone in a ``MultiCropWrapper`` without a head, and no teacher)."""
+
+    def builds_heads(self, cfg: Config) -> bool:
+        """Whether :meth:`wrap_models` starts from DINO's pair (a backbone
+        and a DINO head each) rather than the student's backbone alone."""
+        return True
 
     @abstractmethod
     def build_loss(self, cfg: Config) -> nn.Module:

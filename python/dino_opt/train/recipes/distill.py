@@ -71,7 +71,10 @@ class DistillRecipe(DINOv2Recipe):
         # DINOv2's (the global crops' grid, a mask token); no mask token without masks
         return {**super().backbone_options(cfg), "use_mask_token": _heads(cfg)}
 
-    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
+    def builds_heads(self, cfg: Config) -> bool:
+        return _heads(cfg)  # features: the student's backbone and a projector, no DINO head
+
+    def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module | None):
         if _heads(cfg):
             return super().wrap_models(cfg, student, teacher)
         r = cfg.recipe
@@ -85,10 +88,10 @@ class DistillRecipe(DINOv2Recipe):
     def student_configs(self, cfg: Config) -> list[Config]:
         """``cfg`` (the student ``model.backbone``) and one config per
         backbone of ``recipe.distill_students``."""
-        return [cfg, *(_student_config(cfg, name) for name in cfg.recipe.distill_students)]
+        return [cfg, *(_student_config(cfg, name) for name in cfg.student_names[1:])]
 
     def join_students(self, cfg: Config, pairs: list[tuple[nn.Module, nn.Module]]):
-        names = [c.model.backbone for c in self.student_configs(cfg)]
+        names = cfg.student_names
         students = StudentBank({n: s for n, (s, _) in zip(names, pairs, strict=True)})
         return students, StudentBank({n: t for n, (_, t) in zip(names, pairs, strict=True)})
 
