@@ -13,9 +13,10 @@ import pytest
 import torch
 import torchvision
 from dino_opt.cli import main
-from dino_opt.config import ConfigError, load_config
+from dino_opt.config import ConfigError, apply_overrides, load_config, save_config
 from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
+from dino_opt.train import build_models
 from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
 from tiny import TINY, train_on_ranks
@@ -35,13 +36,17 @@ def data_root(tmp_path_factory):
     )  # fmt: skip
 
 
+def _teacher_net() -> VisionTransformer:
+    """A ViT-S/8-wide (384) teacher of 2 blocks."""
+    torch.manual_seed(1)
+    return VisionTransformer(patch_size=8, embed_dim=384, depth=2, num_heads=6, img_size=32)
+
+
 @pytest.fixture(scope="module")
 def teacher_file(tmp_path_factory):
-    """A ViT-S/8-wide (384) teacher of 2 blocks, as DINO's backbone file."""
-    torch.manual_seed(1)
-    net = VisionTransformer(patch_size=8, embed_dim=384, depth=2, num_heads=6, img_size=32)
+    """:func:`_teacher_net` as DINO's backbone file."""
     path = tmp_path_factory.mktemp("teacher") / "teacher.pth"
-    torch.save(net.state_dict(), path)
+    torch.save(_teacher_net().state_dict(), path)
     return path
 
 
@@ -132,12 +137,23 @@ def test_bad_student_lists_are_one_line(extra, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_memory_model_says_it_does_not_model_a_distillation():
-    cfg = load_config(None, [*TINY, "recipe.name=distill", "recipe.distill_teacher=t.pth",
-                             "recipe.distill_teacher_dim=384"])  # fmt: skip
-    with pytest.raises(ValueError, match="recipe.name=distill is not modelled yet") as e:
-        estimate_memory(cfg)
-    assert "\n" not in str(e.value)
+def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path, capsys):
+    # dino-opt presets --memory-model of a distillation's config: the
+    # teacher is opened (its width and parameters), DDP rows only
+    cfg = load_config(None, [*TINY, "recipe.name=distill", f"recipe.distill_teacher={teacher_file}",
+                             "recipe.distill_students=[vit_small]"])  # fmt: skip
+    path = tmp_path / "distill.yaml"
+    save_config(cfg, path)
+    assert main(["presets", "--memory-model", "--config", str(path), "--world", "1", "8",
+                 "--checkpointing", "none", "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [("ddp", 1), ("ddp", 8)]
+    resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])  # the teacher's width
+    teacher = sum(t.numel() for t in torch.load(teacher_file).values())
+    emas = sum(p.numel() for p in build_models(resolved)[1].parameters())  # both students'
+    assert rows[0]["teacher_count"] == teacher + emas
+    alone = estimate_memory(resolved, frozen_teacher=_teacher_net(), world_size=8)
+    assert rows[1]["peak"] == alone.peak
 
 
 def test_fsdp_shards_the_frozen_teacher_over_the_ranks(teacher_file, tmp_path):

@@ -2,8 +2,9 @@
 counts are the real modules', FSDP's per-rank state shrinks with the world
 size, checkpointing shrinks activations, ``dino-opt presets --memory-model``
 prints it (table and JSON), and its predictions agree within 10 % with what
-2 gloo processes measure (DDP and FSDP) and with one process's activations
-under each checkpointing policy."""
+2 gloo processes measure (DDP and FSDP), with one process's activations
+under each checkpointing policy and with a distillation's step (features,
+one or two students; heads) from a frozen teacher."""
 
 import json
 from pathlib import Path
@@ -12,8 +13,17 @@ import pytest
 import torch
 from dino_opt.cli import main
 from dino_opt.config import load_config
+from dino_opt.models import VisionTransformer
 from dino_opt.observe import AllocationTrace
-from dino_opt.train import build_loss, build_models, build_optimizer
+from dino_opt.train import (
+    DINOModel,
+    HeadsDistillTrainer,
+    build_loss,
+    build_models,
+    build_optimizer,
+    recipe_of,
+)
+from dino_opt.train.distill import FrozenTeacher
 from dino_opt.tune import (
     MEMORY_ARCHS,
     arch_config,
@@ -22,7 +32,7 @@ from dino_opt.tune import (
     largest_batch,
     memory_table,
 )
-from dist_memory_worker import MEMORY_RUN, _forward_backward, _optimizer_step
+from dist_memory_worker import MEMORY_RUN, _crops, _forward_backward, _optimizer_step
 from gloo_ranks import run_ranks
 
 HERE = Path(__file__).parent
@@ -249,3 +259,71 @@ def test_fsdp_shards_the_dinov3_gram_teacher_as_the_teachers_backbone():
         e2, e3 = (estimate_memory(v, strategy="fsdp", world_size=world, counts=c)
                   for v, c in ((v2, c2), (v3, c3)))  # fmt: skip
         assert e3.teacher - e2.teacher == 4 * shard
+
+
+# ---------------------------------------------------------------- distillation
+
+DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.pth",
+           "augmentation.global_crop_size=64", "augmentation.local_crop_size=32"]  # fmt: skip
+
+
+def _distill_step(trainer, cfg, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    masks = torch.rand(2 * cfg.data.batch_size, 8, 8, generator=g) < 0.3  # heads: iBOT's
+    trainer.train_step_optimized(_crops(cfg, seed), 0, masks=masks)
+    trainer.optimize_step()
+
+
+@pytest.mark.parametrize(
+    "extra, teacher_dim",
+    [(["recipe.distill_projector_hidden=256"], 768),
+     (["hardware.activation_checkpointing=selective"], 96),
+     (["hardware.activation_checkpointing=full"], 96),
+     (["recipe.distill_students=[vit_small]"], 96),
+     (["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
+       "recipe.ibot_out_dim=512"], 192)],
+)  # fmt: skip
+def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
+    """The step of a feature distillation (one student or two; a projector
+    with a hidden layer; each checkpointing policy) and of one through
+    heads, from a frozen ViT teacher, against the allocation trace."""
+    heads = "recipe.distill_mode=heads" in extra
+    dim = [] if heads else [f"recipe.distill_teacher_dim={teacher_dim}"]
+    cfg = load_config(None, [*DISTILL, *dim, *extra])
+    torch.manual_seed(0)
+    student, ema = build_models(cfg)
+    if heads:  # a dino_opt teacher with its heads
+        frozen = build_models(cfg)[1]
+    else:
+        frozen = VisionTransformer(patch_size=8, embed_dim=teacher_dim, depth=3, num_heads=3,
+                                   img_size=64)  # fmt: skip
+    loss_fn = build_loss(cfg)
+    loss_fn.attach_teacher(FrozenTeacher(frozen.requires_grad_(False).eval(), 8))
+    options = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
+               "gradient_clip": 3.0}  # fmt: skip
+    optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
+    kind = recipe_of(cfg).trainer_class(cfg)
+    assert (kind is HeadsDistillTrainer) == heads
+    trainer = kind(DINOModel(student, ema, 0.9), loss_fn, optimizer, options, "cpu")
+    _distill_step(trainer, cfg, 0)  # AdamW's moments exist before the trace
+    with AllocationTrace() as trace:
+        _distill_step(trainer, cfg, 1)
+    model = estimate_memory(cfg, frozen_teacher=frozen)
+    assert _pct(model.step, trace.peak()) <= 0.10, (model.step, trace.peak())
+    frozen_numel = sum(p.numel() for p in frozen.parameters())
+    assert model.teacher_count == frozen_numel + sum(p.numel() for p in ema.parameters())
+
+
+def test_a_distillation_estimate_needs_its_teacher_and_ddp():
+    cfg = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=96"])
+    teacher = VisionTransformer(patch_size=8, embed_dim=96, depth=1, num_heads=3, img_size=64)
+    resnet = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=96",
+                                "recipe.distill_students=[resnet18]"])  # fmt: skip
+    for call, words in (
+        (lambda: estimate_memory(cfg), "needs its teacher network"),
+        (lambda: estimate_memory(cfg, strategy="fsdp", frozen_teacher=teacher), "strategy ddp"),
+        (lambda: estimate_memory(resnet, frozen_teacher=teacher), "'resnet18'"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)

@@ -64,7 +64,7 @@ from .models import CHECKPOINT_POLICIES
 from .observe import DINOTrainingAnalyzer, format_report
 from .ops.native import _C
 from .runtime import EXIT_HANG, TrainingHungError, launched_world
-from .train import RECIPES
+from .train import RECIPES, recipe_of, resolve_recipe
 from .tune import (
     MEMORY_ARCHS,
     STRATEGIES,
@@ -79,6 +79,7 @@ from .weights import (
     FORMATS,
     evaluate_weights,
     export_weights,
+    weights_reader,
 )
 
 __all__ = ["main", "prepare_dataset"]
@@ -403,11 +404,17 @@ def _print_presets(report: dict, choice, name: str) -> None:
 def _memory_model(args: argparse.Namespace) -> int:
     if args.measure:
         raise ValueError("--memory-model estimates; leave out --measure")
-    config = load_config(args.config) if args.config else None
+    config = load_config(args.config, list(args.overrides)) if args.config else None
+    teacher = None
+    if config is not None and recipe_of(config).external_teacher:  # a distillation's teacher
+        reader = weights_reader()
+        config = resolve_recipe(config, reader)  # e.g. the teacher's feature width
+        r = config.recipe
+        teacher = reader.open_teacher(r.distill_teacher, r.distill_mode == "heads").network
     rows = memory_table(
         args.arch, tuple(args.world), tuple(args.strategy), tuple(args.checkpointing),
         batch_size=args.batch, reshard_after_forward=args.reshard_after_forward == "on",
-        config=config, overrides=tuple(args.overrides),
+        config=config, overrides=tuple(args.overrides), frozen_teacher=teacher,
     )  # fmt: skip
     usable = None if args.memory is None else args.memory * 2**30 * _USABLE
     out = [r.to_dict() for r in rows]
@@ -419,7 +426,7 @@ def _memory_model(args: argparse.Namespace) -> int:
             row["largest_batch"] = largest_batch(
                 cfg, usable, strategy=r.strategy, world_size=r.world_size,
                 checkpointing=r.checkpointing, every=r.every,
-                reshard_after_forward=r.reshard_after_forward,
+                reshard_after_forward=r.reshard_after_forward, frozen_teacher=teacher,
             )  # fmt: skip
     if args.json:
         archs = {n: a.source for n, a in MEMORY_ARCHS.items()}

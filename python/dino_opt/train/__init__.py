@@ -39,6 +39,7 @@ from .distill import (
     HeadsDistillLoss,
     HeadsDistillTrainer,
     StudentBank,
+    teacher_side,
 )
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
@@ -90,4 +91,5 @@ __all__ = [
     "refresh_due",
     "resolve_recipe",
     "trainer_options",
+    "teacher_side",
 ]

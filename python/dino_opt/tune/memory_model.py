@@ -1,4 +1,4 @@
-"""Per-rank memory of a DINO or DINOv2 training step, before running it: the
+"""Per-rank memory of a training step of any recipe, before running it: the
 parameters, gradients, optimizer and teacher of each process under DDP and
 FSDP at any world size, and the activations of the configured crops with
 and without activation checkpointing (docs/memory.md derives every term;
@@ -12,7 +12,9 @@ per block from what autograd keeps for the backward pass of the ViT's
 operators: attention through SDPA keeps no L x L matrix, only q, k, v, its
 output and one log-sum-exp per head and token.
 
-The estimate of rank 0 (the largest shards) is :func:`estimate_memory`;
+A distillation also counts its frozen teacher and each of its students
+(:func:`estimate_distillation`). The estimate of rank 0 (the largest
+shards) is :func:`estimate_memory`;
 :func:`memory_table` gives the rows ``dino-opt presets --memory-model``
 prints for the architectures of :data:`MEMORY_ARCHS`.
 """
@@ -27,8 +29,8 @@ import torch
 from torch import nn
 
 from ..config import Config, apply_overrides, load_config
-from ..models import CHECKPOINT_POLICIES
-from ..train import RECIPES, build_models, recipe_of
+from ..models import CHECKPOINT_POLICIES, feature_width
+from ..train import build_models, recipe_of, teacher_side
 
 __all__ = [
     "MEMORY_ARCHS",
@@ -39,6 +41,7 @@ __all__ = [
     "arch_config",
     "block_bytes_per_token",
     "count_model",
+    "estimate_distillation",
     "estimate_memory",
     "largest_batch",
     "memory_table",
@@ -193,10 +196,6 @@ def count_model(cfg: Config) -> ModelCounts:
     if not cfg.model.backbone.startswith("vit"):
         raise ValueError(f"the memory model covers ViT backbones; model.backbone is "
                          f"{cfg.model.backbone!r}")  # fmt: skip
-    if not recipe_of(cfg).memory_modelled:
-        raise ValueError(f"the memory model covers the recipes "
-                         f"{', '.join(n for n, r in RECIPES.items() if r.memory_modelled)}; "
-                         f"recipe.name={cfg.recipe.name} is not modelled yet")  # fmt: skip
     with torch.device("meta"):
         student, teacher = build_models(cfg)
     vit, block = student.backbone, student.backbone.blocks[0]
@@ -210,7 +209,8 @@ def count_model(cfg: Config) -> ModelCounts:
         ffn="mlp" if hasattr(mlp, "fc1") else "swiglu", ffn_hidden=hidden,
         layerscale=not isinstance(block.ls1, nn.Identity),
         extra_tokens=1 + vit.num_register_tokens, patch_size=vit.patch_size,
-        head_weight=sum(h.last_layer.weight_v.numel() for h in _heads(student).values()),
+        head_weight=sum(h.last_layer.weight_v.numel() for h in _heads(student).values()
+                        if hasattr(h, "last_layer")),  # a DINO head's (not a projector's)
         frozen_copies=recipe_of(cfg).frozen_backbone_copies(cfg),
     )  # fmt: skip
 
@@ -407,6 +407,7 @@ def estimate_memory(
     reshard_after_forward: bool = True,
     arch: str | None = None,
     counts: ModelCounts | None = None,
+    frozen_teacher: nn.Module | None = None,
 ) -> MemoryEstimate:
     """Rank 0's memory for ``cfg`` (its model, crops, batch per GPU and
     precision: ``fp32`` counts activations and FSDP's gathered parameters in
@@ -416,16 +417,28 @@ def estimate_memory(
     and keeps a flat gradient bucket per parameter (torch's default, no
     bucket views); FSDP shards parameters, gradients, optimizer states and
     the teacher per unit (each block, each head, the root) with mixed
-    precision: 16-bit gathered parameters, float32 reduction."""
+    precision: 16-bit gathered parameters, float32 reduction. A
+    distillation needs its ``frozen_teacher`` (the network
+    ``recipe.distill_teacher`` opens; :func:`estimate_distillation`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    h = cfg.hardware
-    checkpointing = h.activation_checkpointing if checkpointing is None else checkpointing
-    every = h.checkpoint_every if every is None else every
+    if recipe_of(cfg).external_teacher:
+        return estimate_distillation(
+            cfg, frozen_teacher, strategy=strategy, world_size=world_size,
+            checkpointing=checkpointing, every=every, arch=arch,
+        )  # fmt: skip
     counts = counts if counts is not None else count_model(cfg)
-    a = _FP32 if h.precision == "fp32" else 2
+    return _estimate(cfg, strategy, world_size, checkpointing, every, reshard_after_forward, arch,
+                     counts)  # fmt: skip
+
+
+def _estimate(cfg: Config, strategy: str, world_size: int, checkpointing: str | None,
+              every: int | None, reshard_after_forward: bool, arch: str | None,
+              counts: ModelCounts) -> MemoryEstimate:  # fmt: skip
+    """:func:`estimate_memory` of a recipe with its DINO heads (arguments checked)."""
+    checkpointing, every, a = _setting(cfg, checkpointing, every)
     states = _states(counts, strategy, world_size, a)
     acts, transient, end = _activations(cfg, counts, a, strategy, checkpointing, every)
     if strategy == "ddp":  # a block's gradient of one crop size, added to the other's
@@ -439,6 +452,15 @@ def estimate_memory(
         unsharded=_unsharded(counts, a, strategy, reshard_after_forward),
         activations=acts, transient=transient, backward_end=end + states["gradients"],
     )  # fmt: skip
+
+
+def _setting(cfg: Config, checkpointing: str | None, every: int | None) -> tuple[str, int, int]:
+    """(checkpointing policy, every, bytes per activation value): the
+    arguments, or the config's ``hardware`` keys; 4 bytes in fp32, else 2."""
+    h = cfg.hardware
+    checkpointing = h.activation_checkpointing if checkpointing is None else checkpointing
+    every = h.checkpoint_every if every is None else every
+    return checkpointing, every, _FP32 if h.precision == "fp32" else 2
 
 
 def _states(counts: ModelCounts, strategy: str, world: int, a: int) -> dict[str, int]:
@@ -534,13 +556,7 @@ def _activations(
     # A block's backward: the residual's gradient and the widest gradients,
     # after recomputing what a checkpointed block did not keep. The backward
     # starts at the last block and ends at block 0 (always checkpointed).
-    working = residual * counts.embed_dim + _ffn_grad(counts, a)
-    recompute = 0
-    if policy != "none":
-        recompute = block_bytes_per_token(counts, a, "none") - block_bytes_per_token(
-            counts, a, policy, residual
-        )
-    last = recompute if (counts.depth - 1) % every == 0 else 0
+    working, recompute, last = _block_backward(counts, a, policy, every, residual)
     rows, ibot_rows = _head_rows(cfg, counts, s)
     patch_dim = recipe_of(cfg).patch_head_dim(cfg)
     logits = (rows * cfg.model.out_dim + ibot_rows * patch_dim) * (_FP32 + a)
@@ -549,13 +565,140 @@ def _activations(
     return kept, max(s.largest_group * (working + last), logits), end
 
 
+def _block_backward(
+    counts: ModelCounts, a: int, policy: str, every: int, residual: int
+) -> tuple[int, int, int]:
+    """Per token: a block's backward working set (the residual's gradient
+    and the widest gradients), what recomputing a checkpointed block adds,
+    and that for the last block (where the backward starts)."""
+    working = residual * counts.embed_dim + _ffn_grad(counts, a)
+    recompute = 0
+    if policy != "none":
+        recompute = block_bytes_per_token(counts, a, "none") - block_bytes_per_token(
+            counts, a, policy, residual
+        )
+    last = recompute if (counts.depth - 1) % every == 0 else 0
+    return working, recompute, last
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def estimate_distillation(
+    cfg: Config,
+    frozen_teacher: nn.Module | None,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    checkpointing: str | None = None,
+    every: int | None = None,
+    arch: str | None = None,
+) -> MemoryEstimate:
+    """Rank 0's memory for a distillation (``recipe.name=distill``) from
+    ``frozen_teacher`` (the network ``recipe.distill_teacher`` opens) under
+    DDP, where every rank holds the teacher and every student: the
+    teacher's parameters (in bfloat16 where the run stores them so: 16-bit
+    autocast but fp16) and the working set of its forward pass (one block at
+    a time, no gradients). ``heads``: besides, DINOv2's terms of the student
+    (:func:`estimate_memory`). ``features``: for each student (a ViT) its
+    parameters, EMA, AdamW moments and gradients (float32), its blocks'
+    activations over the global crops (the only ones it sees), its
+    projector's rows (each crop's class token and patch tokens) and what the
+    loss keeps of them and of the teacher's tokens on its grid; the crops
+    once. The students' backward passes run one after the other."""
+    if frozen_teacher is None:
+        raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
+                         "what recipe.distill_teacher opens)")  # fmt: skip
+    if strategy != "ddp":
+        raise ValueError(f"the memory model of a distillation covers strategy ddp (every rank "
+                         f"holds the teacher and every student), got {strategy!r}")  # fmt: skip
+    policy, every, a = _setting(cfg, checkpointing, every)
+    frozen = _numel(frozen_teacher)
+    teacher_bytes = (2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32) * frozen
+    working = _frozen_forward_bytes(cfg, frozen_teacher, a)
+    if cfg.recipe.distill_mode == "heads":
+        e = _estimate(cfg, "ddp", world_size, policy, every, True, arch, count_model(cfg))
+        return dataclasses.replace(e, teacher=e.teacher + teacher_bytes,
+                                   teacher_count=e.teacher_count + frozen,
+                                   transient=max(e.transient, working))  # fmt: skip
+    alone = [apply_overrides(c, ["recipe.distill_students=[]"])  # each student as if alone
+             for c in recipe_of(cfg).student_configs(cfg)]  # fmt: skip
+    parts = [_feature_student(c, a, policy, every, world_size) for c in alone]
+    total = {k: sum(p[k] for p in parts) for k in parts[0] if k != "end"}
+    crops = _crop_bytes(cfg, _step(cfg, count_model(alone[0])), a)
+    return MemoryEstimate(
+        arch=arch or "+".join(cfg.student_names),
+        strategy="ddp", world_size=world_size, batch_size=cfg.data.batch_size,
+        precision="fp32" if a == _FP32 else "16-bit", checkpointing=policy, every=every,
+        reshard_after_forward=True, parameter_count=total["parameter_count"],
+        trainable_count=total["trainable_count"],
+        teacher_count=total["teacher_count"] + frozen, parameters=total["parameters"],
+        gradients=total["gradients"], optimizer=total["optimizer"],
+        teacher=total["teacher"] + teacher_bytes, buckets=total["buckets"], unsharded=0,
+        activations=total["activations"] + crops,
+        transient=max(working, max(p["working"] for p in parts)),
+        head_gradients=total["head_gradients"],
+        backward_end=max(p["end"] for p in parts) + crops + total["gradients"],
+    )  # fmt: skip
+
+
+def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int) -> dict[str, int]:
+    """One student of a feature distillation: its states (:func:`_states`,
+    the EMA as the teacher), what its pass keeps (``activations``), the
+    working set where its backward starts and (``end``) what is alive when
+    its backward reaches its first block (that block's saved values,
+    recomputed where it is checkpointed, and its working set)."""
+    counts = count_model(cfg)
+    states = _states(counts, "ddp", world, a)
+    s = _step(cfg, counts)
+    per_token = _blocks_per_token(counts, a, policy, every, _FP32)
+    tokens = 2 * s.batch * s.global_tokens
+    rows = 2 * s.batch * (1 + s.global_tokens - counts.extra_tokens)  # class and patch tokens
+    hidden = cfg.recipe.distill_projector_hidden
+    width, out = counts.embed_dim, cfg.recipe.distill_teacher_dim
+    cast = a * width if a != _FP32 else 0  # the projector's 16-bit input
+    projector = cast + (2 * a * hidden if hidden > 0 else 0)
+    loss = 2 * (a + (_FP32 if a != _FP32 else 0)) * out  # student's and teacher's, and float32
+    working, recompute, last = _block_backward(counts, a, policy, every, _FP32)
+    return {
+        **states, "parameter_count": counts.student, "trainable_count": counts.trainable,
+        "teacher_count": counts.teacher,
+        "activations": tokens * per_token + rows * (projector + loss),
+        "working": tokens * (working + last),
+        "end": tokens * (block_bytes_per_token(counts, a, policy, _FP32) + recompute + working),
+    }  # fmt: skip
+
+
+def _frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
+    """The frozen teacher's forward pass over the global crops (no
+    gradients, one block at a time): the residual stream in and out of a
+    block, the MLP's input, hidden and activated values; and its tokens.
+    A network without blocks (a ResNet): its output only. A teacher with
+    heads: its backbone's pass (the heads' rows are DINOv2's terms)."""
+    teacher = getattr(teacher, "backbone", teacher)
+    side = cfg.augmentation.largest_crop_sizes[0]
+    patch = int(getattr(teacher, "patch_size", 1))
+    width = feature_width(teacher)
+    grid = teacher_side(side, cfg.recipe.distill_teacher_scale, patch) // patch
+    tokens = (
+        2 * cfg.data.batch_size * (grid * grid + 1 + getattr(teacher, "num_register_tokens", 0))
+    )
+    blocks = getattr(teacher, "blocks", None)
+    if not blocks:
+        return tokens * width * _FP32
+    mlp = blocks[0].mlp
+    hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
+    return tokens * (2 * _FP32 * width + a * (width + 2 * hidden))
+
+
 def largest_batch(
     cfg: Config, memory_bytes: float, counts: ModelCounts | None = None, **setting
 ) -> int:
     """The largest batch per GPU whose :func:`estimate_memory` peak (with
     ``setting``: strategy, world_size, checkpointing, ...) is at most
     ``memory_bytes``; 0 when not even one image fits."""
-    counts = counts if counts is not None else count_model(cfg)
+    if counts is None and not recipe_of(cfg).external_teacher:  # a distillation counts its own
+        counts = count_model(cfg)
 
     def fits(batch: int) -> bool:
         sized = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch))
@@ -581,12 +724,14 @@ def memory_table(
     reshard_after_forward: bool = True,
     config: Config | None = None,
     overrides: tuple[str, ...] = (),
+    frozen_teacher: nn.Module | None = None,
 ) -> list[MemoryEstimate]:
     """Estimates for every combination of architecture (``archs`` of
     :data:`MEMORY_ARCHS`, default all; or ``config`` alone), strategy, world
     size and checkpointing policy (of every block), at each architecture's
     batch per GPU or ``batch_size``, with ``overrides`` (``key=value``)
-    applied to each config."""
+    applied to each config. A distillation ``config`` needs its
+    ``frozen_teacher`` and has DDP rows only (:func:`estimate_distillation`)."""
     extra = [*overrides, *([f"data.batch_size={batch_size}"] if batch_size is not None else [])]
     if config is not None:
         configs = {"config": apply_overrides(config, extra)}
@@ -594,13 +739,14 @@ def memory_table(
         configs = {a: apply_overrides(arch_config(a), extra) for a in (archs or MEMORY_ARCHS)}
     rows = []
     for name, cfg in configs.items():
-        counts = count_model(cfg)
-        for strategy in strategies:
+        distill = recipe_of(cfg).external_teacher
+        counts = None if distill else count_model(cfg)
+        for strategy in ("ddp",) if distill else strategies:
             for world in worlds:
                 for policy in policies:
                     rows.append(estimate_memory(
                         cfg, strategy=strategy, world_size=world, checkpointing=policy,
                         every=1, reshard_after_forward=reshard_after_forward, arch=name,
-                        counts=counts,
+                        counts=counts, frozen_teacher=frozen_teacher,
                     ))  # fmt: skip
     return rows

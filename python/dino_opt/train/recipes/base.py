@@ -50,8 +50,9 @@ class Recipe(ABC):
     #: statistics): True where the EMA network never runs a training-mode
     #: forward that would keep its own (a distillation).
     ema_copies_buffers: bool = False
-    #: Whether the memory model (:mod:`dino_opt.tune.memory_model`) has its terms.
-    memory_modelled: bool = True
+    #: Whether the recipe learns from a frozen teacher opened from a file (a
+    #: distillation): the memory model then needs that network.
+    external_teacher: bool = False
 
     @abstractmethod
     def backbone_options(self, cfg: Config) -> dict:

@@ -65,7 +65,10 @@ class DistillRecipe(DINOv2Recipe):
     # are the student's, or a ResNet's EMA would be evaluated with its
     # initial ones.
     ema_copies_buffers = True
-    memory_modelled = False  # no terms yet for the frozen teacher and the projectors
+    external_teacher = True
+
+    def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
+        return super().masked_tokens(cfg, global_tokens) if _heads(cfg) else 0  # no masks
 
     def backbone_options(self, cfg: Config) -> dict:
         # DINOv2's (the global crops' grid, a mask token); no mask token without masks
