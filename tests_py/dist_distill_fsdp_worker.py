@@ -2,8 +2,8 @@
 FSDP: joins a gloo group through a file, builds the run as the job does
 (the teacher opened and placed, then its backbone sharded block by block
 beside the student), and writes to OUT/rank{rank}.json what it holds of
-the teacher, the teacher's tokens before and after sharding, and the
-losses of two steps."""
+the teacher, the teacher's tokens before and after sharding, the losses of
+two steps and the student's FSDP units."""
 
 import json
 import sys
@@ -63,6 +63,7 @@ def main(rank: int, world: int, init_file: str, out: str, teacher_file: str, *ov
         "tokens_diff": max((before.cls - after.cls).abs().max().item(),
                            (before.patches - after.patches).abs().max().item()),
         "losses": losses,
+        "student_units": [n for n, m in student.named_modules() if is_sharded(m)],
     }  # fmt: skip
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

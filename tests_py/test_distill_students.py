@@ -106,6 +106,26 @@ def test_a_killed_rank_resumes_every_student_bit_for_bit(reference, data_root, t
             assert torch.equal(flat_a[name], value), f"{key}.{name} differs"
 
 
+def test_fsdp_shards_every_student_and_resumes_bit_for_bit(data_root, teacher_file, tmp_path):
+    """distributed.strategy=fsdp with two ViT students: each sharded on its
+    own (blocks, projector, the student), the teacher too; a killed rank
+    restarted ends as the run never stopped, and both are evaluated."""
+    fsdp = ("recipe.distill_students=[vit_small]", "distributed.strategy=fsdp",
+            "checkpoint.every_steps=2", "checkpoint.keep=2")  # fmt: skip
+    ref = _train(tmp_path / "ref", data_root, teacher_file, *fsdp)
+    run = _train(tmp_path / "run", data_root, teacher_file, *fsdp, "debug.inject_kill_at_step=3",
+                 "debug.inject_kill_rank=1")  # fmt: skip
+    assert run["report"].get("restarts") and Path(ref["report"]["checkpoint"]).is_dir()
+    assert {"knn_top1_trained"} <= set(ref["report"]["students"]["vit_small"])
+    assert all("loss_vit_tiny" in r and "loss_vit_small" in r for r in ref["rows"])
+    for key in ("student", "teacher", "optimizer"):
+        a, b = _tensors(run["state"][key]), _tensors(ref["state"][key])
+        assert a.keys() == b.keys(), key
+        assert any(".members.vit_small." in k for k in b) or key == "optimizer"
+        for name, value in b.items():
+            assert torch.equal(a[name], value), f"{key}{name} differs"
+
+
 def _tensors(state, prefix=""):
     """Every tensor of a nested state, by its path."""
     if isinstance(state, torch.Tensor):
@@ -127,7 +147,8 @@ def _tensors(state, prefix=""):
     [(["recipe.distill_students=[vit_tiny]"], "names a backbone twice"),
      (["recipe.distill_students=[resnet18]", "recipe.distill_mode=heads"],
       "with recipe.distill_mode=features"),
-     (["recipe.distill_students=[resnet18]", "distributed.strategy=fsdp"], "separate runs"),
+     (["recipe.distill_students=[resnet18]", "distributed.strategy=fsdp"],
+      "recipe.distill_students names 'resnet18'"),
      (["recipe.name=dino", "recipe.distill_students=[resnet18]"], "for recipe.name=distill"),
      (["recipe.distill_students=[resnet19]"], "did you mean 'resnet18'")],
 )  # fmt: skip
@@ -156,16 +177,25 @@ def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path
     assert rows[1]["peak"] == alone.peak
 
 
-def test_fsdp_shards_the_frozen_teacher_over_the_ranks(teacher_file, tmp_path):
+@pytest.mark.parametrize("students", [[], ["vit_small"]])
+def test_fsdp_shards_the_frozen_teacher_over_the_ranks(teacher_file, tmp_path, students):
     """distributed.strategy=fsdp: each rank holds half the teacher's
     parameters (its backbone sharded block by block, frozen), and the
-    sharded teacher's tokens are the whole one's."""
+    sharded teacher's tokens are the whole one's; each student is sharded
+    on its own (its blocks, its projector, itself)."""
     worker = Path(__file__).with_name("dist_distill_fsdp_worker.py")
+    listed = f"recipe.distill_students=[{','.join(students)}]"
     ranks = run_ranks(worker, tmp_path, str(teacher_file), *TINY, "recipe.name=distill",
-                      "model.drop_path_rate=0", timeout=600)  # fmt: skip
+                      "model.drop_path_rate=0", listed, timeout=600)  # fmt: skip
     numel = ranks[0]["numel"]
     assert sum(r["local_numel"] for r in ranks) == numel
     for r in ranks:
         assert r["sharded"] and r["all_dtensors"] and r["frozen"]
         assert abs(r["local_numel"] / numel - 0.5) < 0.01
         assert r["tokens_diff"] < 1e-5 and all(math.isfinite(v) for v in r["losses"])
+        units = set(r["student_units"])
+        for prefix, depth in (
+            [("", 12)] if not students else [("members.vit_tiny.", 12), ("members.vit_small.", 12)]
+        ):
+            assert {f"{prefix}backbone.blocks.{i}" for i in range(depth)} <= units
+            assert {f"{prefix}head", prefix.rstrip(".")} <= units

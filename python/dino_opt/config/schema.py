@@ -561,7 +561,7 @@ def _distill_conflicts(cfg: Config) -> list[str]:
 
 def _students_conflicts(cfg: Config) -> list[str]:
     """``recipe.distill_students``: distinct backbones beside
-    ``model.backbone``, in a features distillation, not sharded."""
+    ``model.backbone``, in a features distillation."""
     students = cfg.recipe.distill_students
     if not students:
         return []
@@ -573,11 +573,6 @@ def _students_conflicts(cfg: Config) -> list[str]:
     if cfg.recipe.distill_mode != "features":
         return ["recipe.distill_students trains several students with recipe.distill_mode="
                 f"features; got {cfg.recipe.distill_mode}"]  # fmt: skip
-    if cfg.distributed.strategy == "fsdp":
-        return [
-            "recipe.distill_students runs every student on every rank (ddp); "
-            "distributed.strategy=fsdp shards one student: train them in separate runs"
-        ]
     return []
 
 
@@ -586,10 +581,12 @@ def _sharding_conflicts(cfg: Config) -> list[str]:
     if cfg.distributed.strategy != "fsdp":
         return []
     errors = []
-    if not cfg.model.backbone.startswith("vit"):
+    others = [n for n in cfg.student_names if not n.startswith("vit")]
+    if others:
+        key = "model.backbone" if others[0] == cfg.model.backbone else "recipe.distill_students"
         errors.append(
-            f"distributed.strategy=fsdp shards a ViT block by block; model.backbone is "
-            f"{cfg.model.backbone!r} (use distributed.strategy=ddp)"
+            f"distributed.strategy=fsdp shards a ViT block by block; {key} names "
+            f"{others[0]!r} (use distributed.strategy=ddp)"
         )
     if cfg.hardware.precision == "fp16":
         errors.append(

@@ -11,20 +11,21 @@ from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog
 from ..train import StudentBank, recipe_of
-from .sharding import full_teacher_backbone
+from .sharding import full_teacher
 
 __all__ = ["evaluate_between_epochs", "evaluate_other_students"]
 
 
-def evaluate_other_students(cfg: Config, parts, device: torch.device, folder: RunFolder,
-                            step: int) -> dict:  # fmt: skip
+def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device: torch.device,
+                            folder: RunFolder, step: int) -> dict:  # fmt: skip
     """The end-of-run evaluation (:func:`~dino_opt.eval.evaluate_run`) of
     each student of a :class:`~dino_opt.train.StudentBank` but the first
-    (which the run's own evaluation covers), its EMA beside its random
-    initialisation, into ``students/<name>/``; the report's ``students``
-    key, by name. ``{}`` for a run of one student."""
+    (which the run's own evaluation covers), its EMA (of ``teacher``, the
+    whole EMA network) beside its random initialisation, into
+    ``students/<name>/``; the report's ``students`` key, by name. ``{}``
+    for a run of one student."""
     out = {}
-    for name, own, trained in _other_students(cfg, parts.teacher):
+    for name, own, trained in _other_students(cfg, teacher):
         nets = (trained, parts.random_teacher.members[name].backbone)
         out[name] = evaluate_run(own, parts.roots, *nets, device, folder.student(name), None, step)
     return {"students": out} if out else {}
@@ -55,10 +56,10 @@ def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
         return
     if watchdog is not None:
         watchdog.disarm()
-    teacher = full_teacher_backbone(parts.teacher, parts.random_teacher, lead)
+    teacher = full_teacher(parts.teacher, parts.random_teacher, lead)
     if lead:
-        evaluate_teacher(cfg, parts.roots, teacher, device, log, step, done)
-        for name, own, trained in _other_students(cfg, parts.teacher):
+        evaluate_teacher(cfg, parts.roots, teacher.backbone, device, log, step, done)
+        for name, own, trained in _other_students(cfg, teacher):
             evaluate_teacher(own, parts.roots, trained, device, log, step, done, f"student_{name}")
     if world > 1:
         dist.barrier()

@@ -80,7 +80,7 @@ from .restarts import (
 from .rollback import RollbackPolicy
 from .sharding import (
     SHARDED_KEYS,
-    full_teacher_backbone,
+    full_teacher,
     load_full_state,
     load_loss_state,
     load_sharded_state,
@@ -717,17 +717,18 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         evaluate = p.roots.val is not None
         teacher = None  # collective when sharded: the whole teacher, on rank 0
         if evaluate:
-            teacher = full_teacher_backbone(p.teacher, p.random_teacher, self.lead)
+            teacher = full_teacher(p.teacher, p.random_teacher, self.lead)
         if not self.lead:  # rank 0 evaluates and writes the report
             self.log.close()
             return report
         report.update(self._profile_report())
         plot_training_curves(self.history, self.folder.training_curves)
         if evaluate:
-            nets = (teacher, p.random_teacher.backbone)
+            nets = (teacher.backbone, p.random_teacher.backbone)
             report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder, self.log,
                                        self.step))  # fmt: skip
-            report.update(evaluate_other_students(cfg, p, self.device, self.folder, self.step))
+            report.update(evaluate_other_students(cfg, p, teacher, self.device, self.folder,
+                                                  self.step))  # fmt: skip
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:

@@ -38,7 +38,7 @@ from ..runtime import (
 )
 
 __all__ = [
-    "full_teacher_backbone",
+    "full_teacher",
     "load_full_state",
     "load_loss_state",
     "load_sharded_state",
@@ -202,20 +202,20 @@ def load_full_state(state: dict, student: nn.Module, teacher: nn.Module, optimiz
         set_optimizer_state_dict(student, optimizer, by_name, options=full)
 
 
-def full_teacher_backbone(teacher: nn.Module, template: nn.Module, lead: bool) -> nn.Module | None:
-    """Collective for a sharded teacher: its whole backbone on rank 0 (a
-    copy of ``template``'s, the unsharded network of the same architecture,
-    holding the teacher's weights; None elsewhere). An unsharded teacher's
-    backbone is returned as it is."""
+def full_teacher(teacher: nn.Module, template: nn.Module, lead: bool) -> nn.Module | None:
+    """Collective for a sharded teacher: the whole network on rank 0 (a
+    copy of ``template``, the unsharded network of the same architecture,
+    holding the teacher's weights; None elsewhere). An unsharded teacher is
+    returned as it is."""
     if not is_sharded(teacher):
-        return teacher.backbone
+        return teacher
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(teacher, options=options)
     if not lead:
         return None
     whole = copy.deepcopy(template)
     whole.load_state_dict(weights)
-    return whole.backbone
+    return whole
 
 
 def resharded_loader_state(states: list[dict], rank: int, world: int) -> dict:

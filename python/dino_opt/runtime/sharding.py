@@ -88,22 +88,36 @@ def shard_model(
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """``fully_shard`` on each of ``model.backbone.blocks``, each other child
-    with parameters (the heads), then ``model`` (in place; returned). The
-    process group must be up. ``reshard_after_forward`` applies to the blocks
-    and heads; the root follows it too, so that a network used only forward
-    (the teacher) holds no gathered parameters between steps."""
+    with parameters (the heads), then ``model`` (in place; returned). A
+    model of several networks trained together (``members``, a ModuleDict:
+    a distillation's students) has each member sharded so, then the whole.
+    The process group must be up. ``reshard_after_forward`` applies to the
+    blocks and heads; the root follows it too, so that a network used only
+    forward (the teacher) holds no gathered parameters between steps."""
     policy = mixed_precision_policy(param_dtype)
     options = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    for block in _blocks(model):
-        fully_shard(block, **options)
-    for name, child in model.named_children():
-        if name != "backbone" and any(True for _ in child.parameters()):
-            fully_shard(child, **options)
+    members = getattr(model, "members", None)
+    if isinstance(members, nn.ModuleDict):
+        for member in members.values():
+            _shard_units(member, options)
+            fully_shard(member, **options)
+    else:
+        _shard_units(model, options)
     fully_shard(model, **options)
     for method in _FORWARD_METHODS:
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
     return model
+
+
+def _shard_units(model: nn.Module, options: dict) -> None:
+    """``fully_shard`` on each block of ``model``'s backbone and each other
+    child with parameters (its heads)."""
+    for block in _blocks(model):
+        fully_shard(block, **options)
+    for name, child in model.named_children():
+        if name != "backbone" and any(True for _ in child.parameters()):
+            fully_shard(child, **options)
 
 
 def shard_frozen_backbone(backbone: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
