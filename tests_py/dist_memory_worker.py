@@ -5,7 +5,9 @@ block, the head, the root; the teacher alike). The states are measured by
 their tensors' storages (parameters, teacher, AdamW's moments, the gradients
 after the backward pass; DDP's buckets as the bytes its constructor
 allocates), the second step by AllocationTrace: its peak above the bytes
-live when it started. Writes OUT/rank{rank}.json."""
+live when it started. Also a sharded feature distillation (one or two
+students from a frozen teacher, the job's trainer). Writes
+OUT/rank{rank}.json."""
 
 import json
 import sys
@@ -14,8 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from dino_opt.config import load_config
+from dino_opt.job.sharding import spread
+from dino_opt.models import VisionTransformer
 from dino_opt.observe import AllocationTrace
-from dino_opt.train import build_loss, build_models, build_optimizer
+from dino_opt.train import DINOModel, build_loss, build_models, build_optimizer
+from dino_opt.train.distill import FeatureDistillTrainer, FrozenTeacher
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -107,10 +112,57 @@ def measure(strategy: str, policy: str) -> dict:
     }
 
 
+#: A feature distillation of MEMORY_RUN's student (and ``recipe.distill_students``)
+#: from a 3-block ViT teacher 96 wide, its networks sharded as the job shards them.
+DISTILL_RUN = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.pth",
+               "recipe.distill_teacher_dim=96", "augmentation.global_crop_size=64",
+               "distributed.strategy=fsdp"]  # fmt: skip
+
+
+def distill_teacher() -> torch.nn.Module:
+    torch.manual_seed(1)
+    net = VisionTransformer(patch_size=8, embed_dim=96, depth=3, num_heads=3, img_size=64)
+    return net.requires_grad_(False).eval()
+
+
+def measure_distill(students: str) -> dict:
+    """Bytes of a sharded feature distillation into ``students`` (besides
+    MEMORY_RUN's) on this rank: as :func:`measure`, the frozen teacher's
+    local shards apart."""
+    torch.manual_seed(0)
+    cfg = load_config(None, [*DISTILL_RUN, f"recipe.distill_students=[{students}]"])
+    rank = dist.get_rank()
+    with AllocationTrace() as trace:
+        student, ema = build_models(cfg)
+        frozen = distill_teacher()
+        loss_fn = build_loss(cfg)
+        loss_fn.attach_teacher(FrozenTeacher(frozen, 8))
+        spread(cfg, student, ema, torch.device("cpu"), (), frozen)
+        optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
+        options = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
+                   "gradient_clip": 3.0}  # fmt: skip
+        trainer = FeatureDistillTrainer(DINOModel(student, ema, 0.9), loss_fn, optimizer, options,
+                                        "cpu")  # fmt: skip
+        losses = [float(trainer.train_step_optimized(_crops(cfg, rank), 0)[0])]
+        trainer.optimize_step()
+        with torch.profiler.record_function("step"):
+            losses.append(float(trainer.train_step_optimized(_crops(cfg, 10 + rank), 0)[0]))
+            gradients = _bytes(p.grad for p in student.parameters())
+            trainer.optimize_step()
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return {
+        "parameters": _bytes(student.parameters()),
+        "teacher": _bytes(ema.parameters()) + _bytes(frozen.parameters()),
+        "optimizer": _bytes(states), "buckets": 0, "gradients": gradients,
+        "step": trace.peak("step") - trace.live_at("step"), "losses": losses,
+    }  # fmt: skip
+
+
 def main(rank: int, world: int, init_file: str, out: str, runs: list[str]) -> None:
-    """``runs``: STRATEGY:POLICY, measured one after the other."""
+    """``runs``: STRATEGY:POLICY or distill:STUDENTS, measured one after the other."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    result = {run: measure(*run.split(":")) for run in runs}
+    result = {run: measure_distill(run.split(":")[1]) if run.startswith("distill:")
+              else measure(*run.split(":")) for run in runs}  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -160,7 +160,7 @@ def test_bad_student_lists_are_one_line(extra, needle):
 
 def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path, capsys):
     # dino-opt presets --memory-model of a distillation's config: the
-    # teacher is opened (its width and parameters), DDP rows only
+    # teacher is opened (its width and parameters); DDP and FSDP rows
     cfg = load_config(None, [*TINY, "recipe.name=distill", f"recipe.distill_teacher={teacher_file}",
                              "recipe.distill_students=[vit_small]"])  # fmt: skip
     path = tmp_path / "distill.yaml"
@@ -168,7 +168,9 @@ def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path
     assert main(["presets", "--memory-model", "--config", str(path), "--world", "1", "8",
                  "--checkpointing", "none", "--json"]) == 0  # fmt: skip
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [(r["strategy"], r["world_size"]) for r in rows] == [("ddp", 1), ("ddp", 8)]
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [
+        ("ddp", 1), ("ddp", 8), ("fsdp", 1), ("fsdp", 8)]  # fmt: skip
+    assert rows[3]["teacher"] < rows[1]["teacher"]  # the frozen teacher and the EMAs sharded
     resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])  # the teacher's width
     teacher = sum(t.numel() for t in torch.load(teacher_file).values())
     emas = sum(p.numel() for p in build_models(resolved)[1].parameters())  # both students'

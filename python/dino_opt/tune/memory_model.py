@@ -595,12 +595,13 @@ def estimate_distillation(
     arch: str | None = None,
 ) -> MemoryEstimate:
     """Rank 0's memory for a distillation (``recipe.name=distill``) from
-    ``frozen_teacher`` (the network ``recipe.distill_teacher`` opens) under
-    DDP, where every rank holds the teacher and every student: the
+    ``frozen_teacher`` (the network ``recipe.distill_teacher`` opens): the
     teacher's parameters (in bfloat16 where the run stores them so: 16-bit
-    autocast but fp16) and the working set of its forward pass (one block at
-    a time, no gradients). ``heads``: besides, DINOv2's terms of the student
-    (:func:`estimate_memory`). ``features``: for each student (a ViT) its
+    autocast but fp16; with FSDP its local shards, and its root and two
+    blocks gathered in its forward) and the working set of its forward pass
+    (one block at a time, no gradients). ``heads`` (DDP): besides, DINOv2's
+    terms of the student (:func:`estimate_memory`). ``features`` (DDP or
+    FSDP, each student sharded on its own): for each student (a ViT) its
     parameters, EMA, AdamW moments and gradients (float32), its blocks'
     activations over the global crops (the only ones it sees), its
     projector's rows (each crop's class token and patch tokens) and what the
@@ -609,32 +610,40 @@ def estimate_distillation(
     if frozen_teacher is None:
         raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
                          "what recipe.distill_teacher opens)")  # fmt: skip
-    if strategy != "ddp":
-        raise ValueError(f"the memory model of a distillation covers strategy ddp (every rank "
-                         f"holds the teacher and every student), got {strategy!r}")  # fmt: skip
+    heads = cfg.recipe.distill_mode == "heads"
+    if strategy == "fsdp" and heads:
+        raise ValueError("the memory model of a distillation through heads covers strategy ddp; "
+                         "got fsdp")  # fmt: skip
     policy, every, a = _setting(cfg, checkpointing, every)
     frozen = _numel(frozen_teacher)
-    teacher_bytes = (2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32) * frozen
+    sharded = strategy == "fsdp"
+    local = sum(_shard(tuple(p.shape), world_size) for p in frozen_teacher.parameters())
+    tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32
+    teacher_bytes = tb * (local if sharded else frozen)
     working = _frozen_forward_bytes(cfg, frozen_teacher, a)
-    if cfg.recipe.distill_mode == "heads":
+    if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
+        working += a * _frozen_gathered(frozen_teacher)
+    if heads:
         e = _estimate(cfg, "ddp", world_size, policy, every, True, arch, count_model(cfg))
         return dataclasses.replace(e, teacher=e.teacher + teacher_bytes,
                                    teacher_count=e.teacher_count + frozen,
                                    transient=max(e.transient, working))  # fmt: skip
     alone = [apply_overrides(c, ["recipe.distill_students=[]"])  # each student as if alone
              for c in recipe_of(cfg).student_configs(cfg)]  # fmt: skip
-    parts = [_feature_student(c, a, policy, every, world_size) for c in alone]
-    total = {k: sum(p[k] for p in parts) for k in parts[0] if k != "end"}
+    bank = len(alone) > 1
+    parts = [_feature_student(c, a, policy, every, world_size, strategy, bank) for c in alone]
+    total = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("end", "unsharded")}
     crops = _crop_bytes(cfg, _step(cfg, count_model(alone[0])), a)
     return MemoryEstimate(
         arch=arch or "+".join(cfg.student_names),
-        strategy="ddp", world_size=world_size, batch_size=cfg.data.batch_size,
+        strategy=strategy, world_size=world_size, batch_size=cfg.data.batch_size,
         precision="fp32" if a == _FP32 else "16-bit", checkpointing=policy, every=every,
         reshard_after_forward=True, parameter_count=total["parameter_count"],
         trainable_count=total["trainable_count"],
         teacher_count=total["teacher_count"] + frozen, parameters=total["parameters"],
         gradients=total["gradients"], optimizer=total["optimizer"],
-        teacher=total["teacher"] + teacher_bytes, buckets=total["buckets"], unsharded=0,
+        teacher=total["teacher"] + teacher_bytes, buckets=total["buckets"],
+        unsharded=max(p["unsharded"] for p in parts),
         activations=total["activations"] + crops,
         transient=max(working, max(p["working"] for p in parts)),
         head_gradients=total["head_gradients"],
@@ -642,16 +651,26 @@ def estimate_distillation(
     )  # fmt: skip
 
 
-def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int) -> dict[str, int]:
+def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, strategy: str,
+                     bank: bool) -> dict[str, int]:  # fmt: skip
     """One student of a feature distillation: its states (:func:`_states`,
     the EMA as the teacher), what its pass keeps (``activations``), the
-    working set where its backward starts and (``end``) what is alive when
-    its backward reaches its first block (that block's saved values,
-    recomputed where it is checkpointed, and its working set)."""
+    working set where its backward starts, FSDP's gathered units then
+    (``unsharded``) and (``end``) what is alive when its backward reaches
+    its first block (that block's saved values, recomputed where it is
+    checkpointed, and its working set). Sharded, the EMA never runs forward
+    (nothing of it stays gathered), and a student of a ``bank`` (several)
+    is not FSDP's root, so its own parameters are freed after its forward
+    too."""
     counts = count_model(cfg)
-    states = _states(counts, "ddp", world, a)
+    states = _states(counts, strategy, world, a)
+    unsharded = _unsharded(counts, a, strategy, True)
+    if strategy == "fsdp":
+        states["teacher"] = _FP32 * counts.local(world)
+        unsharded -= a * counts.unit_size("root") if bank else 0
     s = _step(cfg, counts)
-    per_token = _blocks_per_token(counts, a, policy, every, _FP32)
+    residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
+    per_token = _blocks_per_token(counts, a, policy, every, residual)
     tokens = 2 * s.batch * s.global_tokens
     rows = 2 * s.batch * (1 + s.global_tokens - counts.extra_tokens)  # class and patch tokens
     hidden = cfg.recipe.distill_projector_hidden
@@ -659,14 +678,23 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int) -
     cast = a * width if a != _FP32 else 0  # the projector's 16-bit input
     projector = cast + (2 * a * hidden if hidden > 0 else 0)
     loss = 2 * (a + (_FP32 if a != _FP32 else 0)) * out  # student's and teacher's, and float32
-    working, recompute, last = _block_backward(counts, a, policy, every, _FP32)
+    working, recompute, last = _block_backward(counts, a, policy, every, residual)
+    first = block_bytes_per_token(counts, a, policy, residual)
     return {
         **states, "parameter_count": counts.student, "trainable_count": counts.trainable,
-        "teacher_count": counts.teacher,
+        "teacher_count": counts.teacher, "unsharded": unsharded,
         "activations": tokens * per_token + rows * (projector + loss),
-        "working": tokens * (working + last),
-        "end": tokens * (block_bytes_per_token(counts, a, policy, _FP32) + recompute + working),
+        "working": tokens * (working + last), "end": tokens * (first + recompute + working),
     }  # fmt: skip
+
+
+def _frozen_gathered(teacher: nn.Module) -> int:
+    """Parameters of a sharded frozen teacher gathered at once in its
+    forward: its root (what is not in a block) and two blocks."""
+    backbone = getattr(teacher, "backbone", teacher)
+    blocks = getattr(backbone, "blocks", None) or []
+    block = max((_numel(b) for b in blocks), default=0)
+    return _numel(teacher) - sum(_numel(b) for b in blocks) + 2 * block
 
 
 def _frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
@@ -731,7 +759,8 @@ def memory_table(
     size and checkpointing policy (of every block), at each architecture's
     batch per GPU or ``batch_size``, with ``overrides`` (``key=value``)
     applied to each config. A distillation ``config`` needs its
-    ``frozen_teacher`` and has DDP rows only (:func:`estimate_distillation`)."""
+    ``frozen_teacher``; through heads it has DDP rows only
+    (:func:`estimate_distillation`)."""
     extra = [*overrides, *([f"data.batch_size={batch_size}"] if batch_size is not None else [])]
     if config is not None:
         configs = {"config": apply_overrides(config, extra)}
@@ -741,7 +770,8 @@ def memory_table(
     for name, cfg in configs.items():
         distill = recipe_of(cfg).external_teacher
         counts = None if distill else count_model(cfg)
-        for strategy in ("ddp",) if distill else strategies:
+        ddp_only = distill and cfg.recipe.distill_mode == "heads"
+        for strategy in ("ddp",) if ddp_only else strategies:
             for world in worlds:
                 for policy in policies:
                     rows.append(estimate_memory(
