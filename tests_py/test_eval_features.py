@@ -169,16 +169,33 @@ def test_native_crops_on_jpeg_match_pil_decoding(jpg_folder):
     assert diff.max().item() < 3 * level
 
 
+def two_pass_crop(path: Path, size: int, resize_to: int) -> torch.Tensor:
+    """The evaluation crop by Pillow's bicubic passes, the horizontal one
+    first (what the native loader computes, byte for byte), normalised."""
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+    w, h = im.size
+    nw, nh = (resize_to, int(resize_to * h / w)) if w <= h else (int(resize_to * w / h), resize_to)
+    im = im.resize((nw, h), Image.Resampling.BICUBIC).resize((nw, nh), Image.Resampling.BICUBIC)
+    left, top = int(round((nw - size) / 2.0)), int(round((nh - size) / 2.0))
+    x = torch.from_numpy(np.asarray(im.crop((left, top, left + size, top + size))).copy())
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    return ((x.float() / 255 - mean) / std).permute(2, 0, 1)
+
+
 def test_bfloat16_batches_and_resize_size(png_folder):
+    # Pillow 13's one-call resize runs the vertical pass first for some
+    # shapes (narrow portraits here): on noise, up to a dozen uint8 levels
+    # from the two passes in Pillow's classic order, which the loader
+    # computes; the exact check is against those, for every image.
     if not _C.other_formats_available():
         pytest.skip("this build reads no PNG (no OpenCV)")
     full, _, _ = native_all(png_folder, 16, resize_size=16)  # the whole shorter side
     half, _, _ = native_all(png_folder, 16, resize_size=16, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), full, atol=0.02, rtol=0.01)
-    ds = EvalImageFolder(png_folder, 16)
-    ds.resize_to = 16
-    torch.testing.assert_close(full[5], ds[5][0], atol=1e-5, rtol=0)
+    for i, (path, _) in enumerate(EvalImageFolder(png_folder, 16).samples):
+        torch.testing.assert_close(full[i], two_pass_crop(Path(path), 16, 16), atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------- sources and order
