@@ -632,8 +632,9 @@ def estimate_distillation(
              for c in recipe_of(cfg).student_configs(cfg)]  # fmt: skip
     bank = len(alone) > 1
     parts = [_feature_student(c, a, policy, every, world_size, strategy, bank) for c in alone]
-    total = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("end", "unsharded")}
-    crops = _crop_bytes(cfg, _step(cfg, count_model(alone[0])), a)
+    total = {k: sum(p[k] for p in parts) for k in parts[0]
+             if k not in ("end", "unsharded", "crops")}  # fmt: skip
+    crops = parts[0]["crops"]  # the batch of crops, one for every student
     return MemoryEstimate(
         arch=arch or "+".join(cfg.student_names),
         strategy=strategy, world_size=world_size, batch_size=cfg.data.batch_size,
@@ -656,7 +657,8 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     """One student of a feature distillation: its states (:func:`_states`,
     the EMA as the teacher), what its pass keeps (``activations``), the
     working set where its backward starts, FSDP's gathered units then
-    (``unsharded``) and (``end``) what is alive when its backward reaches
+    (``unsharded``), the batch of crops (``crops``, the same for every
+    student) and (``end``) what is alive when its backward reaches
     its first block (that block's saved values, recomputed where it is
     checkpointed, and its working set). Sharded, the EMA never runs forward
     (nothing of it stays gathered), and a student of a ``bank`` (several)
@@ -682,7 +684,7 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     first = block_bytes_per_token(counts, a, policy, residual)
     return {
         **states, "parameter_count": counts.student, "trainable_count": counts.trainable,
-        "teacher_count": counts.teacher, "unsharded": unsharded,
+        "teacher_count": counts.teacher, "unsharded": unsharded, "crops": _crop_bytes(cfg, s, a),
         "activations": tokens * per_token + rows * (projector + loss),
         "working": tokens * (working + last), "end": tokens * (first + recompute + working),
     }  # fmt: skip
