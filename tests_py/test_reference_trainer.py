@@ -288,10 +288,13 @@ def test_bench_quick_smoke_isolated(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_reports_gpu_busy_share_on_cuda(tmp_path):
+    # The small model, in one process: 8 test processes share the GPU, and
+    # the recipe's model in a process per row took over a minute there.
     payload, stdout = run_bench(
         tmp_path,
         "--config",
-        "recipe",
+        "cpu",
+        "--no-isolate",
         "--only",
         "baseline,all",
         "--batch-size",

@@ -25,6 +25,7 @@ __all__ = [
     "dino_loss_torch",
     "ema_update_torch",
     "fallback_warned",
+    "gram_clamp_allowance",
     "gram_loss_backward_torch",
     "gram_loss_torch",
     "ibot_loss_backward_torch",
@@ -293,6 +294,43 @@ def gram_loss_backward_torch(grad, student, teacher, apply_norm, remove_neg,
         along = torch.where(norm > 1e-12, (s * g).sum(-1, keepdim=True), 0)
         g = (g - s * along) / norm.clamp_min(1e-12)
     return g.reshape(student.shape).to(student.dtype)
+
+
+@torch.no_grad()
+def gram_clamp_allowance(grad, student, teacher, apply_norm, remove_neg,
+                         remove_only_teacher_neg):  # fmt: skip
+    """What rounding alone may change in the clamped Gram loss and its gradient,
+    in float64: (a bound on the loss, an elementwise bound on the gradient,
+    the share of pairs it covers).
+
+    Clamping makes the loss's slope jump where a similarity crosses 0. A
+    similarity computed in the accumulation dtype lies within
+    (D + 8) u ||y_i|| ||y_j|| of the exact one (u the unit roundoff), so any
+    two computations may clamp a pair within that band of 0 differently; each
+    such pair moves the coefficient of y_j in row i's gradient by at most
+    |s| + |t| + both bands. Pairs outside the bands add nothing: comparing
+    with this allowance stays exact everywhere else. Without clamping it is
+    zero."""
+    s, norm = _gram_rows(student.to(torch.float64), apply_norm)
+    t, _ = _gram_rows(teacher.to(torch.float64), apply_norm)
+    u = torch.finfo(_acc(student)).eps / 2
+    gamma = (s.shape[-1] + 8) * u
+    sim_s, sim_t = s @ s.transpose(1, 2), t @ t.transpose(1, 2)
+    band_s = gamma * s.norm(dim=-1, keepdim=True) * s.norm(dim=-1)[:, None]
+    band_t = gamma * t.norm(dim=-1, keepdim=True) * t.norm(dim=-1)[:, None]
+    near = torch.zeros_like(sim_s, dtype=torch.bool)
+    if remove_neg or remove_only_teacher_neg:
+        near = sim_s.abs() <= band_s
+    if remove_only_teacher_neg:
+        near |= sim_t.abs() <= band_t
+    jump = torch.where(near, sim_s.abs() + sim_t.abs() + band_s + band_t, 0)
+    count = max(sim_s.numel(), 1)
+    loss_bound = float(2 * jump.square().sum() / count)
+    g = jump @ s.abs() * (4 * abs(float(grad)) / count)
+    if norm is not None:
+        g = (g + s.abs() * (s.abs() * g).sum(-1, keepdim=True)) / norm.clamp_min(1e-12)
+    share = float(near.sum()) / count
+    return loss_bound, g.reshape(student.shape), share
 
 
 # ------------------------------------------------------------------ EMA
