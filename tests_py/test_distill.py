@@ -245,15 +245,16 @@ def _students():
             "resnet": FeatureDistillWrapper(_resnet18(), FeatureProjector(512, 48))}  # fmt: skip
 
 
-def _trainer_of(student, teacher_backbone, clip=0.05):
+def _trainer_of(student, teacher_backbone, clip=0.05, device="cpu", precision="fp32"):
+    student, teacher_backbone = student.to(device), teacher_backbone.to(device)
     model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9,
                       copy_buffers=True)  # fmt: skip
     loss = FeatureDistillLoss(DistillOptions())
     loss.attach_teacher(FrozenTeacher(teacher_backbone, teacher_backbone.patch_size))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
-    config = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
+    config = {"precision": precision, "accumulation_steps": 1, "freeze_last_layer": 0,
               "gradient_clip": clip}  # fmt: skip
-    return FeatureDistillTrainer(model, loss, opt, config, "cpu")
+    return FeatureDistillTrainer(model, loss, opt, config, device)
 
 
 def test_students_of_one_teacher_train_as_each_would_alone(gen):
@@ -297,18 +298,66 @@ def test_a_teacher_in_bfloat16_on_a_gpu_keeps_its_buffers_and_its_tokens(gen):
     # autocast, as a GPU runs it, here on the CPU's bf16 autocast
     vit = _vit(patch=8, dim=48)
     vit.register_buffer("periods", torch.linspace(1, 2, 5))
+    assert_bfloat16_teacher_close(vit, torch.randn(4, 3, 32, 32, generator=gen))
+
+
+def assert_bfloat16_teacher_close(vit, x):
+    """``vit`` stored in bfloat16 (its buffers in float32), under bfloat16
+    autocast on ``x``'s device: its tokens near the float32 ``vit``'s."""
     half = parameters_in(copy.deepcopy(vit), torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     assert half.periods.dtype == torch.float32
     loss = FeatureDistillLoss(DistillOptions())
-    x = torch.randn(4, 3, 32, 32, generator=gen)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss.attach_teacher(FrozenTeacher(vit, 8))
         want = loss.teacher_tokens(x, (4, 4))
         loss.attach_teacher(FrozenTeacher(half, 8))
         got = loss.teacher_tokens(x, (4, 4))
     for a, b in ((got.cls, want.cls), (got.patches, want.patches)):
         assert torch.allclose(a.float(), b.float(), atol=0.1, rtol=0.05)
+
+
+def _bank_losses(device, precision, crops, teacher=None):
+    """Three steps of a ViT and a ResNet-18 student of one teacher on
+    ``device``: the losses, and the trainer."""
+    students = {k: v for k, v in _students().items() if k != "vit_b"}
+    teacher = teacher if teacher is not None else _vit(patch=8, dim=48)
+    trainer = _trainer_of(StudentBank(students), teacher, device=device, precision=precision)
+    losses = []
+    for batch in crops:
+        losses.append(trainer.train_step_optimized(batch, 0)[0].item())
+        assert trainer.optimize_step()
+    return losses, trainer
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_students_train_as_on_the_cpu(gen):
+    """A ViT and a ResNet-18 of one teacher, three float32 steps on the GPU
+    against the same on the CPU: the losses within float32 rounding (cuDNN
+    and cuBLAS sum in other orders), every student and EMA weight on the GPU."""
+    crops = [[torch.randn(2, 3, 64, 64, generator=gen) for _ in range(2)] for _ in range(3)]
+    cpu, _ = _bank_losses("cpu", "fp32", crops)
+    gpu, trainer = _bank_losses("cuda", "fp32", crops)
+    assert gpu == pytest.approx(cpu, rel=1e-3)
+    for net in (trainer.model.student, trainer.model.teacher):
+        assert all(p.device.type == "cuda" for p in net.parameters())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_bfloat16_teacher_under_autocast(gen):
+    """The run's GPU setting: the frozen teacher stored in bfloat16 with its
+    buffers in float32, the step under bfloat16 autocast: its tokens near
+    the float32 teacher's, and three steps of two students near float32's."""
+    vit = _vit(patch=8, dim=48).cuda()
+    vit.register_buffer("periods", torch.linspace(1, 2, 5, device="cuda"))
+    assert_bfloat16_teacher_close(vit, torch.randn(4, 3, 32, 32, generator=gen).cuda())
+    crops = [[torch.randn(2, 3, 64, 64, generator=gen) for _ in range(2)] for _ in range(3)]
+    full, _ = _bank_losses("cuda", "fp32", crops)
+    bf16, _ = _bank_losses("cuda", "bf16", crops, parameters_in(_vit(patch=8, dim=48),
+                                                              torch.bfloat16))  # fmt: skip
+    assert bf16 == pytest.approx(full, rel=0.05)
 
 
 def _heads_wrapper(backbone, out_dim=64, ibot_dim=40):

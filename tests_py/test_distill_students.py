@@ -158,16 +158,22 @@ def test_bad_student_lists_are_one_line(extra, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path, capsys):
-    # dino-opt presets --memory-model of a distillation's config: the
-    # teacher is opened (its width and parameters); DDP and FSDP rows
+def _memory_rows(teacher_file, tmp_path, capsys, student):
+    """``dino-opt presets --memory-model`` of a distillation's config with
+    ``student`` beside the ViT, at 1 and 8 ranks: (the config, its rows)."""
     cfg = load_config(None, [*TINY, "recipe.name=distill", f"recipe.distill_teacher={teacher_file}",
-                             "recipe.distill_students=[vit_small]"])  # fmt: skip
+                             f"recipe.distill_students=[{student}]"])  # fmt: skip
     path = tmp_path / "distill.yaml"
     save_config(cfg, path)
     assert main(["presets", "--memory-model", "--config", str(path), "--world", "1", "8",
                  "--checkpointing", "none", "--json"]) == 0  # fmt: skip
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    return cfg, json.loads(capsys.readouterr().out)["rows"]
+
+
+def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path, capsys):
+    # dino-opt presets --memory-model of a distillation's config: the
+    # teacher is opened (its width and parameters); DDP and FSDP rows
+    cfg, rows = _memory_rows(teacher_file, tmp_path, capsys, "vit_small")
     assert [(r["strategy"], r["world_size"]) for r in rows] == [
         ("ddp", 1), ("ddp", 8), ("fsdp", 1), ("fsdp", 8)]  # fmt: skip
     assert rows[3]["teacher"] < rows[1]["teacher"]  # the frozen teacher and the EMAs sharded
@@ -177,6 +183,16 @@ def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path
     assert rows[0]["teacher_count"] == teacher + emas
     alone = estimate_memory(resolved, frozen_teacher=_teacher_net(), world_size=8)
     assert rows[1]["peak"] == alone.peak
+
+
+def test_the_memory_model_of_a_resnet_student_has_ddp_rows(teacher_file, tmp_path, capsys):
+    # a ResNet-18 beside the ViT: traced on the meta device; FSDP shards ViT
+    # students only, so the table has the DDP rows
+    cfg, rows = _memory_rows(teacher_file, tmp_path, capsys, "resnet18")
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [("ddp", 1), ("ddp", 8)]
+    resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])
+    students = sum(p.numel() for p in build_models(resolved)[0].parameters())
+    assert rows[0]["parameter_count"] == students and rows[0]["activations"] > 0
 
 
 @pytest.mark.parametrize("students", [[], ["vit_small"]])

@@ -32,6 +32,7 @@ from dino_opt.tune import (
     largest_batch,
     memory_table,
 )
+from dino_opt.tune.distill_memory import trace_saved
 from dist_memory_worker import (
     DISTILL_RUN,
     MEMORY_RUN,
@@ -287,13 +288,18 @@ def _distill_step(trainer, cfg, seed: int) -> None:
      (["hardware.activation_checkpointing=selective"], 96),
      (["hardware.activation_checkpointing=full"], 96),
      (["recipe.distill_students=[vit_small]"], 96),
+     (["model.backbone=resnet18", "model.patch_size=16"], 96),
+     (["recipe.distill_students=[resnet18]"], 96),
+     (["model.backbone=convnext_tiny", "model.patch_size=16"], 96),
      (["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
        "recipe.ibot_out_dim=512"], 192)],
 )  # fmt: skip
 def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     """The step of a feature distillation (one student or two; a projector
-    with a hidden layer; each checkpointing policy) and of one through
-    heads, from a frozen ViT teacher, against the allocation trace."""
+    with a hidden layer; each checkpointing policy; a ResNet-18 or a
+    ConvNeXt-T student, alone or beside a ViT, traced on the meta device)
+    and of one through heads, from a frozen ViT teacher, against the
+    allocation trace."""
     heads = "recipe.distill_mode=heads" in extra
     dim = [] if heads else [f"recipe.distill_teacher_dim={teacher_dim}"]
     cfg = load_config(None, [*DISTILL, *dim, *extra])
@@ -338,6 +344,23 @@ def test_a_sharded_distillation_on_two_ranks_within_10_percent(tmp_path):
                 assert _pct(got, measured[key]) <= 0.10, (rank, run, key, got, measured[key])
 
 
+def test_the_trace_counts_each_saved_storage_once_where_it_is_first_saved():
+    """Linear, ReLU, Linear on the meta device: the first saves its input
+    (5 x 8 floats; its weight is a parameter, left out), the ReLU its output
+    (5 x 16), which the second saves again (counted once); the gradients of
+    each Linear where its forward began; 16-bit values at a = 2."""
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        x = torch.empty(5, 8)
+    trace = trace_saved(lambda: net(x).sum(), net)
+    assert trace.kept == [(0, 160), (1, 320)] and trace.total == 480 and trace.largest == 320
+    assert trace.grads == [(0, 4 * (8 * 16 + 16)), (2, 4 * (16 * 4 + 4))]
+    # back at the ReLU: both values, the second Linear's gradients (all of
+    # them, less the first's) and the ReLU's working set (2 x 320)
+    assert trace.backward_peak() == 480 - 576 + 2 * 320
+    assert trace_saved(lambda: net(x).sum(), net, a=2).kept == [(0, 80), (1, 160)]
+
+
 def test_a_distillation_estimate_needs_its_teacher():
     cfg = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=96"])
     teacher = VisionTransformer(patch_size=8, embed_dim=96, depth=1, num_heads=3, img_size=64)
@@ -347,7 +370,8 @@ def test_a_distillation_estimate_needs_its_teacher():
     for call, words in (
         (lambda: estimate_memory(cfg), "needs its teacher network"),
         (lambda: estimate_memory(heads, strategy="fsdp", frozen_teacher=teacher), "strategy ddp"),
-        (lambda: estimate_memory(resnet, frozen_teacher=teacher), "'resnet18'"),
+        (lambda: estimate_memory(resnet, strategy="fsdp", frozen_teacher=teacher),
+         "covers ViT students; got 'resnet18'"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=words) as e:
             call()

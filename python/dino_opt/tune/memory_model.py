@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from ..config import Config, apply_overrides, load_config
-from ..models import CHECKPOINT_POLICIES, feature_width
-from ..train import build_models, recipe_of, teacher_side
+from ..models import CHECKPOINT_POLICIES
+from ..train import build_models, recipe_of
+from .distill_memory import frozen_forward_bytes, frozen_gathered, traced_student
 
 __all__ = [
     "MEMORY_ARCHS",
@@ -530,10 +531,11 @@ def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy
     return heads + weights + _teacher_outputs(cfg, s, a) + frozen
 
 
-def _crop_bytes(cfg: Config, s: _Step, a: int) -> int:
+def _crop_bytes(cfg: Config, a: int) -> int:
     """The batch of crops (float32) and, under autocast, its 16-bit copy."""
     global_side, local_side = cfg.augmentation.largest_crop_sizes
-    values = s.batch * 3 * (2 * global_side**2 + s.n_local * local_side**2)
+    n_local = cfg.augmentation.num_local_views
+    values = cfg.data.batch_size * 3 * (2 * global_side**2 + n_local * local_side**2)
     return values * (_FP32 + (a if a != _FP32 else 0))
 
 
@@ -551,7 +553,7 @@ def _activations(
     # At block boundaries the residual stream is float32 (autocast) or FSDP's 16-bit.
     residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
     per_token = _blocks_per_token(counts, a, policy, every, residual)
-    crops = _crop_bytes(cfg, s, a)
+    crops = _crop_bytes(cfg, a)
     kept = s.tokens * per_token + crops + _outside_blocks(cfg, counts, s, a, strategy)
     # A block's backward: the residual's gradient and the widest gradients,
     # after recomputing what a checkpointed block did not keep. The backward
@@ -601,12 +603,15 @@ def estimate_distillation(
     blocks gathered in its forward) and the working set of its forward pass
     (one block at a time, no gradients). ``heads`` (DDP): besides, DINOv2's
     terms of the student (:func:`estimate_memory`). ``features`` (DDP or
-    FSDP, each student sharded on its own): for each student (a ViT) its
+    FSDP, each student sharded on its own): for each ViT student its
     parameters, EMA, AdamW moments and gradients (float32), its blocks'
     activations over the global crops (the only ones it sees), its
     projector's rows (each crop's class token and patch tokens) and what the
-    loss keeps of them and of the teacher's tokens on its grid; the crops
-    once. The students' backward passes run one after the other."""
+    loss keeps of them and of the teacher's tokens on its grid; for a
+    student without blocks (a ResNet, a ConvNeXt; DDP) the same parts, what
+    its pass keeps traced on the meta device
+    (:func:`~dino_opt.tune.distill_memory.traced_student`); the crops once.
+    The students' backward passes run one after the other."""
     if frozen_teacher is None:
         raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
                          "what recipe.distill_teacher opens)")  # fmt: skip
@@ -620,9 +625,9 @@ def estimate_distillation(
     local = sum(_shard(tuple(p.shape), world_size) for p in frozen_teacher.parameters())
     tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32
     teacher_bytes = tb * (local if sharded else frozen)
-    working = _frozen_forward_bytes(cfg, frozen_teacher, a)
+    working = frozen_forward_bytes(cfg, frozen_teacher, a)
     if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
-        working += a * _frozen_gathered(frozen_teacher)
+        working += a * frozen_gathered(frozen_teacher)
     if heads:
         e = _estimate(cfg, "ddp", world_size, policy, every, True, arch, count_model(cfg))
         return dataclasses.replace(e, teacher=e.teacher + teacher_bytes,
@@ -630,11 +635,16 @@ def estimate_distillation(
                                    transient=max(e.transient, working))  # fmt: skip
     alone = [apply_overrides(c, ["recipe.distill_students=[]"])  # each student as if alone
              for c in recipe_of(cfg).student_configs(cfg)]  # fmt: skip
+    for c in alone:
+        if strategy == "fsdp" and not c.model.backbone.startswith("vit"):
+            raise ValueError(f"the memory model of a distillation under fsdp covers ViT students; "
+                             f"got {c.model.backbone!r}")  # fmt: skip
     bank = len(alone) > 1
-    parts = [_feature_student(c, a, policy, every, world_size, strategy, bank) for c in alone]
-    total = {k: sum(p[k] for p in parts) for k in parts[0]
-             if k not in ("end", "unsharded", "crops")}  # fmt: skip
-    crops = parts[0]["crops"]  # the batch of crops, one for every student
+    parts = [_feature_student(c, a, policy, every, world_size, strategy, bank)
+             if c.model.backbone.startswith("vit") else traced_student(c, a)
+             for c in alone]  # fmt: skip
+    total = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("end", "unsharded")}
+    crops = _crop_bytes(cfg, a)  # the batch of crops, one for every student
     return MemoryEstimate(
         arch=arch or "+".join(cfg.student_names),
         strategy=strategy, world_size=world_size, batch_size=cfg.data.batch_size,
@@ -648,8 +658,18 @@ def estimate_distillation(
         activations=total["activations"] + crops,
         transient=max(working, max(p["working"] for p in parts)),
         head_gradients=total["head_gradients"],
-        backward_end=max(p["end"] for p in parts) + crops + total["gradients"],
+        backward_end=_students_backward(parts) + crops,
     )  # fmt: skip
+
+
+def _students_backward(parts: list[dict[str, int]]) -> int:
+    """The most alive while the students' backward passes run: the last
+    student's first (its forward ran last), so while student i's runs the
+    values kept by the students before it are alive and the gradients of
+    those after it are made (and its own, as its ``end`` counts them)."""
+    return max(sum(p["activations"] for p in parts[:i]) + part["end"]
+               + sum(p["gradients"] for p in parts[i:])
+               for i, part in enumerate(parts))  # fmt: skip
 
 
 def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, strategy: str,
@@ -657,8 +677,7 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     """One student of a feature distillation: its states (:func:`_states`,
     the EMA as the teacher), what its pass keeps (``activations``), the
     working set where its backward starts, FSDP's gathered units then
-    (``unsharded``), the batch of crops (``crops``, the same for every
-    student) and (``end``) what is alive when its backward reaches
+    (``unsharded``) and (``end``) what is alive when its backward reaches
     its first block (that block's saved values, recomputed where it is
     checkpointed, and its working set). Sharded, the EMA never runs forward
     (nothing of it stays gathered), and a student of a ``bank`` (several)
@@ -684,41 +703,10 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     first = block_bytes_per_token(counts, a, policy, residual)
     return {
         **states, "parameter_count": counts.student, "trainable_count": counts.trainable,
-        "teacher_count": counts.teacher, "unsharded": unsharded, "crops": _crop_bytes(cfg, s, a),
+        "teacher_count": counts.teacher, "unsharded": unsharded,
         "activations": tokens * per_token + rows * (projector + loss),
         "working": tokens * (working + last), "end": tokens * (first + recompute + working),
     }  # fmt: skip
-
-
-def _frozen_gathered(teacher: nn.Module) -> int:
-    """Parameters of a sharded frozen teacher gathered at once in its
-    forward: its root (what is not in a block) and two blocks."""
-    backbone = getattr(teacher, "backbone", teacher)
-    blocks = getattr(backbone, "blocks", None) or []
-    block = max((_numel(b) for b in blocks), default=0)
-    return _numel(teacher) - sum(_numel(b) for b in blocks) + 2 * block
-
-
-def _frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
-    """The frozen teacher's forward pass over the global crops (no
-    gradients, one block at a time): the residual stream in and out of a
-    block, the MLP's input, hidden and activated values; and its tokens.
-    A network without blocks (a ResNet): its output only. A teacher with
-    heads: its backbone's pass (the heads' rows are DINOv2's terms)."""
-    teacher = getattr(teacher, "backbone", teacher)
-    side = cfg.augmentation.largest_crop_sizes[0]
-    patch = int(getattr(teacher, "patch_size", 1))
-    width = feature_width(teacher)
-    grid = teacher_side(side, cfg.recipe.distill_teacher_scale, patch) // patch
-    tokens = (
-        2 * cfg.data.batch_size * (grid * grid + 1 + getattr(teacher, "num_register_tokens", 0))
-    )
-    blocks = getattr(teacher, "blocks", None)
-    if not blocks:
-        return tokens * width * _FP32
-    mlp = blocks[0].mlp
-    hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
-    return tokens * (2 * _FP32 * width + a * (width + 2 * hidden))
 
 
 def largest_batch(
@@ -761,8 +749,8 @@ def memory_table(
     size and checkpointing policy (of every block), at each architecture's
     batch per GPU or ``batch_size``, with ``overrides`` (``key=value``)
     applied to each config. A distillation ``config`` needs its
-    ``frozen_teacher``; through heads it has DDP rows only
-    (:func:`estimate_distillation`)."""
+    ``frozen_teacher``; through heads or with a student that is not a ViT
+    it has DDP rows only (:func:`estimate_distillation`)."""
     extra = [*overrides, *([f"data.batch_size={batch_size}"] if batch_size is not None else [])]
     if config is not None:
         configs = {"config": apply_overrides(config, extra)}
@@ -772,7 +760,9 @@ def memory_table(
     for name, cfg in configs.items():
         distill = recipe_of(cfg).external_teacher
         counts = None if distill else count_model(cfg)
-        ddp_only = distill and cfg.recipe.distill_mode == "heads"
+        # through heads, or with a student that is not a ViT: DDP only
+        vits = all(n.startswith("vit") for n in cfg.student_names)
+        ddp_only = distill and (cfg.recipe.distill_mode == "heads" or not vits)
         for strategy in ("ddp",) if ddp_only else strategies:
             for world in worlds:
                 for policy in policies:
