@@ -5,8 +5,8 @@ block, the head, the root; the teacher alike). The states are measured by
 their tensors' storages (parameters, teacher, AdamW's moments, the gradients
 after the backward pass; DDP's buckets as the bytes its constructor
 allocates), the second step by AllocationTrace: its peak above the bytes
-live when it started. Also a sharded feature distillation (one or two
-students from a frozen teacher, the job's trainer). Writes
+live when it started. Also a sharded distillation (features: one or two
+students; heads) from a frozen teacher, with the job's trainer. Writes
 OUT/rank{rank}.json."""
 
 import json
@@ -19,8 +19,8 @@ from dino_opt.config import load_config
 from dino_opt.job.sharding import spread
 from dino_opt.models import VisionTransformer
 from dino_opt.observe import AllocationTrace
-from dino_opt.train import DINOModel, build_loss, build_models, build_optimizer
-from dino_opt.train.distill import FeatureDistillTrainer, FrozenTeacher
+from dino_opt.train import DINOModel, build_loss, build_models, build_optimizer, recipe_of
+from dino_opt.train.distill import FrozenTeacher
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -125,44 +125,71 @@ def distill_teacher() -> torch.nn.Module:
     return net.requires_grad_(False).eval()
 
 
-def measure_distill(students: str) -> dict:
-    """Bytes of a sharded feature distillation into ``students`` (besides
-    MEMORY_RUN's) on this rank: as :func:`measure`, the frozen teacher's
-    local shards apart."""
-    torch.manual_seed(0)
-    cfg = load_config(None, [*DISTILL_RUN, f"recipe.distill_students=[{students}]"])
+#: The heads mode of it: DINOv2's losses against a frozen teacher with heads.
+DISTILL_HEADS = ["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
+                 "recipe.ibot_out_dim=512"]  # fmt: skip
+
+
+def distill_config(students: str, heads: bool = False):
+    extra = DISTILL_HEADS if heads else []
+    return load_config(None, [*DISTILL_RUN, f"recipe.distill_students=[{students}]", *extra])
+
+
+def heads_teacher(cfg) -> torch.nn.Module:
+    """A frozen teacher with heads: a network of the student's kind."""
+    torch.manual_seed(1)
+    return build_models(cfg)[1].requires_grad_(False).eval()
+
+
+def _distill_step(trainer, cfg, seed: int) -> tuple[float, int]:
+    """One step: (its loss, the bytes of the gradients before the update)."""
+    g = torch.Generator().manual_seed(seed)
+    side = cfg.augmentation.global_crop_size // cfg.model.patch_size
+    masks = torch.rand(2 * cfg.data.batch_size, side, side, generator=g) < 0.3  # heads: iBOT's
+    loss = trainer.train_step_optimized(_crops(cfg, seed), 0, masks=masks)[0]
+    gradients = _bytes(p.grad for p in trainer.model.student.parameters())
+    trainer.optimize_step()
+    return float(loss), gradients
+
+
+def measure_distill(students: str, heads: bool = False) -> dict:
+    """Bytes of a sharded distillation into ``students`` (besides
+    MEMORY_RUN's; ``heads``: through the teacher's heads) on this rank: as
+    :func:`measure`, the frozen teacher's local shards apart."""
+    cfg = distill_config(students, heads)
     rank = dist.get_rank()
     with AllocationTrace() as trace:
+        torch.manual_seed(0)
         student, ema = build_models(cfg)
-        frozen = distill_teacher()
+        frozen = heads_teacher(cfg) if heads else distill_teacher()
         loss_fn = build_loss(cfg)
         loss_fn.attach_teacher(FrozenTeacher(frozen, 8))
         spread(cfg, student, ema, torch.device("cpu"), (), frozen)
         optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
         options = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
                    "gradient_clip": 3.0}  # fmt: skip
-        trainer = FeatureDistillTrainer(DINOModel(student, ema, 0.9), loss_fn, optimizer, options,
-                                        "cpu")  # fmt: skip
-        losses = [float(trainer.train_step_optimized(_crops(cfg, rank), 0)[0])]
-        trainer.optimize_step()
+        kind = recipe_of(cfg).trainer_class(cfg)
+        trainer = kind(DINOModel(student, ema, 0.9), loss_fn, optimizer, options, "cpu")
+        first, _ = _distill_step(trainer, cfg, rank)
         with torch.profiler.record_function("step"):
-            losses.append(float(trainer.train_step_optimized(_crops(cfg, 10 + rank), 0)[0]))
-            gradients = _bytes(p.grad for p in student.parameters())
-            trainer.optimize_step()
+            second, gradients = _distill_step(trainer, cfg, 10 + rank)
     states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     return {
         "parameters": _bytes(student.parameters()),
         "teacher": _bytes(ema.parameters()) + _bytes(frozen.parameters()),
         "optimizer": _bytes(states), "buckets": 0, "gradients": gradients,
-        "step": trace.peak("step") - trace.live_at("step"), "losses": losses,
+        "step": trace.peak("step") - trace.live_at("step"), "losses": [first, second],
     }  # fmt: skip
 
 
 def main(rank: int, world: int, init_file: str, out: str, runs: list[str]) -> None:
-    """``runs``: STRATEGY:POLICY or distill:STUDENTS, measured one after the other."""
+    """``runs``: measured one after the other."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    result = {run: measure_distill(run.split(":")[1]) if run.startswith("distill:")
-              else measure(*run.split(":")) for run in runs}  # fmt: skip
+    result = {}
+    for run in runs:  # STRATEGY:POLICY, distill:STUDENTS or distillheads:
+        kind, arg = run.split(":")
+        result[run] = (measure_distill(arg, kind == "distillheads") if kind.startswith("distill")
+                       else measure(kind, arg))  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

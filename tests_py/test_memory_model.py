@@ -34,12 +34,13 @@ from dino_opt.tune import (
 )
 from dino_opt.tune.distill_memory import trace_saved
 from dist_memory_worker import (
-    DISTILL_RUN,
     MEMORY_RUN,
     _crops,
     _forward_backward,
     _optimizer_step,
+    distill_config,
     distill_teacher,
+    heads_teacher,
 )
 from gloo_ranks import run_ranks
 
@@ -328,17 +329,18 @@ def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
 
 
 def test_a_sharded_distillation_on_two_ranks_within_10_percent(tmp_path):
-    """distributed.strategy=fsdp over 2 gloo processes: one student, and
-    two (each sharded on its own), from a sharded frozen teacher; every
+    """distributed.strategy=fsdp over 2 gloo processes: one student, two
+    (each sharded on its own), and one through heads (the frozen teacher's
+    backbone sharded, its heads whole), from a sharded frozen teacher; every
     state part by its local shards, the step by the allocation trace."""
-    runs = ["distill:", "distill:vit_small"]
+    runs = ["distill:", "distill:vit_small", "distillheads:"]
     results = run_ranks(HERE / "dist_memory_worker.py", tmp_path, *runs)
     for rank, result in enumerate(results):
         for run, measured in result.items():
-            students = run.split(":")[1]
-            cfg = load_config(None, [*DISTILL_RUN, f"recipe.distill_students=[{students}]"])
-            model = estimate_memory(cfg, strategy="fsdp", world_size=2,
-                                    frozen_teacher=distill_teacher())  # fmt: skip
+            kind, students = run.split(":")
+            cfg = distill_config(students, kind == "distillheads")
+            frozen = heads_teacher(cfg) if kind == "distillheads" else distill_teacher()
+            model = estimate_memory(cfg, strategy="fsdp", world_size=2, frozen_teacher=frozen)
             for key in ("parameters", "teacher", "optimizer", "gradients", "step"):
                 got = getattr(model, key)
                 assert _pct(got, measured[key]) <= 0.10, (rank, run, key, got, measured[key])
@@ -366,10 +368,8 @@ def test_a_distillation_estimate_needs_its_teacher():
     teacher = VisionTransformer(patch_size=8, embed_dim=96, depth=1, num_heads=3, img_size=64)
     resnet = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=96",
                                 "recipe.distill_students=[resnet18]"])  # fmt: skip
-    heads = load_config(None, [*DISTILL, "recipe.distill_mode=heads"])
     for call, words in (
         (lambda: estimate_memory(cfg), "needs its teacher network"),
-        (lambda: estimate_memory(heads, strategy="fsdp", frozen_teacher=teacher), "strategy ddp"),
         (lambda: estimate_memory(resnet, strategy="fsdp", frozen_teacher=teacher),
          "covers ViT students; got 'resnet18'"),
     ):  # fmt: skip

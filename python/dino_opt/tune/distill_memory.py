@@ -145,11 +145,12 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
 
 def frozen_gathered(teacher: nn.Module) -> int:
     """Parameters of a sharded frozen teacher gathered at once in its
-    forward: its root (what is not in a block) and two blocks."""
+    forward: its backbone's root (what is not in a block) and two blocks
+    (the heads of a teacher with heads are whole, not gathered)."""
     backbone = getattr(teacher, "backbone", teacher)
     blocks = getattr(backbone, "blocks", None) or []
     block = max((_numel(b) for b in blocks), default=0)
-    return _numel(teacher) - sum(_numel(b) for b in blocks) + 2 * block
+    return _numel(backbone) - sum(_numel(b) for b in blocks) + 2 * block
 
 
 def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:

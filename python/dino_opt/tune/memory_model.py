@@ -599,10 +599,11 @@ def estimate_distillation(
     """Rank 0's memory for a distillation (``recipe.name=distill``) from
     ``frozen_teacher`` (the network ``recipe.distill_teacher`` opens): the
     teacher's parameters (in bfloat16 where the run stores them so: 16-bit
-    autocast but fp16; with FSDP its local shards, and its root and two
-    blocks gathered in its forward) and the working set of its forward pass
-    (one block at a time, no gradients). ``heads`` (DDP): besides, DINOv2's
-    terms of the student (:func:`estimate_memory`). ``features`` (DDP or
+    autocast but fp16; with FSDP its backbone's local shards and its heads
+    whole, and its backbone's root and two blocks gathered in its forward)
+    and the working set of its forward pass (one block at a time, no
+    gradients). ``heads`` (DDP or FSDP): besides, DINOv2's terms of the
+    student (:func:`estimate_memory`). ``features`` (DDP or
     FSDP, each student sharded on its own): for each ViT student its
     parameters, EMA, AdamW moments and gradients (float32), its blocks'
     activations over the global crops (the only ones it sees), its
@@ -616,20 +617,19 @@ def estimate_distillation(
         raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
                          "what recipe.distill_teacher opens)")  # fmt: skip
     heads = cfg.recipe.distill_mode == "heads"
-    if strategy == "fsdp" and heads:
-        raise ValueError("the memory model of a distillation through heads covers strategy ddp; "
-                         "got fsdp")  # fmt: skip
     policy, every, a = _setting(cfg, checkpointing, every)
     frozen = _numel(frozen_teacher)
     sharded = strategy == "fsdp"
-    local = sum(_shard(tuple(p.shape), world_size) for p in frozen_teacher.parameters())
+    backbone = getattr(frozen_teacher, "backbone", frozen_teacher)  # sharded; its heads whole
+    local = frozen - _numel(backbone)
+    local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
     tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32
     teacher_bytes = tb * (local if sharded else frozen)
     working = frozen_forward_bytes(cfg, frozen_teacher, a)
     if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
         working += a * frozen_gathered(frozen_teacher)
     if heads:
-        e = _estimate(cfg, "ddp", world_size, policy, every, True, arch, count_model(cfg))
+        e = _estimate(cfg, strategy, world_size, policy, every, True, arch, count_model(cfg))
         return dataclasses.replace(e, teacher=e.teacher + teacher_bytes,
                                    teacher_count=e.teacher_count + frozen,
                                    transient=max(e.transient, working))  # fmt: skip
@@ -749,8 +749,8 @@ def memory_table(
     size and checkpointing policy (of every block), at each architecture's
     batch per GPU or ``batch_size``, with ``overrides`` (``key=value``)
     applied to each config. A distillation ``config`` needs its
-    ``frozen_teacher``; through heads or with a student that is not a ViT
-    it has DDP rows only (:func:`estimate_distillation`)."""
+    ``frozen_teacher``; with a student that is not a ViT it has DDP rows
+    only (:func:`estimate_distillation`)."""
     extra = [*overrides, *([f"data.batch_size={batch_size}"] if batch_size is not None else [])]
     if config is not None:
         configs = {"config": apply_overrides(config, extra)}
@@ -760,9 +760,8 @@ def memory_table(
     for name, cfg in configs.items():
         distill = recipe_of(cfg).external_teacher
         counts = None if distill else count_model(cfg)
-        # through heads, or with a student that is not a ViT: DDP only
-        vits = all(n.startswith("vit") for n in cfg.student_names)
-        ddp_only = distill and (cfg.recipe.distill_mode == "heads" or not vits)
+        # a distillation with a student that is not a ViT: DDP only
+        ddp_only = distill and not all(n.startswith("vit") for n in cfg.student_names)
         for strategy in ("ddp",) if ddp_only else strategies:
             for world in worlds:
                 for policy in policies:
