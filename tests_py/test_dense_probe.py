@@ -193,11 +193,18 @@ def tiny_splits(tmp_path_factory):
 
 
 def _shuffled(source: SegmentationSource, seed: int) -> SegmentationSource:
-    """The same images with the masks of other images (a control that can
-    learn the label frequencies but nothing of the features)."""
+    """The same images, each with the mask of a random image of another class
+    (a control that can learn the label frequencies but nothing of the
+    features). Not a plain permutation of the masks: it leaves some images
+    with a mask of their own class (10 of 80 with CI's seed 2260941071,
+    where the control reached 13.4 mIoU on val against the probe's 13.5);
+    with other classes' masks only it stays at 1.8-4.0 there and on four
+    other seeds."""
+    rng = np.random.default_rng(seed)
+    classes = np.array([img.parent.name for img, _ in source.pairs])
     out = copy.copy(source)
-    perm = np.random.default_rng(seed).permutation(len(source.pairs))
-    out.pairs = [(img, source.pairs[k][1]) for (img, _), k in zip(source.pairs, perm, strict=True)]
+    out.pairs = [(img, source.pairs[rng.choice(np.flatnonzero(classes != classes[i]))][1])
+                 for i, (img, _) in enumerate(source.pairs)]  # fmt: skip
     return out
 
 
