@@ -316,8 +316,8 @@ def gram_clamp_allowance(grad, student, teacher, apply_norm, remove_neg,
     u = torch.finfo(_acc(student)).eps / 2
     gamma = (s.shape[-1] + 8) * u
     sim_s, sim_t = s @ s.transpose(1, 2), t @ t.transpose(1, 2)
-    band_s = gamma * s.norm(dim=-1, keepdim=True) * s.norm(dim=-1)[:, None]
-    band_t = gamma * t.norm(dim=-1, keepdim=True) * t.norm(dim=-1)[:, None]
+    n_s, n_t = s.norm(dim=-1, keepdim=True), t.norm(dim=-1, keepdim=True)
+    band_s, band_t = gamma * n_s * n_s.transpose(1, 2), gamma * n_t * n_t.transpose(1, 2)
     near = torch.zeros_like(sim_s, dtype=torch.bool)
     if remove_neg or remove_only_teacher_neg:
         near = sim_s.abs() <= band_s

@@ -24,6 +24,7 @@ __all__ = [
     "SavedTrace",
     "frozen_forward_bytes",
     "frozen_gathered",
+    "parameter_numel",
     "trace_saved",
     "traced_student",
 ]
@@ -103,7 +104,8 @@ def trace_saved(run, model: nn.Module, a: int = _FP32) -> SavedTrace:
     return trace
 
 
-def _numel(module: nn.Module, trainable: bool = False) -> int:
+def parameter_numel(module: nn.Module, trainable: bool = False) -> int:
+    """The number of ``module``'s parameters (its trainable ones with ``trainable``)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
 
 
@@ -131,13 +133,14 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
         loss(tokens, teacher)
 
     trace = trace_saved(step, student, a)
-    numel, trainable = _numel(student), _numel(student, trainable=True)
+    numel, trainable = parameter_numel(student), parameter_numel(student, trainable=True)
+    ema_numel = parameter_numel(ema)
     casts = a * numel if a != _FP32 else 0
     return {
         "parameters": _FP32 * numel, "gradients": _FP32 * trainable,
-        "optimizer": 2 * _FP32 * trainable, "teacher": _FP32 * _numel(ema),
-        "buckets": _FP32 * trainable, "head_gradients": _FP32 * _numel(student.head),
-        "parameter_count": numel, "trainable_count": trainable, "teacher_count": _numel(ema),
+        "optimizer": 2 * _FP32 * trainable, "teacher": _FP32 * ema_numel,
+        "buckets": _FP32 * trainable, "head_gradients": _FP32 * parameter_numel(student.head),
+        "parameter_count": numel, "trainable_count": trainable, "teacher_count": ema_numel,
         "unsharded": 0, "activations": trace.total + casts, "working": 2 * trace.largest,
         "end": trace.backward_peak(),
     }  # fmt: skip
@@ -149,8 +152,8 @@ def frozen_gathered(teacher: nn.Module) -> int:
     (the heads of a teacher with heads are whole, not gathered)."""
     backbone = getattr(teacher, "backbone", teacher)
     blocks = getattr(backbone, "blocks", None) or []
-    block = max((_numel(b) for b in blocks), default=0)
-    return _numel(backbone) - sum(_numel(b) for b in blocks) + 2 * block
+    block = max((parameter_numel(b) for b in blocks), default=0)
+    return parameter_numel(backbone) - sum(parameter_numel(b) for b in blocks) + 2 * block
 
 
 def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:

@@ -31,7 +31,12 @@ from torch import nn
 from ..config import Config, apply_overrides, load_config
 from ..models import CHECKPOINT_POLICIES
 from ..train import build_models, recipe_of
-from .distill_memory import frozen_forward_bytes, frozen_gathered, traced_student
+from .distill_memory import (
+    frozen_forward_bytes,
+    frozen_gathered,
+    parameter_numel,
+    traced_student,
+)
 
 __all__ = [
     "MEMORY_ARCHS",
@@ -203,8 +208,8 @@ def count_model(cfg: Config) -> ModelCounts:
     mlp = block.mlp
     hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
     return ModelCounts(
-        student=_numel(student), trainable=_numel(student, trainable=True),
-        teacher=_numel(teacher) + _frozen_copies(cfg, teacher), units=_units(student),
+        student=parameter_numel(student), trainable=parameter_numel(student, trainable=True),
+        teacher=parameter_numel(teacher) + _frozen_copies(cfg, teacher), units=_units(student),
         embed_dim=vit.embed_dim,
         depth=len(vit.blocks), num_heads=vit.num_heads,
         ffn="mlp" if hasattr(mlp, "fc1") else "swiglu", ffn_hidden=hidden,
@@ -218,11 +223,7 @@ def count_model(cfg: Config) -> ModelCounts:
 
 def _frozen_copies(cfg: Config, teacher: nn.Module) -> int:
     """Parameters of the frozen copies of the teacher's backbone the recipe keeps."""
-    return recipe_of(cfg).frozen_backbone_copies(cfg) * _numel(teacher.backbone)
-
-
-def _numel(module: nn.Module, trainable: bool = False) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+    return recipe_of(cfg).frozen_backbone_copies(cfg) * parameter_numel(teacher.backbone)
 
 
 def _heads(student: nn.Module) -> dict[str, nn.Module]:
@@ -618,10 +619,10 @@ def estimate_distillation(
                          "what recipe.distill_teacher opens)")  # fmt: skip
     heads = cfg.recipe.distill_mode == "heads"
     policy, every, a = _setting(cfg, checkpointing, every)
-    frozen = _numel(frozen_teacher)
+    frozen = parameter_numel(frozen_teacher)
     sharded = strategy == "fsdp"
     backbone = getattr(frozen_teacher, "backbone", frozen_teacher)  # sharded; its heads whole
-    local = frozen - _numel(backbone)
+    local = frozen - parameter_numel(backbone)
     local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
     tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32
     teacher_bytes = tb * (local if sharded else frozen)
