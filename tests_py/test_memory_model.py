@@ -35,7 +35,7 @@ from dino_opt.tune import (
 from dino_opt.tune.distill_memory import trace_saved
 from dist_memory_worker import (
     MEMORY_RUN,
-    _crops,
+    _distill_step,
     _forward_backward,
     _optimizer_step,
     distill_config,
@@ -274,13 +274,6 @@ def test_fsdp_shards_the_dinov3_gram_teacher_as_the_teachers_backbone():
 
 DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.pth",
            "augmentation.global_crop_size=64", "augmentation.local_crop_size=32"]  # fmt: skip
-
-
-def _distill_step(trainer, cfg, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    masks = torch.rand(2 * cfg.data.batch_size, 8, 8, generator=g) < 0.3  # heads: iBOT's
-    trainer.train_step_optimized(_crops(cfg, seed), 0, masks=masks)
-    trainer.optimize_step()
 
 
 @pytest.mark.parametrize(
