@@ -3,6 +3,8 @@ import time
 
 import pytest
 import torch
+from dino_opt.data import builtin_dataset
+from tiny import distill_teacher_net
 
 # A time (seconds since the epoch) after which no further test starts: the GPU
 # check sets it so that a run cut short still ends, its report written, with
@@ -35,3 +37,21 @@ def gen():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def distill_data(tmp_path_factory):
+    """The distillation runs' data: 40 train images (5 steps per epoch at 2
+    ranks of 4), 10 val."""
+    return builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
+        test_per_class=0, image_size=40,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def distill_teacher(tmp_path_factory):
+    """:func:`tiny.distill_teacher_net` as DINO's backbone file."""
+    path = tmp_path_factory.mktemp("teacher") / "teacher.pth"
+    torch.save(distill_teacher_net().state_dict(), path)
+    return path

@@ -14,40 +14,15 @@ import torch
 import torchvision
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, apply_overrides, load_config, save_config
-from dino_opt.data import builtin_dataset
-from dino_opt.models import VisionTransformer
 from dino_opt.train import build_models
 from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
-from tiny import TINY, train_on_ranks
+from tiny import TINY, distill_teacher_net, train_on_ranks
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
             "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
             "checkpoint.keep=20", "eval.every_epochs=1"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    """40 train images (5 steps per epoch at 2 ranks of 4), 10 val."""
-    return builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        test_per_class=0, image_size=40,
-    )  # fmt: skip
-
-
-def _teacher_net() -> VisionTransformer:
-    """A ViT-S/8-wide (384) teacher of 2 blocks."""
-    torch.manual_seed(1)
-    return VisionTransformer(patch_size=8, embed_dim=384, depth=2, num_heads=6, img_size=32)
-
-
-@pytest.fixture(scope="module")
-def teacher_file(tmp_path_factory):
-    """:func:`_teacher_net` as DINO's backbone file."""
-    path = tmp_path_factory.mktemp("teacher") / "teacher.pth"
-    torch.save(_teacher_net().state_dict(), path)
-    return path
 
 
 def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
@@ -56,8 +31,8 @@ def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(data_root, teacher_file, tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("ref") / "run", data_root, teacher_file)
+def reference(distill_data, distill_teacher, tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("ref") / "run", distill_data, distill_teacher)
 
 
 def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, capsys):
@@ -93,10 +68,10 @@ def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, cap
     assert e.value.code == 2 and "trained vit_tiny, resnet18" in err
 
 
-def test_a_killed_rank_resumes_every_student_bit_for_bit(reference, data_root, teacher_file,
+def test_a_killed_rank_resumes_every_student_bit_for_bit(reference, distill_data, distill_teacher,
                                                           tmp_path):  # fmt: skip
     kill = ("debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")
-    run = _train(tmp_path / "run", data_root, teacher_file, *kill)
+    run = _train(tmp_path / "run", distill_data, distill_teacher, *kill)
     assert run["report"].get("restarts"), run["report"]
     for key in ("student", "teacher", "optimizer"):
         a, b = run["state"][key], reference["state"][key]
@@ -106,15 +81,15 @@ def test_a_killed_rank_resumes_every_student_bit_for_bit(reference, data_root, t
             assert torch.equal(flat_a[name], value), f"{key}.{name} differs"
 
 
-def test_fsdp_shards_every_student_and_resumes_bit_for_bit(data_root, teacher_file, tmp_path):
+def test_fsdp_shards_every_student_and_resumes_bit_for_bit(distill_data, distill_teacher, tmp_path):
     """distributed.strategy=fsdp with two ViT students: each sharded on its
     own (blocks, projector, the student), the teacher too; a killed rank
     restarted ends as the run never stopped, and both are evaluated."""
     fsdp = ("recipe.distill_students=[vit_small]", "distributed.strategy=fsdp",
             "checkpoint.every_steps=2", "checkpoint.keep=2")  # fmt: skip
-    ref = _train(tmp_path / "ref", data_root, teacher_file, *fsdp)
-    run = _train(tmp_path / "run", data_root, teacher_file, *fsdp, "debug.inject_kill_at_step=3",
-                 "debug.inject_kill_rank=1")  # fmt: skip
+    ref = _train(tmp_path / "ref", distill_data, distill_teacher, *fsdp)
+    run = _train(tmp_path / "run", distill_data, distill_teacher, *fsdp,
+                 "debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")  # fmt: skip
     assert run["report"].get("restarts") and Path(ref["report"]["checkpoint"]).is_dir()
     assert {"knn_top1_trained"} <= set(ref["report"]["students"]["vit_small"])
     assert all("loss_vit_tiny" in r and "loss_vit_small" in r for r in ref["rows"])
@@ -158,10 +133,11 @@ def test_bad_student_lists_are_one_line(extra, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def _memory_rows(teacher_file, tmp_path, capsys, student):
+def _memory_rows(distill_teacher, tmp_path, capsys, student):
     """``dino-opt presets --memory-model`` of a distillation's config with
     ``student`` beside the ViT, at 1 and 8 ranks: (the config, its rows)."""
-    cfg = load_config(None, [*TINY, "recipe.name=distill", f"recipe.distill_teacher={teacher_file}",
+    cfg = load_config(None, [*TINY, "recipe.name=distill",
+                             f"recipe.distill_teacher={distill_teacher}",
                              f"recipe.distill_students=[{student}]"])  # fmt: skip
     path = tmp_path / "distill.yaml"
     save_config(cfg, path)
@@ -170,25 +146,25 @@ def _memory_rows(teacher_file, tmp_path, capsys, student):
     return cfg, json.loads(capsys.readouterr().out)["rows"]
 
 
-def test_the_memory_model_of_students_opens_their_teacher(teacher_file, tmp_path, capsys):
+def test_the_memory_model_of_students_opens_their_teacher(distill_teacher, tmp_path, capsys):
     # dino-opt presets --memory-model of a distillation's config: the
     # teacher is opened (its width and parameters); DDP and FSDP rows
-    cfg, rows = _memory_rows(teacher_file, tmp_path, capsys, "vit_small")
+    cfg, rows = _memory_rows(distill_teacher, tmp_path, capsys, "vit_small")
     assert [(r["strategy"], r["world_size"]) for r in rows] == [
         ("ddp", 1), ("ddp", 8), ("fsdp", 1), ("fsdp", 8)]  # fmt: skip
     assert rows[3]["teacher"] < rows[1]["teacher"]  # the frozen teacher and the EMAs sharded
     resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])  # the teacher's width
-    teacher = sum(t.numel() for t in torch.load(teacher_file).values())
+    teacher = sum(t.numel() for t in torch.load(distill_teacher).values())
     emas = sum(p.numel() for p in build_models(resolved)[1].parameters())  # both students'
     assert rows[0]["teacher_count"] == teacher + emas
-    alone = estimate_memory(resolved, frozen_teacher=_teacher_net(), world_size=8)
+    alone = estimate_memory(resolved, frozen_teacher=distill_teacher_net(), world_size=8)
     assert rows[1]["peak"] == alone.peak
 
 
-def test_the_memory_model_of_a_resnet_student_has_ddp_rows(teacher_file, tmp_path, capsys):
+def test_the_memory_model_of_a_resnet_student_has_ddp_rows(distill_teacher, tmp_path, capsys):
     # a ResNet-18 beside the ViT: traced on the meta device; FSDP shards ViT
     # students only, so the table has the DDP rows
-    cfg, rows = _memory_rows(teacher_file, tmp_path, capsys, "resnet18")
+    cfg, rows = _memory_rows(distill_teacher, tmp_path, capsys, "resnet18")
     assert [(r["strategy"], r["world_size"]) for r in rows] == [("ddp", 1), ("ddp", 8)]
     resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])
     students = sum(p.numel() for p in build_models(resolved)[0].parameters())
@@ -196,14 +172,14 @@ def test_the_memory_model_of_a_resnet_student_has_ddp_rows(teacher_file, tmp_pat
 
 
 @pytest.mark.parametrize("students", [[], ["vit_small"]])
-def test_fsdp_shards_the_frozen_teacher_over_the_ranks(teacher_file, tmp_path, students):
+def test_fsdp_shards_the_frozen_teacher_over_the_ranks(distill_teacher, tmp_path, students):
     """distributed.strategy=fsdp: each rank holds half the teacher's
     parameters (its backbone sharded block by block, frozen), and the
     sharded teacher's tokens are the whole one's; each student is sharded
     on its own (its blocks, its projector, itself)."""
     worker = Path(__file__).with_name("dist_distill_fsdp_worker.py")
     listed = f"recipe.distill_students=[{','.join(students)}]"
-    ranks = run_ranks(worker, tmp_path, str(teacher_file), *TINY, "recipe.name=distill",
+    ranks = run_ranks(worker, tmp_path, str(distill_teacher), *TINY, "recipe.name=distill",
                       "model.drop_path_rate=0", listed, timeout=600)  # fmt: skip
     numel = ranks[0]["numel"]
     assert sum(r["local_numel"] for r in ranks) == numel

@@ -16,6 +16,7 @@ import torch
 from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
 from dino_opt.data import builtin_dataset
+from dino_opt.models import VisionTransformer
 
 TINY = [
     "data.batch_size=8",
@@ -109,3 +110,9 @@ def train_on_ranks(out: Path, *config: str, ranks: int = 2) -> dict:
     state = read_sharded(path) if path.is_dir() else torch.load(path, weights_only=True)
     return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
             "state": state}  # fmt: skip
+
+
+def distill_teacher_net() -> VisionTransformer:
+    """The distillation tests' teacher: a ViT-S/8-wide (384) of 2 blocks."""
+    torch.manual_seed(1)
+    return VisionTransformer(patch_size=8, embed_dim=384, depth=2, num_heads=6, img_size=32)

@@ -669,6 +669,13 @@ class DistributedConfig:
         "heads and the root; checkpoints sharded through torch.distributed.checkpoint)",
         choices=("ddp", "fsdp"),
     )
+    student_groups: bool = _opt(
+        False,
+        "a distillation into several students (recipe.distill_students) with ddp: each of its S "
+        "students on its own group of world/S ranks (rank r trains student r // (world/S)), "
+        "the frozen teacher's forward of a batch split over the S ranks that read it and "
+        "gathered; false: every rank trains every student",
+    )
     reshard_after_forward: bool = _opt(
         True,
         "fsdp: free each block's gathered parameters after its forward and gather them again for "

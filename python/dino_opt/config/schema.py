@@ -545,8 +545,10 @@ def _distill_conflicts(cfg: Config) -> list[str]:
     if not RECIPE_NEEDS[r.name].get("external_teacher"):
         if r.distill_students:
             return [f"recipe.distill_students is for recipe.name=distill, not {r.name}"]
+        if cfg.distributed.student_groups:
+            return [f"distributed.student_groups is for recipe.name=distill, not {r.name}"]
         return []
-    errors = _students_conflicts(cfg)
+    errors = _students_conflicts(cfg) + _groups_conflicts(cfg)
     if r.distill_teacher is None:
         errors.append(f"recipe.name={r.name} needs its teacher: set recipe.distill_teacher "
                       "(a dino_opt run or checkpoint, or weights in any format model.init_from "
@@ -574,6 +576,29 @@ def _students_conflicts(cfg: Config) -> list[str]:
         return ["recipe.distill_students trains several students with recipe.distill_mode="
                 f"features; got {cfg.recipe.distill_mode}"]  # fmt: skip
     return []
+
+
+def _groups_conflicts(cfg: Config) -> list[str]:
+    """``distributed.student_groups``: two students or more, ddp, a batch
+    the students' ranks can split, no ``model.init_from``."""
+    if not cfg.distributed.student_groups:
+        return []
+    n = len(cfg.student_names)
+    if n < 2:
+        return ["distributed.student_groups puts each student on its own group of ranks; "
+                "name more students with recipe.distill_students"]  # fmt: skip
+    errors = []
+    if cfg.distributed.strategy != "ddp":
+        errors.append("distributed.student_groups trains each student with ddp over its group; "
+                      f"distributed.strategy is {cfg.distributed.strategy}")  # fmt: skip
+    if cfg.data.batch_size % n:
+        errors.append(f"distributed.student_groups splits each batch's teacher forward over the "
+                      f"{n} students' ranks: data.batch_size ({cfg.data.batch_size}) must be a "
+                      f"multiple of {n}")  # fmt: skip
+    if cfg.model.init_from is not None:
+        errors.append("model.init_from starts one network; with distributed.student_groups "
+                      "each rank trains one of several (set it to null)")  # fmt: skip
+    return errors
 
 
 def _sharding_conflicts(cfg: Config) -> list[str]:

@@ -9,11 +9,11 @@ import torch.distributed as dist
 from ..config import Config
 from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
-from ..runtime import HangWatchdog
+from ..runtime import HangWatchdog, gather_objects
 from ..train import StudentBank, recipe_of
 from .sharding import full_teacher
 
-__all__ = ["evaluate_between_epochs", "evaluate_other_students"]
+__all__ = ["evaluate_between_epochs", "evaluate_group_students", "evaluate_other_students"]
 
 
 def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device: torch.device,
@@ -41,6 +41,53 @@ def _other_students(cfg: Config, teacher) -> list[tuple[str, Config, torch.nn.Mo
     return [(n, c, teacher.members[n].backbone) for n, c in zip(names, configs, strict=True)]
 
 
+def _group_student(cfg: Config, parts) -> tuple[str, Config] | None:
+    """(name, config) of this rank's student when it leads the group of a
+    student but the first (students on their own groups of ranks), else None."""
+    g = parts.groups
+    if g is None or not g.lead or g.index == 0:
+        return None
+    return cfg.student_names[g.index], recipe_of(cfg).student_configs(cfg)[g.index]
+
+
+def evaluate_group_students(cfg: Config, parts, device: torch.device, folder: RunFolder,
+                            step: int) -> dict:  # fmt: skip
+    """Collective for students on their own groups of ranks: the lead of
+    each group but the first evaluates its student's EMA beside its random
+    initialisation (:func:`~dino_opt.eval.evaluate_run`, into
+    ``students/<name>/``), at once with the others; rank 0 gets the
+    report's ``students`` key. ``{}`` elsewhere and for other runs."""
+    if parts.groups is None:
+        return {}
+    found = None
+    own = _group_student(cfg, parts)
+    if own is not None:
+        name, config = own
+        nets = (parts.teacher.backbone, parts.random_teacher.backbone)
+        found = (name, evaluate_run(config, parts.roots, *nets, device, folder.student(name),
+                                    None, step))  # fmt: skip
+    found = [f for f in gather_objects(found) if f is not None]
+    return {"students": dict(found)} if found else {}
+
+
+def _evaluate_group_students_between(cfg: Config, parts, device: torch.device, log: RunLog,
+                                     step: int, done: int) -> None:  # fmt: skip
+    """Collective for students on their own groups of ranks: the lead of
+    each group but the first evaluates its student's EMA (k-NN, linear
+    probe); rank 0 logs each one's row (keys named ``student_<name>``)."""
+    row = None
+    own = _group_student(cfg, parts)
+    if own is not None:
+        name, config = own
+        row = evaluate_teacher(config, parts.roots, parts.teacher.backbone, device, log, step,
+                               done, f"student_{name}")  # fmt: skip
+        row = (f"student_{name}", row)
+    for name, found in (r for r in gather_objects(row) if r is not None):
+        log.event(found)
+        log.scalars(f"eval_{name}", {k: v for k, v in found.items()
+                                     if k not in ("step", "epoch", "event")}, step)  # fmt: skip
+
+
 def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
                             log: RunLog, step: int, world: int, lead: bool,
                             watchdog: HangWatchdog | None) -> None:  # fmt: skip
@@ -61,6 +108,8 @@ def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
         evaluate_teacher(cfg, parts.roots, teacher.backbone, device, log, step, done)
         for name, own, trained in _other_students(cfg, teacher):
             evaluate_teacher(own, parts.roots, trained, device, log, step, done, f"student_{name}")
+    if parts.groups is not None:
+        _evaluate_group_students_between(cfg, parts, device, log, step, done)
     if world > 1:
         dist.barrier()
     if watchdog is not None:

@@ -57,7 +57,8 @@ from ..runtime import (
 from ..train import resolve_recipe
 from ..tune import resolve_hardware
 from ..weights import init_from, weights_reader
-from .evaluation import evaluate_between_epochs, evaluate_other_students
+from .evaluation import evaluate_between_epochs, evaluate_group_students, evaluate_other_students
+from .groups import joined_state, own_state, send_to_lead
 from .hang import injected_hang, report_hang, start_watchdog
 from .parts import (
     _NEVER_HELD_BACK,
@@ -262,7 +263,10 @@ class CheckpointedDINOTrainer(RollbackPolicy):
     def state_dict(self) -> dict:
         """The complete state of the run at the current step. Collective when
         distributed: every process calls it at the same step (each one's
-        loader position and RNGs are gathered), and every process gets it."""
+        loader position and RNGs are gathered), and every process gets it
+        (students on their own groups of ranks: their networks on rank 0
+        only, joined as one run of them all holds them,
+        :mod:`dino_opt.job.groups`)."""
         p = self.parts
         if self.sharded:
             networks = sharded_state(p.student, p.teacher, p.optimizer)
@@ -272,6 +276,12 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 "teacher": p.teacher.state_dict(),
                 "optimizer": p.optimizer.state_dict(),
             }
+        loaders = gather_objects(p.loader.state_dict())  # per rank
+        if p.groups is not None:  # rank 0 joins the students; one group's loaders
+            states = send_to_lead(p.groups, networks)
+            names = list(self.config.student_names)
+            networks = joined_state(names, states, p.sizes) if states is not None else {}
+            loaders = loaders[: p.groups.size]
         return {
             **networks,
             "scaler": p.trainer.scaler.state_dict() if p.trainer.scaler is not None else None,
@@ -279,7 +289,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             "teacher_step": p.model.teacher_step,
             "epoch": self.epoch,
             "step": self.step,
-            "loader": gather_objects(p.loader.state_dict()),  # per rank
+            "loader": loaders,
             "rng": gather_objects(capture_rng_state()),  # per rank
             "world_size": self.world,
             "history": self.history,
@@ -304,30 +314,43 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                                                  p.optimizer, p.loss_fn)}  # fmt: skip
         elif self.sharded:  # a ddp checkpoint, read whole
             load_full_state(state, p.student, p.teacher, p.optimizer)
+        elif p.groups is not None:  # this rank's student's part
+            own = own_state(state, list(self.config.student_names), p.groups, p.sizes,
+                            p.student, p.optimizer)  # fmt: skip
+            self._load_networks(own)
         else:  # a ddp checkpoint, or a sharded one read whole (its optimizer by name)
-            p.student.load_state_dict(state["student"])
-            p.teacher.load_state_dict(state["teacher"])
-            if "optimizer" in state:
-                optim = optimizer_state_by_position(state["optimizer"], p.student, p.optimizer)
-                p.optimizer.load_state_dict(optim)
+            optim = state.get("optimizer")
+            if optim is not None:
+                optim = optimizer_state_by_position(optim, p.student, p.optimizer)
+            self._load_networks({**state, "optimizer": optim})
         load_loss_state(p.loss_fn, loss)
         if p.trainer.scaler is not None and state.get("scaler") is not None:
             p.trainer.scaler.load_state_dict(state["scaler"])
         p.model.teacher_step = int(state["teacher_step"])
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
-        if len(state["loader"]) == self.world:
-            p.loader.load_state_dict(state["loader"][self.rank])
-            restore_rng_state(state["rng"][self.rank], strict=False)
+        data_rank, data_world = p.data_place or (self.rank, self.world)
+        rng = state["rng"]
+        restore_rng_state(rng[self.rank % len(rng)], strict=False)
+        if len(state["loader"]) == data_world:
+            p.loader.load_state_dict(state["loader"][data_rank])
         else:  # another world size: the same epoch, after the images seen
-            p.loader.load_state_dict(resharded_loader_state(state["loader"], self.rank, self.world))
-            rng = state["rng"]
-            restore_rng_state(rng[self.rank % len(rng)], strict=False)
+            loader = resharded_loader_state(state["loader"], data_rank, data_world)
+            p.loader.load_state_dict(loader)
             self.step = self.epoch * len(p.loader) + p.loader.state_dict()["next_batch"]
             p.model.teacher_step = self.step // self.config.optim.accumulation_steps
         self.history = list(state.get("history", []))
         self.history += rows_to_log(self.restarts, self.history, self.step)  # made after it
         self.rollbacks = list(state.get("rollbacks", []))
         self._seconds_before = float(state.get("train_seconds", 0.0))
+
+    def _load_networks(self, state: dict) -> None:
+        """``student``, ``teacher`` and (when not None) ``optimizer`` of
+        ``state`` into the built run's."""
+        p = self.parts
+        p.student.load_state_dict(state["student"])
+        p.teacher.load_state_dict(state["teacher"])
+        if state.get("optimizer") is not None:
+            p.optimizer.load_state_dict(state["optimizer"])
 
     def _resume(self, resumed: tuple[dict, Path] | None) -> Path | None:
         if resumed is None:
@@ -626,7 +649,10 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         health, alerts, diverged = self._check_health(loss, ips)
         collapsed = any(a.name.startswith("collapse") for a in alerts)
         injected_hang(self.config.debug, self.step, self.rank, len(self.restarts))
-        parts = {f"loss_{k}": v for k, v in self._step_metrics.items() if k != "loss"}
+        metrics, groups = self._step_metrics, self.parts.groups
+        if groups is not None:  # this rank's student's, placed for the mean over all ranks
+            loss, metrics = groups.metrics(list(cfg.student_names), loss, metrics)
+        parts = {f"loss_{k}": v for k, v in metrics.items() if k != "loss"}
         with self._collective("metrics"):
             reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),
                                           "diverged": float(diverged is not None),
@@ -718,7 +744,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         teacher = None  # collective when sharded: the whole teacher, on rank 0
         if evaluate:
             teacher = full_teacher(p.teacher, p.random_teacher, self.lead)
-        if not self.lead:  # rank 0 evaluates and writes the report
+        if not self.lead:  # rank 0 evaluates and writes the report (group leads their students)
+            if evaluate:
+                evaluate_group_students(cfg, p, self.device, self.folder, self.step)
             self.log.close()
             return report
         report.update(self._profile_report())
@@ -729,6 +757,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                                        self.step))  # fmt: skip
             report.update(evaluate_other_students(cfg, p, teacher, self.device, self.folder,
                                                   self.step))  # fmt: skip
+            report.update(evaluate_group_students(cfg, p, self.device, self.folder, self.step))
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:

@@ -15,6 +15,7 @@ from ..observe import (
     NonFiniteError,
 )
 from ..ops import DINOLoss, Schedules
+from ..runtime import StudentGroups
 from ..train import (
     DataRoots,
     DINOModel,
@@ -27,10 +28,12 @@ from ..train import (
     build_models,
     build_optimizer,
     build_schedules,
+    build_student,
     build_trainer,
     data_roots,
     recipe_of,
 )
+from .groups import layout_of, optimizer_sizes
 from .sharding import spread
 
 __all__ = ["PROFILE_PHASES", "ResumeError", "build_parts"]
@@ -114,6 +117,16 @@ class _Parts:
     optimizer: torch.optim.Optimizer
     schedules: Schedules
     trainer: MemoryOptimizedDINOTrainer
+    # students on their own groups of ranks: this rank's place, and each
+    # student's optimizer sizes (:func:`~dino_opt.job.groups.optimizer_sizes`)
+    groups: StudentGroups | None = None
+    sizes: list[tuple[int, int]] | None = None
+
+    @property
+    def data_place(self) -> tuple[int, int] | None:
+        """(rank, ranks) of the loader's shard when it is not the process's
+        own (students on their own groups: the place in the group)."""
+        return (self.groups.data_rank, self.groups.size) if self.groups else None
 
 
 def _iterations_per_epoch(cfg: Config, loader: MultiCropLoader) -> int:
@@ -137,20 +150,26 @@ def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
     distillation's frozen teacher opened through ``reader``), optimizer,
     schedules and trainer."""
     roots = data_roots(cfg)
-    loader = build_loader(cfg, roots.train, device, rank=rank, world_size=world)
-    student, teacher = build_models(cfg)
+    groups = layout_of(cfg, rank, world)  # students on their own ranks: this rank's one
+    data_rank, data_world = (groups.data_rank, groups.size) if groups else (rank, world)
+    loader = build_loader(cfg, roots.train, device, rank=data_rank, world_size=data_world)
+    student, teacher = build_student(cfg, groups.index) if groups else build_models(cfg)
     random_teacher = copy.deepcopy(teacher).eval()
     student, teacher = student.to(device), teacher.to(device)
     torch.manual_seed(cfg.hardware.seed + rank)  # same init everywhere, own drop paths
-    schedules = build_schedules(cfg, _iterations_per_epoch(cfg, loader), world_size=world)
+    schedules = build_schedules(cfg, _iterations_per_epoch(cfg, loader), world_size=data_world)
     loss_fn = build_loss(cfg).to(device)
     frozen = attach_frozen_copies(cfg, loss_fn, teacher, reader)
     external = attach_teacher(cfg, loss_fn, reader, device)  # a distillation's, on the device
-    trained, teacher = spread(cfg, student, teacher, device, frozen, external)  # DDP, or sharded
+    if groups is not None:
+        loss_fn.frozen.split_over(groups)  # each rank its share of a batch's teacher forward
+    # DDP (over the student's group), or sharded
+    trained, teacher = spread(cfg, student, teacher, device, frozen, external, groups)
     model = DINOModel(student, teacher, schedules.momentum,
                       copy_buffers=recipe_of(cfg).ema_copies_buffers)  # fmt: skip
     model.student = trained  # the EMA reads the unwrapped `student`
     optimizer = build_optimizer(cfg, student, device)
     trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
+    sizes = optimizer_sizes(groups, optimizer) if groups else None
     return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
-                  optimizer, schedules, trainer)  # fmt: skip
+                  optimizer, schedules, trainer, groups, sizes)  # fmt: skip

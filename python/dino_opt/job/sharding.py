@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..checkpoint import load_shards
 from ..config import Config
 from ..runtime import (
+    StudentGroups,
     is_sharded,
     resolve_precision,
     shard_frozen_backbone,
@@ -62,9 +63,11 @@ def spread(
     device: torch.device,
     frozen: Sequence[nn.Module] = (),
     external: nn.Module | None = None,
+    groups: StudentGroups | None = None,
 ):
     """(student as trained, teacher) after ``distributed.strategy``: DDP
-    around the student when there are several ranks, or both networks
+    around the student when there are several ranks (with ``groups``, over
+    its student's group; none when that is one rank), or both networks
     sharded with FSDP2 in place (parameters in the precision's dtype while
     gathered, gradients reduced in float32). ``frozen``: copies of the
     teacher's backbone that the loss keeps (made by
@@ -74,6 +77,8 @@ def spread(
     network with a ``backbone``), whole on every rank with ddp; with fsdp
     its backbone is sharded block by block (its heads stay whole), so that
     a teacher too large for one device is spread over the ranks."""
+    if groups is not None:
+        return (wrap_student(student, device, groups.group) if groups.group else student), teacher
     if cfg.distributed.strategy == "ddp":
         return wrap_student(student, device), teacher
     dtype = resolve_precision(cfg.hardware.precision, device)

@@ -1,6 +1,7 @@
 """A run's process: device, precision, process group, collectives, signals, watchdog."""
 
 from .device import resolve_device, resolve_precision, with_index
+from .groups import StudentGroups, student_groups
 from .process import (
     DistInfo,
     all_reduce_metrics,
@@ -31,6 +32,7 @@ __all__ = [
     "EXIT_HANG",
     "GracefulStop",
     "HangWatchdog",
+    "StudentGroups",
     "TrainingHungError",
     "all_reduce_metrics",
     "barrier",
@@ -51,6 +53,7 @@ __all__ = [
     "with_index",
     "shard_frozen_backbone",
     "shard_model",
+    "student_groups",
     "world_size",
     "wrap_student",
 ]

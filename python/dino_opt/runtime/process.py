@@ -196,9 +196,12 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
-    """The student in DistributedDataParallel when distributed, else
-    unchanged. BatchNorm layers: synchronised across ranks on GPUs
+def wrap_student(
+    student: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None
+) -> nn.Module:
+    """The student in DistributedDataParallel when distributed (over
+    ``group``'s ranks when given, else all of them), else unchanged.
+    BatchNorm layers: synchronised across those ranks on GPUs
     (SyncBatchNorm); on CPUs, where SyncBatchNorm does not run, each rank
     normalises by its own batch and the running statistics are rank 0's,
     broadcast before each forward."""
@@ -206,7 +209,7 @@ def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
         return student
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in student.modules())
     if has_bn and device.type == "cuda":
-        student = nn.SyncBatchNorm.convert_sync_batchnorm(student)
+        student = nn.SyncBatchNorm.convert_sync_batchnorm(student, process_group=group)
     ids = [device.index] if device.type == "cuda" else None
     # Buffers broadcast before each forward only for unsynchronised BatchNorm
     # (otherwise DINO's buffers are synchronised statistics or constants);
@@ -214,7 +217,7 @@ def wrap_student(student: nn.Module, device: torch.device) -> nn.Module:
     params = inspect.signature(DistributedDataParallel).parameters
     switch = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
     broadcast = {switch: has_bn and device.type != "cuda"}
-    return DistributedDataParallel(student, device_ids=ids, **broadcast)
+    return DistributedDataParallel(student, device_ids=ids, process_group=group, **broadcast)
 
 
 def no_sync(module: nn.Module, skip: bool):

@@ -48,6 +48,7 @@ __all__ = [
     "build_optimizer",
     "build_schedules",
     "build_source",
+    "build_student",
     "build_trainer",
     "resolve_recipe",
     "data_roots",
@@ -88,8 +89,19 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
     recipe = recipe_of(cfg)
     configs = recipe.student_configs(cfg)
     if len(configs) > 1:
-        return recipe.join_students(cfg, [_one_pair(c) for c in configs])
+        return recipe.join_students(cfg, [build_student(cfg, i) for i in range(len(configs))])
     return _one_pair(cfg)
+
+
+def build_student(cfg: Config, index: int) -> tuple[nn.Module, nn.Module]:
+    """Student ``index`` of a recipe with several students, alone (its
+    :meth:`Recipe.student_alone` config), and its teacher, built from
+    ``hardware.seed + index`` whatever else was drawn before (the global
+    random state is left as it was): the same networks whether all the
+    students are in one process or each on its own ranks."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.hardware.seed + index)
+        return _one_pair(recipe_of(cfg).student_alone(cfg, index))
 
 
 def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:

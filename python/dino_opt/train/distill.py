@@ -37,7 +37,7 @@ from torch import nn
 
 from ..models import Tokens, backbone_tokens, pool_to_grid
 from ..ops import unwrap
-from ..runtime import no_sync
+from ..runtime import StudentGroups, no_sync
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
 from .trainer import MemoryOptimizedDINOTrainer
 
@@ -87,12 +87,30 @@ class FrozenTeacher:
     """The frozen teacher network, held outside any module's state dict:
     ``network`` (a backbone for ``features``; backbone and heads for
     ``heads``), its ``patch_size`` and the input ``scale``. :meth:`inputs`
-    resizes the student's crops for it (bicubic, anti-aliased when shrinking)."""
+    resizes the student's crops for it (bicubic, anti-aliased when shrinking);
+    :meth:`tokens` runs it. Students on their own groups of ranks
+    (:meth:`split_over`): each rank runs it on its share of the batch."""
 
     def __init__(self, network: nn.Module, patch_size: int, scale: float = 1.0):
         self.network = network.requires_grad_(False).eval()
         self.patch_size = int(patch_size)
         self.scale = float(scale)
+        self.groups: StudentGroups | None = None
+
+    def split_over(self, groups: StudentGroups) -> None:
+        """From now on each forward runs on this rank's 1/S of the batch,
+        the peers' outputs gathered (:class:`~dino_opt.runtime.StudentGroups`)."""
+        self.groups = groups
+
+    def tokens(self, images: torch.Tensor) -> Tokens:
+        """The teacher's :class:`~dino_opt.models.Tokens` of ``images`` (at
+        its side already: :meth:`inputs`); split over the peers when
+        :meth:`split_over` was called, whole on every one of them."""
+        g = self.groups
+        if g is None:
+            return backbone_tokens(self.network, images)
+        t = backbone_tokens(self.network, g.take(images))
+        return Tokens(g.join(t.cls), g.join(t.patches), t.grid)
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> FrozenTeacher:
         """The network moved to ``device`` (and cast to ``dtype`` when given)."""
@@ -169,7 +187,7 @@ class FeatureDistillLoss(nn.Module):
         tokens, one per student, from that one forward."""
         if self.frozen is None:
             raise RuntimeError("FeatureDistillLoss: no teacher attached (attach_teacher)")
-        t = backbone_tokens(self.frozen.network, self.frozen.inputs(images))
+        t = self.frozen.tokens(self.frozen.inputs(images))
         if isinstance(grid, dict):
             return {name: Tokens(t.cls, pool_to_grid(t.patches, t.grid, g), g)
                     for name, g in grid.items()}  # fmt: skip

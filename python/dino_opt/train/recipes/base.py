@@ -126,6 +126,13 @@ class Recipe(ABC):
         alone, but for a distillation into several students)."""
         return [cfg]
 
+    def student_alone(self, cfg: Config, index: int) -> Config:
+        """The config of student ``index`` of :meth:`student_configs`
+        trained alone (``cfg`` itself for a recipe of one student)."""
+        if index != 0:
+            raise ValueError(f"recipe {self.name} trains one student, not student {index}")
+        return cfg
+
     def join_students(self, cfg: Config, pairs: list[tuple[nn.Module, nn.Module]]):
         """One (student, teacher) pair of the (student, teacher) ``pairs``
         of :meth:`student_configs`, for the recipes with several students."""

@@ -49,7 +49,8 @@ def _student_config(cfg: Config, backbone: str) -> Config:
     vit = backbone.startswith("vit")
     patch = cfg.model.patch_size if vit else default_config().model.patch_size
     return apply_overrides(cfg, [f"model.backbone={backbone}", f"model.patch_size={patch}",
-                                 "recipe.distill_students=[]"])  # fmt: skip
+                                 "recipe.distill_students=[]",
+                                 "distributed.student_groups=false"])  # fmt: skip
 
 
 def _heads(cfg: Config) -> bool:
@@ -92,6 +93,10 @@ class DistillRecipe(DINOv2Recipe):
         """``cfg`` (the student ``model.backbone``) and one config per
         backbone of ``recipe.distill_students``."""
         return [cfg, *(_student_config(cfg, name) for name in cfg.student_names[1:])]
+
+    def student_alone(self, cfg: Config, index: int) -> Config:
+        """The config of student ``index`` of ``cfg.student_names`` trained alone."""
+        return _student_config(cfg, cfg.student_names[index])
 
     def join_students(self, cfg: Config, pairs: list[tuple[nn.Module, nn.Module]]):
         names = cfg.student_names

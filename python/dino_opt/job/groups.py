@@ -1,0 +1,127 @@
+"""What students on their own groups of ranks (``distributed.student_groups``,
+:class:`~dino_opt.runtime.StudentGroups`) change in the job.
+
+Each rank holds one student (its networks and optimizer); a checkpoint is
+the same as a run of all the students on every rank writes (a
+:class:`~dino_opt.train.StudentBank`'s keys, ``members.<name>.``, and its
+optimizer state, each student's positions after the previous students'),
+so that ``dino-opt export`` reads it as it is and either layout resumes
+the other's. The lead of each group sends its student's state to rank 0,
+which joins them (:func:`joined_state`); a resumed rank takes its student's
+part of a checkpoint (:func:`own_state`). The loader is sharded over the
+ranks of one group: the checkpoint keeps those ranks' positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..runtime import StudentGroups, gather_objects, student_groups
+from .sharding import optimizer_state_by_position
+
+__all__ = ["joined_state", "layout_of", "optimizer_sizes", "own_state", "send_to_lead"]
+
+
+def layout_of(cfg: Config, rank: int, world: int) -> StudentGroups | None:
+    """The groups of ``cfg``'s students (collective: makes the process
+    groups), or None unless ``distributed.student_groups``."""
+    if not cfg.distributed.student_groups:
+        return None
+    return student_groups(len(cfg.student_names), rank, world, cfg.data.batch_size)
+
+
+def optimizer_sizes(groups: StudentGroups, optimizer) -> list[tuple[int, int]]:
+    """Collective: (parameter groups, parameters) of each student's
+    optimizer, by student: where its part of a joined state begins."""
+    own = (groups.index, len(optimizer.param_groups),
+           sum(len(g["params"]) for g in optimizer.param_groups))  # fmt: skip
+    sizes = {index: (n_groups, n_params) for index, n_groups, n_params in gather_objects(own)}
+    return [sizes[i] for i in range(groups.students)]
+
+
+def _on_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_on_cpu(v) for v in value]
+    return value
+
+
+def send_to_lead(groups: StudentGroups, networks: dict) -> list[dict] | None:
+    """Collective: every group lead's ``networks`` (its student's
+    ``student``, ``teacher`` and ``optimizer`` states), on the CPU, by
+    student, on rank 0 (None elsewhere)."""
+    own = _on_cpu(networks) if groups.lead else None
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((groups.index, own), out, dst=0)
+    if out is None:
+        return None
+    by_student = {index: state for index, state in out if state is not None}
+    return [by_student[i] for i in range(groups.students)]
+
+
+def joined_state(names: list[str], states: list[dict], sizes: list[tuple[int, int]]) -> dict:
+    """One state of all the students from each one's ``states`` (in the
+    order of ``names``): its networks' keys under ``members.<name>.``, its
+    optimizer's parameters numbered after the previous students'."""
+    out = {"student": {}, "teacher": {}}
+    per_param, param_groups, offset = {}, [], 0
+    for name, state, (_, n_params) in zip(names, states, sizes, strict=True):
+        for key in ("student", "teacher"):
+            out[key].update({f"members.{name}.{k}": v for k, v in state[key].items()})
+        optim = state["optimizer"]
+        per_param.update({offset + i: s for i, s in optim["state"].items()})
+        param_groups += [{**g, "params": [offset + i for i in g["params"]]}
+                         for g in optim["param_groups"]]  # fmt: skip
+        offset += n_params
+    out["optimizer"] = {"state": per_param, "param_groups": param_groups}
+    return out
+
+
+def _strip(state: dict, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _own_optimizer(state: dict, groups: StudentGroups, prefix: str,
+                   sizes: list[tuple[int, int]]) -> dict:  # fmt: skip
+    """Student ``groups.index``'s part of a joined optimizer state: by
+    position (its groups and parameters after the previous students'), or
+    by name (a sharded run's, read whole: the names under ``prefix``)."""
+    named = any(isinstance(n, str) for g in state["param_groups"] for n in g["params"])
+    if named:
+        own = [g for g in state["param_groups"] if g["params"] and
+               all(n.startswith(prefix) for n in g["params"])]  # fmt: skip
+        return {"state": _strip(state["state"], prefix),
+                "param_groups": [{**g, "params": [n[len(prefix):] for n in g["params"]]}
+                                 for g in own]}  # fmt: skip
+    first_group = sum(n for n, _ in sizes[: groups.index])
+    offset = sum(n for _, n in sizes[: groups.index])
+    n_groups, n_params = sizes[groups.index]
+    own = state["param_groups"][first_group : first_group + n_groups]
+    return {
+        "state": {i - offset: s for i, s in state["state"].items()
+                  if offset <= i < offset + n_params},
+        "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in own],
+    }  # fmt: skip
+
+
+def own_state(state: dict, names: list[str], groups: StudentGroups,
+              sizes: list[tuple[int, int]], student: nn.Module, optimizer) -> dict:  # fmt: skip
+    """This rank's student's part of a state of all the students
+    (:func:`joined_state`'s, or a run's of every student on every rank):
+    ``student``, ``teacher`` and (when the state has one) ``optimizer``,
+    ready for their ``load_state_dict``. KeyError naming the student when
+    the state has none of it."""
+    prefix = f"members.{names[groups.index]}."
+    out = {key: _strip(state[key], prefix) for key in ("student", "teacher")}
+    if not out["student"]:
+        raise KeyError(f"the checkpoint holds no student {names[groups.index]!r}")
+    if "optimizer" in state:
+        optim = _own_optimizer(state["optimizer"], groups, prefix, sizes)
+        out["optimizer"] = optimizer_state_by_position(optim, student, optimizer)
+    return out

@@ -1,0 +1,153 @@
+"""Students on their own groups of ranks (``distributed.student_groups``):
+the split teacher forward and the per-group DDP on 4 gloo ranks; the job on
+2 (a ViT-T/8 and a ResNet-18, one rank each) against the same students
+trained together in one process, resumed bit for bit after a killed rank,
+resumed from the other layout's checkpoint, evaluated and exported; bad
+layouts in one line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from dino_opt.cli import main
+from dino_opt.config import ConfigError, apply_overrides, default_config
+from dino_opt.runtime import student_groups
+from gloo_ranks import run_ranks
+from test_distill_students import STUDENTS, _tensors
+from tiny import train_on_ranks
+
+HERE = Path(__file__).parent
+GROUPS = "distributed.student_groups=true"
+
+
+def test_the_teacher_runs_once_per_batch_split_over_the_students(tmp_path):
+    """4 ranks, 2 students: each rank's teacher sees 3 of the batch's 6
+    images and gets the whole batch's tokens back (as one forward gives
+    them); DDP averages a student's gradient over its own group only; the
+    metrics' mean over all ranks is each student's mean and their sum."""
+    ranks = run_ranks(HERE / "dist_groups_worker.py", tmp_path, world=4)
+    assert [(r["index"], r["data_rank"], r["lead"]) for r in ranks] == [
+        (0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False)]  # fmt: skip
+    for r in ranks:
+        assert r["seen"] == [3]  # one forward, of this rank's share
+        assert r["shapes"] == [[6, 64], [6, 16, 64]]
+        assert r["cls_diff"] < 1e-5 and r["patch_diff"] < 1e-5
+    # inputs rank+1: group (0, 1) averages 1 and 2, group (2, 3) 3 and 4
+    assert ranks[0]["gradient"] == ranks[1]["gradient"] == [1.5, 1.5]
+    assert ranks[2]["gradient"] == ranks[3]["gradient"] == [3.5, 3.5]
+    m = ranks[0]["metrics"]
+    assert all(r["metrics"] == m for r in ranks)
+    assert m["a"] == pytest.approx(1.5) and m["b"] == pytest.approx(3.5)
+    assert m["loss"] == pytest.approx(5.0)
+    assert m["cosine_a"] == pytest.approx(0.15) and m["cosine_b"] == pytest.approx(0.35)
+
+
+@pytest.mark.parametrize(
+    ("students", "world", "batch", "needle"),
+    [(3, 2, 6, "number of processes (2) must be a multiple of 3"),
+     (2, 4, 5, "data.batch_size (5) must be a multiple of 2"),
+     (1, 2, 4, "multiple of 1")],
+)  # fmt: skip
+def test_a_layout_the_ranks_cannot_hold_is_one_line(students, world, batch, needle):
+    with pytest.raises(ValueError, match=r"student_groups") as e:
+        student_groups(students, 0, world, batch)
+    assert "\n" not in str(e.value) and (needle in str(e.value) or students == 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [([], "name more students with recipe.distill_students"),
+     (["recipe.distill_students=[resnet18]", "distributed.strategy=fsdp"],
+      "distributed.strategy is fsdp"),
+     (["recipe.distill_students=[resnet18]", "data.batch_size=5"],
+      "data.batch_size (5) must be a multiple of 2"),
+     (["recipe.distill_students=[resnet18]", "model.init_from=x.pth"], "model.init_from")],
+)  # fmt: skip
+def test_bad_group_configs_are_one_line(extra, needle):
+    base = ["recipe.name=distill", "recipe.distill_teacher=t.pth", "model.backbone=vit_tiny"]
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(default_config(), [*base, GROUPS, *extra])
+    assert needle in str(e.value)
+    with pytest.raises(ConfigError, match="for recipe.name=distill, not dino"):
+        apply_overrides(default_config(), [GROUPS])
+
+
+def _train(out: Path, root: Path, teacher: Path, *extra: str, ranks: int = 2) -> dict:
+    return train_on_ranks(out, f"data.root={root / 'train'}", *STUDENTS,
+                          f"recipe.distill_teacher={teacher}", *extra, ranks=ranks)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def together(distill_data, distill_teacher, tmp_path_factory):
+    """Both students in one process (its loader the groups' one shard)."""
+    return _train(tmp_path_factory.mktemp("one") / "run", distill_data, distill_teacher, ranks=1)
+
+
+@pytest.fixture(scope="module")
+def grouped(distill_data, distill_teacher, tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("groups") / "run", distill_data, distill_teacher, GROUPS)
+
+
+def _close(a: dict, b: dict, what: str, tol: float) -> None:
+    flat_a, flat_b = _tensors(a), _tensors(b)
+    assert flat_a.keys() == flat_b.keys(), what
+    for name, value in flat_b.items():
+        if value.is_floating_point():
+            assert torch.allclose(flat_a[name], value, atol=tol, rtol=tol), f"{what}.{name}"
+        else:
+            assert torch.equal(flat_a[name], value), f"{what}.{name}"
+
+
+def test_groups_train_each_student_as_one_process_trains_them_all(grouped, together):
+    """The same batches (one group rank each), the same initialisation:
+    each student, its EMA and its AdamW state end as when both are trained
+    in one process, up to the teacher's forward on half batches; the
+    metric rows match; each student is evaluated, its checkpoint exports."""
+    for key in ("student", "teacher", "optimizer"):
+        _close(grouped["state"][key], together["state"][key], key, 1e-4)
+    a, b = grouped["rows"], together["rows"]
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        for key in ("loss", "loss_vit_tiny", "loss_resnet18", "loss_distill_cls_cosine_resnet18"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    report, out = grouped["report"], grouped["out"]
+    assert {"knn_top1_trained"} <= set(report["students"]["resnet18"])
+    assert (out / "students" / "resnet18" / "evaluation.json").is_file()
+    assert "knn_top1_trained" in report
+    target = out.parent / "resnet18.pth"
+    assert main(["export", str(out), "--format", "dino", "--output", str(target),
+                 "--student", "resnet18"]) == 0  # fmt: skip
+    net = torchvision.models.resnet18(weights=None)
+    net.fc = torch.nn.Identity()
+    net.load_state_dict(torch.load(target, weights_only=True))
+    key = "members.resnet18.backbone.conv1.weight"
+    assert torch.equal(net.conv1.weight, grouped["state"]["teacher"][key])
+
+
+def test_a_killed_rank_resumes_grouped_students_bit_for_bit(grouped, distill_data, distill_teacher,
+                                                             tmp_path):  # fmt: skip
+    kill = ("debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")
+    run = _train(tmp_path / "run", distill_data, distill_teacher, GROUPS, *kill)
+    assert run["report"].get("restarts"), run["report"]
+    for key in ("student", "teacher", "optimizer"):
+        a, b = _tensors(run["state"][key]), _tensors(grouped["state"][key])
+        assert a.keys() == b.keys(), key
+        for name, value in b.items():
+            assert torch.equal(a[name], value), f"{key}.{name} differs"
+
+
+def test_groups_resume_a_run_of_all_students_in_one_process(together, distill_data, distill_teacher,
+                                                            tmp_path):  # fmt: skip
+    """A checkpoint of both students trained in one process, at step 3,
+    resumed with each student on its own rank: each takes its part (its
+    optimizer's positions after the other's) and ends as the one-process
+    run does."""
+    folder = together["out"] / "checkpoints"
+    step3 = next(p for p in folder.glob("*.pth") if torch.load(p, weights_only=True)["step"] == 3)
+    run = _train(
+        tmp_path / "run", distill_data, distill_teacher, GROUPS, f"checkpoint.resume={step3}"
+    )
+    assert run["report"]["resumed_from"] == str(step3)
+    for key in ("student", "teacher", "optimizer"):
+        _close(run["state"][key], together["state"][key], key, 1e-4)
