@@ -16,10 +16,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from dino_opt.config import load_config
+from dino_opt.job.groups import layout_of
 from dino_opt.job.sharding import spread
 from dino_opt.models import VisionTransformer
 from dino_opt.observe import AllocationTrace
-from dino_opt.train import DINOModel, build_loss, build_models, build_optimizer, recipe_of
+from dino_opt.train import (
+    DINOModel,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_student,
+    recipe_of,
+)
 from dino_opt.train.distill import FrozenTeacher
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -130,8 +138,12 @@ DISTILL_HEADS = ["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
                  "recipe.ibot_out_dim=512"]  # fmt: skip
 
 
-def distill_config(students: str, heads: bool = False):
-    extra = DISTILL_HEADS if heads else []
+#: Students on their own ranks (one each): DDP, the teacher's forward split.
+DISTILL_GROUPS = ["distributed.strategy=ddp", "distributed.student_groups=true"]
+
+
+def distill_config(students: str, heads: bool = False, groups: bool = False):
+    extra = (DISTILL_HEADS if heads else []) + (DISTILL_GROUPS if groups else [])
     return load_config(None, [*DISTILL_RUN, f"recipe.distill_students=[{students}]", *extra])
 
 
@@ -152,19 +164,23 @@ def _distill_step(trainer, cfg, seed: int) -> tuple[float, int]:
     return float(loss), gradients
 
 
-def measure_distill(students: str, heads: bool = False) -> dict:
+def measure_distill(students: str, heads: bool = False, groups: bool = False) -> dict:
     """Bytes of a sharded distillation into ``students`` (besides
-    MEMORY_RUN's; ``heads``: through the teacher's heads) on this rank: as
+    MEMORY_RUN's; ``heads``: through the teacher's heads; ``groups``: each
+    student on its own rank instead, with DDP) on this rank: as
     :func:`measure`, the frozen teacher's local shards apart."""
-    cfg = distill_config(students, heads)
+    cfg = distill_config(students, heads, groups)
     rank = dist.get_rank()
+    layout = layout_of(cfg, rank, dist.get_world_size())
     with AllocationTrace() as trace:
         torch.manual_seed(0)
-        student, ema = build_models(cfg)
+        student, ema = build_student(cfg, layout.index) if layout else build_models(cfg)
         frozen = heads_teacher(cfg) if heads else distill_teacher()
         loss_fn = build_loss(cfg)
         loss_fn.attach_teacher(FrozenTeacher(frozen, 8))
-        spread(cfg, student, ema, torch.device("cpu"), (), frozen)
+        if layout is not None:
+            loss_fn.frozen.split_over(layout)
+        spread(cfg, student, ema, torch.device("cpu"), (), frozen, layout)
         optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
         options = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
                    "gradient_clip": 3.0}  # fmt: skip
@@ -186,10 +202,10 @@ def main(rank: int, world: int, init_file: str, out: str, runs: list[str]) -> No
     """``runs``: measured one after the other."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     result = {}
-    for run in runs:  # STRATEGY:POLICY, distill:STUDENTS or distillheads:
+    for run in runs:  # STRATEGY:POLICY, distill:STUDENTS, distillgroups:STUDENTS or distillheads:
         kind, arg = run.split(":")
-        result[run] = (measure_distill(arg, kind == "distillheads") if kind.startswith("distill")
-                       else measure(kind, arg))  # fmt: skip
+        result[run] = (measure_distill(arg, kind == "distillheads", kind == "distillgroups")
+                       if kind.startswith("distill") else measure(kind, arg))  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -339,6 +339,31 @@ def test_a_sharded_distillation_on_two_ranks_within_10_percent(tmp_path):
                 assert _pct(got, measured[key]) <= 0.10, (rank, run, key, got, measured[key])
 
 
+def test_students_on_their_own_ranks_within_10_percent(tmp_path):
+    """distributed.student_groups over 2 gloo processes: a ViT-T on rank 0,
+    a ViT-S on rank 1, each with the whole frozen teacher run on half the
+    batch; the model gives the fuller rank (the ViT-S's), which holds less
+    than a rank of both students."""
+    run = "distillgroups:vit_small"
+    measured = [r[run] for r in run_ranks(HERE / "dist_memory_worker.py", tmp_path, run)]
+    cfg = distill_config("vit_small", groups=True)
+    model = estimate_memory(cfg, strategy="ddp", world_size=2, frozen_teacher=distill_teacher())
+    fuller = max(
+        measured, key=lambda m: m["parameters"] + m["teacher"] + m["optimizer"] + m["step"]
+    )
+    assert fuller is measured[1]
+    for key in ("parameters", "teacher", "optimizer", "gradients", "step"):
+        assert _pct(getattr(model, key), fuller[key]) <= 0.10, (
+            key,
+            getattr(model, key),
+            fuller[key],
+        )
+    both = estimate_memory(
+        distill_config("vit_small"), world_size=2, frozen_teacher=distill_teacher()
+    )
+    assert model.peak < both.peak and model.parameters < both.parameters
+
+
 def test_the_trace_counts_each_saved_storage_once_where_it_is_first_saved():
     """Linear, ReLU, Linear on the meta device: the first saves its input
     (5 x 8 floats; its weight is a parameter, left out), the ReLU its output

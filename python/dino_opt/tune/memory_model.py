@@ -613,7 +613,10 @@ def estimate_distillation(
     student without blocks (a ResNet, a ConvNeXt; DDP) the same parts, what
     its pass keeps traced on the meta device
     (:func:`~dino_opt.tune.distill_memory.traced_student`); the crops once.
-    The students' backward passes run one after the other."""
+    The students' backward passes run one after the other. With
+    ``distributed.student_groups`` (ddp) each rank holds one student and
+    runs the teacher on its 1/S of the batch: the rank that holds the most
+    is given."""
     if frozen_teacher is None:
         raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
                          "what recipe.distill_teacher opens)")  # fmt: skip
@@ -634,16 +637,35 @@ def estimate_distillation(
         return dataclasses.replace(e, teacher=e.teacher + teacher_bytes,
                                    teacher_count=e.teacher_count + frozen,
                                    transient=max(e.transient, working))  # fmt: skip
-    alone = [apply_overrides(c, ["recipe.distill_students=[]"])  # each student as if alone
-             for c in recipe_of(cfg).student_configs(cfg)]  # fmt: skip
+    recipe, groups = recipe_of(cfg), cfg.distributed.student_groups
+    alone = [recipe.student_alone(cfg, i) for i in range(len(cfg.student_names))]
     for c in alone:
         if strategy == "fsdp" and not c.model.backbone.startswith("vit"):
             raise ValueError(f"the memory model of a distillation under fsdp covers ViT students; "
                              f"got {c.model.backbone!r}")  # fmt: skip
-    bank = len(alone) > 1
+    bank = len(alone) > 1 and not groups
     parts = [_feature_student(c, a, policy, every, world_size, strategy, bank)
              if c.model.backbone.startswith("vit") else traced_student(c, a)
              for c in alone]  # fmt: skip
+    setting = (a, strategy, world_size, policy, every, arch)
+    if not groups:
+        return _students_estimate(cfg, parts, (frozen, teacher_bytes, working), setting)
+    # each rank one student, the teacher's forward on its 1/S of the batch: the fullest rank
+    share = cfg.data.batch_size // len(parts)
+    share = apply_overrides(cfg, [f"data.batch_size={share}", "distributed.student_groups=false"])
+    teacher = (frozen, teacher_bytes, frozen_forward_bytes(share, frozen_teacher, a))
+    return max((_students_estimate(cfg, [p], teacher, setting) for p in parts),
+               key=lambda e: e.peak)  # fmt: skip
+
+
+def _students_estimate(cfg: Config, parts: list[dict[str, int]], teacher: tuple[int, int, int],
+                       setting: tuple) -> MemoryEstimate:  # fmt: skip
+    """The estimate of a rank that holds the students of ``parts`` and the
+    frozen ``teacher`` (its parameters, their bytes, its forward's working
+    set); ``setting``: (bytes of an activation value, strategy, world size,
+    checkpointing policy, every, arch)."""
+    frozen, teacher_bytes, working = teacher
+    a, strategy, world_size, policy, every, arch = setting
     total = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("end", "unsharded")}
     crops = _crop_bytes(cfg, a)  # the batch of crops, one for every student
     return MemoryEstimate(
@@ -761,8 +783,9 @@ def memory_table(
     for name, cfg in configs.items():
         distill = recipe_of(cfg).external_teacher
         counts = None if distill else count_model(cfg)
-        # a distillation with a student that is not a ViT: DDP only
-        ddp_only = distill and not all(n.startswith("vit") for n in cfg.student_names)
+        # a distillation with a student that is not a ViT, or students on their own ranks: DDP
+        vits = all(n.startswith("vit") for n in cfg.student_names)
+        ddp_only = distill and (cfg.distributed.student_groups or not vits)
         for strategy in ("ddp",) if ddp_only else strategies:
             for world in worlds:
                 for policy in policies:
