@@ -312,9 +312,14 @@ def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     kind = recipe_of(cfg).trainer_class(cfg)
     assert (kind is HeadsDistillTrainer) == heads
     trainer = kind(DINOModel(student, ema, 0.9), loss_fn, optimizer, options, "cpu")
-    _distill_step(trainer, cfg, 0)  # AdamW's moments exist before the trace
-    with AllocationTrace() as trace:
-        _distill_step(trainer, cfg, 1)
+    # oneDNN's CPU convolutions copy their values into blocked layouts whose
+    # size depends on the CPU's instruction set (an AVX2 EPYC: +27 MiB for a
+    # ResNet-18), as cuDNN's workspace on a GPU, which the model leaves out:
+    # measured with them off, what the framework keeps is what is compared
+    with torch.backends.mkldnn.flags(enabled=False):
+        _distill_step(trainer, cfg, 0)  # AdamW's moments exist before the trace
+        with AllocationTrace() as trace:
+            _distill_step(trainer, cfg, 1)
     model = estimate_memory(cfg, frozen_teacher=frozen)
     assert _pct(model.step, trace.peak()) <= 0.10, (model.step, trace.peak())
     frozen_numel = sum(p.numel() for p in frozen.parameters())
@@ -346,22 +351,19 @@ def test_students_on_their_own_ranks_within_10_percent(tmp_path):
     than a rank of both students."""
     run = "distillgroups:vit_small"
     measured = [r[run] for r in run_ranks(HERE / "dist_memory_worker.py", tmp_path, run)]
-    cfg = distill_config("vit_small", groups=True)
-    model = estimate_memory(cfg, strategy="ddp", world_size=2, frozen_teacher=distill_teacher())
-    fuller = max(
-        measured, key=lambda m: m["parameters"] + m["teacher"] + m["optimizer"] + m["step"]
-    )
-    assert fuller is measured[1]
+    cfg, frozen = distill_config("vit_small", groups=True), distill_teacher()
+    model = estimate_memory(cfg, strategy="ddp", world_size=2, frozen_teacher=frozen)
+    held = [m["parameters"] + m["teacher"] + m["optimizer"] + m["step"] for m in measured]
+    assert held[1] > held[0]  # the ViT-S's rank
     for key in ("parameters", "teacher", "optimizer", "gradients", "step"):
-        assert _pct(getattr(model, key), fuller[key]) <= 0.10, (
-            key,
-            getattr(model, key),
-            fuller[key],
-        )
-    both = estimate_memory(
-        distill_config("vit_small"), world_size=2, frozen_teacher=distill_teacher()
-    )
+        got = getattr(model, key)
+        assert _pct(got, measured[1][key]) <= 0.10, (key, got, measured[1][key])
+    both = estimate_memory(distill_config("vit_small"), world_size=2, frozen_teacher=frozen)
     assert model.peak < both.peak and model.parameters < both.parameters
+    # with fsdp over 4 ranks each student is sharded over its pair
+    pairs = estimate_memory(cfg, strategy="fsdp", world_size=4, frozen_teacher=frozen)
+    assert pairs.parameters == pytest.approx(model.parameters / 2, rel=0.02)
+    assert pairs.optimizer == pytest.approx(model.optimizer / 2, rel=0.02)
 
 
 def test_the_trace_counts_each_saved_storage_once_where_it_is_first_saved():

@@ -671,10 +671,10 @@ class DistributedConfig:
     )
     student_groups: bool = _opt(
         False,
-        "a distillation into several students (recipe.distill_students) with ddp: each of its S "
-        "students on its own group of world/S ranks (rank r trains student r // (world/S)), "
-        "the frozen teacher's forward of a batch split over the S ranks that read it and "
-        "gathered; false: every rank trains every student",
+        "a distillation into several students (recipe.distill_students): each of its S students "
+        "on its own group of world/S ranks (rank r trains student r // (world/S); ddp over the "
+        "group, or fsdp sharding it over the group), the frozen teacher's forward of a batch "
+        "split over the S ranks that read it and gathered; false: every rank trains every student",
     )
     reshard_after_forward: bool = _opt(
         True,

@@ -579,8 +579,9 @@ def _students_conflicts(cfg: Config) -> list[str]:
 
 
 def _groups_conflicts(cfg: Config) -> list[str]:
-    """``distributed.student_groups``: two students or more, ddp, a batch
-    the students' ranks can split, no ``model.init_from``."""
+    """``distributed.student_groups``: two students or more, a batch the
+    students' ranks can split, no ``model.init_from`` (fsdp: ViT students,
+    :func:`_sharding_conflicts`)."""
     if not cfg.distributed.student_groups:
         return []
     n = len(cfg.student_names)
@@ -588,9 +589,6 @@ def _groups_conflicts(cfg: Config) -> list[str]:
         return ["distributed.student_groups puts each student on its own group of ranks; "
                 "name more students with recipe.distill_students"]  # fmt: skip
     errors = []
-    if cfg.distributed.strategy != "ddp":
-        errors.append("distributed.student_groups trains each student with ddp over its group; "
-                      f"distributed.strategy is {cfg.distributed.strategy}")  # fmt: skip
     if cfg.data.batch_size % n:
         errors.append(f"distributed.student_groups splits each batch's teacher forward over the "
                       f"{n} students' ranks: data.batch_size ({cfg.data.batch_size}) must be a "

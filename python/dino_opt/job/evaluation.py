@@ -11,9 +11,15 @@ from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog, gather_objects
 from ..train import StudentBank, recipe_of
+from .groups import group_teacher
 from .sharding import full_teacher
 
-__all__ = ["evaluate_between_epochs", "evaluate_group_students", "evaluate_other_students"]
+__all__ = [
+    "evaluate_between_epochs",
+    "evaluate_group_students",
+    "evaluate_other_students",
+    "whole_teacher",
+]
 
 
 def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device: torch.device,
@@ -50,28 +56,40 @@ def _group_student(cfg: Config, parts) -> tuple[str, Config] | None:
     return cfg.student_names[g.index], recipe_of(cfg).student_configs(cfg)[g.index]
 
 
-def evaluate_group_students(cfg: Config, parts, device: torch.device, folder: RunFolder,
+def whole_teacher(parts, lead: bool) -> torch.nn.Module | None:
+    """Collective when sharded: the EMA network whole where it is evaluated
+    (rank 0, ``lead``; with students on their own groups of ranks, each
+    group's lead its own student's), None elsewhere."""
+    if parts.groups is not None:
+        return group_teacher(parts.teacher, parts.random_teacher, parts.groups.lead)
+    return full_teacher(parts.teacher, parts.random_teacher, lead)
+
+
+def evaluate_group_students(cfg: Config, parts, teacher: torch.nn.Module | None,
+                            device: torch.device, folder: RunFolder,
                             step: int) -> dict:  # fmt: skip
     """Collective for students on their own groups of ranks: the lead of
-    each group but the first evaluates its student's EMA beside its random
-    initialisation (:func:`~dino_opt.eval.evaluate_run`, into
-    ``students/<name>/``), at once with the others; rank 0 gets the
-    report's ``students`` key. ``{}`` elsewhere and for other runs."""
+    each group but the first evaluates its student's EMA (``teacher``,
+    :func:`whole_teacher`'s) beside its random initialisation
+    (:func:`~dino_opt.eval.evaluate_run`, into ``students/<name>/``), at
+    once with the others; rank 0 gets the report's ``students`` key.
+    ``{}`` elsewhere and for other runs."""
     if parts.groups is None:
         return {}
     found = None
     own = _group_student(cfg, parts)
     if own is not None:
         name, config = own
-        nets = (parts.teacher.backbone, parts.random_teacher.backbone)
+        nets = (teacher.backbone, parts.random_teacher.backbone)
         found = (name, evaluate_run(config, parts.roots, *nets, device, folder.student(name),
                                     None, step))  # fmt: skip
     found = [f for f in gather_objects(found) if f is not None]
     return {"students": dict(found)} if found else {}
 
 
-def _evaluate_group_students_between(cfg: Config, parts, device: torch.device, log: RunLog,
-                                     step: int, done: int) -> None:  # fmt: skip
+def _evaluate_group_students_between(cfg: Config, parts, teacher: torch.nn.Module | None,
+                                     device: torch.device, log: RunLog, step: int,
+                                     done: int) -> None:  # fmt: skip
     """Collective for students on their own groups of ranks: the lead of
     each group but the first evaluates its student's EMA (k-NN, linear
     probe); rank 0 logs each one's row (keys named ``student_<name>``)."""
@@ -79,8 +97,8 @@ def _evaluate_group_students_between(cfg: Config, parts, device: torch.device, l
     own = _group_student(cfg, parts)
     if own is not None:
         name, config = own
-        row = evaluate_teacher(config, parts.roots, parts.teacher.backbone, device, log, step,
-                               done, f"student_{name}")  # fmt: skip
+        row = evaluate_teacher(config, parts.roots, teacher.backbone, device, log, step, done,
+                               f"student_{name}")  # fmt: skip
         row = (f"student_{name}", row)
     for name, found in (r for r in gather_objects(row) if r is not None):
         log.event(found)
@@ -103,13 +121,13 @@ def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
         return
     if watchdog is not None:
         watchdog.disarm()
-    teacher = full_teacher(parts.teacher, parts.random_teacher, lead)
+    teacher = whole_teacher(parts, lead)
     if lead:
         evaluate_teacher(cfg, parts.roots, teacher.backbone, device, log, step, done)
         for name, own, trained in _other_students(cfg, teacher):
             evaluate_teacher(own, parts.roots, trained, device, log, step, done, f"student_{name}")
     if parts.groups is not None:
-        _evaluate_group_students_between(cfg, parts, device, log, step, done)
+        _evaluate_group_students_between(cfg, parts, teacher, device, log, step, done)
     if world > 1:
         dist.barrier()
     if watchdog is not None:

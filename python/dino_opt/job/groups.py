@@ -14,15 +14,32 @@ ranks of one group: the checkpoint keeps those ranks' positions.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
 from ..config import Config
-from ..runtime import StudentGroups, gather_objects, student_groups
-from .sharding import optimizer_state_by_position
+from ..runtime import StudentGroups, gather_objects, is_sharded, student_groups
+from .sharding import load_full_state, optimizer_state_by_position
 
-__all__ = ["joined_state", "layout_of", "optimizer_sizes", "own_state", "send_to_lead"]
+__all__ = [
+    "group_state",
+    "group_teacher",
+    "joined_state",
+    "layout_of",
+    "load_group_state",
+    "optimizer_sizes",
+    "own_state",
+    "send_to_lead",
+    "whole_networks",
+]
 
 
 def layout_of(cfg: Config, rank: int, world: int) -> StudentGroups | None:
@@ -40,6 +57,61 @@ def optimizer_sizes(groups: StudentGroups, optimizer) -> list[tuple[int, int]]:
            sum(len(g["params"]) for g in optimizer.param_groups))  # fmt: skip
     sizes = {index: (n_groups, n_params) for index, n_groups, n_params in gather_objects(own)}
     return [sizes[i] for i in range(groups.students)]
+
+
+def whole_networks(student: nn.Module, teacher: nn.Module, optimizer) -> dict:
+    """This rank's student, EMA and optimizer states, whole (collective
+    within the student's group when it is sharded over it): the optimizer's
+    keyed by position, as torch's own."""
+    if not is_sharded(student):
+        return {"student": student.state_dict(), "teacher": teacher.state_dict(),
+                "optimizer": optimizer.state_dict()}  # fmt: skip
+    full = StateDictOptions(full_state_dict=True)  # on every rank of the group
+    out = {"student": get_model_state_dict(student, options=full),
+           "teacher": get_model_state_dict(teacher, options=full),
+           "optimizer": optimizer.state_dict()}  # fmt: skip
+    if optimizer.state:  # asking for it earlier would initialise it
+        named = get_optimizer_state_dict(student, optimizer, options=full)
+        out["optimizer"] = optimizer_state_by_position(named, student, optimizer)
+    return out
+
+
+def group_state(groups: StudentGroups, names: list[str], sizes: list[tuple[int, int]],
+                student: nn.Module, teacher: nn.Module, optimizer) -> dict:  # fmt: skip
+    """Collective: every student's networks and optimizer state joined on
+    rank 0 (:func:`joined_state`); ``{}`` elsewhere."""
+    states = send_to_lead(groups, whole_networks(student, teacher, optimizer))
+    return joined_state(names, states, sizes) if states is not None else {}
+
+
+def load_group_state(state: dict, names: list[str], groups: StudentGroups,
+                     sizes: list[tuple[int, int]], student: nn.Module, teacher: nn.Module,
+                     optimizer) -> None:  # fmt: skip
+    """This rank's student's part of a state of all the students
+    (:func:`own_state`) into its networks and optimizer (each rank keeps
+    its shards of it when they are sharded)."""
+    own = own_state(state, names, groups, sizes, student, optimizer)
+    if is_sharded(student):
+        load_full_state({"optimizer": {"state": {}}, **own}, student, teacher, optimizer)
+        return
+    student.load_state_dict(own["student"])
+    teacher.load_state_dict(own["teacher"])
+    if "optimizer" in own:
+        optimizer.load_state_dict(own["optimizer"])
+
+
+def group_teacher(teacher: nn.Module, template: nn.Module, lead: bool) -> nn.Module | None:
+    """Collective within the student's group: its EMA whole on the group's
+    ``lead`` (a copy of ``template`` holding its weights when it is
+    sharded; None on the others)."""
+    if not is_sharded(teacher):
+        return teacher
+    weights = get_model_state_dict(teacher, options=StateDictOptions(full_state_dict=True))
+    if not lead:
+        return None
+    whole = copy.deepcopy(template)
+    whole.load_state_dict({k: v.cpu() for k, v in weights.items()})
+    return whole.to(next(iter(weights.values())).device)
 
 
 def _on_cpu(value):

@@ -57,8 +57,13 @@ from ..runtime import (
 from ..train import resolve_recipe
 from ..tune import resolve_hardware
 from ..weights import init_from, weights_reader
-from .evaluation import evaluate_between_epochs, evaluate_group_students, evaluate_other_students
-from .groups import joined_state, own_state, send_to_lead
+from .evaluation import (
+    evaluate_between_epochs,
+    evaluate_group_students,
+    evaluate_other_students,
+    whole_teacher,
+)
+from .groups import group_state, load_group_state
 from .hang import injected_hang, report_hang, start_watchdog
 from .parts import (
     _NEVER_HELD_BACK,
@@ -81,7 +86,6 @@ from .restarts import (
 from .rollback import RollbackPolicy
 from .sharding import (
     SHARDED_KEYS,
-    full_teacher,
     load_full_state,
     load_loss_state,
     load_sharded_state,
@@ -187,7 +191,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         """Joins the process group, resolves the hardware preset (on the first
         process, handed to the others), fixes the run folder and reads the
         checkpoint to resume from (checked against this config)."""
-        self.sharded = self.config.distributed.strategy == "fsdp"
+        # a sharded checkpoint; students on their own ranks are joined into one file
+        d = self.config.distributed
+        self.sharded = d.strategy == "fsdp" and not d.student_groups
         info = init_distributed(
             self.config.hardware.device, timeout_s=self.config.distributed.timeout_s,
             group_alone=self.sharded,
@@ -268,7 +274,12 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         only, joined as one run of them all holds them,
         :mod:`dino_opt.job.groups`)."""
         p = self.parts
-        if self.sharded:
+        loaders = gather_objects(p.loader.state_dict())  # per rank
+        if p.groups is not None:  # joined on rank 0; the loaders of one group
+            networks = group_state(p.groups, list(self.config.student_names), p.sizes,
+                                   p.student, p.teacher, p.optimizer)  # fmt: skip
+            loaders = loaders[: p.groups.size]
+        elif self.sharded:
             networks = sharded_state(p.student, p.teacher, p.optimizer)
         else:
             networks = {
@@ -276,12 +287,6 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 "teacher": p.teacher.state_dict(),
                 "optimizer": p.optimizer.state_dict(),
             }
-        loaders = gather_objects(p.loader.state_dict())  # per rank
-        if p.groups is not None:  # rank 0 joins the students; one group's loaders
-            states = send_to_lead(p.groups, networks)
-            names = list(self.config.student_names)
-            networks = joined_state(names, states, p.sizes) if states is not None else {}
-            loaders = loaders[: p.groups.size]
         return {
             **networks,
             "scaler": p.trainer.scaler.state_dict() if p.trainer.scaler is not None else None,
@@ -315,14 +320,14 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         elif self.sharded:  # a ddp checkpoint, read whole
             load_full_state(state, p.student, p.teacher, p.optimizer)
         elif p.groups is not None:  # this rank's student's part
-            own = own_state(state, list(self.config.student_names), p.groups, p.sizes,
-                            p.student, p.optimizer)  # fmt: skip
-            self._load_networks(own)
+            load_group_state(state, list(self.config.student_names), p.groups, p.sizes,
+                             p.student, p.teacher, p.optimizer)  # fmt: skip
         else:  # a ddp checkpoint, or a sharded one read whole (its optimizer by name)
-            optim = state.get("optimizer")
-            if optim is not None:
-                optim = optimizer_state_by_position(optim, p.student, p.optimizer)
-            self._load_networks({**state, "optimizer": optim})
+            p.student.load_state_dict(state["student"])
+            p.teacher.load_state_dict(state["teacher"])
+            if "optimizer" in state:
+                optim = optimizer_state_by_position(state["optimizer"], p.student, p.optimizer)
+                p.optimizer.load_state_dict(optim)
         load_loss_state(p.loss_fn, loss)
         if p.trainer.scaler is not None and state.get("scaler") is not None:
             p.trainer.scaler.load_state_dict(state["scaler"])
@@ -342,15 +347,6 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.history += rows_to_log(self.restarts, self.history, self.step)  # made after it
         self.rollbacks = list(state.get("rollbacks", []))
         self._seconds_before = float(state.get("train_seconds", 0.0))
-
-    def _load_networks(self, state: dict) -> None:
-        """``student``, ``teacher`` and (when not None) ``optimizer`` of
-        ``state`` into the built run's."""
-        p = self.parts
-        p.student.load_state_dict(state["student"])
-        p.teacher.load_state_dict(state["teacher"])
-        if state.get("optimizer") is not None:
-            p.optimizer.load_state_dict(state["optimizer"])
 
     def _resume(self, resumed: tuple[dict, Path] | None) -> Path | None:
         if resumed is None:
@@ -743,10 +739,10 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         evaluate = p.roots.val is not None
         teacher = None  # collective when sharded: the whole teacher, on rank 0
         if evaluate:
-            teacher = full_teacher(p.teacher, p.random_teacher, self.lead)
+            teacher = whole_teacher(p, self.lead)
         if not self.lead:  # rank 0 evaluates and writes the report (group leads their students)
             if evaluate:
-                evaluate_group_students(cfg, p, self.device, self.folder, self.step)
+                evaluate_group_students(cfg, p, teacher, self.device, self.folder, self.step)
             self.log.close()
             return report
         report.update(self._profile_report())
@@ -757,7 +753,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                                        self.step))  # fmt: skip
             report.update(evaluate_other_students(cfg, p, teacher, self.device, self.folder,
                                                   self.step))  # fmt: skip
-            report.update(evaluate_group_students(cfg, p, self.device, self.folder, self.step))
+            report.update(evaluate_group_students(cfg, p, teacher, self.device, self.folder,
+                                                  self.step))  # fmt: skip
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint import load_shards
@@ -78,7 +79,7 @@ def spread(
     its backbone is sharded block by block (its heads stay whole), so that
     a teacher too large for one device is spread over the ranks."""
     if groups is not None:
-        return (wrap_student(student, device, groups.group) if groups.group else student), teacher
+        return _spread_groups(cfg, student, teacher, device, external, groups)
     if cfg.distributed.strategy == "ddp":
         return wrap_student(student, device), teacher
     dtype = resolve_precision(cfg.hardware.precision, device)
@@ -88,6 +89,25 @@ def spread(
     shard_model(teacher, dtype, reshard_after_forward=True)
     for network in frozen:
         shard_frozen_backbone(network, dtype)
+    if external is not None:
+        shard_frozen_backbone(getattr(external, "backbone", external), dtype)
+    return student, teacher
+
+
+def _spread_groups(cfg: Config, student: nn.Module, teacher: nn.Module, device: torch.device,
+                   external: nn.Module | None, groups: StudentGroups):  # fmt: skip
+    """:func:`spread` with each student on its own group of ranks: DDP over
+    the group, or the student and its EMA sharded over it (fsdp; the
+    frozen teacher's backbone over every rank, which all run its forward
+    at once); nothing of the student's when the group is one rank."""
+    if cfg.distributed.strategy == "ddp":
+        return (wrap_student(student, device, groups.group) if groups.group else student), teacher
+    dtype = resolve_precision(cfg.hardware.precision, device)
+    if groups.group is not None:
+        mesh = DeviceMesh.from_group(groups.group, device.type)
+        reshard = cfg.distributed.reshard_after_forward
+        shard_model(student, dtype, reshard_after_forward=reshard, mesh=mesh)
+        shard_model(teacher, dtype, reshard_after_forward=True, mesh=mesh)
     if external is not None:
         shard_frozen_backbone(getattr(external, "backbone", external), dtype)
     return student, teacher

@@ -20,6 +20,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     FSDPModule,
     MixedPrecisionPolicy,
@@ -86,16 +87,18 @@ def shard_model(
     param_dtype: torch.dtype | None = None,
     *,
     reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """``fully_shard`` on each of ``model.backbone.blocks``, each other child
-    with parameters (the heads), then ``model`` (in place; returned). A
+    with parameters (the heads), then ``model`` (in place; returned), over
+    ``mesh``'s ranks (default: all of them). A
     model of several networks trained together (``members``, a ModuleDict:
     a distillation's students) has each member sharded so, then the whole.
     The process group must be up. ``reshard_after_forward`` applies to the
     blocks and heads; the root follows it too, so that a network used only
     forward (the teacher) holds no gathered parameters between steps."""
     policy = mixed_precision_policy(param_dtype)
-    options = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    options = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward, mesh=mesh)
     members = getattr(model, "members", None)
     if isinstance(members, nn.ModuleDict):
         for member in members.values():

@@ -614,9 +614,9 @@ def estimate_distillation(
     its pass keeps traced on the meta device
     (:func:`~dino_opt.tune.distill_memory.traced_student`); the crops once.
     The students' backward passes run one after the other. With
-    ``distributed.student_groups`` (ddp) each rank holds one student and
-    runs the teacher on its 1/S of the batch: the rank that holds the most
-    is given."""
+    ``distributed.student_groups`` each rank holds one student (DDP, or its
+    shard over the student's world_size / S ranks) and runs the teacher on
+    its 1/S of the batch: the rank that holds the most is given."""
     if frozen_teacher is None:
         raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
                          "what recipe.distill_teacher opens)")  # fmt: skip
@@ -644,7 +644,10 @@ def estimate_distillation(
             raise ValueError(f"the memory model of a distillation under fsdp covers ViT students; "
                              f"got {c.model.backbone!r}")  # fmt: skip
     bank = len(alone) > 1 and not groups
-    parts = [_feature_student(c, a, policy, every, world_size, strategy, bank)
+    # on its own ranks a student is spread over its group (one rank: whole, no DDP)
+    size = world_size // len(alone) if groups else world_size
+    own = (strategy, size) if size > 1 or not groups else ("ddp", 1)
+    parts = [_feature_student(c, a, policy, every, own[1], own[0], bank)
              if c.model.backbone.startswith("vit") else traced_student(c, a)
              for c in alone]  # fmt: skip
     setting = (a, strategy, world_size, policy, every, arch)
@@ -783,9 +786,8 @@ def memory_table(
     for name, cfg in configs.items():
         distill = recipe_of(cfg).external_teacher
         counts = None if distill else count_model(cfg)
-        # a distillation with a student that is not a ViT, or students on their own ranks: DDP
-        vits = all(n.startswith("vit") for n in cfg.student_names)
-        ddp_only = distill and (cfg.distributed.student_groups or not vits)
+        # a distillation with a student that is not a ViT: DDP only
+        ddp_only = distill and not all(n.startswith("vit") for n in cfg.student_names)
         for strategy in ("ddp",) if ddp_only else strategies:
             for world in worlds:
                 for policy in policies:
