@@ -11,7 +11,6 @@ from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog, gather_objects
 from ..train import StudentBank, recipe_of
-from .groups import group_teacher
 from .sharding import full_teacher
 
 __all__ = [
@@ -61,7 +60,8 @@ def whole_teacher(parts, lead: bool) -> torch.nn.Module | None:
     (rank 0, ``lead``; with students on their own groups of ranks, each
     group's lead its own student's), None elsewhere."""
     if parts.groups is not None:
-        return group_teacher(parts.teacher, parts.random_teacher, parts.groups.lead)
+        return full_teacher(parts.teacher, parts.random_teacher, parts.groups.lead,
+                            cpu_offload=False)  # fmt: skip
     return full_teacher(parts.teacher, parts.random_teacher, lead)
 
 

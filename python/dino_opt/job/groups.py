@@ -14,8 +14,6 @@ ranks of one group: the checkpoint keeps those ranks' positions.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,11 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..config import Config
 from ..runtime import StudentGroups, gather_objects, is_sharded, student_groups
-from .sharding import load_full_state, optimizer_state_by_position
+from .sharding import load_whole_state, optimizer_state_by_position
 
 __all__ = [
     "group_state",
-    "group_teacher",
     "joined_state",
     "layout_of",
     "load_group_state",
@@ -90,28 +87,8 @@ def load_group_state(state: dict, names: list[str], groups: StudentGroups,
     """This rank's student's part of a state of all the students
     (:func:`own_state`) into its networks and optimizer (each rank keeps
     its shards of it when they are sharded)."""
-    own = own_state(state, names, groups, sizes, student, optimizer)
-    if is_sharded(student):
-        load_full_state({"optimizer": {"state": {}}, **own}, student, teacher, optimizer)
-        return
-    student.load_state_dict(own["student"])
-    teacher.load_state_dict(own["teacher"])
-    if "optimizer" in own:
-        optimizer.load_state_dict(own["optimizer"])
-
-
-def group_teacher(teacher: nn.Module, template: nn.Module, lead: bool) -> nn.Module | None:
-    """Collective within the student's group: its EMA whole on the group's
-    ``lead`` (a copy of ``template`` holding its weights when it is
-    sharded; None on the others)."""
-    if not is_sharded(teacher):
-        return teacher
-    weights = get_model_state_dict(teacher, options=StateDictOptions(full_state_dict=True))
-    if not lead:
-        return None
-    whole = copy.deepcopy(template)
-    whole.load_state_dict({k: v.cpu() for k, v in weights.items()})
-    return whole.to(next(iter(weights.values())).device)
+    load_whole_state(own_state(state, names, groups, sizes, student, optimizer),
+                     student, teacher, optimizer)  # fmt: skip
 
 
 def _on_cpu(value):

@@ -51,6 +51,7 @@ from ..runtime import (
     HangWatchdog,
     all_reduce_metrics,
     broadcast_object,
+    data_place,
     gather_objects,
     init_distributed,
 )
@@ -86,10 +87,9 @@ from .restarts import (
 from .rollback import RollbackPolicy
 from .sharding import (
     SHARDED_KEYS,
-    load_full_state,
     load_loss_state,
     load_sharded_state,
-    optimizer_state_by_position,
+    load_whole_state,
     resharded_loader_state,
     sharded_state,
     split_shards,
@@ -317,23 +317,17 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             keys = state.get("sharded_keys", list(SHARDED_KEYS))
             loss = {**loss, **load_sharded_state(state["shards"], keys, p.student, p.teacher,
                                                  p.optimizer, p.loss_fn)}  # fmt: skip
-        elif self.sharded:  # a ddp checkpoint, read whole
-            load_full_state(state, p.student, p.teacher, p.optimizer)
         elif p.groups is not None:  # this rank's student's part
             load_group_state(state, list(self.config.student_names), p.groups, p.sizes,
                              p.student, p.teacher, p.optimizer)  # fmt: skip
-        else:  # a ddp checkpoint, or a sharded one read whole (its optimizer by name)
-            p.student.load_state_dict(state["student"])
-            p.teacher.load_state_dict(state["teacher"])
-            if "optimizer" in state:
-                optim = optimizer_state_by_position(state["optimizer"], p.student, p.optimizer)
-                p.optimizer.load_state_dict(optim)
+        else:  # a whole checkpoint (ddp's, or a sharded one read whole)
+            load_whole_state(state, p.student, p.teacher, p.optimizer)
         load_loss_state(p.loss_fn, loss)
         if p.trainer.scaler is not None and state.get("scaler") is not None:
             p.trainer.scaler.load_state_dict(state["scaler"])
         p.model.teacher_step = int(state["teacher_step"])
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
-        data_rank, data_world = p.data_place or (self.rank, self.world)
+        data_rank, data_world = data_place(p.groups, self.rank, self.world)
         rng = state["rng"]
         restore_rng_state(rng[self.rank % len(rng)], strict=False)
         if len(state["loader"]) == data_world:

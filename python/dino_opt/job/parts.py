@@ -15,7 +15,7 @@ from ..observe import (
     NonFiniteError,
 )
 from ..ops import DINOLoss, Schedules
-from ..runtime import StudentGroups
+from ..runtime import StudentGroups, data_place
 from ..train import (
     DataRoots,
     DINOModel,
@@ -122,12 +122,6 @@ class _Parts:
     groups: StudentGroups | None = None
     sizes: list[tuple[int, int]] | None = None
 
-    @property
-    def data_place(self) -> tuple[int, int] | None:
-        """(rank, ranks) of the loader's shard when it is not the process's
-        own (students on their own groups: the place in the group)."""
-        return (self.groups.data_rank, self.groups.size) if self.groups else None
-
 
 def _iterations_per_epoch(cfg: Config, loader: MultiCropLoader) -> int:
     """Optimizer steps per epoch, rounded up: an accumulation that does not
@@ -151,7 +145,7 @@ def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
     schedules and trainer."""
     roots = data_roots(cfg)
     groups = layout_of(cfg, rank, world)  # students on their own ranks: this rank's one
-    data_rank, data_world = (groups.data_rank, groups.size) if groups else (rank, world)
+    data_rank, data_world = data_place(groups, rank, world)
     loader = build_loader(cfg, roots.train, device, rank=data_rank, world_size=data_world)
     student, teacher = build_student(cfg, groups.index) if groups else build_models(cfg)
     random_teacher = copy.deepcopy(teacher).eval()

@@ -44,6 +44,7 @@ __all__ = [
     "load_full_state",
     "load_loss_state",
     "load_sharded_state",
+    "load_whole_state",
     "optimizer_state_by_position",
     "resharded_loader_state",
     "sharded_state",
@@ -227,20 +228,39 @@ def load_full_state(state: dict, student: nn.Module, teacher: nn.Module, optimiz
         set_optimizer_state_dict(student, optimizer, by_name, options=full)
 
 
-def full_teacher(teacher: nn.Module, template: nn.Module, lead: bool) -> nn.Module | None:
-    """Collective for a sharded teacher: the whole network on rank 0 (a
-    copy of ``template``, the unsharded network of the same architecture,
-    holding the teacher's weights; None elsewhere). An unsharded teacher is
-    returned as it is."""
+def load_whole_state(state: dict, student: nn.Module, teacher: nn.Module, optimizer) -> None:
+    """A whole state (``student``, ``teacher`` and, where it holds one, the
+    ``optimizer``'s, keyed by position or by parameter name) into the
+    networks and optimizer: as they are, or each rank keeping its shards
+    of it when they are sharded."""
+    if is_sharded(student):
+        load_full_state({"optimizer": {"state": {}}, **state}, student, teacher, optimizer)
+        return
+    student.load_state_dict(state["student"])
+    teacher.load_state_dict(state["teacher"])
+    if "optimizer" in state:
+        by_position = optimizer_state_by_position(state["optimizer"], student, optimizer)
+        optimizer.load_state_dict(by_position)
+
+
+def full_teacher(teacher: nn.Module, template: nn.Module, lead: bool,
+                 cpu_offload: bool = True) -> nn.Module | None:  # fmt: skip
+    """Collective for a sharded teacher (over every rank it is sharded
+    over): the whole network where ``lead`` (a copy of ``template``, the
+    unsharded network of the same architecture, holding the teacher's
+    weights; None elsewhere). With ``cpu_offload`` the weights are gathered
+    on the CPU of global rank 0 alone, which must be the lead; without it
+    on every rank of the teacher's mesh, the lead's copy on the teacher's
+    device. An unsharded teacher is returned as it is."""
     if not is_sharded(teacher):
         return teacher
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     weights = get_model_state_dict(teacher, options=options)
     if not lead:
         return None
     whole = copy.deepcopy(template)
-    whole.load_state_dict(weights)
-    return whole
+    whole.load_state_dict({k: v.cpu() for k, v in weights.items()})
+    return whole if cpu_offload else whole.to(next(iter(weights.values())).device)
 
 
 def resharded_loader_state(states: list[dict], rank: int, world: int) -> dict:

@@ -1,7 +1,7 @@
 """A run's process: device, precision, process group, collectives, signals, watchdog."""
 
 from .device import resolve_device, resolve_precision, with_index
-from .groups import StudentGroups, student_groups
+from .groups import StudentGroups, data_place, student_groups
 from .process import (
     DistInfo,
     all_reduce_metrics,
@@ -37,6 +37,7 @@ __all__ = [
     "all_reduce_metrics",
     "barrier",
     "broadcast_object",
+    "data_place",
     "describe_hang",
     "gather_objects",
     "host_store",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["StudentGroups", "student_groups"]
+__all__ = ["StudentGroups", "data_place", "student_groups"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class StudentGroups:
             out.update({f"{k}_{name}": (v * s if own else 0.0) for k, v in parts.items()
                         if k != "loss"})  # fmt: skip
         return loss.detach() * s, out
+
+
+def data_place(groups: StudentGroups | None, rank: int, world: int) -> tuple[int, int]:
+    """(shard, shards) of the loader of process ``rank`` of ``world``: its
+    place in its student's group under ``groups``, else its own."""
+    return (groups.data_rank, groups.size) if groups is not None else (rank, world)
 
 
 def student_groups(students: int, rank: int, world: int, batch_size: int) -> StudentGroups:
