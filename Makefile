@@ -74,8 +74,12 @@ test: setup
 test-cpp:
 	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error
 
+# The tests in one process per core (pytest-xdist; a test module's tests in
+# one process, so that its module fixtures are made once), each with one
+# intra-op thread; the 25 slowest are listed at the end.
+TEST_WORKERS ?= $(JOBS)
 test-py:
-	$(PY) -m pytest tests_py
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests_py -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 # The loader's image pipeline under libFuzzer + ASan/UBSan for FUZZ_SECONDS,
 # from a seed corpus of every format, then the shards' tar reader for

@@ -86,7 +86,8 @@ def test_fsdp_shards_every_student_and_resumes_bit_for_bit(distill_data, distill
     own (blocks, projector, the student), the teacher too; a killed rank
     restarted ends as the run never stopped, and both are evaluated."""
     fsdp = ("recipe.distill_students=[vit_small]", "distributed.strategy=fsdp",
-            "checkpoint.every_steps=2", "checkpoint.keep=2")  # fmt: skip
+            "checkpoint.every_steps=2", "checkpoint.keep=2", "schedule.epochs=1",
+            "schedule.warmup_epochs=0", "eval.every_epochs=0")  # fmt: skip
     ref = _train(tmp_path / "ref", distill_data, distill_teacher, *fsdp)
     run = _train(tmp_path / "run", distill_data, distill_teacher, *fsdp,
                  "debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")  # fmt: skip
