@@ -104,14 +104,19 @@ def _on_cpu(value):
 def send_to_lead(groups: StudentGroups, networks: dict) -> list[dict] | None:
     """Collective: every group lead's ``networks`` (its student's
     ``student``, ``teacher`` and ``optimizer`` states), on the CPU, by
-    student, on rank 0 (None elsewhere)."""
-    own = _on_cpu(networks) if groups.lead else None
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((groups.index, own), out, dst=0)
-    if out is None:
-        return None
-    by_student = {index: state for index, state in out if state is not None}
-    return [by_student[i] for i in range(groups.students)]
+    student, on rank 0 (None elsewhere). Each other lead sends its own to
+    rank 0 alone (a gather would pad every rank's share to the largest)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        states = [_on_cpu(networks)]
+        for index in range(1, groups.students):
+            box = [None]
+            dist.recv_object_list(box, src=index * groups.size)
+            states.append(box[0])
+        return states
+    if groups.lead:
+        dist.send_object_list([_on_cpu(networks)], dst=0)
+    return None
 
 
 def joined_state(names: list[str], states: list[dict], sizes: list[tuple[int, int]]) -> dict:
