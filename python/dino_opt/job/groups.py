@@ -111,7 +111,7 @@ def send_to_lead(groups: StudentGroups, networks: dict) -> list[dict] | None:
         states = [_on_cpu(networks)]
         for index in range(1, groups.students):
             box = [None]
-            dist.recv_object_list(box, src=index * groups.size)
+            dist.recv_object_list(box, src=groups.lead_rank(index))
             states.append(box[0])
         return states
     if groups.lead:

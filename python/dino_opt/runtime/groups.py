@@ -42,6 +42,10 @@ class StudentGroups:
         """Whether this rank leads its student's group (saves and evaluates it)."""
         return self.data_rank == 0
 
+    def lead_rank(self, index: int) -> int:
+        """The global rank that leads student ``index``'s group (its first)."""
+        return index * self.size
+
     def take(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's 1/S of ``batch`` (its first dimension) for the teacher."""
         return batch.chunk(self.students)[self.index]
