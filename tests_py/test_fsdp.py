@@ -215,7 +215,7 @@ def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
     assert run["report"]["steps"] == 10 and all(torch.isfinite(torch.tensor(_losses(run))))
     out = tmp_path / "hang"
     hang = ("debug.inject_hang_at_step=4", "debug.inject_hang_rank=1", "distributed.max_restarts=0",
-            "distributed.hang_timeout_s=10", "checkpoint.every_steps=1")  # fmt: skip
+            "distributed.hang_timeout_s=15", "checkpoint.every_steps=1")  # fmt: skip
     done = _train(out, train_root, FSDP, *hang, ok=False)
     assert done.returncode == 75, done.stderr[-3000:]
     # Whichever rank's watchdog fires first writes hang.json (the launcher then
