@@ -1,6 +1,7 @@
 """The memory tracker on the CPU (host memory, steps, sampling thread, the
 lesson's keys) and, marked `cuda`, against torch's allocator counters."""
 
+import mmap
 import subprocess
 import sys
 import time
@@ -11,18 +12,26 @@ from dino_opt import _C
 from dino_opt.observe import AllocationTrace, MemoryTracker, VRAMProfiler, memory_snapshot
 from dino_opt.observe.memory import GB
 
-BIG = 256 * 2**20  # above glibc's largest mmap threshold: freed memory goes back to the OS
+BIG = 256 * 2**20
 
 
-def big_tensor():
-    return torch.ones(BIG // 4)  # touched, so resident
+def big_block() -> mmap.mmap:
+    """BIG bytes of an anonymous mapping of their own, touched (through a
+    tensor on it), so resident until closed. Not a plain tensor: glibc serves
+    a large request from a free chunk of its heap when one is big enough, and
+    a long-lived process's fragmented heap may hold one already resident (in
+    CI a pytest worker of 3.5 GB made a 256 MiB tensor without its RSS
+    moving)."""
+    block = mmap.mmap(-1, BIG)
+    torch.frombuffer(block, dtype=torch.uint8).fill_(1)
+    return block
 
 
 def test_host_rss_rises_with_a_large_tensor_and_falls_when_it_is_freed():
     before = _C.read_host_memory()["rss"]
-    x = big_tensor()
+    x = big_block()
     during = _C.read_host_memory()["rss"]
-    del x
+    x.close()
     after = _C.read_host_memory()["rss"]
     assert during - before > 0.9 * BIG
     assert during - after > 0.9 * BIG
@@ -32,8 +41,7 @@ def test_step_peaks_see_a_temporary_allocation():
     tracker = MemoryTracker("cpu")
     tracker.start_step()
     base = _C.read_host_memory()["rss"]
-    x = big_tensor()
-    del x
+    big_block().close()
     peaks = tracker.end_step()
     assert peaks["host_peak_rss"] - base > 0.9 * BIG
     assert peaks["device_peak_allocated"] is None
