@@ -3,27 +3,21 @@ each, one intra-op thread) and reads back what each wrote."""
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from forked import ScriptProcess
 
 
 def launch_ranks(
     script: Path, world: int, args_of: Callable[[int], list[str]], timeout: int
 ) -> None:
-    """``python script RANK WORLD *args_of(RANK)`` for every rank at once;
-    each must exit 0 (else its stderr's end is the failure)."""
+    """``python script RANK WORLD *args_of(RANK)`` for every rank at once
+    (forked from the tests' preloaded server: :mod:`forked`); each must exit
+    0 (else its stderr's end is the failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(world), *args_of(rank)],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(world)
-    ]
+    procs = [ScriptProcess(script, [str(rank), str(world), *args_of(rank)], env)
+             for rank in range(world)]  # fmt: skip
     for p in procs:
         _, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-4000:]

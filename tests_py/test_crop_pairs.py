@@ -7,8 +7,6 @@ end (both shapes trained, resume bit for bit)."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,16 @@ from dino_opt.data import MultiCropDataset, MultiCropLoader, builtin_dataset
 from dino_opt.train import GramOptions, GramTeacher, build_models
 from dino_opt.train.recipes.dinov3 import gram_options
 from dino_opt.tune.memory_model import estimate_memory
-from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
+from tiny import (
+    RESUMABLE,
+    TINY,
+    assert_same_states,
+    final_state,
+    run_cli_ok,
+    run_killed_and_resumed,
+    tiny_train_only,
+    train_args,
+)
 
 PAIRS = ["augmentation.global_crop_size=[32,48]", "augmentation.local_crop_size=[16,24]"]
 
@@ -252,9 +259,7 @@ RUN = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp", "model.dr
 
 
 def _cmd(out: Path, root: Path) -> list[str]:
-    return [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-            f"data.root={root}", *RUN, "data.num_workers=2", "logging.tensorboard=false",
-            "logging.profile=false", "checkpoint.every_steps=1"]  # fmt: skip
+    return train_args(out, root, *RUN, *RESUMABLE)
 
 
 def _sizes_by_step(out: Path) -> dict:
@@ -264,8 +269,7 @@ def _sizes_by_step(out: Path) -> dict:
 
 def test_train_with_two_pairs_sees_both_and_resumes_bit_for_bit(train_root, tmp_path):
     ref = tmp_path / "ref"
-    done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_ok(_cmd(ref, train_root))
     sizes = _sizes_by_step(ref)
     assert sorted(sizes) == list(range(1, 11))
     assert set(sizes.values()) == {(32, 16), (48, 24)}

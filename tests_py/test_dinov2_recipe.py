@@ -6,8 +6,6 @@ end to end (metrics of each loss, resume bit for bit)."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,16 @@ from dino_opt.train import (
     dinov2_param_groups,
     layer_id,
 )
-from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
+from tiny import (
+    RESUMABLE,
+    TINY,
+    assert_same_states,
+    final_state,
+    run_cli_ok,
+    run_killed_and_resumed,
+    tiny_train_only,
+    train_args,
+)
 
 DINOV2_TINY = [*TINY, "recipe.name=dinov2", "model.layerscale_init=1e-5",
                "model.drop_path_uniform=true", "optim.layerwise_decay=0.9",
@@ -226,15 +233,12 @@ def train_root(tmp_path_factory):
 
 
 def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-            f"data.root={root}", *DINOV2_TINY, "data.num_workers=2", "logging.tensorboard=false",
-            "logging.profile=false", "checkpoint.every_steps=1", *extra]  # fmt: skip
+    return train_args(out, root, *DINOV2_TINY, *RESUMABLE, *extra)
 
 
 def test_train_logs_each_loss_and_resumes_bit_for_bit(train_root, tmp_path):
     ref = tmp_path / "ref"
-    done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_ok(_cmd(ref, train_root))
     rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert {"loss_dino_global", "loss_dino_local", "loss_ibot", "loss_koleo"} <= set(rows[-1])

@@ -6,8 +6,6 @@ teacher, refreshed, at most max_updates times) and its file, the demo, and
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +35,16 @@ from dino_opt.train.recipes import recipe_of
 from dino_opt.train.recipes.dinov3 import gram_weight_schedule
 from dino_opt.weights import weights_reader
 from reference import gram_loss_reference
-from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
+from tiny import (
+    RESUMABLE,
+    TINY,
+    assert_same_states,
+    final_state,
+    run_cli_ok,
+    run_killed_and_resumed,
+    tiny_train_only,
+    train_args,
+)
 
 DINOV3_TINY = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
                "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64",
@@ -360,16 +367,12 @@ GRAM_SCHEDULE = ["recipe.gram_it_load_ema_teacher=2", "recipe.gram_update_freque
 
 
 def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-            f"data.root={root}", *DINOV3_TINY, *GRAM_SCHEDULE, "data.num_workers=2",
-            "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
-            *extra]  # fmt: skip
+    return train_args(out, root, *DINOV3_TINY, *GRAM_SCHEDULE, *RESUMABLE, *extra)
 
 
 def test_train_logs_the_gram_loss_and_resumes_bit_for_bit(train_root, tmp_path):
     ref = tmp_path / "ref"
-    done = subprocess.run(_cmd(ref, train_root), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_ok(_cmd(ref, train_root))
     rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in rows if "loss_gram" in r] == list(range(3, 11))

@@ -6,8 +6,6 @@ trainer's targets are the frozen teacher's)."""
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import dino_opt.models as models_module
@@ -39,7 +37,16 @@ from dino_opt.train.distill import (
     StudentBank,
     teacher_side,
 )
-from tiny import TINY, assert_same_states, final_state, run_killed_and_resumed, tiny_train_only
+from tiny import (
+    RESUMABLE,
+    TINY,
+    assert_same_states,
+    final_state,
+    run_cli_ok,
+    run_killed_and_resumed,
+    tiny_train_only,
+    train_args,
+)
 
 
 @pytest.fixture
@@ -417,16 +424,12 @@ def teacher_run(train_root, tmp_path_factory):
     teacher = [*TINY, "recipe.name=dinov2", "recipe.ibot_separate_head=true",
                "recipe.ibot_out_dim=40", "schedule.epochs=1",
                "schedule.warmup_epochs=0"]  # fmt: skip
-    done = subprocess.run(_cmd(out, train_root, *teacher), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_ok(_cmd(out, train_root, *teacher))
     return out
 
 
 def _cmd(out: Path, root: Path, *config: str) -> list[str]:
-    return [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-            f"data.root={root}", "data.num_workers=2", "logging.tensorboard=false",
-            "logging.profile=false", "checkpoint.every_steps=1", *config]  # fmt: skip
+    return train_args(out, root, *RESUMABLE, *config)
 
 
 def _student(teacher: Path, *extra: str) -> list[str]:
@@ -438,9 +441,7 @@ def _student(teacher: Path, *extra: str) -> list[str]:
 def test_distillation_trains_and_resumes_bit_for_bit(mode, train_root, teacher_run, tmp_path):
     config = _student(teacher_run, f"recipe.distill_mode={mode}")
     ref = tmp_path / "ref"
-    done = subprocess.run(_cmd(ref, train_root, *config), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_ok(_cmd(ref, train_root, *config))
     rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     part = "loss_distill_patch_cosine" if mode == "features" else "loss_ibot"
     assert all(part in r for r in rows if "loss" in r)
@@ -463,9 +464,7 @@ def test_a_resnet_student_from_a_vit_teacher(train_root, teacher_run, tmp_path):
     out = tmp_path / "resnet"
     config = _student(teacher_run, "model.backbone=resnet18", "model.patch_size=16",
                       "schedule.epochs=1")  # fmt: skip
-    done = subprocess.run(_cmd(out, train_root, *config), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_ok(_cmd(out, train_root, *config))
     final = final_state(out)
     assert final["teacher"]["head.patch.weight"].shape == (192, 512)  # ResNet-18 to ViT-T
 

@@ -3,18 +3,16 @@ same weights as 1 process with batch 2b; the lesson's DistributedDINOTrainer
 reduces metrics in one call and writes checkpoints on rank 0 only."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from dino_opt.distributed import launch_distributed_training
 from dino_opt.runtime import all_reduce_metrics, launched_world, with_index
+from gloo_ranks import launch_ranks
 from tiny import TINY as TINY_BASE
-from tiny import tiny_train_only
+from tiny import ranks_env, read_run, run_cli_ok, tiny_train_only, train_args
 
 HERE = Path(__file__).parent
 
@@ -33,23 +31,14 @@ def train_root(tmp_path_factory):
     return tiny_train_only(tmp_path_factory)
 
 
-def _train(out: Path, train_root: Path, *extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    args = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet"]
-    done = subprocess.run(
-        [*args, f"data.root={train_root}", *TINY, *extra],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"report": report, "rows": rows, "state": torch.load(report["checkpoint"])}
+def _train(out: Path, train_root: Path, *extra: str, nproc: int | None = None) -> dict:
+    run_cli_ok(train_args(out, train_root, *TINY, *extra, nproc=nproc), ranks_env())
+    return read_run(out)
 
 
 def test_two_processes_equal_one_with_the_doubled_batch(train_root, tmp_path):
     one = _train(tmp_path / "one", train_root, "data.batch_size=8")
-    two = _train(tmp_path / "two", train_root, "data.batch_size=4", "--nproc", "2")
+    two = _train(tmp_path / "two", train_root, "data.batch_size=4", nproc=2)
     assert two["report"]["steps"] == one["report"]["steps"] == 2 * 5  # 40 images / 8 per step
     assert two["state"]["world_size"] == 2 and len(two["state"]["loader"]) == 2
     assert [r["step"] for r in two["rows"]] == [r["step"] for r in one["rows"]]
@@ -62,26 +51,8 @@ def test_two_processes_equal_one_with_the_doubled_batch(train_root, tmp_path):
 
 def test_metrics_reduction_and_rank0_checkpoint(tmp_path):
     """Two gloo ranks of the lesson's DistributedDINOTrainer (see dist_metrics_worker.py)."""
-    init = tmp_path / "init"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "dist_metrics_worker.py"),
-                str(r),
-                "2",
-                str(init),
-                str(tmp_path),
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
+    launch_ranks(HERE / "dist_metrics_worker.py", 2, lambda r: [str(tmp_path / "init"),
+                                                                 str(tmp_path)], 120)  # fmt: skip
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for g in got:  # the mean over ranks, on every rank
         assert g["metrics"] == {"loss": pytest.approx(2.5), "images_per_second": 150.0}

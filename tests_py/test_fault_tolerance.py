@@ -5,10 +5,7 @@ gloo ranks, one of which stops before a collective)."""
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,8 +17,9 @@ from dino_opt.cli import main
 from dino_opt.job import report_hang
 from dino_opt.observe import CollapseError, NonFiniteError
 from dino_opt.runtime import EXIT_HANG, HangWatchdog, describe_hang
+from forked import run_cli
 from tiny import TINY as TINY_BASE
-from tiny import tiny_train_only
+from tiny import ranks_env, tiny_train_only, train_args
 
 TINY = [
     *TINY_BASE,
@@ -301,15 +299,12 @@ def test_a_stuck_rank_ends_the_job_naming_it_then_the_restarted_run_finishes(tra
     # 12 s, not less: on 2 cores shared with another test's ranks a step that
     # also writes a checkpoint took over 3 s, and a 3 s watchdog fired on it
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    args = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-            "--nproc", "2", f"data.root={train_root}", *TINY, "data.batch_size=4",
-            "schedule.epochs=2", "debug.inject_hang_rank=1",
-            "distributed.hang_timeout_s=12"]  # fmt: skip
+    args = train_args(out, train_root, *TINY, "data.batch_size=4", "schedule.epochs=2",
+                      "debug.inject_hang_rank=1", "distributed.hang_timeout_s=12",
+                      nproc=2)  # fmt: skip
     start = time.monotonic()
-    done = subprocess.run([*args, "debug.inject_hang_at_step=4", "distributed.max_restarts=0"],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    done = run_cli([*args, "debug.inject_hang_at_step=4", "distributed.max_restarts=0"],
+                   ranks_env(), timeout=300)  # fmt: skip
     took = time.monotonic() - start
     assert done.returncode == EXIT_HANG, done.stderr[-3000:]
     assert "stuck: rank 1" in done.stderr and "last completed step 3" in done.stderr
@@ -325,8 +320,7 @@ def test_a_stuck_rank_ends_the_job_naming_it_then_the_restarted_run_finishes(tra
     # resumed with restarts on and a hang at step 6 (the watchdog is armed by
     # a resumed run's first step): restarted from the checkpoint of step 5,
     # the run goes past the hang to its end
-    done = subprocess.run([*args, "debug.inject_hang_at_step=6"], capture_output=True,
-                          text=True, env=env, timeout=300)  # fmt: skip
+    done = run_cli([*args, "debug.inject_hang_at_step=6"], ranks_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the hang watchdog ended the run (exit status 75); restarting" in done.stderr
     report = json.loads((out / "report.json").read_text())

@@ -4,11 +4,6 @@ resume bit for bit (after a SIGKILL too) and at another world size; the
 sharded run read back whole by the tools; the refusals in one line."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +11,18 @@ import torch
 from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
 from dino_opt.job.sharding import resharded_loader_state
+from forked import CliProcess, run_cli
 from safetensors.torch import load_file
 from tiny import TINY as TINY_BASE
-from tiny import knn_json, tiny_train_only
+from tiny import (
+    checkpointed,
+    kill_when,
+    knn_json,
+    ranks_env,
+    read_run,
+    tiny_train_only,
+    train_args,
+)
 
 TINY = [
     *TINY_BASE,
@@ -37,29 +41,16 @@ def train_root(tmp_path_factory):
     return tiny_train_only(tmp_path_factory)
 
 
-def _command(out: Path, train_root: Path, *extra: str) -> list[str]:
-    args = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet"]
-    return [*args, "--nproc", "2", f"data.root={train_root}", *TINY, *extra]
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+def _command(out: Path, train_root: Path, *extra: str, nproc: int = 2) -> list[str]:
+    return train_args(out, train_root, *TINY, *extra, nproc=nproc)
 
 
 def _train(out: Path, train_root: Path, *extra: str, ok: bool = True):
-    done = subprocess.run(
-        _command(out, train_root, *extra), capture_output=True, text=True, env=_env(), timeout=600
-    )
+    done = run_cli(_command(out, train_root, *extra), ranks_env())
     if not ok:
         return done
     assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    path = report["checkpoint"]
-    state = read_sharded(path) if Path(path).is_dir() else torch.load(path)
-    return {"report": report, "rows": rows, "state": state}
+    return read_run(out)
 
 
 def _losses(run: dict) -> list[float]:
@@ -99,27 +90,13 @@ def reference(train_root, tmp_path_factory):
     return out
 
 
-def _spawn(out: Path, train_root: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
-    command = _command(out, train_root, *extra)
-    command[command.index("--nproc") + 1] = str(nproc)
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=_env(), start_new_session=True)  # fmt: skip
-
-
-def _kill_after(p: subprocess.Popen, out: Path, step: int, delay: float = 0.0) -> bool:
-    """SIGKILL to the launcher and every rank (a node lost) once a checkpoint of
-    ``step`` or later is listed; whether it came before the run ended."""
-    manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 240
-    while p.poll() is None and time.monotonic() < deadline:
-        if any(r.step >= step for r in manager.checkpoints()):
-            time.sleep(delay)
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate(timeout=60)
-            return True
-        time.sleep(0.005)
-    p.communicate(timeout=240)
-    return False
+def _kill_after(out: Path, train_root: Path, step: int, *extra: str, nproc: int = 2,
+                delay: float = 0.0) -> bool:  # fmt: skip
+    """Trains on ``nproc`` ranks and SIGKILLs the launcher and every rank (a
+    node lost) once a checkpoint of ``step`` or later is listed; whether
+    that came before the run ended."""
+    p = CliProcess(_command(out, train_root, *extra, nproc=nproc), ranks_env(), new_session=True)
+    return kill_when(p, checkpointed(out, step), delay=delay, group=True)
 
 
 def _final_state(out: Path) -> dict:
@@ -142,7 +119,7 @@ def test_sigkill_of_every_rank_then_resume_is_bit_exact(reference, train_root, t
     manager = CheckpointManager(out / "checkpoints")
     kills = 0
     for target, delay in ((3, 0.0), (6, 0.05)):
-        kills += _kill_after(_spawn(out, train_root, *KILLABLE), out, target, delay)
+        kills += _kill_after(out, train_root, target, *KILLABLE, delay=delay)
         for record in manager.checkpoints():  # whatever is listed is complete
             assert manager.verify(record.path), record.path
     assert kills >= 1, "the runs ended before they were killed; the test proved nothing"
@@ -175,8 +152,8 @@ def test_resume_at_another_world_size_reshards(train_root, tmp_path):
     out = tmp_path / "run"
     extra = (FSDP, "schedule.epochs=3", "checkpoint.every_steps=1", "recipe.name=dinov2",
              "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64")  # fmt: skip
-    assert _kill_after(_spawn(out, train_root, *extra), out, 3)
-    assert _kill_after(_spawn(out, train_root, *extra, nproc=1), out, 12)  # 10 steps/epoch alone
+    assert _kill_after(out, train_root, 3, *extra)
+    assert _kill_after(out, train_root, 12, *extra, nproc=1)  # 10 steps/epoch alone
     run = _train(out, train_root, *extra)
     report = run["report"]
     assert report["steps"] == 15 and "resumed_from" in report  # 3 epochs of 5 steps at 2 ranks

@@ -20,10 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_workers import bad_input_then_abort
+from agent_workers import bad_input_then_abort, report_launch
 from dino_opt.cli import _resume_command, main
 from dino_opt.config import load_config
-from dino_opt.distributed.agent import WorkerFailedError, _peek_exit, run_agent
+from dino_opt.distributed.agent import (
+    WORKER_PRELOAD,
+    WorkerFailedError,
+    _peek_exit,
+    run_agent,
+    worker_start_method,
+)
 from dino_opt.job import describe_exit, first_failure, read_progress, read_restarts
 from dino_opt.job.restarts import (
     ProgressFile,
@@ -34,8 +40,9 @@ from dino_opt.job.restarts import (
 )
 from dino_opt.observe import RunFolder
 from dino_opt.runtime import EXIT_HANG
+from forked import CliProcess, run_cli
 from tiny import TINY as TINY_BASE
-from tiny import tiny_train_only
+from tiny import ranks_env, tiny_train_only
 
 TINY = [
     *TINY_BASE,
@@ -59,14 +66,8 @@ def _command(out: Path, train_root: Path, options: list[str], *overrides: str) -
             *TINY, *overrides]  # fmt: skip
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    return {**env, "OMP_NUM_THREADS": "1"}
-
-
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dino_opt.cli", *args], capture_output=True,
-                          text=True, env=_env(), timeout=600)  # fmt: skip
+    return run_cli(args, ranks_env())
 
 
 def _teacher(out: Path) -> dict:
@@ -152,9 +153,7 @@ def test_two_nodes_train_as_one_node_and_restart_together(train_root, tmp_path, 
     for r in range(2):
         where = ["--nnodes", "2", "--node-rank", str(r), "--nproc", "1", "--master-addr",
                  "127.0.0.1", "--master-port", str(port)]  # fmt: skip
-        argv = [sys.executable, "-m", "dino_opt.cli", *_command(out, train_root, where, *KILL)]
-        nodes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=_env()))  # fmt: skip
+        nodes.append(CliProcess(_command(out, train_root, where, *KILL), ranks_env()))
     outputs = [node.communicate(timeout=600) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
@@ -266,3 +265,49 @@ def test_a_rank_that_said_no_restart_ends_the_job_even_if_it_crashes_on_exit(tmp
     else:  # a crash alone is restarted
         assert "SIGABRT; restarting every worker (restart 1 of 1)" in err
         assert "SIGABRT" in str(failed.value)
+
+
+def test_two_launches_from_one_process_give_each_worker_its_own_launch(
+    tmp_path, capfd, monkeypatch
+):
+    # The workers are forks of one server that outlives a launch (started by
+    # the first, with its environment, folder and output): the second launch's
+    # workers must see the second launch's, not the first's.
+    seen = {}
+    for mark, threads in (("first", "1"), ("second", "2")):
+        folder = tmp_path / mark
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        monkeypatch.setenv("DINO_OPT_TEST_MARK", mark)
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        capfd.readouterr()
+        assert run_agent(report_launch, (str(folder),), folder=RunFolder(folder), nproc=2) == {
+            0: 0, 1: 1}  # fmt: skip
+        seen[mark] = capfd.readouterr().err
+        for rank in (0, 1):
+            got = json.loads((folder / f"rank{rank}.json").read_text())
+            assert got == {"mark": mark, "rank": rank, "cwd": str(folder),
+                           "threads": int(threads), "world": "2"}  # fmt: skip
+    for mark, err in seen.items():  # each launch's workers wrote to that launch's stderr
+        assert {f"report_launch rank {r} mark {mark}" for r in (0, 1)} <= set(err.splitlines())
+    assert "mark first" not in seen["second"]
+
+
+def test_the_workers_server_imports_without_touching_cuda():
+    # A server that had called into CUDA would hand each forked worker a
+    # CUDA state it cannot use: its imports must not.
+    code = (
+        "import torch\n"
+        "def boom(*a, **k):\n"
+        "    raise SystemExit('CUDA touched while importing the server')\n"
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device'):\n"
+        "    setattr(torch.cuda, name, boom)\n"
+        "torch._C._cuda_getDeviceCount = boom\n"
+        "import importlib\n"
+        f"for module in {WORKER_PRELOAD!r} + ('dino_opt.cli',):\n"
+        "    importlib.import_module(module)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert worker_start_method() == "forkserver"  # on Linux

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,8 +18,9 @@ from dino_opt.checkpoint import CheckpointManager
 from dino_opt.cli import main
 from dino_opt.observe import NonFiniteError
 from dino_opt.ops import DINOLoss
+from forked import CliProcess, run_cli, wait_for
 from tiny import TINY as TINY_BASE
-from tiny import tiny_train_only
+from tiny import checkpointed, kill_when, tiny_train_only, train_args
 
 TINY = [
     *TINY_BASE,
@@ -39,23 +39,19 @@ def train_root(tmp_path_factory):
 
 
 def _args(out: Path, train_root: Path, *extra: str) -> list[str]:
-    return ["train", "--output-dir", str(out), "--quiet", f"data.root={train_root}", *TINY, *extra]
+    return train_args(out, train_root, *TINY, *extra)
 
 
-def _spawn(out: Path, train_root: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "dino_opt.cli", *_args(out, train_root, *extra)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _spawn(out: Path, train_root: Path, *extra: str, before=None) -> CliProcess:
+    return CliProcess(_args(out, train_root, *extra), _env(), before=before)
 
 
 def _run(out: Path, train_root: Path, *extra: str) -> subprocess.CompletedProcess:
-    p = _spawn(out, train_root, *extra)
-    stdout, stderr = p.communicate(timeout=300)
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout.decode(), stderr.decode())
+    return run_cli(_args(out, train_root, *extra), _env(), timeout=300)
 
 
 def _final(out: Path) -> dict:
@@ -83,22 +79,11 @@ def _assert_same_state(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(train_root, tmp_path_factory):
-    """The uninterrupted run (in a subprocess, as the interrupted ones)."""
+    """The uninterrupted run (in a process of its own, as the interrupted ones)."""
     out = tmp_path_factory.mktemp("reference") / "run"
     done = _run(out, train_root)
     assert done.returncode == 0, done.stderr
     return out
-
-
-def _wait_for(predicate, process: subprocess.Popen, timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if process.poll() is not None:
-            return False
-        time.sleep(0.002)
-    raise TimeoutError("the training subprocess made no progress")
 
 
 def test_sigkill_at_random_steps_then_resume_is_bit_exact(reference, train_root, tmp_path):
@@ -107,16 +92,9 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(reference, train_root,
     total = 15  # 3 epochs x 5 steps
     kills = 0
     for target in sorted(rng.sample(range(1, total - 2), 3)):
-        p = _spawn(out, train_root)
-        manager = CheckpointManager(out / "checkpoints")
-        started = _wait_for(
-            lambda t=target, m=manager: any(r.step >= t for r in m.checkpoints()), p
-        )
-        if started:
-            time.sleep(rng.uniform(0.0, 0.05))  # somewhere inside a following step
-            p.send_signal(signal.SIGKILL)
-        p.communicate(timeout=120)
-        kills += p.returncode == -signal.SIGKILL
+        # somewhere inside a step after the checkpoint of step `target`
+        delay = rng.uniform(0.0, 0.05)
+        kills += kill_when(_spawn(out, train_root), checkpointed(out, target), delay=delay)
     assert kills >= 1, "no run was killed before it finished; the test proved nothing"
     done = _run(out, train_root)
     assert done.returncode == 0, done.stderr
@@ -126,44 +104,31 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(reference, train_root,
     _assert_same_state(_final(out), _final(reference))
 
 
-# In the training process: every checkpoint write pauses 0.4 s between its
-# bytes and its rename (in the writer's thread), so that a write is in flight
-# most of the time, its temporary file beside the checkpoints.
-_SLOW_WRITES = """
-import sys, time
-import torch
-from dino_opt.cli import main
-save = torch.save
-def slow_save(*args, **kwargs):
-    save(*args, **kwargs)
-    time.sleep(0.4)
-torch.save = slow_save
-sys.exit(main(sys.argv[1:]))
-"""
+def _slow_writes() -> None:
+    """In the training process: every checkpoint write pauses 0.4 s between
+    its bytes and its rename (in the writer's thread), so that a write is in
+    flight most of the time, its temporary file beside the checkpoints."""
+    save = torch.save
+
+    def slow_save(*args, **kwargs):
+        save(*args, **kwargs)
+        time.sleep(0.4)
+
+    torch.save = slow_save
 
 
 def test_sigkill_while_an_async_write_is_in_flight_loses_nothing(reference, train_root, tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     manager = CheckpointManager(out / "checkpoints")
     in_flight = 0
     for target in (3, 8):
-        p = subprocess.Popen(
-            [sys.executable, "-c", _SLOW_WRITES, *_args(out, train_root)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        )  # fmt: skip
         # a temporary file beside the checkpoints: a write has begun and is not done
-        started = _wait_for(
-            lambda t=target: (
-                any(r.step >= t for r in manager.checkpoints())
-                and any(f.name.endswith(".tmp") for f in (out / "checkpoints").iterdir())
-            ),
-            p,
-        )
-        if started:
-            p.send_signal(signal.SIGKILL)
-        p.communicate(timeout=120)
-        in_flight += started and p.returncode == -signal.SIGKILL
+        reached = checkpointed(out, target)
+        in_flight += kill_when(
+            _spawn(out, train_root, before=_slow_writes),
+            lambda r=reached: r() and any(f.name.endswith(".tmp")
+                                          for f in (out / "checkpoints").iterdir()),
+        )  # fmt: skip
         for record in manager.checkpoints():  # what the index holds is complete
             assert manager.verify(record.path), record.path
     assert in_flight >= 1, "no run was killed with a write in flight; the test proved nothing"
@@ -187,10 +152,10 @@ def test_sigterm_checkpoints_and_stops_then_resumes_exactly(reference, train_roo
     extra = ("checkpoint.every_steps=0", "checkpoint.every_epochs=0")
     p = _spawn(out, train_root, *extra)
     metrics = out / "metrics.jsonl"
-    assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, p)
+    assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, p)
     p.send_signal(signal.SIGTERM)
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 128 + signal.SIGTERM, stderr.decode()
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, stderr
     report = json.loads((out / "report.json").read_text())
     assert report["stopped_by"] == "SIGTERM" and report["steps"] < 15
     state = torch.load(report["checkpoint"], weights_only=True)
@@ -203,19 +168,15 @@ def test_sigterm_checkpoints_and_stops_then_resumes_exactly(reference, train_roo
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(reference, train_root, tmp_path):
     out = tmp_path / "run"
-    p = _spawn(out, train_root)
     manager = CheckpointManager(out / "checkpoints")
-    _wait_for(lambda: any(r.step >= 7 for r in manager.checkpoints()), p)
-    p.send_signal(signal.SIGKILL)
-    p.communicate(timeout=120)
+    kill_when(_spawn(out, train_root), checkpointed(out, 7))
     records = manager.checkpoints()
     assert len(records) >= 2
     newest = records[-1].path
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
-    p = _spawn(out, train_root)
-    _, stderr = p.communicate(timeout=300)
-    assert p.returncode == 0, stderr.decode()
-    err = stderr.decode()
+    done = _run(out, train_root)
+    err = done.stderr
+    assert done.returncode == 0, err
     assert str(newest) in err or newest.name in err  # reported, then skipped
     assert f"resuming from {records[-2].path}" in err
     _assert_same_state(_final(out), _final(reference))

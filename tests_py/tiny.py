@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
 from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
+from forked import CliProcess, run_cli, wait_for
 
 TINY = [
     "data.batch_size=8",
@@ -37,6 +37,16 @@ TINY = [
     "eval.linear=false",
     "eval.dense=false",
     "eval.pictures=0",
+]
+
+
+# A run killed and resumed: a checkpoint each step, two loader threads (their
+# order must survive the kill), no TensorBoard or profile files.
+RESUMABLE = [
+    "data.num_workers=2",
+    "logging.tensorboard=false",
+    "logging.profile=false",
+    "checkpoint.every_steps=1",
 ]
 
 
@@ -65,22 +75,49 @@ def final_state(out: Path) -> dict:
     return torch.load(report["checkpoint"], weights_only=True)
 
 
-def run_killed_and_resumed(out: Path, cmd: list[str], at_step: int = 4) -> None:
-    """Runs ``cmd`` (a training of the run folder ``out``), SIGKILLs it once
-    a checkpoint of step ``at_step`` or later exists, and runs it again to
-    its end (resuming)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def train_args(out: Path, root: Path, *config: str, nproc: int | None = None) -> list[str]:
+    """``dino-opt train`` into the run folder ``out`` on the images of
+    ``root``, quietly, with ``config`` (on ``nproc`` ranks)."""
+    ranks = ["--nproc", str(nproc)] if nproc else []
+    return ["train", "--output-dir", str(out), "--quiet", *ranks, f"data.root={root}", *config]
+
+
+def run_cli_ok(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """``dino-opt ARGV`` in a process of its own (:func:`forked.run_cli`),
+    which must exit 0."""
+    done = run_cli(argv, env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def checkpointed(out: Path, step: int):
+    """Whether the run folder ``out`` lists a checkpoint of ``step`` or later."""
     manager = CheckpointManager(out / "checkpoints")
-    deadline = time.monotonic() + 300
-    while p.poll() is None and time.monotonic() < deadline:
-        if any(r.step >= at_step for r in manager.checkpoints()):
-            p.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
+    return lambda: any(r.step >= step for r in manager.checkpoints())
+
+
+def kill_when(p: CliProcess, predicate, *, delay: float = 0.0, group: bool = False) -> bool:
+    """SIGKILLs ``p`` once ``predicate()`` holds, ``delay`` seconds later
+    (``group``: with its whole process group, the launcher and every rank:
+    a node lost); whether that came before ``p`` ended. Waits for its end."""
+    hit = wait_for(predicate, p)
+    if hit:
+        time.sleep(delay)
+        if group:
+            os.killpg(p.pid, signal.SIGKILL)
+        else:
+            p.kill()
     p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    return hit and p.returncode == -signal.SIGKILL
+
+
+def run_killed_and_resumed(out: Path, argv: list[str], at_step: int = 4) -> None:
+    """Runs ``dino-opt ARGV`` (a training of the run folder ``out``),
+    SIGKILLs it once a checkpoint of step ``at_step`` or later exists, and
+    runs it again to its end (resuming)."""
+    assert kill_when(CliProcess(argv), checkpointed(out, at_step)), (
+        "the run ended before it could be killed")  # fmt: skip
+    run_cli_ok(argv)
 
 
 def assert_same_states(a: dict, b: dict, keys=("student", "teacher", "loss")) -> None:
@@ -93,23 +130,32 @@ def assert_same_states(a: dict, b: dict, keys=("student", "teacher", "loss")) ->
             assert same, f"{key}.{name} differs"
 
 
-def train_on_ranks(out: Path, *config: str, ranks: int = 2) -> dict:
-    """``dino-opt train --nproc RANKS`` into ``out`` with ``config`` (one
-    intra-op thread a rank): its ``out``, ``report``, the metric ``rows``
-    with a loss, and the final checkpoint's ``state`` (read whole when
-    sharded)."""
-    command = [sys.executable, "-m", "dino_opt.cli", "train", "--output-dir", str(out), "--quiet",
-               "--nproc", str(ranks), *config]  # fmt: skip
+def ranks_env() -> dict:
+    """This process's environment for a launcher of ranks: one intra-op
+    thread a rank, no RANK or WORLD_SIZE of its own."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    return env
+
+
+def read_run(out: Path) -> dict:
+    """The run folder ``out`` read back: ``out``, its ``report``, the metric
+    ``rows`` with a loss, and the final checkpoint's ``state`` (read whole
+    when sharded)."""
     report = json.loads((out / "report.json").read_text())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     path = Path(report["checkpoint"])
     state = read_sharded(path) if path.is_dir() else torch.load(path, weights_only=True)
     return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
             "state": state}  # fmt: skip
+
+
+def train_on_ranks(out: Path, *config: str, ranks: int = 2) -> dict:
+    """``dino-opt train --nproc RANKS`` into ``out`` with ``config`` (one
+    intra-op thread a rank), read back (:func:`read_run`)."""
+    argv = ["train", "--output-dir", str(out), "--quiet", "--nproc", str(ranks), *config]
+    run_cli_ok(argv, ranks_env())
+    return read_run(out)
 
 
 def distill_teacher_net() -> VisionTransformer:
