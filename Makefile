@@ -24,7 +24,7 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_BASEDIR := $(CURDIR)
 export CMAKE_BUILD_PARALLEL_LEVEL := $(JOBS)
 
-.PHONY: apt-packages setup build test test-cpp test-py fuzz bench bench-check demo demo-dinov2 demo-distill lint format gpu-check \
+.PHONY: apt-packages setup build test test-cpp test-py test-times fuzz bench bench-check demo demo-dinov2 demo-distill lint format gpu-check \
         gpu-debs gpu-rehearsal wheel wheel-smoke build-no-cuda-toolkit cpp-install cpp-example clean
 
 setup: $(STAMPS)/build
@@ -76,10 +76,18 @@ test-cpp:
 
 # The tests in one process per core (pytest-xdist; a test module's tests in
 # one process, so that its module fixtures are made once), each with one
-# intra-op thread; the 25 slowest are listed at the end.
+# intra-op thread; the 25 slowest are listed at the end, and every test's
+# seconds go to $(TEST_TIMES) (JUnit XML), which `make test-times` reads.
 TEST_WORKERS ?= $(JOBS)
+TEST_TIMES   ?= build/pytest-times.xml
 test-py:
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests_py -n $(TEST_WORKERS) --dist loadscope --durations=25
+	@mkdir -p $(dir $(TEST_TIMES))
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests_py -n $(TEST_WORKERS) --dist loadscope --durations=25 \
+	  --junitxml=$(TEST_TIMES)
+
+# The slowest tests and test files of the last `make test-py` (docs/testing.md).
+test-times:
+	$(PY) scripts/test_durations.py $(TEST_TIMES) --slowest 5 --files 5
 
 # The loader's image pipeline under libFuzzer + ASan/UBSan for FUZZ_SECONDS,
 # from a seed corpus of every format, then the shards' tar reader for

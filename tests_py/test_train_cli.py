@@ -22,7 +22,8 @@ from tiny import knn_json
 
 TINY = [*TINY_BASE, "data.num_workers=2"]
 # The whole evaluation, at the end and after the first epoch.
-EVAL = ["eval.linear=true", "eval.dense=true", "eval.pictures=4", "eval.every_epochs=1"]
+EVAL = ["eval.linear=true", "eval.dense=true", "eval.pictures=4", "eval.every_epochs=1",
+        "logging.curves=true", "logging.tsne=true"]  # fmt: skip
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

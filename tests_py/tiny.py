@@ -33,10 +33,13 @@ TINY = [
     "logging.log_every=1",
     "logging.progress=false",
     "hardware.device=cpu",
-    # the end of a run evaluates by k-NN only: test_train_cli turns the rest on
+    # the end of a run evaluates by k-NN only and draws nothing: test_train_cli
+    # turns the rest on
     "eval.linear=false",
     "eval.dense=false",
     "eval.pictures=0",
+    "logging.curves=false",
+    "logging.tsne=false",
 ]
 
 

@@ -516,6 +516,7 @@ class LoggingConfig:
     tensorboard: bool = _opt(True, "write TensorBoard logs")
     progress: bool = _opt(True, "show a progress bar")
     profile: bool = _opt(True, "write the profile summary")
+    curves: bool = _opt(True, "draw training_curves.png (the metrics over the steps) at the end")
     tsne: bool = _opt(True, "plot a t-SNE map of held-out features before and after training")
     histograms: bool = _opt(
         False, "TensorBoard histograms of the per-image teacher entropy at each logging step"

@@ -740,7 +740,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             self.log.close()
             return report
         report.update(self._profile_report())
-        plot_training_curves(self.history, self.folder.training_curves)
+        if cfg.logging.curves:
+            plot_training_curves(self.history, self.folder.training_curves)
         if evaluate:
             nets = (teacher.backbone, p.random_teacher.backbone)
             report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder, self.log,
