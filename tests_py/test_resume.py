@@ -20,7 +20,7 @@ from dino_opt.observe import NonFiniteError
 from dino_opt.ops import DINOLoss
 from forked import CliProcess, run_cli, wait_for
 from tiny import TINY as TINY_BASE
-from tiny import checkpointed, kill_when, tiny_train_only, train_args
+from tiny import checkpointed, final_state, kill_when, tiny_train_only, train_args
 
 TINY = [
     *TINY_BASE,
@@ -52,11 +52,6 @@ def _spawn(out: Path, train_root: Path, *extra: str, before=None) -> CliProcess:
 
 def _run(out: Path, train_root: Path, *extra: str) -> subprocess.CompletedProcess:
     return run_cli(_args(out, train_root, *extra), _env(), timeout=300)
-
-
-def _final(out: Path) -> dict:
-    report = json.loads((out / "report.json").read_text())
-    return torch.load(report["checkpoint"], weights_only=True)
 
 
 def _losses(out: Path) -> list[tuple[int, float]]:
@@ -101,7 +96,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(reference, train_root,
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == total and "resumed_from" in report
     assert _losses(out) == _losses(reference)
-    _assert_same_state(_final(out), _final(reference))
+    _assert_same_state(final_state(out), final_state(reference))
 
 
 def _slow_writes() -> None:
@@ -135,7 +130,7 @@ def test_sigkill_while_an_async_write_is_in_flight_loses_nothing(reference, trai
     done = _run(out, train_root)
     assert done.returncode == 0, done.stderr
     assert _losses(out) == _losses(reference)
-    _assert_same_state(_final(out), _final(reference))
+    _assert_same_state(final_state(out), final_state(reference))
 
 
 def test_synchronous_checkpoints_train_the_same_weights(reference, train_root, tmp_path):
@@ -143,7 +138,7 @@ def test_synchronous_checkpoints_train_the_same_weights(reference, train_root, t
     done = _run(out, train_root, "checkpoint.async=false")
     assert done.returncode == 0, done.stderr
     assert _losses(out) == _losses(reference)
-    _assert_same_state(_final(out), _final(reference))
+    _assert_same_state(final_state(out), final_state(reference))
 
 
 def test_sigterm_checkpoints_and_stops_then_resumes_exactly(reference, train_root, tmp_path):
@@ -163,7 +158,7 @@ def test_sigterm_checkpoints_and_stops_then_resumes_exactly(reference, train_roo
     done = _run(out, train_root, *extra)
     assert done.returncode == 0, done.stderr
     assert _losses(out) == _losses(reference)
-    _assert_same_state(_final(out), _final(reference))
+    _assert_same_state(final_state(out), final_state(reference))
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(reference, train_root, tmp_path):
@@ -179,7 +174,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(reference, train_r
     assert done.returncode == 0, err
     assert str(newest) in err or newest.name in err  # reported, then skipped
     assert f"resuming from {records[-2].path}" in err
-    _assert_same_state(_final(out), _final(reference))
+    _assert_same_state(final_state(out), final_state(reference))
 
 
 def _train_error(capsys, *args) -> str:
