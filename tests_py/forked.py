@@ -6,7 +6,17 @@ starts the ranks of a gloo group, pays no import of torch each time (~7 s on
 two busy cores). The child gets its environment, working folder and thread
 count explicitly, as the launcher's workers do (the server's are those of
 whoever started it), and writes its output and error to files, read back as
-text."""
+text.
+
+A launch of ranks (``dino-opt train --nproc N``) that is let run to its end
+(:func:`run_cli`) runs its launcher in this process instead: only its ranks
+need processes of their own, and they fork from this process's server, which
+is already running, rather than from a server the launcher would start and
+fill with imports again (~4-6 s a launch). A launch that a test kills or
+signals is a :class:`CliProcess`."""
+
+import contextlib
+import faulthandler
 
 import multiprocessing
 import os
@@ -16,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from dino_opt.cli import main
@@ -121,10 +132,85 @@ class ScriptProcess(Forked):
 
 def run_cli(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
         subprocess.CompletedProcess):  # fmt: skip
-    """``dino-opt ARGV`` to its end: its exit status, output and error."""
+    """``dino-opt ARGV`` to its end: its exit status, output and error. A
+    launch of ranks (``--nproc``) runs its launcher here (:func:`run_launcher`)."""
+    if "--nproc" in argv:
+        return run_launcher(argv, env, timeout)
     p = CliProcess(argv, env)
     stdout, stderr = p.communicate(timeout)
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def run_launcher(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
+        subprocess.CompletedProcess):  # fmt: skip
+    """``dino-opt ARGV`` (a launch of ranks) in this process, as its own
+    process would run it: under the environment ``env``, its output and error
+    written to files (file descriptors 1 and 2, which the ranks inherit, and
+    ``sys.stdout``/``sys.stderr``), an uncaught error printed as a traceback
+    with status 1. Past ``timeout`` seconds this whole process ends with every
+    thread's traceback (a hang fails the test worker, never blocks it)."""
+    start_worker_server((*WORKER_PRELOAD, "dino_opt.cli"))
+    with tempfile.TemporaryDirectory(prefix="dino_opt-launcher-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        with _environment(os.environ if env is None else env), _output_to(out, err):
+            faulthandler.dump_traceback_later(timeout, exit=True)
+            try:
+                code = _exit_status(argv)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+        texts = [p.read_text(errors="replace") for p in (out, err)]
+    return subprocess.CompletedProcess(["dino-opt", *argv], code, *texts)
+
+
+def _exit_status(argv: list[str]) -> int:
+    """What ``sys.exit(main(argv))`` would end a process with."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """``os.environ`` is ``env`` inside."""
+    kept = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(kept)
+
+
+@contextlib.contextmanager
+def _output_to(out: Path, err: Path):
+    """File descriptors 1 and 2, ``sys.stdout`` and ``sys.stderr`` write to
+    the files ``out`` and ``err`` inside."""
+    streams = (sys.stdout, sys.stderr)
+    for stream in streams:
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for fd, path in ((1, out), (2, err)):
+            new = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(new, fd)
+            os.close(new)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stdout, sys.stderr = streams
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
 
 
 def wait_for(predicate, process: Forked, timeout: float = 240.0, poll_s: float = 0.005) -> bool:

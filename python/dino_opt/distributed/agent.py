@@ -82,8 +82,10 @@ NO_RESTART_DIR = "DINO_OPT_NO_RESTART_DIR"
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's switch, read by its rendezvous
 
-#: What the workers' server imports once, before it forks any worker.
-WORKER_PRELOAD = ("dino_opt.distributed.launch",)
+#: What the workers' server imports once, before it forks any worker: the
+#: training, and torch's compiler front end, which torch's optimizers import
+#: on their first step (1-3 s in each worker, at each restart, otherwise).
+WORKER_PRELOAD = ("dino_opt.distributed.launch", "torch._dynamo")
 
 #: This process's environment when this module was imported. In a worker
 #: forked from the server, that is the server's, which torch's agent then
