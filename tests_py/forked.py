@@ -17,7 +17,6 @@ signals is a :class:`CliProcess`."""
 
 import contextlib
 import faulthandler
-
 import multiprocessing
 import os
 import runpy
