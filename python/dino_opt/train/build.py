@@ -307,10 +307,7 @@ def build_optimizer(
     never decays), or DINOv2's (:func:`~dino_opt.train.dinov2_param_groups`:
     the dinov2 recipe, or a layer-wise decay or patch-embedding multiplier
     other than 1): AdamW (fused on a GPU unless ``optim.fused`` says
-    otherwise, else in its ``foreach`` form, which steps the whole list in
-    each call: on the CPU too, where torch would loop over the parameters
-    one by one in Python, slow over FSDP's sharded ones, with the same
-    result bit for bit) or SGD with momentum 0.9. ``lr`` and ``weight_decay`` are the
+    otherwise) or SGD with momentum 0.9. ``lr`` and ``weight_decay`` are the
     starting values; in a training run the schedules set them every step
     (:meth:`~dino_opt.train.MemoryOptimizedDINOTrainer.set_schedules`).
     ``cfg`` None: the defaults (AdamW)."""
@@ -320,9 +317,7 @@ def build_optimizer(
     if optim.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=weight_decay)
     fused = optim.fused if optim.fused is not None else device.type == "cuda"
-    return torch.optim.AdamW(
-        groups, lr=lr, weight_decay=weight_decay, fused=fused, foreach=not fused
-    )
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=fused)
 
 
 def build_schedules(cfg: Config, niter_per_epoch: int, world_size: int = 1) -> Schedules:
