@@ -349,3 +349,45 @@ def test_the_first_hang_diagnosis_stands_while_its_checkpoint_write_finishes(tmp
     hang = json.loads(hang_file.read_text())
     assert hang["stuck_ranks"] == [1] and hang["message"] == "rank 0's view"
     assert "the checkpoint write in flight finished: checkpoint-x.pth" in notes
+
+
+class _LateHeartbeat:
+    """A heartbeat store in which rank 1 waits in the metrics collective and
+    its heartbeat moves only from the ``late``-th read of it on (None: never):
+    a live rank whose thread a busy machine starves, or a dead one. Reads
+    count, not seconds."""
+
+    def __init__(self, late: int | None):
+        self.values, self.reads, self.late = {}, 0, late
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values or k.endswith("/1") for k in keys)
+
+    def get(self, key: str) -> bytes:
+        if not key.endswith("/1"):
+            return self.values[key].encode()
+        self.reads += 1
+        beats = 1 + (self.late is not None and self.reads >= self.late)
+        waiting = {"step": 4, "phase": "collective: metrics", "stalled_s": 1.0, "beats": beats}
+        return json.dumps(waiting).encode()
+
+
+@pytest.mark.parametrize(("late", "stuck"), [(4, [0]), (None, [1])])
+def test_a_late_heartbeat_is_alive_and_a_still_one_is_not(late, stuck):
+    # Rank 0 stops in step 5 while rank 1 waits in the collective: rank 0 is
+    # stuck, however late rank 1's heartbeat moves, unless it never does.
+    exits, hangs, store = [], [], _LateHeartbeat(late)
+    watchdog = HangWatchdog(1.0, world_size=2, store=store, exit=exits.append, interval_s=0.02,
+                            on_hang=lambda m, s: hangs.append((m, s)))  # fmt: skip
+    with watchdog:
+        watchdog.arm()
+        watchdog.progress(4)
+        deadline = time.monotonic() + 60  # a bound for a broken watchdog, not the test's clock
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert exits == [EXIT_HANG] and hangs[0][1] == stuck, hangs
+    assert ("no heartbeat" in hangs[0][0]) == (late is None)
+    assert store.reads >= (late or 2)

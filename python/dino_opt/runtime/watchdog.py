@@ -223,16 +223,34 @@ class HangWatchdog:
                 out[r] = None
         return out
 
-    def _fire(self, stalled: float) -> None:
+    def _heartbeats(self) -> dict[int, dict | None]:
+        """Every rank's beacon, each other rank's marked ``alive`` when its
+        heartbeat moved while we looked. We look until every other rank's has
+        moved, or for ``timeout_s`` at most: a live rank's heartbeat comes late
+        on a machine busy enough to starve its thread, a dead, frozen or
+        unreachable rank's never does. This rank's own is its state here."""
         first = self._read()
-        time.sleep(2 * self.interval_s)  # a live rank's heartbeat moves meanwhile
-        self._publish(time.monotonic() - self._last_progress)
-        beacons = self._read()
-        for r, b in beacons.items():
-            if b is not None and r != self.rank:
-                before = first.get(r)
-                b["alive"] = before is None or before.get("beats") != b.get("beats")
-        stuck, message = describe_hang(self.rank, stalled, beacons)
+        deadline = time.monotonic() + max(2 * self.interval_s, self.timeout_s)
+        while True:
+            time.sleep(self.interval_s)
+            self._publish(time.monotonic() - self._last_progress)
+            beacons = self._read()
+            moved = {
+                r: b is not None
+                and (first.get(r) is None or first[r].get("beats") != b.get("beats"))
+                for r, b in beacons.items()
+                if r != self.rank
+            }
+            if all(moved.values()) or time.monotonic() >= deadline:
+                break
+        for r, alive in moved.items():
+            if beacons[r] is not None:
+                beacons[r]["alive"] = alive
+        beacons[self.rank] = self._beacon(time.monotonic() - self._last_progress)
+        return beacons
+
+    def _fire(self, stalled: float) -> None:
+        stuck, message = describe_hang(self.rank, stalled, self._heartbeats())
         if self.on_hang is not None:
             try:
                 extra = self.on_hang(message, stuck)
