@@ -75,15 +75,17 @@ test-cpp:
 	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error
 
 # The tests in one process per core (pytest-xdist; a test module's tests in
-# one process, so that its module fixtures are made once), each with one
-# intra-op thread; the 25 slowest are listed at the end, and every test's
-# seconds go to $(TEST_TIMES) (JUnit XML), which `make test-times` reads.
+# one process, so that its module fixtures are made once; the modules handed
+# out in the order tests_py/conftest.py gives, the longest first, rather than
+# xdist's by number of tests), each with one intra-op thread; the 25 slowest
+# are listed at the end, and every test's seconds go to $(TEST_TIMES) (JUnit
+# XML), which `make test-times` reads.
 TEST_WORKERS ?= $(JOBS)
 TEST_TIMES   ?= build/pytest-times.xml
 test-py:
 	@mkdir -p $(dir $(TEST_TIMES))
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests_py -n $(TEST_WORKERS) --dist loadscope --durations=25 \
-	  --junitxml=$(TEST_TIMES)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests_py -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	  --durations=25 --junitxml=$(TEST_TIMES)
 
 # The slowest tests and test files of the last `make test-py` (docs/testing.md).
 test-times:

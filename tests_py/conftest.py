@@ -13,9 +13,28 @@ DEADLINE_ENV = "DINO_OPT_TEST_DEADLINE"
 NOT_RUN = "not run: the run's time cap ({}) was reached"
 
 
+# The test files that train on several processes, longest first (their
+# test-seconds in a whole run, docs/testing.md). Under pytest-xdist (`make
+# test-py`: --dist loadscope --no-loadscope-reorder, each file on one worker,
+# handed out in this order) they start first, so that the workers end
+# together instead of one running the last long file alone.
+LONGEST_FIRST = (
+    "test_fsdp.py", "test_distill_groups.py", "test_memory_model.py",
+    "test_distill_students.py", "test_notebooks.py", "test_fault_tolerance.py",
+    "test_resume.py", "test_fsdp_dinov3.py", "test_distill.py", "test_restarts.py",
+)  # fmt: skip
+
+
+def _start_order(item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     # Quick tests first: a run stopped at a time cap has run the most tests.
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get(DEADLINE_ENV):
+        items.sort(key=_start_order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
