@@ -132,12 +132,19 @@ class ScriptProcess(Forked):
 def run_cli(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
         subprocess.CompletedProcess):  # fmt: skip
     """``dino-opt ARGV`` to its end: its exit status, output and error. A
-    launch of ranks (``--nproc``) runs its launcher here (:func:`run_launcher`)."""
-    if "--nproc" in argv:
+    launch of rank processes runs its launcher here (:func:`run_launcher`)."""
+    if _starts_ranks(argv):
         return run_launcher(argv, env, timeout)
     p = CliProcess(argv, env)
     stdout, stderr = p.communicate(timeout)
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def _starts_ranks(argv: list[str]) -> bool:
+    """Whether ``dino-opt ARGV`` launches rank processes (``--nproc N``, N > 1,
+    or ``--nnodes``); ``--nproc 1`` trains in the launcher's own process."""
+    ranks = argv[argv.index("--nproc") + 1] if "--nproc" in argv[:-1] else "1"
+    return ranks != "1" or "--nnodes" in argv
 
 
 def run_launcher(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
