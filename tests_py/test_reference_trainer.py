@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,10 +21,11 @@ from dino_opt.config import apply_overrides, default_config
 from dino_opt.ops import Schedules
 from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, build_models, param_groups
 from torch import nn
+from torch.autograd import DeviceType
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-from bench_train import covered_fraction, largest_batch  # noqa: E402
+from bench_train import covered_fraction, device_work, largest_batch  # noqa: E402
 from reference_trainer import (  # noqa: E402
     LoopEMAModel,
     ReferenceDINOLoss,
@@ -220,6 +222,22 @@ def test_largest_batch_search(threshold):
     got = largest_batch(fits, 64, granularity=32, limit=8192)
     assert got == min(threshold, 8192) // 32 * 32
     assert len(calls) <= 16
+
+
+def test_the_busy_share_leaves_out_user_annotations():
+    # record_function("bench_window") has a device-side twin over the whole
+    # window: with it, a GPU busy 40 % of the window read 100 %.
+    def event(start, end, device=DeviceType.CUDA, annotation=False):
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(time_range=span, device_type=device, is_user_annotation=annotation)
+
+    events = [
+        event(0, 100, annotation=True), event(0, 100, DeviceType.CPU, annotation=True),
+        event(10, 30), event(25, 40), event(70, 85), event(90, 95, DeviceType.CPU),
+    ]  # fmt: skip
+    work = device_work(events, DeviceType.CUDA)
+    assert work == [(10, 30), (25, 40), (70, 85)]
+    assert covered_fraction(work, 0, 100) == pytest.approx(0.45)
 
 
 def test_covered_fraction_against_a_grid():
