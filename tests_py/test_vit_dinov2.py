@@ -16,7 +16,7 @@ from dino_opt.models import (
     vit_small,
 )
 from dino_opt.models import layers as layers_module
-from dino_opt.models.layers import LayerScale, SwiGLUFFN, swiglu_hidden_dim
+from dino_opt.models.layers import Attention, LayerScale, SwiGLUFFN, swiglu_hidden_dim
 from dino_opt.models.vit import drop_path_rates, resize_pos_embed
 from torch import nn
 
@@ -358,3 +358,23 @@ def test_build_backbone_and_dino_models_take_the_dinov2_options():
         student.eval()
         crops = [torch.randn(2, 3, 28, 28), torch.randn(2, 3, 14, 14)]
         assert torch.equal(student(crops), teacher(crops))
+
+
+def test_attention_equals_the_formula_forward_and_backward(gen):
+    """q, k, v taken from the fused projection by ``unbind`` give the same
+    output and gradients, bit for bit in float64, as indexing them (the
+    published blocks' form), followed by softmax attention written out."""
+    attn = _randomize(Attention(64, 4).double(), gen)
+    x = torch.randn(3, 17, 64, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, 17, 64, generator=gen, dtype=torch.float64)
+    ours = attn(x)
+    ours.backward(grad)
+    got = [t.grad.clone() for t in (x, attn.qkv.weight, attn.qkv.bias)]
+    x.grad, attn.qkv.weight.grad, attn.qkv.bias.grad = None, None, None
+    qkv = attn.qkv(x).reshape(3, 17, 3, 4, 16).permute(2, 0, 3, 1, 4)
+    weights = ((qkv[0] * 16**-0.5) @ qkv[1].transpose(-2, -1)).softmax(dim=-1)
+    ref = attn.proj((weights @ qkv[2]).transpose(1, 2).reshape(3, 17, 64))
+    ref.backward(grad)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, (x.grad, attn.qkv.weight.grad, attn.qkv.bias.grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

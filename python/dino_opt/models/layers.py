@@ -165,9 +165,10 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, n, c = x.shape
-        # (B, N, 3*C) -> (3, B, heads, N, head_dim)
+        # (B, N, 3*C) -> (3, B, heads, N, head_dim); unbind, not indexing: one
+        # stack in backward instead of three zero-filled selects added up
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return qkv[0], qkv[1], qkv[2]
+        return qkv.unbind(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape

@@ -130,8 +130,9 @@ class RopeAttention(Attention):
                              "DINOv3 ViT passes it (call the model or its methods)")  # fmt: skip
         b, n, _ = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # one stack in backward (Attention._qkv)
         sin, cos = rope
-        return apply_rope(qkv[0], sin, cos), apply_rope(qkv[1], sin, cos), qkv[2]
+        return apply_rope(q, sin, cos), apply_rope(k, sin, cos), v
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
