@@ -16,6 +16,13 @@ Rows (same model, same initialisation from one seed, same schedules):
   with ``.item()``, the per-parameter EMA loop, float16 autocast with a
   GradScaler on a GPU (float32 on the CPU), ``torch.cuda.synchronize()`` and
   ``loss.item()`` every step.
+- ``strong``: the baseline as a careful user improves it in a few lines:
+  bfloat16 autocast without a GradScaler (GPU), ``torch.compile`` of each
+  ViT block and each head (where ``compile`` runs), fused AdamW (GPU) and
+  dinov2's foreach EMA (:func:`ema_update_foreach`); the rest (the PIL
+  loader, the double-loop loss, per-parameter clipping, the host syncs) as
+  published. Its parts that cannot run here are left out and listed in its
+  ``toggles``. The table's "vs strong" column is each row against it.
 - ``dino_opt``: ``MemoryOptimizedDINOTrainer`` built as ``dino-opt train``
   builds it (global-norm clipping with foreach kernels, no host sync in the
   step, the loss kept on the device, fused AdamW on a GPU) but with every
@@ -104,9 +111,12 @@ from reference_trainer import (  # noqa: E402
 )
 
 TOGGLES = ("loader", "fused_loss", "fused_ema", "bf16", "sdpa", "compile", "checkpointing")
-CASES = ("baseline", "dino_opt", *TOGGLES, "all_no_ckpt", "all")
+#: What the strong baseline adds to the published step, where it can run.
+STRONG_PARTS = ("bf16", "compile")
+CASES = ("baseline", "strong", "dino_opt", *TOGGLES, "all_no_ckpt", "all")
 LABELS = {
     "baseline": "baseline: DINO step as published",
+    "strong": "strong baseline: + bf16, compiled blocks, fused AdamW, foreach EMA",
     "dino_opt": "dino_opt trainer, switches off",
     "loader": "+ native loader",
     "fused_loss": "+ fused loss",
@@ -182,9 +192,12 @@ def unavailable_toggles(device: torch.device, try_compile: bool) -> dict[str, st
 
 
 def case_toggles(case: str, available: list[str]) -> list[str] | None:
-    """The switches a row turns on (None: the baseline trainer)."""
+    """The switches a row turns on (None: the baseline trainer; ``strong``
+    first: the baseline trainer with the strong baseline's parts)."""
     if case == "baseline":
         return None
+    if case == "strong":
+        return ["strong", *(t for t in STRONG_PARTS if t in available)]
     if case == "dino_opt":
         return []
     if case == "all":
@@ -224,6 +237,15 @@ def compile_models(student, teacher, dynamic: bool | None) -> None:
         net.head.compile(dynamic=dynamic)
 
 
+def compile_blocks(student, teacher, dynamic: bool | None) -> None:
+    """torch.compile in place, block by block (each ViT block, each head):
+    what a user adds to the published code without touching its loop."""
+    for net in (student, teacher):
+        for block in net.backbone.blocks:
+            block.compile(dynamic=dynamic)
+        net.head.compile(dynamic=dynamic)
+
+
 class Job:
     """The models, loss, optimizer and trainer of one row; ``step(crops, i)``
     runs training step ``i`` (from the row's first iteration) and returns
@@ -236,7 +258,8 @@ class Job:
         from dino_opt.ops import Schedules
         from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, build_models, param_groups
 
-        self.baseline = toggles is None
+        strong = toggles is not None and "strong" in toggles
+        self.baseline = toggles is None or strong  # the published trainer
         use = set(toggles or ())
         self.device = device = torch.device(s["device"])
         cuda = device.type == "cuda"
@@ -247,7 +270,8 @@ class Job:
                 set_manual_attention(net, manual="sdpa" not in use)
         student, teacher = student.to(device), teacher.to(device)
         if "compile" in use:
-            compile_models(student, teacher, s.get("compile_dynamic", False))
+            compile_net = compile_blocks if strong else compile_models
+            compile_net(student, teacher, s.get("compile_dynamic", False))
         self.schedules = Schedules.dino(
             base_lr=LR * batch_size / 256,
             min_lr=MIN_LR,
@@ -264,13 +288,15 @@ class Job:
         loss_args = (s["out_dim"], ncrops, TEACHER_TEMP, TEACHER_TEMP, 0, EPOCHS, STUDENT_TEMP)
         torch.manual_seed(s["seed"])  # the same drop-path draws in every row
         if self.baseline:
+            fp16 = "fp16" if cuda else "fp32"
             self.trainer = ReferenceDINOTrainer(
                 student,
                 teacher,
                 ReferenceDINOLoss(*loss_args).to(device),
-                torch.optim.AdamW(param_groups(student), lr=0.0),
+                torch.optim.AdamW(param_groups(student), lr=0.0, fused=strong and cuda),
                 device=device,
-                precision="fp16" if cuda else "fp32",
+                precision="bf16" if "bf16" in use else fp16,
+                ema="foreach" if strong else "loop",
                 clip_grad=CLIP,
                 freeze_last_layer=1,
                 lr_schedule=self.schedules.lr,
@@ -758,6 +784,11 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
     notes = [f"{LABELS[c]}: skipped: {skipped[c]}" for c in cases if c in skipped]
     if args.without:
         notes.append(f"left out of every row (--without): {', '.join(args.without)}")
+    left_out = [t for t in STRONG_PARTS if t in skipped]
+    if "strong" in rows_cases and (left_out or device.type != "cuda"):
+        parts = [f"{t} ({skipped[t]})" for t in left_out]
+        parts += [] if device.type == "cuda" else ["fused AdamW (GPU only)"]
+        notes.append(f"{LABELS['strong']}: here without {'; '.join(parts)}")
     batches = {}
     searches = {}
     if config == "max_batch":
@@ -831,6 +862,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         results[case] = r
 
     base = results.get("baseline", {}).get("images_per_s")
+    strong = results.get("strong", {}).get("images_per_s")
     with_batch = config == "max_batch"
     columns = ["case"] + (["batch"] if with_batch else [])
     columns += [
@@ -843,6 +875,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         "loss@10",
         "loss@last",
         "vs baseline",
+        *(["vs strong"] if strong else []),
     ]
     rows = []
     for case, r in results.items():
@@ -867,6 +900,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
             _fmt(losses[9], 4) if len(losses) >= 10 else "n/a",
             _fmt(losses[-1], 4),
             f"{ips / base:.2f}x" if base else "n/a",
+            *([f"{ips / strong:.2f}x"] if strong else []),
         ]
         rows.append(row)
 
@@ -945,7 +979,7 @@ def plot_results(json_path: Path) -> Path:
     ips = [r["images_per_s"] for r in results]
     low = [r["images_per_s"] - r["images_per_s_p10"] for r in results]
     high = [r["images_per_s_p90"] - r["images_per_s"] for r in results]
-    colors = ["tab:gray" if r["case"] == "baseline" else "tab:blue" for r in results]
+    colors = ["tab:gray" if r["case"] in ("baseline", "strong") else "tab:blue" for r in results]
     speed.barh(ys, ips, xerr=[low, high], color=colors, capsize=3)
     speed.set_yticks(ys, labels, fontsize=8)
     speed.set_xlabel("images / s (median; bars: p10-p90)")

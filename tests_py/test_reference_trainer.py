@@ -31,6 +31,8 @@ from reference_trainer import (  # noqa: E402
     ReferenceDINOLoss,
     ReferenceDINOTrainer,
     clip_gradients,
+    ema_update_foreach,
+    ema_update_loop,
     multicrop_forward,
 )
 
@@ -240,6 +242,24 @@ def test_the_busy_share_leaves_out_user_annotations():
     assert covered_fraction(work, 0, 100) == pytest.approx(0.45)
 
 
+def test_the_foreach_ema_is_the_loop(gen):
+    """dinov2's foreach EMA (the strong baseline's) against DINO's loop: the
+    same teacher, in float64 to rounding, in float32 within an ulp or two."""
+    for dtype, tol in ((torch.float64, 1e-15), (torch.float32, 1e-6)):
+        student, teacher = (nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5)).to(dtype)
+                            for _ in range(2))  # fmt: skip
+        for net in (student, teacher):
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype))
+        teachers = [teacher, copy.deepcopy(teacher)]
+        for m in (0.996, 0.9, 0.5):
+            ema_update_loop(student, teachers[0], m)
+            ema_update_foreach(student, teachers[1], m)
+        for a, b in zip(teachers[0].parameters(), teachers[1].parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def test_covered_fraction_against_a_grid():
     rng = random.Random(0)
     for _ in range(50):
@@ -271,7 +291,7 @@ def run_bench(tmp_path, *extra, device="cpu"):
 def test_bench_quick_smoke_in_process(tmp_path):
     payload, stdout = run_bench(tmp_path, "--no-isolate")
     results = {r["case"]: r for r in payload["results"]}
-    ran = {"baseline", "dino_opt", "loader", "fused_loss", "fused_ema", "checkpointing"}
+    ran = {"baseline", "strong", "dino_opt", "loader", "fused_loss", "fused_ema", "checkpointing"}
     assert ran | {"all", "all_no_ckpt"} <= set(results)
     assert {"bf16", "compile", "sdpa"} <= set(payload["skipped"])  # on the CPU, today
     for case, r in results.items():
@@ -282,8 +302,13 @@ def test_bench_quick_smoke_in_process(tmp_path):
     # Same init, same PIL crops, same drop-path draws: the first loss (before
     # any update) agrees between the baseline and every row on the PIL loader.
     base = results["baseline"]["losses"][0]
-    for case in ("dino_opt", "fused_loss", "fused_ema", "checkpointing"):
+    for case in ("strong", "dino_opt", "fused_loss", "fused_ema", "checkpointing"):
         assert results[case]["losses"][0] == pytest.approx(base, rel=1e-4), case
+    # on the CPU the strong baseline is the published step with dinov2's EMA:
+    # the same losses while the EMA has not yet moved the teacher apart
+    assert results["strong"]["toggles"] == ["strong"]
+    assert results["strong"]["losses"] == pytest.approx(results["baseline"]["losses"], rel=1e-4)
+    assert "vs strong" in stdout
     assert len(payload["table"]["rows"]) == len(results)
     assert "vs baseline" in stdout.splitlines()[-3 - len(results)]
     assert stdout.splitlines()[-1] == f"plot: {tmp_path / 'train.png'}"
