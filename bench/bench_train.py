@@ -92,6 +92,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from dino_opt.train import build_models
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -108,6 +111,7 @@ from reference_trainer import (  # noqa: E402
     ReferenceDINOTrainer,
     endless,
     make_pil_loader,
+    multicrop_forward,
 )
 
 TOGGLES = ("loader", "fused_loss", "fused_ema", "bf16", "sdpa", "compile", "checkpointing")
@@ -514,6 +518,40 @@ def largest_batch(
 
 BUSY_STEPS = 3  # profiled steps after the timed ones, for the GPU's busy share
 
+#: Dense bfloat16/float16 matrix rate by datasheet, TFLOP/s, by the device
+#: name's model (SXM parts): the denominator of MFU (``--peak-tflops`` overrides).
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+
+
+def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
+    """The device's dense 16-bit matrix rate in FLOP/s (None: not known)."""
+    if override:
+        return override * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t * 1e12 for model, t in PEAK_TFLOPS.items() if model in name), None)
+
+
+def flops_per_image(s: dict) -> float:
+    """The model FLOPs of one image's training step, counted by
+    ``torch.utils.flop_counter`` on the eager models (CPU, one image): the
+    teacher's forward on the global crops, the student's forward and
+    backward on all crops. Attention goes through SDPA's math kernel, whose
+    matrix products the counter sees (it does not count the CPU's fused
+    attention kernel). Recomputation (checkpointing) is not counted, as MFU
+    leaves it out."""
+    torch.manual_seed(s["seed"])
+    student, teacher = build_models(model_config(s))
+    g, n = s["global_size"], s["local_size"]
+    crops = [torch.randn(1, 3, g, g) for _ in range(2)]
+    crops += [torch.randn(1, 3, n, n) for _ in range(s["n_local"])]
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        with torch.no_grad():
+            multicrop_forward(teacher, crops[:2])
+        multicrop_forward(student, crops).sum().backward()
+    return float(counter.get_total_flops())
+
 
 def covered_fraction(intervals, start: float, end: float) -> float:
     """Share of ``[start, end]`` covered by the union of ``(a, b)`` intervals."""
@@ -863,6 +901,11 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
 
     base = results.get("baseline", {}).get("images_per_s")
     strong = results.get("strong", {}).get("images_per_s")
+    per_image = flops_per_image(s)
+    peak = device_peak_flops(device, args.peak_tflops)
+    for r in results.values():
+        ips = r.get("images_per_s")
+        r["mfu"] = ips * per_image / peak if ips and peak else None
     with_batch = config == "max_batch"
     columns = ["case"] + (["batch"] if with_batch else [])
     columns += [
@@ -871,6 +914,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         "p90",
         "peak MiB",
         *(["GPU busy %"] if device.type == "cuda" else []),
+        *(["MFU %"] if peak else []),
         "loss@1",
         "loss@10",
         "loss@last",
@@ -896,6 +940,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
                 if device.type == "cuda"
                 else []
             ),
+            *([_fmt(100 * r["mfu"], 1)] if peak else []),
             _fmt(losses[0], 4),
             _fmt(losses[9], 4) if len(losses) >= 10 else "n/a",
             _fmt(losses[-1], 4),
@@ -916,6 +961,13 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         "the global norm; otherwise the steps compute the same thing",
         "rows on the native loader see other random crops of the same images (its own "
         "RNG streams), so their losses differ from the PIL rows' by the data",
+        f"model FLOPs per image and step {per_image / 1e9:.2f} G (torch.utils.flop_counter: the "
+        "teacher's forward on the globals, the student's forward and backward on every crop)"
+        + (
+            f"; MFU over a peak of {peak / 1e12:.1f} TFLOP/s"
+            if peak
+            else "; no MFU: this device's peak is not known (--peak-tflops)"
+        ),
         "steps from the first iteration of the recipe's schedules (lr warm-up), epoch "
         f"{s['epoch']}" + (" (last layer frozen)" if s["epoch"] < 1 else ""),
     ]
@@ -949,6 +1001,8 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
             "machine": machine(),
             "build_info": build_info,
             "settings": s,
+            "flops_per_image": per_image,
+            "peak_flops": peak,
             "isolated_processes": isolate,
             "skipped": {c: skipped[c] for c in cases if c in skipped},
             "notes": notes,
@@ -1048,6 +1102,11 @@ def main() -> None:
         help="native loader: colour augmentation in its threads or on the GPU",
     )
     parser.add_argument("--compile", action="store_true", help="also run torch.compile on a CPU")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="the device's dense 16-bit matrix rate for MFU (default: by datasheet for "
+        f"{', '.join(PEAK_TFLOPS)})",
+    )  # fmt: skip
     parser.add_argument("--max-batch-limit", type=int, default=8192)
     parser.add_argument(
         "--no-isolate", action="store_true", help="run the rows in this process, not one each"

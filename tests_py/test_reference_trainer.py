@@ -25,7 +25,13 @@ from torch.autograd import DeviceType
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-from bench_train import covered_fraction, device_work, largest_batch  # noqa: E402
+from bench_train import (  # noqa: E402
+    PRESETS,
+    covered_fraction,
+    device_work,
+    flops_per_image,
+    largest_batch,
+)
 from reference_trainer import (  # noqa: E402
     LoopEMAModel,
     ReferenceDINOLoss,
@@ -258,6 +264,30 @@ def test_the_foreach_ema_is_the_loop(gen):
             ema_update_foreach(student, teachers[1], m)
         for a, b in zip(teachers[0].parameters(), teachers[1].parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_flops_per_image_is_the_vits_count_by_hand():
+    """The bench's MFU numerator for its CPU preset (ViT-T/16, 2x64 + 4x32
+    crops, head 2048-2048-256-4096) against the count written out: per block
+    24 N d^2 + 4 N^2 d, the patch embedding 2 P (3 p^2) d, the head's four
+    products; the teacher's forward on the globals, the student's forward
+    and backward (twice the forward, but the patch embedding's input needs
+    no gradient) on every crop."""
+    s = dict(PRESETS["cpu"], patch_size=16, drop_path_rate=0.0, seed=0)
+    d, depth, p = 192, 12, 16
+    head = 2 * (d * 2048 + 2048 * 2048 + 2048 * 256 + 256 * s["out_dim"])
+
+    def crop(size: int) -> tuple[int, int]:  # (backbone forward, patch embedding)
+        patches = (size // p) ** 2
+        tokens = patches + 1
+        embed = 2 * patches * 3 * p * p * d
+        return depth * (24 * tokens * d * d + 4 * tokens * tokens * d) + embed, embed
+
+    (g, g_embed), (n, n_embed) = crop(s["global_size"]), crop(s["local_size"])
+    student = 2 * (g + head) + s["n_local"] * (n + head)
+    embed = 2 * g_embed + s["n_local"] * n_embed
+    expected = 2 * (g + head) + 3 * student - embed
+    assert flops_per_image(s) == pytest.approx(expected, rel=1e-9)
 
 
 def test_covered_fraction_against_a_grid():
