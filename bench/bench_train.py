@@ -37,7 +37,13 @@ Rows (same model, same initialisation from one seed, same schedules):
   ``compile`` (torch.compile of backbones and heads; GPU only unless
   ``--compile``), ``checkpointing`` (gradient checkpointing of the ViT blocks);
 - ``all_no_ckpt`` and ``all``: every switch available here, without and with
-  checkpointing (which trades speed for memory).
+  checkpointing (which trades speed for memory);
+- ``model_step``: ``all_no_ckpt``'s trainer on crops already on the device
+  (a few random batches made once and cycled: no loader, no copy), the
+  step alone. Beside ``all_no_ckpt`` it says what bounds the end-to-end
+  step (a note): the input when the end-to-end row is clearly slower than
+  it, else the GPU when the GPU is busy through the model step, else the
+  host (launches, syncs).
 
 Configurations: ``recipe`` (GPU): ViT-S/16, 2x224^2 + 8x96^2 crops, out_dim
 65536, batch 64, on a synthetic ImageNet-like JPEG set (bench/synthetic_images.py)
@@ -117,7 +123,12 @@ from reference_trainer import (  # noqa: E402
 TOGGLES = ("loader", "fused_loss", "fused_ema", "bf16", "sdpa", "compile", "checkpointing")
 #: What the strong baseline adds to the published step, where it can run.
 STRONG_PARTS = ("bf16", "compile")
-CASES = ("baseline", "strong", "dino_opt", *TOGGLES, "all_no_ckpt", "all")
+CASES = ("baseline", "strong", "dino_opt", *TOGGLES, "all_no_ckpt", "all", "model_step")
+ON_DEVICE = "on_device"  # the model_step row's marker: crops made on the device
+ON_DEVICE_BATCHES = 4  # random batches the model_step row cycles through
+# An end-to-end step this much slower than the model step is bound by its input;
+# a model step with the GPU busy this share of its time is bound by the GPU.
+INPUT_BOUND, GPU_BOUND = 0.9, 0.9
 LABELS = {
     "baseline": "baseline: DINO step as published",
     "strong": "strong baseline: + bf16, compiled blocks, fused AdamW, foreach EMA",
@@ -131,6 +142,7 @@ LABELS = {
     "checkpointing": "+ grad checkpointing",
     "all_no_ckpt": "all but checkpointing",
     "all": "all together",
+    "model_step": "model step: all but checkpointing, crops on the device",
 }
 
 # The DINO recipe (docs/design.md, "The algorithm").
@@ -208,6 +220,8 @@ def case_toggles(case: str, available: list[str]) -> list[str] | None:
         return list(available)
     if case == "all_no_ckpt":
         return [t for t in available if t != "checkpointing"]
+    if case == "model_step":
+        return [t for t in available if t not in ("checkpointing", "loader")] + [ON_DEVICE]
     return [case]
 
 
@@ -335,6 +349,20 @@ class Job:
         loss, _ = self.trainer.train_step_optimized(crops, self.epoch)
         self.trainer.optimize_step()
         return loss
+
+
+def device_stream(s: dict, batch_size: int):
+    """``(iterator of crop lists, close, stats)`` cycling through
+    ``ON_DEVICE_BATCHES`` batches of random crops made once on the device."""
+    device = torch.device(s["device"])
+    gen = torch.Generator(device=device).manual_seed(s["seed"])
+    g, n = s["global_size"], s["local_size"]
+    shapes = [g] * 2 + [n] * s["n_local"]
+    batches = [
+        [torch.randn(batch_size, 3, x, x, device=device, generator=gen) for x in shapes]
+        for _ in range(ON_DEVICE_BATCHES)
+    ]
+    return endless(batches), batches.clear, None
 
 
 def data_stream(s: dict, native: bool, batch_size: int):
@@ -606,8 +634,11 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
     reset_peak_memory(device)
     niter = max(1, s["data_images"] // batch_size)
     native = toggles is not None and "loader" in toggles
+    on_device = toggles is not None and ON_DEVICE in toggles
     job = Job(s, toggles, batch_size, niter)
-    stream, close, stats_fn = data_stream(s, native, batch_size)
+    stream, close, stats_fn = (
+        device_stream(s, batch_size) if on_device else data_stream(s, native, batch_size)
+    )
     clock = StepClock(device)
     losses = []
     t0 = time.perf_counter()
@@ -643,7 +674,9 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         "peak_memory_bytes": peak_memory(device),
         "gpu_busy": busy,
         "losses": losses,
-        "loader": "native MultiCropLoader" if native else "PIL DataLoader",
+        "loader": "crops on the device"
+        if on_device
+        else ("native MultiCropLoader" if native else "PIL DataLoader"),  # fmt: skip
     }
     if loader_stats is not None:
         result["loader_stats"] = {
@@ -807,6 +840,26 @@ def settings_for(config: str, args, device: torch.device) -> dict:
     return s
 
 
+def bound_verdict(results: dict) -> str | None:
+    """What bounds the end-to-end step (``all_no_ckpt``), read against the
+    model step on crops already on the device (``model_step``): the input,
+    the GPU or the host; None without both rows."""
+    e2e = results.get("all_no_ckpt", {}).get("images_per_s")
+    model = results.get("model_step", {})
+    if not e2e or not model.get("images_per_s"):
+        return None
+    ratio = e2e / model["images_per_s"]
+    said = f"end-to-end at {ratio:.2f}x the model step's images/s"
+    if ratio < INPUT_BOUND:
+        return f"bound by the input: {said}"
+    busy = model.get("gpu_busy")
+    if busy is None:
+        return f"bound by the model step ({said}); no GPU busy share here to tell GPU from host"
+    if busy >= GPU_BOUND:
+        return f"bound by the GPU: {said}, the GPU busy {100 * busy:.0f} % of the model step"
+    return f"bound by the host: {said}, the GPU busy only {100 * busy:.0f} % of the model step"
+
+
 def _fmt(x, digits: int) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -949,6 +1002,9 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         ]
         rows.append(row)
 
+    bound = bound_verdict(results)
+    if bound:
+        notes.append(bound)
     mem_kind = (
         "CUDA allocator peak (models, optimizer state, activations)"
         if device.type == "cuda"
@@ -1002,6 +1058,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
             "build_info": build_info,
             "settings": s,
             "flops_per_image": per_image,
+            "bound": bound,
             "peak_flops": peak,
             "isolated_processes": isolate,
             "skipped": {c: skipped[c] for c in cases if c in skipped},

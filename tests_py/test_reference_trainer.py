@@ -27,6 +27,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 from bench_train import (  # noqa: E402
     PRESETS,
+    bound_verdict,
     covered_fraction,
     device_work,
     flops_per_image,
@@ -290,6 +291,20 @@ def test_flops_per_image_is_the_vits_count_by_hand():
     assert flops_per_image(s) == pytest.approx(expected, rel=1e-9)
 
 
+def test_the_bound_is_read_from_the_model_step():
+    def rows(e2e, model, busy=None):
+        return {"all_no_ckpt": {"images_per_s": e2e},
+                "model_step": {"images_per_s": model, "gpu_busy": busy}}  # fmt: skip
+
+    assert bound_verdict(rows(50.0, 100.0, 0.99)).startswith(
+        "bound by the input: end-to-end at 0.50x"
+    )
+    assert bound_verdict(rows(98.0, 100.0, 0.97)).startswith("bound by the GPU")
+    assert bound_verdict(rows(98.0, 100.0, 0.60)).startswith("bound by the host")
+    assert "no GPU busy share" in bound_verdict(rows(98.0, 100.0))
+    assert bound_verdict({"all_no_ckpt": {"images_per_s": 5.0}}) is None
+
+
 def test_covered_fraction_against_a_grid():
     rng = random.Random(0)
     for _ in range(50):
@@ -339,6 +354,10 @@ def test_bench_quick_smoke_in_process(tmp_path):
     assert results["strong"]["toggles"] == ["strong"]
     assert results["strong"]["losses"] == pytest.approx(results["baseline"]["losses"], rel=1e-4)
     assert "vs strong" in stdout
+    # the model step: all_no_ckpt's trainer on crops made once on the device
+    assert results["model_step"]["loader"] == "crops on the device"
+    assert "loader" not in results["model_step"]["toggles"]
+    assert payload["bound"] and payload["bound"] in payload["notes"]
     assert len(payload["table"]["rows"]) == len(results)
     assert "vs baseline" in stdout.splitlines()[-3 - len(results)]
     assert stdout.splitlines()[-1] == f"plot: {tmp_path / 'train.png'}"
