@@ -498,6 +498,13 @@ class HardwareConfig:
         "torch.compile each ViT block in place (its checkpointing inside), student and "
         "teacher; a ResNet whole",
     )
+    gc_every_steps: int = _opt(
+        50,
+        "Python's garbage collector off during training: its young generations collected every "
+        "N steps, all of it at each epoch's end, never in the middle of a step; 0: Python's "
+        "automatic collection",
+        ge=0,
+    )
     seed: int = _opt(0, "seed of every random choice", ge=0, le=2**32 - 1)
 
     @property

@@ -49,6 +49,7 @@ from ..observe import (
 from ..runtime import (
     GracefulStop,
     HangWatchdog,
+    StepCollector,
     all_reduce_metrics,
     broadcast_object,
     data_place,
@@ -169,6 +170,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self._collapse_streak = 0  # logging intervals in a row with a collapse alert
         self.writer: AsyncCheckpointWriter | None = None  # rank 0, checkpoint.async
         self.watchdog: HangWatchdog | None = None
+        self.collector = StepCollector(0)  # train() sets the configured one
         self.restarts: list[dict] = []  # by the launcher, from the run folder (restarts.json)
         self._pending: list[dict] = []  # failures the launcher recorded: this attempt is a restart
         self.progress_file: ProgressFile | None = None  # several processes: read by the launcher
@@ -446,8 +448,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         elif self.lead and self.config.checkpoint.async_:
             self.writer = AsyncCheckpointWriter(self.checkpoint_manager)
         self.watchdog = self._start_watchdog()
+        self.collector = StepCollector(self.config.hardware.gc_every_steps)
         try:
-            with GracefulStop() as stop:
+            with GracefulStop() as stop, self.collector:
                 if self.step == 0 and self._may_roll_back():
                     self._save("start")  # a checkpoint to go back to
                 stopped_by = self._train_epochs(stop)
@@ -562,6 +565,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
                 self.watchdog.arm()  # from the first step on (not during compilation)
+            self.collector.after_step(self.step)
             if self.progress_file is not None:
                 self.progress_file.update(self.step)
             injected_kill(self.config.debug, self.step, self.rank, len(self.restarts))
@@ -569,6 +573,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 stopped_by = self._at_step_boundary(stop)
                 if stopped_by is not None:
                     return stopped_by
+        self.collector.after_epoch()
         every = self.config.checkpoint.every_epochs
         if every and (epoch + 1) % every == 0 and epoch + 1 < self.config.schedule.epochs:
             loader.set_epoch(epoch + 1)  # the position to resume from

@@ -1,5 +1,7 @@
-"""A run's process: device, precision, process group, collectives, signals, watchdog."""
+"""A run's process: device, precision, process group, collectives, signals, watchdog,
+garbage collection."""
 
+from .collector import StepCollector
 from .device import resolve_device, resolve_precision, with_index
 from .groups import StudentGroups, data_place, student_groups
 from .process import (
@@ -32,6 +34,7 @@ __all__ = [
     "EXIT_HANG",
     "GracefulStop",
     "HangWatchdog",
+    "StepCollector",
     "StudentGroups",
     "TrainingHungError",
     "all_reduce_metrics",
