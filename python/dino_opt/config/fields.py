@@ -499,11 +499,7 @@ class HardwareConfig:
         "teacher; a ResNet whole",
     )
     gc_every_steps: int = _opt(
-        50,
-        "Python's garbage collector off during training: its young generations collected every "
-        "N steps, all of it at each epoch's end, never in the middle of a step; 0: Python's "
-        "automatic collection",
-        ge=0,
+        50, "Python's garbage collector off in training: run every N steps; 0: automatic", ge=0
     )
     seed: int = _opt(0, "seed of every random choice", ge=0, le=2**32 - 1)
 
