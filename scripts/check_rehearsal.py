@@ -32,6 +32,7 @@ STAGE_STEPS = {
               "bench_loss", "bench_ema"],
     "rest": ["bench_profiler", "bench_photometric", "bench_loader", "presets", "fsdp_job",
              "bench_checkpoint"],
+    "step": ["closure", "import", "bench_step"],
 }  # fmt: skip
 # The cache entries that say where the carried dependencies were found.
 CARRIED = ("TURBOJPEG_INCLUDE_DIR", "TURBOJPEG_LIBRARY", "GTest_DIR")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += plan_problems(report)
     if "proof" in stages:
         problems += test_problems(report)
-    for stage in ("proof", "rest"):
+    for stage in ("proof", "rest", "step"):
         if stage in stages:
             benches = [n for n in STAGE_STEPS[stage] if n.startswith("bench_")]
             problems += [

@@ -16,6 +16,9 @@
 #          GPU_CHECK_CARRY (default .gpu-carry) with the digest of the tree.
 #   tests  the proof's build, doctor and tests, the `cuda` tests with 220 s,
 #          and the FSDP job: a second look after a proof with failures.
+#   step   the whole training step settled (bench/bench_train.py, recipe):
+#          the published step, the strong baseline, dino_opt without and
+#          with checkpointing and the model step, 3 interleaved rounds, MFU.
 #   build  the build alone (carried or built here), closure and import.
 #
 # STAGE is one of these or a comma list; `all` is proof,rest. Each stage has a
@@ -332,6 +335,20 @@ stage_rest() {
     --repeats 1 -- --models demo --batch-size 8 --every 1,10 --saves 1 --min-steps 2
 }
 
+# The whole training step, settled: DINO's ViT-S/16 recipe at batch 64, the
+# published step, the strong baseline (bf16, compiled blocks, fused AdamW,
+# foreach EMA), dino_opt's rows without and with checkpointing, and the model
+# step on crops already on the GPU (what bounds the step), in 3 interleaved
+# rounds, with MFU; the rows that do not fit the budget are reported as not run.
+stage_step() {
+  ensure_built || return 1
+  local train=(--config recipe --only baseline,strong,all_no_ckpt,all,model_step --steps 60
+               --warmup 10 --repeats 3)
+  [ "$QUICK" = 1 ] && train=(--config cpu --quick --only baseline,strong,all_no_ckpt,model_step)
+  bench_step bench_step 450 bench/bench_train.py "${train[@]}" --time-budget 430
+  mv -f "$REPORT_DIR/bench_step.png" "$BUILD_DIR/" 2>/dev/null || true
+}
+
 # A stage's budget: one GPU call's, but for a build made on the CPU machine
 # that prepares the call (carry; build in the rehearsal, GPU_CHECK_QUICK=1).
 stage_budget() {
@@ -351,9 +368,10 @@ run_stage() {
     proof) stage_proof ;;
     rest) stage_rest ;;
     tests) stage_tests ;;
+    step) stage_step ;;
     carry) stage_carry ;;
     build) ensure_built ;;
-    *) echo "gpu-check: unknown stage '$stage' (proof, rest, tests, carry, build or all)" | tee -a "$LOG"
+    *) echo "gpu-check: unknown stage '$stage' (proof, rest, tests, step, carry, build or all)" | tee -a "$LOG"
        failed=1 ;;
   esac
   echo "== stage $stage done after $((SECONDS - stage_start)) s" | tee -a "$LOG"
