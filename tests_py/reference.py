@@ -76,8 +76,10 @@ def gram_loss_reference(
     """DINOv3's Gram anchoring loss as its paper describes it, in the inputs'
     dtype: the rows normalised, the full Gram matrices (one per image with
     ``img_level``, else one over all rows), the negative similarities set to 0
-    as asked (``remove_only_teacher_neg``: the teacher's, and the student's
-    where both are negative), then the mean squared difference."""
+    as asked, then the mean squared difference. ``remove_only_teacher_neg``
+    clamps the teacher's similarities only, as dinov3's code runs it: it sets
+    the teacher's negatives to 0 first and then the student's where both are
+    negative, a mask that is then empty."""
     if apply_norm:
         student, teacher = F.normalize(student, dim=-1), F.normalize(teacher, dim=-1)
     if not img_level:
@@ -90,7 +92,7 @@ def gram_loss_reference(
     if remove_neg:
         sim_s = sim_s.masked_fill(sim_s < 0, 0.0)
         sim_t = sim_t.masked_fill(sim_t < 0, 0.0)
-    elif remove_only_teacher_neg:
-        sim_s = sim_s.masked_fill((sim_s < 0) & (sim_t < 0), 0.0)
+    elif remove_only_teacher_neg:  # in dinov3's order: the teacher first
         sim_t = sim_t.masked_fill(sim_t < 0, 0.0)
+        sim_s = sim_s.masked_fill((sim_s < 0) & (sim_t < 0), 0.0)
     return ((sim_s - sim_t) ** 2).mean()

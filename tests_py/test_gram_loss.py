@@ -411,3 +411,18 @@ def test_cuda_errors_name_the_device(gen):
     with pytest.raises(RuntimeError, match="grad is on cpu but student is on cuda"):
         torch.ops.dino_opt.gram_loss_backward(torch.ones(()), student.cuda(), teacher.cuda(),
                                               True, False, False, 0)  # fmt: skip
+
+
+def test_remove_only_teacher_neg_leaves_the_student_as_dinov3_does():
+    """Two patches whose similarity is negative in both matrices: dinov3
+    clamps the teacher's first, so the student's stays -1 (not 0)."""
+    student = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[[1.0, 0.0], [-2.0, 0.0]]], dtype=torch.float64)
+    loss = GramLoss(apply_norm=False, remove_neg=False, remove_only_teacher_neg=True)
+    value = loss(student, teacher)
+    # S S^T = [[1, -1], [-1, 1]], T T^T clamped = [[1, 0], [0, 4]]: (0 + 1 + 1 + 9) / 4
+    assert value.item() == pytest.approx(2.75, abs=1e-12)
+    value.backward()
+    ref = student.detach().clone().requires_grad_(True)
+    gram_loss_reference(ref, teacher, apply_norm=False, remove_only_teacher_neg=True).backward()
+    torch.testing.assert_close(student.grad, ref.grad, rtol=1e-12, atol=1e-12)

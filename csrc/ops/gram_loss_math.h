@@ -11,7 +11,8 @@ namespace dino_opt::gram_loss_detail {
 enum Clamp : int {
   kNoClamp = 0,       // d = s - t
   kClampBoth = 1,     // remove_neg: d = max(s, 0) - max(t, 0)
-  kClampTeacher = 2,  // remove_only_teacher_neg: t < 0 -> t = 0, and s = 0 where s < 0 too
+  kClampTeacher = 2,  // remove_only_teacher_neg: t < 0 -> t = 0, s as it is (dinov3 clamps
+                      // the teacher first, so its mask of pairs where both are negative is empty)
 };
 
 // The difference d of one pair of similarities (student s, teacher t) and its
@@ -23,7 +24,7 @@ DINO_OPT_HD inline A gram_diff(A s, A t, int clamp, A* slope) {
     *slope = A(1);
     return s - t;
   }
-  const bool clamp_student = s < A(0) && (clamp == kClampBoth || t < A(0));
+  const bool clamp_student = s < A(0) && clamp == kClampBoth;
   const A kept_s = clamp_student ? A(0) : s;
   *slope = clamp_student ? A(0) : A(1);
   return kept_s - (t < A(0) ? A(0) : t);

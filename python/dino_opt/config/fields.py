@@ -392,7 +392,7 @@ class RecipeConfig:
     )
     gram_remove_only_teacher_neg: bool = _opt(
         False,
-        "dinov3: clamp the Gram teacher's similarities at 0, the student's where both are negative",
+        "dinov3: clamp the Gram teacher's similarities at 0, the student's left as they are",
     )
     gram_tokens_used: str = _opt(
         "all",

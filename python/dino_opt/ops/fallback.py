@@ -259,11 +259,9 @@ def _gram_diff(student, teacher, apply_norm, remove_neg, remove_only_teacher_neg
     s, norm = _gram_rows(student, apply_norm)
     t, _ = _gram_rows(teacher.to(s.dtype), apply_norm)
     sim_s, sim_t = s @ s.transpose(1, 2), t @ t.transpose(1, 2)
-    keep = torch.ones_like(sim_s, dtype=torch.bool)
-    if remove_neg:
-        keep = sim_s >= 0
-    elif remove_only_teacher_neg:
-        keep = (sim_s >= 0) | (sim_t >= 0)
+    # remove_only_teacher_neg keeps every student similarity: dinov3 clamps the
+    # teacher's first, so its mask of pairs where both are negative is empty
+    keep = sim_s >= 0 if remove_neg else torch.ones_like(sim_s, dtype=torch.bool)
     if remove_neg or remove_only_teacher_neg:
         sim_t = sim_t.clamp_min(0)
     d = torch.where(keep, sim_s, 0) - sim_t
@@ -319,10 +317,8 @@ def gram_clamp_allowance(grad, student, teacher, apply_norm, remove_neg,
     n_s, n_t = s.norm(dim=-1, keepdim=True), t.norm(dim=-1, keepdim=True)
     band_s, band_t = gamma * n_s * n_s.transpose(1, 2), gamma * n_t * n_t.transpose(1, 2)
     near = torch.zeros_like(sim_s, dtype=torch.bool)
-    if remove_neg or remove_only_teacher_neg:
+    if remove_neg:  # only a clamped student makes the slope jump; a clamped teacher is continuous
         near = sim_s.abs() <= band_s
-    if remove_only_teacher_neg:
-        near |= sim_t.abs() <= band_t
     jump = torch.where(near, sim_s.abs() + sim_t.abs() + band_s + band_t, 0)
     count = max(sim_s.numel(), 1)
     loss_bound = float(2 * jump.square().sum() / count)

@@ -15,10 +15,12 @@ class GramLoss(nn.Module):
 
     ``apply_norm``: divide each feature row by its L2 norm first.
     ``remove_neg``: clamp both the student's and the teacher's similarities at
-    0. ``remove_only_teacher_neg``: clamp the teacher's at 0, and the
-    student's only where both are negative. The two options exclude each
-    other. ``img_level`` is taken and kept as dinov3 takes it; as in dinov3,
-    the call's own ``img_level`` (default True) decides.
+    0. ``remove_only_teacher_neg``: clamp the teacher's at 0 and leave the
+    student's as they are, as dinov3's code runs it (it clamps the teacher
+    first, then the student where both are negative: a mask that is then
+    empty). The two options exclude each other. ``img_level`` is taken and
+    kept as dinov3 takes it; as in dinov3, the call's own ``img_level``
+    (default True) decides.
 
     Differences from dinov3: no N x N matrix is made; float64 inputs are
     computed in float64 (dinov3 casts to float32); the target gets no gradient

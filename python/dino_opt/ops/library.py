@@ -249,8 +249,8 @@ def gram_loss(
     ``student`` and ``teacher`` of one shape: ``[B, N, D]`` gives a Gram matrix
     per image (the mean over B x N x N entries), ``[M, D]`` one Gram matrix of
     all M rows (the mean over M x M). ``remove_neg`` clamps both similarities
-    at 0; ``remove_only_teacher_neg`` clamps the teacher's, and the student's
-    only where both are negative (the two exclude each other). Inputs float64,
+    at 0; ``remove_only_teacher_neg`` clamps the teacher's only, as dinov3
+    runs it (the two exclude each other). Inputs float64,
     float32, bfloat16 or float16; arithmetic in float32 (float64 for a float64
     student). No N x N matrix is made: without clamping and with D < N the
     loss goes through D x D matrices, otherwise through tiles of rows.
