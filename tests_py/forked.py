@@ -129,6 +129,15 @@ class ScriptProcess(Forked):
         super().__init__(_script, self.args, env, False, None)
 
 
+def run_script(script: Path, args: list[str], env: dict | None = None, timeout: float = 600) -> (
+        subprocess.CompletedProcess):  # fmt: skip
+    """``python SCRIPT ARGS`` to its end (:class:`ScriptProcess`): its exit
+    status, output and error."""
+    p = ScriptProcess(script, args, env)
+    stdout, stderr = p.communicate(timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
 def run_cli(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
         subprocess.CompletedProcess):  # fmt: skip
     """``dino-opt ARGV`` to its end: its exit status, output and error. A

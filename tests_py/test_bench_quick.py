@@ -7,11 +7,11 @@ the tables in the README and docs match the committed JSON
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from forked import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -24,8 +24,7 @@ TINY_LOSS = ("--quick", "--dim", "4096", "--batch", "2", "--repeats", "1")
 
 def run_bench(script: str, *args: str, out: Path) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, str(ROOT / "bench" / script), *args, "--json", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script(ROOT / "bench" / script, [*args, "--json", str(out)], env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())
 

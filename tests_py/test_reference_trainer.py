@@ -8,7 +8,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from dino_opt import DINOLoss
 from dino_opt.config import apply_overrides, default_config
 from dino_opt.ops import Schedules
 from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, build_models, param_groups
+from forked import run_script
 from torch import nn
 from torch.autograd import DeviceType
 
@@ -326,9 +326,8 @@ def test_covered_fraction_against_a_grid():
 def run_bench(tmp_path, *extra, device="cpu"):
     out = tmp_path / "train.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH / "bench_train.py"), "--quick", "--workers", "1"]
-    cmd += ["--device", device, "--json", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    args = ["--quick", "--workers", "1", "--device", device, "--json", str(out), *extra]
+    proc = run_script(BENCH / "bench_train.py", args, env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
