@@ -242,25 +242,21 @@ def model_config(s: dict):
     )
 
 
-def compile_models(student, teacher, dynamic: bool | None) -> None:
+def compile_models(student, teacher, dynamic: bool | None, per_block: bool = False) -> None:
     """torch.compile in place (parameter names unchanged, so the EMA still
-    pairs them): backbone and head of both networks."""
+    pairs them): backbone and head of both networks, or with ``per_block``
+    each ViT block and each head (what a user adds to the published code
+    without touching its loop). The blocks share one code object, so the
+    recompile limit is raised to hold their graphs (a drop-path rate and a
+    crop size each)."""
     import torch._dynamo
 
     for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, 64)
     for net in (student, teacher):
-        net.backbone.compile(dynamic=dynamic)
-        net.head.compile(dynamic=dynamic)
-
-
-def compile_blocks(student, teacher, dynamic: bool | None) -> None:
-    """torch.compile in place, block by block (each ViT block, each head):
-    what a user adds to the published code without touching its loop."""
-    for net in (student, teacher):
-        for block in net.backbone.blocks:
-            block.compile(dynamic=dynamic)
+        for part in net.backbone.blocks if per_block else (net.backbone,):
+            part.compile(dynamic=dynamic)
         net.head.compile(dynamic=dynamic)
 
 
@@ -274,7 +270,7 @@ class Job:
     ) -> None:
         from dino_opt import DINOLoss
         from dino_opt.ops import Schedules
-        from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, build_models, param_groups
+        from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, param_groups
 
         strong = toggles is not None and "strong" in toggles
         self.baseline = toggles is None or strong  # the published trainer
@@ -288,8 +284,7 @@ class Job:
                 set_manual_attention(net, manual="sdpa" not in use)
         student, teacher = student.to(device), teacher.to(device)
         if "compile" in use:
-            compile_net = compile_blocks if strong else compile_models
-            compile_net(student, teacher, s.get("compile_dynamic", False))
+            compile_models(student, teacher, s.get("compile_dynamic", False), per_block=strong)
         self.schedules = Schedules.dino(
             base_lr=LR * batch_size / 256,
             min_lr=MIN_LR,
@@ -306,14 +301,14 @@ class Job:
         loss_args = (s["out_dim"], ncrops, TEACHER_TEMP, TEACHER_TEMP, 0, EPOCHS, STUDENT_TEMP)
         torch.manual_seed(s["seed"])  # the same drop-path draws in every row
         if self.baseline:
-            fp16 = "fp16" if cuda else "fp32"
+            published = "fp16" if cuda else "fp32"  # DINO's use_fp16 on a GPU
             self.trainer = ReferenceDINOTrainer(
                 student,
                 teacher,
                 ReferenceDINOLoss(*loss_args).to(device),
                 torch.optim.AdamW(param_groups(student), lr=0.0, fused=strong and cuda),
                 device=device,
-                precision="bf16" if "bf16" in use else fp16,
+                precision="bf16" if "bf16" in use else published,
                 ema="foreach" if strong else "loop",
                 clip_grad=CLIP,
                 freeze_last_layer=1,

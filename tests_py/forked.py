@@ -129,13 +129,17 @@ class ScriptProcess(Forked):
         super().__init__(_script, self.args, env, False, None)
 
 
+def _completed(p: Forked, timeout: float) -> subprocess.CompletedProcess:
+    """``p`` waited for: its arguments, exit status, output and error."""
+    stdout, stderr = p.communicate(timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
 def run_script(script: Path, args: list[str], env: dict | None = None, timeout: float = 600) -> (
         subprocess.CompletedProcess):  # fmt: skip
     """``python SCRIPT ARGS`` to its end (:class:`ScriptProcess`): its exit
     status, output and error."""
-    p = ScriptProcess(script, args, env)
-    stdout, stderr = p.communicate(timeout)
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return _completed(ScriptProcess(script, args, env), timeout)
 
 
 def run_cli(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
@@ -144,9 +148,7 @@ def run_cli(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
     launch of rank processes runs its launcher here (:func:`run_launcher`)."""
     if _starts_ranks(argv):
         return run_launcher(argv, env, timeout)
-    p = CliProcess(argv, env)
-    stdout, stderr = p.communicate(timeout)
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return _completed(CliProcess(argv, env), timeout)
 
 
 def _starts_ranks(argv: list[str]) -> bool:
