@@ -17,7 +17,7 @@ from dino_opt.config import ConfigError, apply_overrides, load_config, save_conf
 from dino_opt.train import build_models
 from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
-from tiny import TINY, distill_teacher_net, train_on_ranks
+from tiny import TINY, TINY_DEPTH, distill_teacher_net, train_on_ranks
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
@@ -190,7 +190,9 @@ def test_fsdp_shards_the_frozen_teacher_over_the_ranks(distill_teacher, tmp_path
         assert r["tokens_diff"] < 1e-5 and all(math.isfinite(v) for v in r["losses"])
         units = set(r["student_units"])
         for prefix, depth in (
-            [("", 12)] if not students else [("members.vit_tiny.", 12), ("members.vit_small.", 12)]
+            [("", TINY_DEPTH)]
+            if not students
+            else [("members.vit_tiny.", TINY_DEPTH), ("members.vit_small.", TINY_DEPTH)]
         ):
             assert {f"{prefix}backbone.blocks.{i}" for i in range(depth)} <= units
             assert {f"{prefix}head", prefix.rstrip(".")} <= units

@@ -6,6 +6,7 @@ state-dict names. DINO (v1) behaviour is tests_py/test_models.py's."""
 import pytest
 import torch
 import torch.nn.functional as F
+from dino_opt.config import ConfigError, apply_overrides, default_config
 from dino_opt.models import (
     VisionTransformer,
     build_backbone,
@@ -18,6 +19,7 @@ from dino_opt.models import (
 from dino_opt.models import layers as layers_module
 from dino_opt.models.layers import Attention, LayerScale, SwiGLUFFN, swiglu_hidden_dim
 from dino_opt.models.vit import drop_path_rates, resize_pos_embed
+from dino_opt.train import build_models
 from torch import nn
 
 DIM, HEADS, REG = 32, 4, 4
@@ -328,6 +330,31 @@ def test_state_dict_names_are_dinov2s(ctor, depth, registers):
 
 
 # ---------------------------------------------------------------- builders
+
+
+def test_model_depth_replaces_the_sizes_number_of_blocks():
+    cfg = apply_overrides(
+        default_config(),
+        [
+            "model.backbone=vit_tiny",
+            "model.depth=3",
+            "model.out_dim=16",
+            "model.drop_path_rate=0.2",
+        ],
+    )
+    with torch.device("meta"):
+        student, teacher = build_models(cfg)
+        v3, _ = build_backbone("vit_small_dinov3", depth=2)
+        own, _ = build_backbone("vit_small_dinov3")
+    assert len(student.backbone.blocks) == len(teacher.backbone.blocks) == 3
+    assert [b.drop_path.p for b in student.backbone.blocks] == pytest.approx([0, 0.1, 0.2])
+    assert student.backbone.embed_dim == 192 and student.backbone.num_heads == 3
+    assert len(v3.blocks) == 2 and len(own.blocks) == 12
+    for name in ("resnet18", "convnext_tiny"):
+        with pytest.raises(ValueError, match="ViT options depth do not apply"):
+            build_backbone(name, depth=3)
+    with pytest.raises(ConfigError, match="model.depth"):
+        apply_overrides(default_config(), ["model.depth=0"])
 
 
 def test_build_backbone_and_dino_models_take_the_dinov2_options():

@@ -224,9 +224,7 @@ class ModelConfig:
     qkv_bias: bool = _opt(True, "bias in the ViT attention's qkv projection")
     proj_bias: bool = _opt(True, "bias in the ViT attention's output projection")
     ffn_bias: bool = _opt(True, "biases in the ViT feed-forward layer")
-    drop_path_uniform: bool = _opt(
-        False, "the same stochastic depth rate in every block (DINOv2) instead of a linear ramp"
-    )
+    drop_path_uniform: bool = _opt(False, "one stochastic depth rate in every block (DINOv2)")
     interpolate_offset: float = _opt(
         0.0,
         "position-embedding interpolation offset (DINOv2: 0.1; 0: resize to the exact grid)",
@@ -235,6 +233,7 @@ class ModelConfig:
     interpolate_antialias: bool = _opt(
         False, "anti-aliased bicubic position-embedding interpolation"
     )
+    depth: int | None = _opt(None, "ViT blocks; null: the architecture's own (12 for ViT-S)", ge=1)
     img_size: int | None = _opt(
         None,
         "image side the position embeddings are sized for (official DINOv2 weights: 518); "

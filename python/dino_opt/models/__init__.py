@@ -119,6 +119,7 @@ VIT_OPTIONS = {
     "interpolate_antialias": False,
     "img_size": 224,
     "use_mask_token": False,
+    "depth": None,
 }
 
 
@@ -138,6 +139,7 @@ def build_backbone(
     interpolate_antialias: bool = False,
     img_size: int = 224,
     use_mask_token: bool = False,
+    depth: int | None = None,
     **kwargs,
 ) -> tuple[nn.Module, int]:
     """Build a backbone by name; returns ``(module, embed_dim)``.
@@ -145,7 +147,8 @@ def build_backbone(
     ``name`` is one of ``BACKBONES``. ViTs take ``patch_size``,
     ``drop_path_rate``, the DINOv2 options (see :class:`VisionTransformer`;
     their defaults give DINO's ViT; ``ffn_layer`` None is the architecture's
-    own: ``swiglufused`` for vit_giant2, ``mlp`` otherwise) and further
+    own: ``swiglufused`` for vit_giant2, ``mlp`` otherwise; ``depth`` None
+    is the size's own number of blocks, else replaces it) and further
     :class:`VisionTransformer` keywords. ResNets come from torchvision
     (randomly initialised, ``fc`` replaced by ``Identity`` so the output is the
     pooled feature); ``patch_size``, ``drop_path_rate`` and the ViT options do
@@ -160,9 +163,9 @@ def build_backbone(
                ffn_layer=ffn_layer, qkv_bias=qkv_bias, proj_bias=proj_bias, ffn_bias=ffn_bias,
                drop_path_uniform=drop_path_uniform, interpolate_offset=interpolate_offset,
                interpolate_antialias=interpolate_antialias, img_size=img_size,
-               use_mask_token=use_mask_token)  # fmt: skip
+               use_mask_token=use_mask_token, depth=depth)  # fmt: skip
     if name in _VITS:
-        vit = {k: v for k, v in vit.items() if not (k == "ffn_layer" and v is None)}
+        vit = {k: v for k, v in vit.items() if not (k in ("ffn_layer", "depth") and v is None)}
         model = _VITS[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **vit, **kwargs)
         return model, model.embed_dim
     if name in _DINOV3:
@@ -183,7 +186,7 @@ def build_backbone(
 
 # What a DINOv3 size takes from the ViT options: the rest (storage tokens,
 # LayerScale, biases, MLP, RoPE in place of a position table) is the size's own.
-_DINOV3_TAKES = ("img_size", "use_mask_token")
+_DINOV3_TAKES = ("img_size", "use_mask_token", "depth")
 
 
 def _dinov3_backbone(
@@ -194,7 +197,7 @@ def _dinov3_backbone(
     if changed:
         raise ValueError(f"backbone {name!r} is a DINOv3 size, which fixes {', '.join(changed)} "
                          "(leave them at their defaults)")  # fmt: skip
-    taken = {k: vit_options[k] for k in _DINOV3_TAKES}
+    taken = {k: vit_options[k] for k in _DINOV3_TAKES if vit_options[k] is not None}
     return _DINOV3[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **taken, **kwargs)
 
 

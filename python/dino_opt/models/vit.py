@@ -435,9 +435,10 @@ def _init_weights(m: nn.Module) -> None:
 
 
 def _vit(patch_size: int, dim: int, depth: int, heads: int, kwargs: dict) -> VisionTransformer:
+    # a ``depth`` in kwargs replaces the size's own
     return VisionTransformer(
-        patch_size=patch_size, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0,
-        **kwargs,
+        patch_size=patch_size, embed_dim=dim, num_heads=heads, mlp_ratio=4.0,
+        **({"depth": depth} | kwargs),
     )  # fmt: skip
 
 

@@ -72,6 +72,7 @@ def backbone_options(cfg: Config) -> dict:
         drop_path_uniform=m.drop_path_uniform, interpolate_offset=m.interpolate_offset,
         interpolate_antialias=m.interpolate_antialias,
         img_size=m.img_size or options["img_size"], use_mask_token=options["use_mask_token"],
+        depth=m.depth,
     )  # fmt: skip
 
 

@@ -634,8 +634,8 @@ def _check_dinov3(weights: ExternalWeights, backbone: nn.Module) -> None:
                          "backbones do not load into each other")  # fmt: skip
     if theirs.shape() != mine.shape():
         raise ValueError(f"{weights.path}: the weights hold {theirs.describe()}, the model is "
-                         f"{mine.describe()} (set model.backbone and model.patch_size to "
-                         "match)")  # fmt: skip
+                         f"{mine.describe()} (set model.backbone, model.patch_size and "
+                         "model.depth to match)")  # fmt: skip
     if theirs.num_heads and theirs.num_heads != mine.heads:
         raise ValueError(f"{weights.path}: the weights have {theirs.num_heads} heads, the "
                          f"model {mine.heads}")  # fmt: skip
@@ -654,8 +654,8 @@ def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
         if theirs.shape() != mine.shape():
             raise ValueError(
                 f"{weights.path}: the weights hold {theirs.describe()}, the model is "
-                f"{mine.describe()} (set model.backbone and model.patch_size, and "
-                "model.num_register_tokens and model.ffn_layer, to match)"
+                f"{mine.describe()} (set model.backbone, model.patch_size and model.depth, "
+                "and model.num_register_tokens and model.ffn_layer, to match)"
             )
         if theirs.num_heads and theirs.num_heads != backbone.num_heads:
             raise ValueError(f"{weights.path}: the weights have {theirs.num_heads} heads, the "
