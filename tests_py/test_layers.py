@@ -37,14 +37,15 @@ LAYERS = {
     # L8: starting several processes of it; the install's self-check
     "dino_opt.distributed": 8,
     "dino_opt.doctor": 8,
-    "dino_opt.probing": 8,  # the probe and picture commands
+    # L9: the probe, picture and embedding commands (embedding starts processes)
+    "dino_opt.probing": 9,
     # faces: the command line, the course's names, the package; the torchrun entry
-    "dino_opt.cli": 9,
-    "dino_opt.lessons": 9,
-    "dino_opt.dinov2": 9,
-    "dino_opt.dinov3": 9,
-    "dino_opt": 9,
-    "dino_opt.train.__main__": 10,
+    "dino_opt.cli": 10,
+    "dino_opt.lessons": 10,
+    "dino_opt.dinov2": 10,
+    "dino_opt.dinov3": 10,
+    "dino_opt": 10,
+    "dino_opt.train.__main__": 11,
 }
 
 

@@ -15,7 +15,13 @@ from dino_opt.config import apply_overrides, default_config
 from dino_opt.data import builtin_dataset
 from dino_opt.models import VisionTransformer
 from dino_opt.train import build_models, build_optimizer
-from dino_opt.weights import evaluate_weights, export_weights, init_from, read_weights
+from dino_opt.weights import (
+    evaluate_weights,
+    export_weights,
+    init_from,
+    open_backbone,
+    read_weights,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny import TINY
@@ -226,6 +232,33 @@ def test_knn_on_exported_weights_equals_the_run(run, tiny_data, tmp_path, capsys
     assert result["test_top1"] == report["knn_test_top1_trained"]
     direct = evaluate_weights(run, tiny_data, image_size=32, device="cpu")  # a run folder too
     assert direct["format"] == "dino_opt" and direct["top1"] == result["top1"]
+
+
+@pytest.mark.parametrize("fmt,name", [("timm", "t.safetensors"), ("hf", "hf"),
+                                      ("dinov2", "v2.pth"), ("dino", "d.pth")])  # fmt: skip
+def test_an_export_carries_the_input_it_was_trained_at(run, tiny_data, tmp_path, capsys, fmt,
+                                                      name):  # fmt: skip
+    """TINY trains at 32 px with a position table for 224: every export says
+    32 (and ImageNet's normalisation), and evaluating it without a size gives
+    the run's own figures."""
+    report = json.loads((run / "report.json").read_text())
+    exported = _cli(capsys, "export", str(run), "--format", fmt, "--output",
+                    str(tmp_path / name))  # fmt: skip
+    trained = read_weights(exported["path"]).training
+    assert trained == {"image_size": 32, "mean": [0.485, 0.456, 0.406],
+                       "std": [0.229, 0.224, 0.225]}  # fmt: skip
+    assert read_weights(run).training == trained
+    assert open_backbone(exported["path"]).image_size == 32
+    result = evaluate_weights(exported["path"], tiny_data, device="cpu")
+    assert result["image_size"] == 32 and result["top1"] == report["knn_top1_trained"]
+    if fmt == "hf":  # transformers keeps the extra key and loads the model
+        model = transformers.AutoModel.from_pretrained(exported["path"])
+        assert model.config.dino_opt_training["image_size"] == 32
+    if fmt in ("dinov2", "dino"):  # torch files: the record sits beside them
+        sidecar = tmp_path / f"{name}.json"
+        sidecar.write_text('{"dino_opt_training": {"image_size": 0}}')
+        with pytest.raises(ValueError, match=f"{sidecar}: its dino_opt_training record"):
+            read_weights(exported["path"])
 
 
 def test_errors_name_the_problem(run, tiny_data, tmp_path, capsys, gen):

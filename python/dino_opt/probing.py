@@ -1,25 +1,33 @@
-"""The ``dino-opt eval`` and ``dino-opt show`` commands: probes and
-pictures of a frozen backbone from a run, a checkpoint or weights in any
-format.
+"""The ``dino-opt eval``, ``dino-opt show`` and ``dino-opt embed`` commands:
+probes, pictures and embeddings of a frozen backbone from a run, a
+checkpoint or weights in any format.
 
 ``dino-opt eval linear SOURCE [--data ROOT] [--mode fast|augmented]`` trains
 DINOv2's grid of linear classifiers (and, in the fast mode, its logistic
 regression) and prints the best rows; ``dino-opt eval dense SOURCE`` trains
 DINOv3's linear segmentation head where the data has masks; both write the
 whole result as JSON with ``--output``. ``dino-opt show attention|pca SOURCE
-IMAGE ... --output-dir DIR`` writes one PNG per image.
+IMAGE ... --output-dir DIR`` writes one PNG per image. ``dino-opt embed
+SOURCE DATA -o FILE`` writes every image's class token and mean patch token
+(and with ``--patch-maps`` its patch tokens) with its path, on ``--nproc``
+processes (one per GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import tempfile
 from pathlib import Path
 
-from .eval import probe_table
-from .weights import run_dense_probe, run_linear_probe, show_weights
+from .distributed.agent import WorkerFailedError, run_agent
+from .eval import EMBED_FORMATS, probe_table
+from .observe import RunFolder
+from .runtime import init_distributed
+from .weights import embed_weights, run_dense_probe, run_linear_probe, show_weights
 
-__all__ = ["add_eval", "add_show"]
+__all__ = ["add_embed", "add_eval", "add_show"]
 
 
 def _write_json(result: dict, output: str | None) -> None:
@@ -122,3 +130,57 @@ def add_show(sub) -> None:
         help="attention: the share of attention mass the thresholded map keeps (default 0.6)",
     )
     s.set_defaults(run=_show)
+
+
+def _embed_here(args: dict) -> dict:
+    """One process's part of ``dino-opt embed`` (all of it when alone): it
+    joins the launch's process group, if any, and embeds its shard."""
+    info = init_distributed(args["device"])
+    return embed_weights(
+        args["source"], args["data"], args["output"], which=args["which"],
+        image_size=args["image_size"], device=info.device, progress=info.rank == 0,
+        batch_size=args["batch_size"], patch_maps=args["patch_maps"],
+    )  # fmt: skip
+
+
+def _embed(args: argparse.Namespace) -> int:
+    if Path(args.output).suffix not in EMBED_FORMATS:
+        print(f"dino-opt embed: --output {args.output!r}: the file type must be one of "
+              f"{', '.join(EMBED_FORMATS)}", file=sys.stderr)  # fmt: skip
+        return 2
+    options = {k: getattr(args, k) for k in ("source", "data", "output", "which", "image_size",
+                                             "batch_size", "patch_maps", "device")}  # fmt: skip
+    if args.nproc > 1:
+        with tempfile.TemporaryDirectory(prefix="dino_opt-embed-") as folder:
+            try:
+                done = run_agent(_embed_here, (options,), folder=RunFolder(folder),
+                                 nproc=args.nproc)[0]  # fmt: skip
+            except WorkerFailedError as e:
+                print(f"dino-opt embed: {e}", file=sys.stderr)
+                return 1
+    else:
+        done = _embed_here(options)
+    for line in done["failed"]:
+        print(f"unreadable: {line}", file=sys.stderr)
+    print(f"embedded {done['images']} images ({done['dim']} features each, at "
+          f"{done['image_size']} px) with {done['backbone']}'s {done['which']}; "
+          f"{len(done['failed'])} unreadable; wrote {', '.join(done['files'])}")  # fmt: skip
+    return 0
+
+
+def add_embed(sub) -> None:
+    m = sub.add_parser("embed", help="the embeddings of every image of a data source")
+    _source_arguments(m)
+    m.add_argument("data", help="images: a folder (with or without class folders), a file "
+                   "list, tar shards or a Hugging Face data set")  # fmt: skip
+    m.add_argument("-o", "--output", required=True,
+                   help=f"the file to write ({', '.join(EMBED_FORMATS)})")  # fmt: skip
+    m.add_argument("--image-size", type=int,
+                   help="the side images are resized and cropped to (default: the one the "
+                   "weights were trained at, else their position table's)")  # fmt: skip
+    m.add_argument("--patch-maps", action="store_true",
+                   help="also each image's patch tokens, [N, D, rows, cols] (ViTs)")  # fmt: skip
+    m.add_argument("--batch-size", type=int, default=64, help="default 64")
+    m.add_argument("--nproc", type=int, default=1,
+                   help="processes, each embedding its share (one per GPU; default 1)")  # fmt: skip
+    m.set_defaults(run=_embed)

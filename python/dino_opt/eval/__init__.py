@@ -1,8 +1,10 @@
 """Evaluating features: DINO's weighted k-NN and t-SNE, DINOv2's linear
 probe grid and logistic regression, DINOv3's dense linear probe, the
-attention and PCA pictures, and the evaluation of checkpoints and runs."""
+attention and PCA pictures, embeddings of any images, and the evaluation
+of checkpoints and runs."""
 
 from .dense import DenseLinearHead, dense_probe, dense_probe_root, segmentation_metrics
+from .embed import EMBED_FORMATS, Embeddings, embed_images, write_embeddings
 from .evaluate import (
     draw_pictures,
     evaluate_backbone,
@@ -40,7 +42,9 @@ from .pictures import (
 )
 
 __all__ = [
+    "EMBED_FORMATS",
     "DenseLinearHead",
+    "Embeddings",
     "EvalImageFolder",
     "EvalLoader",
     "LinearProbeGrid",
@@ -51,6 +55,7 @@ __all__ = [
     "dense_probe",
     "dense_probe_root",
     "draw_pictures",
+    "embed_images",
     "evaluate_backbone",
     "evaluate_checkpoint",
     "evaluate_run",
@@ -73,4 +78,5 @@ __all__ = [
     "tsne",
     "tsne_plot",
     "verdict",
+    "write_embeddings",
 ]

@@ -143,21 +143,24 @@ def _nanmean_percent(values: torch.Tensor) -> float:
 # ---------------------------------------------------------------- features
 
 
-def patch_feature_map(backbone: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """The last layer's normalised patch tokens of ``images`` [B, 3, H, W]
-    as a ``[B, D, H / p, W / p]`` map (p the patch size; class and register
-    tokens dropped). ``backbone`` has DINOv2's ``forward_features`` (a dict
-    with ``x_norm_patchtokens``) and a ``patch_size``."""
+def vit_outputs(
+    backbone: nn.Module, images: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """``(cls [B, D], patch tokens [B, n, D], (rows, cols))`` of ``images``
+    [B, 3, H, W]: the last layer's normalised tokens (register tokens
+    dropped) and the patch grid. ``backbone`` has DINOv2's
+    ``forward_features`` (a dict with ``x_norm_clstoken`` and
+    ``x_norm_patchtokens``) and a ``patch_size``."""
     if not callable(getattr(backbone, "forward_features", None)):
         raise ValueError(
             f"the backbone ({type(backbone).__name__}) has no forward_features; "
-            "the dense probe needs a ViT's patch tokens"
+            "patch features need a ViT's patch tokens"
         )
     out = backbone.forward_features(images)
-    if not isinstance(out, dict) or "x_norm_patchtokens" not in out:
+    if not isinstance(out, dict) or not {"x_norm_clstoken", "x_norm_patchtokens"} <= set(out):
         raise ValueError(
             f"{type(backbone).__name__}.forward_features must return a dict "
-            "with 'x_norm_patchtokens'"
+            "with 'x_norm_clstoken' and 'x_norm_patchtokens'"
         )
     tokens = out["x_norm_patchtokens"]
     p = getattr(backbone, "patch_size", None)
@@ -168,7 +171,20 @@ def patch_feature_map(backbone: nn.Module, images: torch.Tensor) -> torch.Tensor
             f"{tuple(tokens.shape)} patch tokens for images "
             f"{tuple(images.shape[-2:])} with patch {p}: expected {h * w} tokens"
         )
-    return tokens.transpose(1, 2).reshape(len(images), -1, h, w)
+    return out["x_norm_clstoken"], tokens, (h, w)
+
+
+def patch_feature_map(backbone: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The last layer's normalised patch tokens of ``images`` [B, 3, H, W]
+    as a ``[B, D, H / p, W / p]`` map (:func:`vit_outputs`' tokens, p the
+    patch size)."""
+    _, tokens, grid = vit_outputs(backbone, images)
+    return tokens_as_map(tokens, grid)
+
+
+def tokens_as_map(tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """Patch tokens ``[B, rows * cols, D]`` as a ``[B, D, rows, cols]`` map."""
+    return tokens.transpose(1, 2).reshape(len(tokens), -1, *grid)
 
 
 class _Pairs(torch.utils.data.Dataset):

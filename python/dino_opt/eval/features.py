@@ -27,14 +27,15 @@ from ..data import DataSource, LoaderError, NativeLoaderHandle, open_source
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from ..ops.native import _C
 
-__all__ = ["EvalImageFolder", "EvalLoader", "extract_features"]
+__all__ = ["EvalImageFolder", "EvalLoader", "amp_dtype_of", "extract_features", "gather_rows",
+           "shard_of"]  # fmt: skip
 
 _DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit, as the loader's
 
 
-def _labels_of(source: DataSource) -> torch.Tensor:
+def _labels_of(source: DataSource, labelled: bool = True) -> torch.Tensor:
     labels = source.labels()
-    if len(labels) and int(labels.min()) < 0:
+    if labelled and len(labels) and int(labels.min()) < 0:
         raise ValueError(
             f"{source.spec!r} has images without a label (no class folders, .cls members or "
             "label column); k-NN and linear evaluation need labelled data"
@@ -135,7 +136,8 @@ class EvalLoader(NativeLoaderHandle):
 
     ``source``: what :func:`~dino_opt.data.open_source` opens (folders, file
     lists, tar shards, Hugging Face data sets) or a
-    :class:`~dino_opt.data.DataSource`; every image needs a label. Each image
+    :class:`~dino_opt.data.DataSource`; every image needs a label unless
+    ``labelled`` is False. Each image
     is decoded (libjpeg-turbo; PNG and others through OpenCV), resized and
     centre-cropped in one pass of PIL's anti-aliased bicubic (the crop's box in
     the full image, filtered as resizing the whole image first does), and
@@ -150,8 +152,11 @@ class EvalLoader(NativeLoaderHandle):
     fewer (a file source's rank ``r`` takes images ``r, r + world, ...``,
     a shard source's ranks contiguous runs); ``indices`` are this rank's.
     Iterating yields ``(images, labels, indices)`` (labels and data set
-    indices int64 ``[B]``); an unreadable image raises ``ValueError`` naming
-    it. ``close()`` (or ``with``) stops the threads.
+    indices int64 ``[B]``; -1 for an image without one when not
+    ``labelled``); an unreadable image raises ``ValueError`` naming it, or
+    with ``on_error="skip"`` is replaced by another image (with that image's
+    index) and listed in ``stats()["skipped_files"]``. ``close()`` (or
+    ``with``) stops the threads.
     """
 
     def __init__(
@@ -171,11 +176,15 @@ class EvalLoader(NativeLoaderHandle):
         std: Sequence[float] = IMAGENET_STD,
         dct_scaling: bool = False,
         max_pixels: int = _DEFAULT_MAX_PIXELS,
+        labelled: bool = True,
+        on_error: str = "raise",
     ) -> None:
         self._native = None
         _check_size(image_size)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.source = open_source(source)
-        self.targets = _labels_of(self.source)
+        self.targets = _labels_of(self.source, labelled)
         self.named = bool(self.source.classes)
         self.classes = _class_names(self.source, self.targets)
         if pin_memory is None:
@@ -184,7 +193,7 @@ class EvalLoader(NativeLoaderHandle):
             self.source.native, **_native_options(
                 image_size, batch_size, resize_size, rank, world_size, num_threads, prefetch,
                 dtype, pin_memory, mean, std, dct_scaling, max_pixels,
-            )
+            ), skip_errors=on_error == "skip",
         )  # fmt: skip
         self.image_size, self.batch_size = image_size, batch_size
         self.rank, self.world_size = int(rank), int(world_size)
@@ -235,7 +244,7 @@ def _native_options(
         num_threads=0 if num_threads is None else int(num_threads), prefetch=int(prefetch),
         seed=0, rank=int(rank), world_size=int(world_size), shuffle=False, drop_last=False,
         pad_shards=False, exact_shards=True, dtype=_DTYPE_NAMES[dtype], channels_last=False,
-        photometric=True, pin_memory=bool(pin_memory), skip_errors=False,
+        photometric=True, pin_memory=bool(pin_memory),
         max_pixels=int(max_pixels), mean=[float(v) for v in mean], std=[float(v) for v in std],
         dct_scaling=bool(dct_scaling), shuffle_buffer=1,
     )  # fmt: skip
@@ -244,7 +253,7 @@ def _native_options(
 # ---------------------------------------------------------------- extraction
 
 
-def _amp_dtype(amp: bool | torch.dtype | None, device: torch.device) -> torch.dtype | None:
+def amp_dtype_of(amp: bool | torch.dtype | None, device: torch.device) -> torch.dtype | None:
     if amp is None:  # the default: bf16 on a GPU, full precision elsewhere
         amp = device.type == "cuda"
     if amp is False:
@@ -256,7 +265,7 @@ def _amp_dtype(amp: bool | torch.dtype | None, device: torch.device) -> torch.dt
     return torch.bfloat16
 
 
-def _ranks(distributed: bool | None) -> tuple[int, int]:
+def shard_of(distributed: bool | None) -> tuple[int, int]:
     """(rank, world) to shard over: (0, 1) unless ``distributed`` (None: when
     a process group of more than one rank is initialised)."""
     ready = dist.is_available() and dist.is_initialized()
@@ -302,7 +311,7 @@ def _run(model, batches: Iterable, device, amp_dtype, normalize, with_indices: b
     return feats, labels, indices
 
 
-def _gather(features: torch.Tensor, indices: torch.Tensor, n: int, device) -> torch.Tensor:
+def gather_rows(features: torch.Tensor, indices: torch.Tensor, n: int, device) -> torch.Tensor:
     """Every rank's rows (padded to the longest shard for all_gather, then
     trimmed) put at their data set indices: ``[n, D]`` on every rank."""
     comm = (
@@ -330,7 +339,7 @@ def _gather(features: torch.Tensor, indices: torch.Tensor, n: int, device) -> to
 
 
 def _native_features(model, source, device, batch_size, normalize, amp_dtype, options):
-    rank, world = _ranks(options.pop("distributed"))
+    rank, world = shard_of(options.pop("distributed"))
     with EvalLoader(
         source, batch_size=batch_size, rank=rank, world_size=world,
         pin_memory=device.type == "cuda", **options,
@@ -345,7 +354,7 @@ def _native_features(model, source, device, batch_size, normalize, amp_dtype, op
         out = torch.empty(n, dim)
         out[mine_at] = mine
         return out, labels
-    return _gather(mine, mine_at, n, device), labels
+    return gather_rows(mine, mine_at, n, device), labels
 
 
 @torch.no_grad()
@@ -387,7 +396,7 @@ def extract_features(
     ``ValueError``.
     """
     device = torch.device(device)
-    amp_dtype = _amp_dtype(amp, device)
+    amp_dtype = amp_dtype_of(amp, device)
     if isinstance(loader_or_dataset, (str, os.PathLike, DataSource)):
         if num_workers:
             native.setdefault("num_threads", num_workers)

@@ -4,6 +4,7 @@ from .layouts import ViTArch
 from .layouts_dinov3 import DinoV3Arch
 from .probes import (
     OpenedBackbone,
+    embed_weights,
     open_backbone,
     probe_data,
     run_dense_probe,
@@ -28,6 +29,7 @@ __all__ = [
     "ExternalWeights",
     "FORMATS",
     "OpenedBackbone",
+    "embed_weights",
     "OpenedTeacher",
     "ViTArch",
     "evaluate_weights",

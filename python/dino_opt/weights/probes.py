@@ -6,7 +6,8 @@ judge it on (``dino-opt eval linear|dense``, ``dino-opt show``).
 :func:`probe_data` finds the labelled splits (``--data ROOT`` with
 ``train/``, ``val/`` and ``test/``, or the data of a run's config);
 :func:`run_linear_probe` and :func:`run_dense_probe` run the probes of
-:mod:`dino_opt.eval` on them, :func:`show_weights` draws their pictures.
+:mod:`dino_opt.eval` on them, :func:`show_weights` draws their pictures and
+:func:`embed_weights` writes the embeddings of any images.
 """
 
 from __future__ import annotations
@@ -15,30 +16,45 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import Config
 from ..data import segmentation_splits, source_exists
-from ..eval import ProbeData, dense_probe, linear_probe, load_checkpoint, show
+from ..eval import (
+    ProbeData,
+    dense_probe,
+    embed_images,
+    linear_probe,
+    load_checkpoint,
+    show,
+    write_embeddings,
+)
+from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from ..runtime import resolve_device
 from ..train import data_roots
 from .reading import read_weights
 from .transfer import evaluation_backbone, load_strict
 
-__all__ = ["OpenedBackbone", "open_backbone", "probe_data", "run_dense_probe",
+__all__ = ["OpenedBackbone", "embed_weights", "open_backbone", "probe_data", "run_dense_probe",
            "run_linear_probe", "show_weights"]  # fmt: skip
 
 
 class OpenedBackbone(NamedTuple):
     """A backbone with its weights loaded: ``net``, the input ``image_size``
-    it was trained or exported for, the weights' ``format`` and ``name``,
-    and the run's ``config`` where the weights came from dino_opt training."""
+    it was trained at (where the run or the export says it, else the size
+    its position table was made for), the weights' ``format`` and ``name``,
+    the run's ``config`` where the weights came from dino_opt training, and
+    the normalisation's ``mean`` and ``std``."""
 
     net: nn.Module
     image_size: int
     format: str
     name: str
     config: Config | None
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
 
 
 def _run_config(path: Path) -> Config | None:
@@ -62,9 +78,10 @@ def open_backbone(path: str | os.PathLike, which: str = "teacher") -> OpenedBack
     net, native = evaluation_backbone(weights, sd)
     load_strict(net, sd, "backbone", weights.path)
     cfg = _run_config(Path(path)) if weights.format == "dino_opt" else None
-    # the training crops' side (with crop-size pairs: the first pair's)
-    size = cfg.augmentation.crop_size_pairs[0][0] if cfg is not None else native
-    return OpenedBackbone(net.eval(), size, weights.format, weights.backbone, cfg)
+    trained = weights.training or {"image_size": native}
+    norm = {k: tuple(trained[k]) for k in ("mean", "std") if k in trained}
+    return OpenedBackbone(net.eval(), trained["image_size"], weights.format, weights.backbone,
+                          cfg, **norm)  # fmt: skip
 
 
 def probe_data(opened: OpenedBackbone, data: str | os.PathLike | None) -> tuple[Path, ...]:
@@ -134,3 +151,28 @@ def show_weights(path: str | os.PathLike, images, kind: str = "attention",
     Images keep their aspect; their longer side becomes ``image_size``
     (default 448 px, in whole patches)."""
     return show(open_backbone(path, which).net, images, kind, output_dir, image_size, **options)
+
+
+def embed_weights(path: str | os.PathLike, data, output: str | os.PathLike, *,
+                  which: str = "teacher", image_size: int | None = None,
+                  device: str | torch.device = "cpu", progress: bool = False,
+                  **options) -> dict:  # fmt: skip
+    """:func:`~dino_opt.eval.embed_images` of every image of ``data`` under
+    the ``which`` backbone of the weights at ``path``, at the size and
+    normalisation it was trained at (``image_size`` overrides the size),
+    written to ``output`` (:func:`~dino_opt.eval.write_embeddings`; by rank 0
+    only when a process group shards the work). ``options``: ``batch_size``,
+    ``patch_maps``, ``amp``, ``num_threads``. Returns what was done:
+    ``images`` embedded, ``failed`` (``"name: cause"``), ``files`` written."""
+    opened = open_backbone(path, which)
+    size = image_size or opened.image_size
+    emb = embed_images(opened.net.to(device), data, size, device=device, mean=opened.mean,
+                       std=opened.std, progress=progress, **options)  # fmt: skip
+    meta = {"weights": str(path), "format": opened.format, "backbone": opened.name,
+            "which": which, "image_size": size, "mean": list(opened.mean),
+            "std": list(opened.std), "data": str(data), "images": len(emb.names),
+            "failed": len(emb.failed)}  # fmt: skip
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    files = write_embeddings(emb, output, meta) if first else []
+    return {**meta, "failed": emb.failed, "files": [str(f) for f in files],
+            "dim": emb.cls.shape[1]}  # fmt: skip

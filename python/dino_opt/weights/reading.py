@@ -45,7 +45,10 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from ..checkpoint import atomic_write
+from ..config import Config
 from ..eval import load_checkpoint
+from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from .layouts import ViTArch, from_hf_dinov2, from_hf_vit, from_timm, is_chunked, unchunk, vit_arch
 from .layouts_dinov3 import (
     DinoV3Arch,
@@ -57,7 +60,13 @@ from .layouts_dinov3 import (
     rope_from_periods,
 )
 
-__all__ = ["ExternalWeights", "read_weights", "sub_dict"]
+__all__ = ["TRAINING_KEY", "ExternalWeights", "read_weights", "sub_dict", "training_input",
+           "training_sidecar", "write_training_sidecar"]  # fmt: skip
+
+#: Where an export keeps the input its network was trained at: a safetensors
+#: metadata key, a Hugging Face config.json key, the key of a torch file's
+#: sidecar (:func:`training_sidecar`).
+TRAINING_KEY = "dino_opt_training"
 
 _HF_PREFIXES = ("embeddings.", "vit.embeddings.", "dinov2.embeddings.",
                 "dinov2_with_registers.embeddings.")  # fmt: skip
@@ -74,7 +83,10 @@ class ExternalWeights:
     training checkpoint, and for a ViT its ``arch`` (shapes, registers,
     LayerScale, FFN, biases, mask token; the heads and the position
     interpolation where the file says them): a :class:`ViTArch`, or a
-    :class:`DinoV3Arch` for DINOv3's ViT (its size, options and RoPE)."""
+    :class:`DinoV3Arch` for DINOv3's ViT (its size, options and RoPE); and
+    the input the network was trained at, where a dino_opt run or export
+    says it (``training``: ``image_size``, ``mean``, ``std``;
+    :func:`training_input`), else None."""
 
     path: Path
     format: str
@@ -84,6 +96,7 @@ class ExternalWeights:
     patch_size: int | None = None
     center: torch.Tensor | None = None
     arch: ViTArch | DinoV3Arch | None = None
+    training: dict | None = None
 
 
 class _Raw(NamedTuple):
@@ -94,11 +107,74 @@ class _Raw(NamedTuple):
     heads: int | None = None
     interpolation: tuple[float, bool] = (0.0, False)
     rope: RopeSpec | None = None
+    training: dict | None = None
 
 
 def sub_dict(state: dict, prefix: str) -> dict:
     """The entries of ``state`` under ``prefix``, the prefix removed."""
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def training_input(cfg: Config) -> dict:
+    """The input a run of ``cfg`` trains at: ``image_size``, the global
+    crops' side (with crop-size pairs: the first pair's), and the
+    normalisation's ``mean`` and ``std``."""
+    return {"image_size": int(cfg.augmentation.crop_size_pairs[0][0]),
+            "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}  # fmt: skip
+
+
+def training_sidecar(path: Path) -> Path:
+    """The JSON file beside a torch weights file that holds its training input."""
+    return path.with_name(path.name + ".json")
+
+
+def write_training_sidecar(path: Path, training: dict) -> None:
+    """Writes ``training`` (:func:`training_input`) beside the torch weights file ``path``."""
+    text = json.dumps({TRAINING_KEY: training}, indent=2) + "\n"
+    atomic_write(training_sidecar(path), lambda f: f.write(text.encode()))
+
+
+def _checked_training(value, where: str) -> dict | None:
+    try:
+        out = json.loads(value) if isinstance(value, str) else value
+        size, mean, std = int(out["image_size"]), out["mean"], out["std"]
+        if size < 1 or len(mean) != 3 or len(std) != 3:
+            raise ValueError("out of range")
+        return {"image_size": size, "mean": [float(v) for v in mean],
+                "std": [float(v) for v in std]}  # fmt: skip
+    except (TypeError, KeyError, ValueError) as e:
+        raise ValueError(f"{where}: its {TRAINING_KEY} record is not valid ({e})") from None
+
+
+def _run_training(ckpt: dict, path: Path) -> dict | None:
+    """The training input of a dino_opt checkpoint's config (None without one)."""
+    if not isinstance(ckpt.get("config"), dict):
+        return None
+    try:
+        return training_input(Config.from_dict(ckpt["config"]))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"checkpoint {str(path)!r}: its config is not valid: {e}") from e
+
+
+def _recorded_training(path: Path) -> dict | None:
+    """The training input an export records: in a Hugging Face folder's
+    config.json, a safetensors file's metadata or a torch file's sidecar."""
+    if path.is_dir():
+        config = path / "config.json"
+        value = json.loads(config.read_text()).get(TRAINING_KEY) if config.is_file() else None
+        return None if value is None else _checked_training(value, str(config))
+    if _is_safetensors(path):
+        with safe_open(str(path), "pt") as f:
+            value = (f.metadata() or {}).get(TRAINING_KEY)
+        return None if value is None else _checked_training(value, str(path))
+    sidecar = training_sidecar(path)
+    if not sidecar.is_file():
+        return None
+    try:
+        value = json.loads(sidecar.read_text()).get(TRAINING_KEY)
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{sidecar}: not a JSON object ({e})") from None
+    return None if value is None else _checked_training(value, str(sidecar))
 
 
 def _torch_load(path: Path) -> dict:
@@ -218,13 +294,13 @@ def _dino_opt_interp(ckpt: dict) -> tuple[float, bool]:
             bool(model.get("interpolate_antialias")))  # fmt: skip
 
 
-def _training_checkpoint(state: dict) -> _Raw | None:
+def _training_checkpoint(state: dict, path: Path) -> _Raw | None:
     """dino_opt's, DINO's main_dino.py's or DINOv2's training checkpoints."""
     if "student" in state and "teacher" in state:
         kind, loss = ("dino_opt", "loss") if "config" in state else ("dino-full", "dino_loss")
         center = (state.get(loss) or {}).get("center")
-        interp = _dino_opt_interp(state)
-        return _Raw(kind, _split(state["student"]), _split(state["teacher"]), center, None, interp)
+        return _Raw(kind, _split(state["student"]), _split(state["teacher"]), center, None,
+                    _dino_opt_interp(state), training=_run_training(state, path))  # fmt: skip
     teacher = state.get("teacher")
     model = state.get("model")
     if isinstance(model, dict) and any(k.startswith("teacher.backbone.") for k in model):
@@ -245,7 +321,7 @@ def _read_raw(path: Path) -> _Raw:
         ckpt = load_checkpoint(path, keys=("student", "teacher"))
         center = ckpt.get("loss", {}).get("center")
         return _Raw("dino_opt", _split(ckpt["student"]), _split(ckpt["teacher"]), center, None,
-                    _dino_opt_interp(ckpt))  # fmt: skip
+                    _dino_opt_interp(ckpt), training=_run_training(ckpt, path))  # fmt: skip
     if _is_safetensors(path):
         sd, meta = _read_safetensors(path)
         kwargs = _timm_kwargs(meta)
@@ -255,7 +331,7 @@ def _read_raw(path: Path) -> _Raw:
     state = _torch_load(path)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
-    return _training_checkpoint(state) or _backbone_state(state, "torch")
+    return _training_checkpoint(state, path) or _backbone_state(state, "torch")
 
 
 def _in_dinov3_keys(raw: _Raw) -> _Raw:
@@ -307,4 +383,4 @@ def read_weights(path: str | os.PathLike) -> ExternalWeights:
         offset, antialias = raw.interpolation
         arch = arch.replace(interpolate_offset=offset, interpolate_antialias=antialias)
     return ExternalWeights(path, raw.format, raw.student, raw.teacher, name, patch, raw.center,
-                           arch)  # fmt: skip
+                           arch, raw.training or _recorded_training(path))  # fmt: skip

@@ -95,7 +95,14 @@ from .layouts_dinov3 import (
     to_timm_dinov3,
     unsupported,
 )
-from .reading import ExternalWeights, read_weights, sub_dict
+from .reading import (
+    TRAINING_KEY,
+    ExternalWeights,
+    read_weights,
+    sub_dict,
+    training_input,
+    write_training_sidecar,
+)
 
 __all__ = [
     "FORMATS",
@@ -181,6 +188,8 @@ def _export_timm(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: d
 
 def _write_hf(output: Path, config: dict, tensors: dict, meta: dict) -> None:
     output.mkdir(parents=True)
+    if TRAINING_KEY in meta:  # transformers keeps unknown keys as they are
+        config = config | {TRAINING_KEY: json.loads(meta[TRAINING_KEY])}
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _save_safetensors(tensors, output / "model.safetensors", meta)
 
@@ -403,21 +412,30 @@ def export_weights(
         )
     output = Path(output)
     sd = sub_dict(ckpt[which], prefix)
-    meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which}
+    meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which,
+            TRAINING_KEY: json.dumps(training_input(cfg))}  # fmt: skip
     if is_rope_vit(sd):
         arch = dinov3_arch(sd)
         load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force)
-        return ExportResult(output, fmt, which, backbone, size, load, notes)
+        return _recorded(ExportResult(output, fmt, which, backbone, size, load, notes), meta)
     _refuse_dinov3_format(fmt, f"{source}'s {backbone}")
     _check_output(output, force)
     if full:
         _save_torch(_dino_full(ckpt), output)
-        return ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
-                            "main_dino.py --resume", [])  # fmt: skip
+        return _recorded(ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
+                                      "main_dino.py --resume", []), meta)  # fmt: skip
     interp = (getattr(model, "interpolate_offset", 0.0) or 0.0,
               bool(getattr(model, "interpolate_antialias", False)))  # fmt: skip
     load, notes, size = _write_backbone(fmt, sd, output, image_size, meta, interp, None)
-    return ExportResult(output, fmt, which, backbone, size, load, notes)
+    return _recorded(ExportResult(output, fmt, which, backbone, size, load, notes), meta)
+
+
+def _recorded(result: ExportResult, meta: dict) -> ExportResult:
+    """``result``, its training input written beside a torch file (a
+    safetensors file and a Hugging Face folder hold it themselves)."""
+    if result.format not in ("timm", "hf"):
+        write_training_sidecar(Path(result.path), json.loads(meta[TRAINING_KEY]))
+    return result
 
 
 def export_backbone(
@@ -755,14 +773,16 @@ def evaluate_weights(
 ) -> dict:
     """k-NN top-1/top-5 of the backbone of the weights at ``path`` (any
     format :func:`read_weights` reads) on ``data/train`` vs ``data/val``,
-    and ``data/test`` where it exists. ``image_size`` defaults to the size a
-    ViT's position table was exported for (224 for a ResNet)."""
+    and ``data/test`` where it exists. ``image_size`` defaults to the size
+    the network was trained at where the weights say it (a dino_opt run or
+    export), else to the size a ViT's position table was made for (224 for
+    a ResNet)."""
     if which not in ("teacher", "student"):
         raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
     weights = read_weights(path)
     sd = (weights.teacher if which == "teacher" else weights.student)["backbone"]
     net, native = evaluation_backbone(weights, sd)
-    image_size = image_size or native
+    image_size = image_size or (weights.training or {}).get("image_size") or native
     load_strict(net, sd, "backbone", weights.path)
     root = Path(data)
     splits = {s: root / s for s in ("val", "test") if (root / s).is_dir()}

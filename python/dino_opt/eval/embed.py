@@ -1,0 +1,234 @@
+"""Embeddings of any images, labelled or not: each image's class token, the
+mean of its patch tokens and, on request, its map of patch tokens, with the
+image's name, in data set order; unreadable images are left out and named.
+
+:func:`embed_images` runs a frozen backbone over a data source on the
+native loader's threads (the evaluation transform of
+:class:`~dino_opt.eval.features.EvalLoader`), on one process or sharded over
+the ranks of a process group; :func:`write_embeddings` writes the result as
+``.npy`` files, ``.npz``, ``.safetensors`` or Parquet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data import DataSource
+from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
+from .dense import tokens_as_map, vit_outputs
+from .features import EvalLoader, amp_dtype_of, gather_rows, shard_of
+
+__all__ = ["EMBED_FORMATS", "Embeddings", "embed_images", "write_embeddings"]
+
+#: The file types :func:`write_embeddings` writes, by suffix.
+EMBED_FORMATS = (".npy", ".npz", ".safetensors", ".parquet")
+
+
+class Embeddings(NamedTuple):
+    """What :func:`embed_images` returns: the ``names`` of the embedded
+    images (a file's path, ``shard: member``, ...) in data set order, their
+    ``cls`` tokens ``[N, D]`` (a network without tokens: its pooled
+    feature), ``mean_patch`` (the mean of the patch tokens, ``[N, D]``; None
+    without tokens), ``patches`` (``[N, D, h, w]`` when asked for, else None),
+    all float32 on the CPU, and the images that could not be read
+    (``failed``: ``"name: cause"``), which have no rows."""
+
+    names: list[str]
+    cls: torch.Tensor
+    mean_patch: torch.Tensor | None
+    patches: torch.Tensor | None
+    failed: list[str]
+
+
+def _tokens(model: nn.Module, images: torch.Tensor, patch_maps: bool) -> list[torch.Tensor]:
+    """``[cls, mean_patch(, patches)]`` of a batch; a network without
+    DINOv2's ``forward_features``: ``[its output]``."""
+    if not callable(getattr(model, "forward_features", None)):
+        if patch_maps:
+            raise ValueError(
+                f"patch maps need a ViT's patch tokens; {type(model).__name__} has none"
+            )
+        out = model(images)
+        if not isinstance(out, torch.Tensor) or out.dim() != 2:
+            raise ValueError(f"{type(model).__name__} must map [B, 3, H, W] to [B, D] features")
+        return [out]
+    cls, tokens, grid = vit_outputs(model, images)
+    out = [cls, tokens.mean(dim=1)]
+    if patch_maps:
+        out.append(tokens_as_map(tokens, grid))
+    return out
+
+
+def _embed_batches(model, loader, device, dtype, patch_maps: bool,
+                   progress: bool) -> tuple[list, torch.Tensor]:  # fmt: skip
+    """Every batch's outputs (a list of ``[rows, ...]`` tensors per output)
+    and the data set index of each row, the first row of an index only (the
+    loader puts another image in an unreadable one's place)."""
+    parts: list[list[torch.Tensor]] = []
+    indices: list[torch.Tensor] = []
+    seen: set[int] = set()
+    batches = -(-len(loader.indices) // loader.batch_size)
+    for images, _, index in tqdm(loader, total=batches, unit="batch", disable=not progress):
+        keep = [i for i, k in enumerate(index.tolist()) if k not in seen]
+        seen.update(index.tolist())
+        if not keep:
+            continue
+        keep_t = torch.tensor(keep)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            outs = _tokens(model, images[keep_t].to(device, non_blocking=True), patch_maps)
+        parts.append([o.float().cpu() for o in outs])
+        indices.append(index[keep_t])
+    return parts, (torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64))
+
+
+def _in_order(parts: list, index: torch.Tensor, n: int, rank_world: tuple, device) -> list:
+    """Each output's rows of every rank at their data set index (``n``
+    rows; those of unreadable images are left out after)."""
+    outputs = []
+    for k in range(len(parts[0]) if parts else 0):
+        mine = torch.cat([p[k] for p in parts])
+        flat = mine.reshape(len(mine), -1)
+        if rank_world[1] > 1:
+            rows = gather_rows(flat, index, n, device)
+        else:
+            rows = torch.zeros(n, flat.shape[1])
+            rows[index] = flat
+        outputs.append(rows.reshape(n, *mine.shape[1:]))
+    return outputs
+
+
+def _found(index: torch.Tensor, n: int, rank_world: tuple, device) -> torch.Tensor:
+    """Whether each of the ``n`` images was embedded on some rank."""
+    found = torch.zeros(n, 1)
+    found[index] = 1.0
+    if rank_world[1] > 1:
+        found = gather_rows(found[index], index, n, device)  # zeros where no rank had it
+    return found[:, 0] > 0
+
+
+@torch.no_grad()
+def embed_images(
+    model: nn.Module,
+    source: str | os.PathLike | DataSource,
+    image_size: int = 224,
+    *,
+    device: str | torch.device = "cpu",
+    batch_size: int = 64,
+    patch_maps: bool = False,
+    amp: bool | torch.dtype | None = None,
+    num_threads: int | None = None,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    distributed: bool | None = None,
+    progress: bool = False,
+) -> Embeddings:
+    """The :class:`Embeddings` of every image of ``source`` (anything
+    :func:`~dino_opt.data.open_source` opens, labelled or not) under the
+    frozen ``model`` (a ViT with DINOv2's ``forward_features``, or any
+    network mapping images to ``[B, D]``), at ``image_size`` (shorter side to
+    ``S * 256 / 224``, centre crop, ``mean``/``std``), ``batch_size`` images at
+    a time on ``device`` (``amp`` as :func:`~dino_opt.eval.extract_features`).
+    With ``distributed`` (None: when a process group of several ranks is
+    initialised) each rank embeds its shard and every rank gets the whole.
+    ``progress``: a progress bar of this rank's batches."""
+    device = torch.device(device)
+    rank, world = shard_of(distributed)
+    was_training = model.training
+    model.eval()
+    try:
+        with EvalLoader(source, image_size, batch_size, rank=rank, world_size=world,
+                        num_threads=num_threads, mean=mean, std=std, labelled=False,
+                        on_error="skip", pin_memory=device.type == "cuda") as loader:  # fmt: skip
+            parts, index = _embed_batches(model, loader, device, amp_dtype_of(amp, device),
+                                          patch_maps, progress)  # fmt: skip
+            names = [loader.source.describe(i) for i in range(loader.num_samples)]
+            failed = loader.stats().get("skipped_files", [])
+    finally:
+        model.train(was_training)
+    found = _found(index, len(names), (rank, world), device)
+    outputs = [o[found] for o in _in_order(parts, index, len(names), (rank, world), device)]
+    if not outputs:
+        raise ValueError(f"no image of {str(source)!r} could be read ({len(failed)} failed)")
+    kept = [name for name, ok in zip(names, found.tolist(), strict=True) if ok]
+    missing = [name for name, ok in zip(names, found.tolist(), strict=True) if not ok]
+    failed = failed if len(failed) == len(missing) else [f"{m}: unreadable" for m in missing]
+    outputs += [None] * (3 - len(outputs))
+    return Embeddings(kept, outputs[0], outputs[1], outputs[2], failed)
+
+
+def _npy(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
+    stem = path.with_suffix("")
+    written = [path]
+    np.save(path, emb.cls.numpy())
+    for name in ("mean_patch", "patches"):
+        value = getattr(emb, name)
+        if value is not None:
+            written.append(stem.with_name(f"{stem.name}.{name}.npy"))
+            np.save(written[-1], value.numpy())
+    written.append(stem.with_name(f"{stem.name}.paths.txt"))
+    written[-1].write_text("".join(f"{n}\n" for n in emb.names))
+    written.append(stem.with_name(f"{stem.name}.json"))
+    written[-1].write_text(json.dumps(meta, indent=2) + "\n")
+    return written
+
+
+def _arrays(emb: Embeddings) -> dict[str, torch.Tensor]:
+    return {k: getattr(emb, k) for k in ("cls", "mean_patch", "patches")
+            if getattr(emb, k) is not None}  # fmt: skip
+
+
+def _parquet(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
+    if emb.patches is not None:
+        raise ValueError("Parquet holds the class and mean patch tokens; patch maps need "
+                         ".npy, .npz or .safetensors")  # fmt: skip
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("writing Parquet needs pyarrow (pip install pyarrow)") from e
+    columns = {"path": pa.array(emb.names)}
+    for name, value in _arrays(emb).items():
+        columns[name] = pa.FixedSizeListArray.from_arrays(
+            pa.array(value.reshape(-1).numpy()), value.shape[1]
+        )
+    table = pa.table(columns).replace_schema_metadata({"dino_opt": json.dumps(meta)})
+    pq.write_table(table, path)
+    return [path]
+
+
+def write_embeddings(emb: Embeddings, path: str | os.PathLike, meta: dict | None = None) -> list:
+    """Writes ``emb`` to ``path`` by its suffix (:data:`EMBED_FORMATS`):
+    ``.npy``: the class tokens, with ``NAME.mean_patch.npy``,
+    ``NAME.patches.npy``, the images' names one per line in
+    ``NAME.paths.txt`` and ``meta`` in ``NAME.json`` beside it; ``.npz`` and
+    ``.safetensors``: one array each and the names (``paths``: an array of
+    strings in ``.npz``, JSON in the safetensors metadata with ``meta``);
+    ``.parquet``: a row per image (``path``, ``cls``, ``mean_patch``), ``meta``
+    in the schema's metadata. Returns the files written."""
+    path, meta = Path(path), dict(meta or {})
+    if path.suffix not in EMBED_FORMATS:
+        raise ValueError(f"output {str(path)!r}: the file type must be one of "
+                         f"{', '.join(EMBED_FORMATS)}")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".npy":
+        return _npy(emb, path, meta)
+    if path.suffix == ".parquet":
+        return _parquet(emb, path, meta)
+    arrays = _arrays(emb)
+    if path.suffix == ".npz":
+        np.savez(path, paths=np.array(emb.names), meta=np.array(json.dumps(meta)),
+                 **{k: v.numpy() for k, v in arrays.items()})  # fmt: skip
+    else:
+        text = {"paths": json.dumps(emb.names), "dino_opt": json.dumps(meta)}
+        save_file({k: v.contiguous() for k, v in arrays.items()}, str(path), metadata=text)
+    return [path]
