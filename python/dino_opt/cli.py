@@ -78,6 +78,7 @@ from .tune import (
 from .weights import (
     FORMATS,
     evaluate_weights,
+    export_onnx,
     export_weights,
     weights_reader,
 )
@@ -480,6 +481,11 @@ def _knn(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "onnx":
+        options = dict(which=args.which, image_size=args.image_size, force=args.force)
+        result = export_onnx(args.source, args.output, data=args.data, **options)
+        print(json.dumps(result, indent=2))
+        return 0
     result = export_weights(
         args.source, args.format, args.output, which=args.which, full=args.full,
         image_size=args.image_size, force=args.force, student=args.student,
@@ -684,13 +690,17 @@ def _add_knn(sub) -> None:
 
 def _add_export(sub) -> None:
     e = sub.add_parser(
-        "export", help="write a run's weights for timm, Hugging Face, DINO, DINOv2 or DINOv3"
+        "export", help="write a run's weights for timm, Hugging Face, DINO, DINOv2, DINOv3 or ONNX"
     )
-    e.add_argument("source", help="a dino-opt train run folder or checkpoint file")
-    e.add_argument("--format", required=True, choices=FORMATS, help="the target's format")
+    e.add_argument("source", help="a dino-opt train run folder or checkpoint file (onnx: any "
+                   "weights the project reads)")  # fmt: skip
     e.add_argument(
-        "--output", required=True, help="file (timm, dino, dinov2, dinov3) or folder (hf) to write"
+        "--format", required=True, choices=(*FORMATS, "onnx"), help="the target's format"
     )
+    e.add_argument(
+        "--output", required=True, help="file (timm, dino, dinov2, dinov3, onnx) or folder (hf)"
+    )
+    e.add_argument("--data", help="onnx: images to check the export on (default: the run's)")
     e.add_argument(
         "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
     )
@@ -749,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
     except TrainingHungError as e:
         parser.exit(EXIT_HANG, f"dino-opt {args.command}: {e}\n")

@@ -1,7 +1,8 @@
-"""Weights in and out: timm, Hugging Face, DINO, DINOv2 and DINOv3 formats, exported and loaded."""
+"""Weights in and out: timm, Hugging Face, DINO, DINOv2, DINOv3 and ONNX, exported and loaded."""
 
 from .layouts import ViTArch
 from .layouts_dinov3 import DinoV3Arch
+from .onnx_export import export_onnx
 from .probes import (
     OpenedBackbone,
     embed_weights,
@@ -29,11 +30,12 @@ __all__ = [
     "ExternalWeights",
     "FORMATS",
     "OpenedBackbone",
-    "embed_weights",
     "OpenedTeacher",
     "ViTArch",
+    "embed_weights",
     "evaluate_weights",
     "export_backbone",
+    "export_onnx",
     "export_weights",
     "init_from",
     "load_backbone",

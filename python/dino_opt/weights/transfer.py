@@ -139,7 +139,8 @@ class ExportResult:
 # ---------------------------------------------------------------- export
 
 
-def _check_output(output: Path, force: bool) -> None:
+def check_output(output: Path, force: bool) -> None:
+    """Refuses an existing ``output`` unless ``force`` (then removes it); makes its folder."""
     if output.exists() or output.is_symlink():
         if not force:
             raise FileExistsError(
@@ -348,7 +349,7 @@ def _export_dinov3(fmt: str, sd: dict, arch: DinoV3Arch, output: Path, image_siz
     image_size = image_size or arch.img_size
     _check_dinov3_export(fmt, arch, image_size)
     tensors, meta, load = _dinov3_files(fmt, sd, arch, image_size, meta)
-    _check_output(output, force)
+    check_output(output, force)
     if fmt == "dinov3":
         _save_torch(tensors, output)
     elif fmt == "timm":
@@ -419,7 +420,7 @@ def export_weights(
         load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force)
         return _recorded(ExportResult(output, fmt, which, backbone, size, load, notes), meta)
     _refuse_dinov3_format(fmt, f"{source}'s {backbone}")
-    _check_output(output, force)
+    check_output(output, force)
     if full:
         _save_torch(_dino_full(ckpt), output)
         return _recorded(ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
@@ -465,7 +466,7 @@ def export_backbone(
                                            force)  # fmt: skip
         return ExportResult(output, fmt, "backbone", arch.name or "vit_dinov3", size, load, notes)
     _refuse_dinov3_format(fmt, f"a {type(backbone).__name__}")
-    _check_output(output, force)
+    check_output(output, force)
     interp = (backbone.interpolate_offset, backbone.interpolate_antialias) if vit else (0.0, False)
     heads = backbone.num_heads if vit else None
     load, notes, size = _write_backbone(fmt, sd, output, image_size, {"format": "pt"}, interp,
