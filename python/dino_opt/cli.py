@@ -752,8 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn,
-                probing.add_eval, probing.add_show, probing.add_embed, _add_export, _add_report,
-                _add_doctor):  # fmt: skip
+                probing.add_eval, probing.add_show, probing.add_embed, probing.add_predict,
+                _add_export, _add_report, _add_doctor):  # fmt: skip
         add(sub)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])

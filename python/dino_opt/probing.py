@@ -10,7 +10,9 @@ whole result as JSON with ``--output``. ``dino-opt show attention|pca SOURCE
 IMAGE ... --output-dir DIR`` writes one PNG per image. ``dino-opt embed
 SOURCE DATA -o FILE`` writes every image's class token and mean patch token
 (and with ``--patch-maps`` its patch tokens) with its path, on ``--nproc``
-processes (one per GPU).
+processes (one per GPU). ``dino-opt eval ... --head FILE`` keeps the
+probe's best head, which ``dino-opt predict SOURCE FILE DATA -o OUT``
+applies to any images.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from pathlib import Path
 from .distributed.agent import WorkerFailedError, run_agent
 from .eval import EMBED_FORMATS, probe_table
 from .observe import RunFolder
-from .runtime import init_distributed
-from .weights import embed_weights, run_dense_probe, run_linear_probe, show_weights
+from .runtime import init_distributed, resolve_device
+from .weights import embed_weights, predict, run_dense_probe, run_linear_probe, show_weights
 
-__all__ = ["add_embed", "add_eval", "add_show"]
+__all__ = ["add_embed", "add_eval", "add_predict", "add_show"]
 
 
 def _write_json(result: dict, output: str | None) -> None:
@@ -38,7 +40,8 @@ def _write_json(result: dict, output: str | None) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    common = dict(which=args.which, image_size=args.image_size, device=args.device)
+    common = dict(which=args.which, image_size=args.image_size, device=args.device,
+                  head=args.head)  # fmt: skip
     if args.probe == "linear":
         options = {"mode": args.mode, "epochs": args.epochs, "batch_size": args.batch_size}
         result = run_linear_probe(args.source, args.data, **common, **options)
@@ -59,7 +62,20 @@ def _eval(args: argparse.Namespace) -> int:
             if split in result:
                 print(f"{split}: mIoU {result[split]['miou']:.2f} %, pixel accuracy "
                       f"{result[split]['pixel_acc']:.2f} %")  # fmt: skip
+    if args.head:
+        print(f"wrote the head to {result['head']}")
     _write_json(result, args.output)
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    done = predict(args.source, args.head, args.data, args.output, which=args.which,
+                   device=resolve_device(args.device), batch_size=args.batch_size)  # fmt: skip
+    for line in done["failed"]:
+        print(f"unreadable: {line}", file=sys.stderr)
+    what = "classes and scores" if done["kind"] == "linear" else "masks"
+    print(f"{what} of {done['images']} images ({len(done['failed'])} unreadable) in "
+          f"{done['output']}")  # fmt: skip
     return 0
 
 
@@ -113,7 +129,21 @@ def add_eval(sub) -> None:
     e.add_argument("--batch-size", type=int, default=128, help="default 128 (dense: at most 64)")
     e.add_argument("--top", type=int, default=12, help="linear: rows of the table (default 12)")
     e.add_argument("--output", help="write the result as JSON here")
+    e.add_argument("--head", help="save the best head here (.safetensors) for dino-opt predict")
     e.set_defaults(run=_eval)
+
+
+def add_predict(sub) -> None:
+    p = sub.add_parser("predict", help="apply a saved probe head to images")
+    _source_arguments(p)
+    p.add_argument("head", help="a head file saved by dino-opt eval linear|dense --head")
+    p.add_argument("data", help="images: a folder (with or without class folders), a file "
+                   "list, tar shards or a Hugging Face data set")  # fmt: skip
+    p.add_argument("-o", "--output", required=True,
+                   help="linear: a CSV file (path, class, score, each class's score); dense: "
+                   "a folder of PNG masks, one per image")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=64, help="default 64")
+    p.set_defaults(run=_predict)
 
 
 def add_show(sub) -> None:

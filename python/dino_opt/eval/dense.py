@@ -347,6 +347,7 @@ def dense_probe(
     seed: int = 0,
     feature_batch_size: int = 64,
     num_workers: int = 0,
+    keep_head: bool = False,
 ) -> dict:
     """DINOv3's linear segmentation probe of a frozen ViT ``backbone``
     (module docstring): patch features of ``train``, ``val`` and ``test``
@@ -361,7 +362,8 @@ def dense_probe(
     ``per_class_iou``, ``pixel_acc`` of val, then ``val`` and ``test``
     (each :func:`segmentation_metrics` plus ``n_images``), ``classes``,
     the settings, ``final_loss`` (mean of the last 20 iterations) and
-    ``seconds`` (features, train, eval)."""
+    ``seconds`` (features, train, eval); with ``keep_head``, ``head``: the
+    trained :class:`DenseLinearHead`'s state dict (CPU tensors, not JSON)."""
     splits = {"train": train, "val": val, **({"test": test} if test is not None else {})}
     for name, source in splits.items():
         if not isinstance(source, SegmentationSource):
@@ -422,7 +424,9 @@ def dense_probe(
         "final_loss": float(np.mean(losses[-20:])),
         "device": str(device),
         "seconds": {"features": t1 - t0, "train": t2 - t1, "eval": t3 - t2},
-    }
+        **({"head": {k: v.detach().cpu() for k, v in head.state_dict().items()}}
+           if keep_head else {}),
+    }  # fmt: skip
 
 
 def dense_probe_root(backbone: nn.Module, root: str | os.PathLike, **kwargs) -> dict | None:

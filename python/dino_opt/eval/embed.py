@@ -131,13 +131,15 @@ def embed_images(
     std: Sequence[float] = IMAGENET_STD,
     distributed: bool | None = None,
     progress: bool = False,
+    resize_size: int | None = None,
 ) -> Embeddings:
     """The :class:`Embeddings` of every image of ``source`` (anything
     :func:`~dino_opt.data.open_source` opens, labelled or not) under the
     frozen ``model`` (a ViT with DINOv2's ``forward_features``, or any
-    network mapping images to ``[B, D]``), at ``image_size`` (shorter side to
-    ``S * 256 / 224``, centre crop, ``mean``/``std``), ``batch_size`` images at
-    a time on ``device`` (``amp`` as :func:`~dino_opt.eval.extract_features`).
+    network mapping images to ``[B, D]``), at ``image_size`` (shorter side
+    to ``resize_size``, default ``S * 256 / 224``, centre crop,
+    ``mean``/``std``), ``batch_size`` images at a time on ``device`` (``amp``
+    as :func:`~dino_opt.eval.extract_features`).
     With ``distributed`` (None: when a process group of several ranks is
     initialised) each rank embeds its shard and every rank gets the whole.
     ``progress``: a progress bar of this rank's batches."""
@@ -148,7 +150,8 @@ def embed_images(
     try:
         with EvalLoader(source, image_size, batch_size, rank=rank, world_size=world,
                         num_threads=num_threads, mean=mean, std=std, labelled=False,
-                        on_error="skip", pin_memory=device.type == "cuda") as loader:  # fmt: skip
+                        on_error="skip", pin_memory=device.type == "cuda",
+                        resize_size=resize_size) as loader:  # fmt: skip
             parts, index = _embed_batches(model, loader, device, amp_dtype_of(amp, device),
                                           patch_maps, progress)  # fmt: skip
             names = [loader.source.describe(i) for i in range(loader.num_samples)]

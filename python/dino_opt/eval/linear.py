@@ -440,6 +440,7 @@ def linear_probe(
     amp: bool | None = None,
     seed: int = 0,
     cached: dict | None = None,
+    keep_head: bool = False,
 ) -> dict:
     """The linear probe of a frozen ``backbone`` on ``data``: every classifier
     of the grid trained for ``epochs`` (default: :data:`EPOCHS` of the mode)
@@ -449,7 +450,9 @@ def linear_probe(
     and test; with ``logreg`` (fast mode) DINOv2's logistic regression too.
     Returns a JSON-ready dict: ``best`` (name, val and test top-1/top-5),
     ``rows`` (every classifier), ``logreg``, ``seconds`` and the settings.
-    ``cached`` (``{"train": (x, y), ...}``) reuses extracted probe features."""
+    ``cached`` (``{"train": (x, y), ...}``) reuses extracted probe features.
+    ``keep_head``: ``head`` holds the best classifier (:func:`best_classifier`;
+    tensors, not JSON)."""
     if mode not in ("fast", "augmented"):
         raise ValueError(f"mode must be 'fast' or 'augmented', got {mode!r}")
     epochs = EPOCHS[mode] if epochs is None and mode in EPOCHS else epochs
@@ -487,7 +490,21 @@ def linear_probe(
     if logreg and mode == "fast":
         result["logreg"] = _logreg_result(probe.layout, feats, logreg_c)
         result["seconds"]["logreg"] = time.perf_counter() - trained
+    if keep_head:
+        result["head"] = best_classifier(grid, result["best"]["name"])
     return result
+
+
+def best_classifier(grid: LinearProbeGrid, name: str) -> dict:
+    """The classifier ``name`` of ``grid`` on its own: ``weight`` ``[D_in,
+    C]`` and ``bias`` ``[C]`` (CPU float32) over the probe-feature columns of
+    its ``n_blocks`` and ``avgpool`` (:func:`input_columns`)."""
+    k = next(i for i, spec in enumerate(grid.specs) if spec.name == name)
+    spec, n_lr = grid.specs[k], len(grid.weights[0])
+    kind = grid.kinds.index((spec.n_blocks, spec.avgpool))
+    weight = grid.weights[kind][k % n_lr].detach().float().cpu().contiguous()
+    bias = grid.biases[kind][k % n_lr, 0].detach().float().cpu().contiguous()
+    return {"weight": weight, "bias": bias, "n_blocks": spec.n_blocks, "avgpool": spec.avgpool}
 
 
 def probe_features(probe: ProbeFeatures, sources: dict[str, DataSource], image_size: int,

@@ -34,11 +34,20 @@ from ..eval import (
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from ..runtime import resolve_device
 from ..train import data_roots
+from .heads import (
+    backbone_fingerprint,
+    check_identity,
+    head_model,
+    load_head,
+    save_head,
+    write_classes,
+    write_masks,
+)
 from .reading import read_weights
 from .transfer import evaluation_backbone, load_strict
 
-__all__ = ["OpenedBackbone", "embed_weights", "open_backbone", "probe_data", "run_dense_probe",
-           "run_linear_probe", "show_weights"]  # fmt: skip
+__all__ = ["OpenedBackbone", "embed_weights", "open_backbone", "predict", "probe_data",
+           "run_dense_probe", "run_linear_probe", "show_weights"]  # fmt: skip
 
 
 class OpenedBackbone(NamedTuple):
@@ -105,25 +114,46 @@ def probe_data(opened: OpenedBackbone, data: str | os.PathLike | None) -> tuple[
 
 def run_linear_probe(path: str | os.PathLike, data: str | os.PathLike | None = None, *,
                      which: str = "teacher", image_size: int | None = None,
-                     device: str = "auto", **options) -> dict:  # fmt: skip
-    """:func:`~dino_opt.eval.linear_probe` of the weights at ``path``."""
+                     device: str = "auto", head: str | os.PathLike | None = None,
+                     **options) -> dict:  # fmt: skip
+    """:func:`~dino_opt.eval.linear_probe` of the weights at ``path``; with
+    ``head``, its best classifier saved there (:mod:`~dino_opt.weights.heads`)."""
     opened = open_backbone(path, which)
     train, val, test = probe_data(opened, data)
     size = image_size or opened.image_size
     result = linear_probe(opened.net, ProbeData(train, val, test), size,
-                          device=resolve_device(device), **options)  # fmt: skip
+                          device=resolve_device(device), keep_head=head is not None,
+                          **options)  # fmt: skip
     result.update(weights=str(path), format=opened.format, backbone=opened.name,
                   which=which, data={"train": str(train), "val": str(val),
                                      "test": str(test) if test else None})  # fmt: skip
+    if head is not None:
+        best = result.pop("head")
+        dim = len(best["weight"]) // (best["n_blocks"] + int(best["avgpool"]))
+        top = result["best"]
+        info = {"kind": "linear", "classes": result["classes"], "image_size": size, "dim": dim,
+                "n_blocks": best["n_blocks"], "avgpool": best["avgpool"],
+                "classifier": top["name"], "val_top1": top["val_top1"]}  # fmt: skip
+        tensors = {"weight": best["weight"], "bias": best["bias"]}
+        result["head"] = str(save_head(head, tensors, _record(info, opened, path, which)))
     return result
+
+
+def _record(info: dict, opened: OpenedBackbone, path, which: str) -> dict:
+    """A head's record: ``info``, the normalisation and the backbone's identity."""
+    identity = {"weights": str(path), "format": opened.format, "backbone": opened.name,
+                "which": which, "fingerprint": backbone_fingerprint(opened.net)}  # fmt: skip
+    return {**info, "mean": list(opened.mean), "std": list(opened.std), "backbone": identity}
 
 
 def run_dense_probe(path: str | os.PathLike, data: str | os.PathLike | None = None, *,
                     which: str = "teacher", image_size: int | None = None,
-                    device: str = "auto", **options) -> dict:  # fmt: skip
+                    device: str = "auto", head: str | os.PathLike | None = None,
+                    **options) -> dict:  # fmt: skip
     """:func:`~dino_opt.eval.dense.dense_probe` of the weights at ``path`` on
     the segmentation splits of ``data`` (image/mask pairs; the built-in data
-    set has them), else of the run's data."""
+    set has them), else of the run's data; with ``head``, the trained head
+    saved there (:mod:`~dino_opt.weights.heads`)."""
     opened = open_backbone(path, which)
     root = Path(data) if data is not None else _data_root(opened)
     splits = segmentation_splits(root)
@@ -131,9 +161,16 @@ def run_dense_probe(path: str | os.PathLike, data: str | os.PathLike | None = No
         raise ValueError(f"{str(root)!r} has no masks (image/mask pairs) for a dense probe")
     size = image_size or opened.image_size
     result = dense_probe(opened.net, splits["train"], splits["val"], splits.get("test"),
-                         image_size=size, device=resolve_device(device), **options)  # fmt: skip
+                         image_size=size, device=resolve_device(device),
+                         keep_head=head is not None, **options)  # fmt: skip
     result.update(weights=str(path), format=opened.format, backbone=opened.name, which=which,
                   data=str(root))  # fmt: skip
+    if head is not None:
+        info = {"kind": "dense", "classes": result["classes"], "image_size": size,
+                "in_dim": result["embed_dim"], "num_classes": result["num_classes"],
+                "val_miou": result["miou"]}  # fmt: skip
+        tensors = result.pop("head")
+        result["head"] = str(save_head(head, tensors, _record(info, opened, path, which)))
     return result
 
 
@@ -176,3 +213,32 @@ def embed_weights(path: str | os.PathLike, data, output: str | os.PathLike, *,
     files = write_embeddings(emb, output, meta) if first else []
     return {**meta, "failed": emb.failed, "files": [str(f) for f in files],
             "dim": emb.cls.shape[1]}  # fmt: skip
+
+
+def predict(weights: str | os.PathLike, head: str | os.PathLike, data,
+            output: str | os.PathLike, *, which: str = "teacher",
+            device: str | torch.device = "cpu", batch_size: int = 64) -> dict:  # fmt: skip
+    """Applies the head file ``head`` over the ``which`` backbone of
+    ``weights`` (refused unless they are the weights it was trained on) to
+    every image of ``data``, at the size and normalisation it was trained
+    at: a linear head writes ``output`` as CSV (``path``, ``class``,
+    ``score``, then each class's probability), a dense head one PNG per
+    image into the folder ``output`` (each pixel its class index; the
+    image's centre square, resized to the probe's size). Returns
+    the ``kind``, the ``images`` done, the ``failed`` ones (``"name:
+    cause"``) and the ``output``."""
+    tensors, record = load_head(head)
+    opened = open_backbone(weights, which)
+    check_identity(opened.net, record, weights, head)
+    model = head_model(opened.net, tensors, record).to(device)
+    size = record["image_size"]
+    # the dense probe's images are resized whole to size x size (a square image: exactly so)
+    resize = size if record["kind"] == "dense" else None
+    out = embed_images(model, data, size, device=device, batch_size=batch_size,
+                       mean=record["mean"], std=record["std"], resize_size=resize)  # fmt: skip
+    if record["kind"] == "linear":
+        write_classes(Path(output), out.names, out.cls, record["classes"])
+    else:
+        write_masks(Path(output), out.names, out.cls, size)
+    return {"kind": record["kind"], "images": len(out.names), "failed": out.failed,
+            "output": str(output)}  # fmt: skip

@@ -1,0 +1,156 @@
+"""Probe heads kept and applied: the best classifier of a linear probe, or
+the trained head of a dense probe, saved with the identity of the backbone
+it was trained on (``dino-opt eval linear|dense ... --head FILE``), and
+applied to any images (``dino-opt predict WEIGHTS HEAD DATA -o OUT``,
+:func:`~dino_opt.weights.predict`): here the file, the networks that apply
+a head and the files they write.
+
+A head file is a safetensors file whose metadata ``dino_opt_head`` says its
+``kind`` (``linear`` or ``dense``), its ``classes``, the ``image_size`` and
+normalisation its features were taken at, the probe's input (linear:
+``n_blocks``, ``avgpool``; dense: ``in_dim``, ``num_classes``), its
+validation score, and the backbone's identity: the weights' path, format,
+name, ``which`` and a ``fingerprint`` (SHA-256 of its parameters), which
+``predict`` checks against the weights it is given.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..eval import DenseLinearHead, ProbeFeatures
+from ..eval.dense import patch_feature_map
+from ..eval.linear import input_columns
+
+__all__ = ["HEAD_KEY", "backbone_fingerprint", "check_identity", "head_model", "load_head",
+           "save_head", "write_classes", "write_masks"]  # fmt: skip
+
+#: The safetensors metadata key of a head file.
+HEAD_KEY = "dino_opt_head"
+
+
+def backbone_fingerprint(net: nn.Module) -> str:
+    """SHA-256 of a network's state (names, shapes, dtypes and bytes, in order)."""
+    digest = hashlib.sha256()
+    for name, value in net.state_dict().items():
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
+        digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_head(path: str | os.PathLike, tensors: dict, record: dict) -> Path:
+    """Writes a probe's head (``tensors``) and its ``record`` (see the module
+    docstring) as a safetensors file."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"head file {str(path)!r}: the name must end in .safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+              metadata={HEAD_KEY: json.dumps(record)})  # fmt: skip
+    return path
+
+
+def load_head(path: str | os.PathLike) -> tuple[dict, dict]:
+    """``(tensors, record)`` of a head file written by :func:`save_head`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"head file {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            record = json.loads((f.metadata() or {})[HEAD_KEY])
+    except (KeyError, ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a dino_opt head file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors: one line naming the file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    return tensors, record
+
+
+class _Classifier(nn.Module):
+    """Images to the saved linear head's logits."""
+
+    def __init__(self, net: nn.Module, tensors: dict, record: dict) -> None:
+        super().__init__()
+        self.probe = ProbeFeatures(net, record["n_blocks"])
+        self.columns = input_columns(self.probe.layout | {"dim": record["dim"]},
+                                     record["n_blocks"], record["avgpool"])  # fmt: skip
+        self.weight, self.bias = tensors["weight"], tensors["bias"]
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.probe(images)[:, self.columns].float()
+        return x @ self.weight.to(x.device) + self.bias.to(x.device)
+
+
+class _Segmenter(nn.Module):
+    """Images to the saved dense head's class of every pixel, ``[B, S * S]``."""
+
+    def __init__(self, net: nn.Module, tensors: dict, record: dict) -> None:
+        super().__init__()
+        self.net = net
+        self.head = DenseLinearHead(record["in_dim"], record["num_classes"])
+        self.head.load_state_dict(tensors)
+        self.head.eval()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        logits = self.head(patch_feature_map(self.net, images).float(), images.shape[-2:])
+        return logits.argmax(dim=1).flatten(1).float()
+
+
+def head_model(net: nn.Module, tensors: dict, record: dict) -> nn.Module:
+    """The network that applies a saved head over ``net``: images to the
+    linear head's logits ``[B, C]``, or to the dense head's class of every
+    pixel ``[B, S * S]``."""
+    return (_Classifier if record["kind"] == "linear" else _Segmenter)(net, tensors, record)
+
+
+def check_identity(net: nn.Module, record: dict, weights, head) -> None:
+    """Refuses a backbone ``net`` (from ``weights``) other than the one the
+    head file ``head`` was trained on."""
+    saved = record["backbone"]
+    if backbone_fingerprint(net) != saved["fingerprint"]:
+        raise ValueError(
+            f"{head} was trained on {saved['backbone']}'s {saved['which']} of "
+            f"{saved['weights']}; {weights} holds other weights (their fingerprints differ)"
+        )
+
+
+def write_classes(path: Path, names: list[str], logits: torch.Tensor, classes: list) -> None:
+    """A CSV row per image: its path, class, that class's probability and every class's."""
+    scores = torch.softmax(logits, dim=1)
+    best = scores.argmax(dim=1).tolist()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["path", "class", "score", *classes])
+        for name, k, row in zip(names, best, scores.tolist(), strict=True):
+            out.writerow([name, classes[k], f"{row[k]:.6f}", *(f"{v:.6f}" for v in row)])
+
+
+def write_masks(folder: Path, names: list[str], masks: torch.Tensor, size: int) -> list[Path]:
+    """One PNG per image in ``folder`` (named by the image's stem; a repeated
+    stem gets the image's index), each pixel its class index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written, used = [], set()
+    for i, name in enumerate(names):
+        stem = Path(name.split(": ")[-1]).stem
+        stem = stem if stem not in used else f"{stem}_{i}"
+        used.add(stem)
+        pixels = masks[i].reshape(size, size).to(torch.int64).numpy()
+        if pixels.max(initial=0) < 256:
+            image = Image.fromarray(pixels.astype(np.uint8), "L")
+        else:
+            image = Image.fromarray(pixels.astype(np.int32), "I")
+        image.save(folder / f"{stem}.png")
+        written.append(folder / f"{stem}.png")
+    return written
