@@ -224,10 +224,18 @@ def _merged(base: dict, changes: dict) -> dict:
 DEMO_PRESETS = {name: _merged(DEMO_PRESET, r.demo_changes) for name, r in RECIPES.items()}
 
 
+#: What ``dino-opt train --adapt WEIGHTS`` sets: both networks from the
+#: weights, the backbone frozen for an epoch while the new heads warm up,
+#: then a fifth of the learning rate with a layer-wise decay of 0.9.
+ADAPT_OVERRIDES = ("model.init_from={weights}", "optim.freeze_backbone_epochs=1",
+                   "optim.backbone_lr_mult=0.2", "optim.layerwise_decay=0.9")  # fmt: skip
+
+
 def _train(args: argparse.Namespace) -> int:
     if args.config is not None and args.demo is not None:
         raise ValueError("give --config or --demo, not both")
-    cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], args.overrides)
+    adapt = [o.format(weights=args.adapt) for o in ADAPT_OVERRIDES] if args.adapt else []
+    cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], adapt + args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1 or args.nnodes > 1:
@@ -295,7 +303,8 @@ def summary_line(report: dict) -> str:
     same network at random initialisation (val, and test where there is
     one), the linear and dense probes (val), the training time and the run
     folder; and a second line with what to try when training made the
-    features worse than random initialisation."""
+    features worse than random initialisation; for a run from weights,
+    a last line saying whether it made them better than where it started."""
     parts = []
     if "knn_top1_trained" in report:
         parts.append(
@@ -324,7 +333,9 @@ def summary_line(report: dict) -> str:
     parts.append(f"{report['train_seconds']:.0f} s of training")
     parts.append(f"run folder {report.get('run_folder', '?')}")
     line = "dino-opt train: " + "; ".join(parts)
-    return line + (f"\ndino-opt train: warning: {report['verdict']}" if "verdict" in report else "")
+    line += f"\ndino-opt train: warning: {report['verdict']}" if "verdict" in report else ""
+    return line + (f"\ndino-opt train: {report['adapt_verdict']}" if "adapt_verdict" in report
+                   else "")  # fmt: skip
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -564,6 +575,9 @@ def _add_train(sub) -> None:
         choices=tuple(DEMO_PRESETS),
         help="the demo of this recipe on the built-in data set (default without --config: dino)",
     )
+    t.add_argument("--adapt", metavar="WEIGHTS", help="continued pretraining from released "
+                   "weights: " + " ".join(ADAPT_OVERRIDES).replace("{weights}", "WEIGHTS") +
+                   " (key=value overrides win)")  # fmt: skip
     t.add_argument("--output-dir", help="run folder (default: logging.output_dir or runs/<time>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument(

@@ -253,9 +253,7 @@ class OptimConfig:
     """Optimiser; lr is per 256 images (see effective_lr)."""
 
     optimizer: str = _opt("adamw", "optimiser", choices=("adamw", "sgd"))
-    lr: float = _opt(
-        0.0005, "peak learning rate per 256 images (scaled by global batch / 256)", gt=0
-    )
+    lr: float = _opt(0.0005, "peak learning rate per 256 images (scaled by the batch)", gt=0)
     min_lr: float = _opt(1e-6, "learning rate at the end of the cosine schedule", ge=0)
     weight_decay: float = _opt(0.04, "weight decay at the start (cosine schedule)", ge=0)
     weight_decay_end: float = _opt(0.4, "weight decay at the end", ge=0)
@@ -279,6 +277,8 @@ class OptimConfig:
     patch_embed_lr_mult: float = _opt(
         1.0, "learning-rate multiplier of the patch embedding (DINOv2: 0.2)", gt=0
     )
+    freeze_backbone_epochs: int = _opt(0, "epochs the backbone stays frozen (heads warm up)", ge=0)
+    backbone_lr_mult: float = _opt(1.0, "learning-rate multiplier of the backbone", gt=0, le=1)
 
 
 @dataclass
@@ -287,9 +287,7 @@ class ScheduleConfig:
 
     epochs: int = _opt(100, "training epochs", ge=1)
     warmup_epochs: int = _opt(10, "linear learning rate warm-up epochs", ge=0)
-    momentum_teacher: float = _opt(
-        0.996, "teacher EMA momentum at the start (cosine to 1)", ge=0, le=1
-    )
+    momentum_teacher: float = _opt(0.996, "teacher EMA momentum at the start", ge=0, le=1)
     teacher_temp: float = _opt(0.04, "teacher temperature after the warm-up", gt=0)
     warmup_teacher_temp: float = _opt(0.04, "teacher temperature at the start", gt=0)
     warmup_teacher_temp_epochs: int = _opt(

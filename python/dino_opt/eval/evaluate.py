@@ -28,9 +28,16 @@ from ..observe import RunFolder, RunLog
 from ..runtime import resolve_device
 from ..train import DataRoots, build_models, build_source, data_roots
 from .dense import dense_probe
-from .features import EvalImageFolder
+from .features import EvalImageFolder, extract_features
 from .knn import knn_classify, knn_evaluate_splits, tsne_plot
-from .linear import ProbeData, ProbeFeatures, input_columns, linear_probe, probe_features
+from .linear import (
+    ProbeData,
+    ProbeFeatures,
+    input_columns,
+    linear_probe,
+    logistic_regression,
+    probe_features,
+)
 from .pictures import PICTURE_KINDS, picture_arrays, safe_stem
 
 __all__ = [
@@ -39,7 +46,9 @@ __all__ = [
     "evaluate_checkpoint",
     "evaluate_run",
     "evaluate_teacher",
+    "adapt_verdict",
     "load_checkpoint",
+    "pixel_baseline",
     "report_keys",
     "verdict",
 ]
@@ -307,9 +316,12 @@ def evaluate_run(
     folder: RunFolder,
     log: RunLog | None = None,
     step: int = 0,
+    start: nn.Module | None = None,
 ) -> dict:
     """The end of a training run: the trained teacher's backbone beside the
-    same network at random initialisation, on the held-out ``val`` split
+    same network at random initialisation (and, for a run that started from
+    weights, beside ``start``, those weights, and beside raw pixels:
+    :func:`pixel_baseline`), on the held-out ``val`` split
     and, where there is one, the ``test`` split (never used to tune
     anything): k-NN, the linear probe (``eval.linear``) and the dense probe
     (``eval.dense``, where the data has masks); the whole of it in
@@ -317,10 +329,15 @@ def evaluate_run(
     few val images (``eval.pictures``); with ``logging.tsne``, a t-SNE map
     of each one's val features. Returns the report's keys:
     ``knn_top1_trained``, ``knn_top1_random_init``, ``linear_top1_*``,
-    ``logreg_top1_*``, ``dense_miou_*`` and their ``test`` twins, and
-    ``verdict`` when training made the features worse."""
+    ``logreg_top1_*``, ``dense_miou_*`` and their ``test`` twins (``*_start``
+    and ``pixels_*`` with ``start``), ``verdict`` when training made the
+    features worse than random initialisation, and ``adapt_verdict``
+    (:func:`adapt_verdict`) with ``start``."""
     nets = {"trained": trained.to(device), "random_init": random_init.to(device)}
-    labels = {"trained": "trained teacher", "random_init": "teacher at random initialisation"}
+    labels = {"trained": "trained teacher", "random_init": "teacher at random initialisation",
+              "start": "teacher at the weights it started from"}  # fmt: skip
+    if start is not None:
+        nets["start"] = start.to(device)
     report, details = {}, {}
     for name, net in nets.items():
         result = evaluate_backbone(cfg, roots, net, device)
@@ -336,11 +353,49 @@ def evaluate_run(
     pictures = draw_pictures(cfg, roots, nets, folder, log, step)
     if pictures:
         report["pictures"] = str(folder.pictures)
+    if start is not None:
+        details["pixels"] = pixel_baseline(cfg, roots)
+        report.update({f"pixels_{k}": v for k, v in details["pixels"].items() if "top1" in k})
+        report["adapt_verdict"] = adapt_verdict(report)
     folder.evaluation.write_text(json.dumps(details, indent=2) + "\n")
     message = verdict(report, cfg)
     if message:
         report["verdict"] = message
     return report
+
+
+#: The side of the downscaled images of :func:`pixel_baseline`.
+PIXEL_SIZE = 16
+
+
+def pixel_baseline(cfg: Config, roots: DataRoots) -> dict:
+    """The floor any features must beat: DINOv2's logistic regression on
+    the raw pixels of each image (centre crop, downscaled to
+    :data:`PIXEL_SIZE` pixels a side, normalised), on the run's splits;
+    ``val_top1`` (``test_top1``) and ``best_c``."""
+    sources = ProbeData(**_splits(roots)).opened()
+    feats = {name: extract_features(nn.Flatten(), src, image_size=PIXEL_SIZE, normalize=False,
+                                    distributed=False)
+             for name, src in sources.items()}  # fmt: skip
+    result = logistic_regression(feats["train"], feats["val"], feats.get("test"))
+    return {k: v for k, v in result.items() if k != "rows"}
+
+
+def adapt_verdict(report: dict) -> str:
+    """The verdict of a run that started from weights: better or worse than
+    where it started, by how much (k-NN, the linear probe, the dense probe;
+    val), with raw pixels' figure."""
+    kinds = [(k, m) for k, m in (("knn", "top1"), ("linear", "top1"), ("dense", "miou"))
+             if f"{k}_{m}_start" in report and f"{k}_{m}_trained" in report]  # fmt: skip
+    diffs = {k: report[f"{k}_{m}_trained"] - report[f"{k}_{m}_start"] for k, m in kinds}
+    total = sum(diffs.values())
+    word = "better" if total > 0 else "worse" if total < 0 else "no better"
+    scores = ", ".join(f"{k} {report[f'{k}_{m}_trained']:.1f} % vs "
+                       f"{report[f'{k}_{m}_start']:.1f} % ({diffs[k]:+.1f})"
+                       for k, m in kinds)  # fmt: skip
+    pixels = report.get("pixels_val_top1")
+    floor = f"; raw pixels {pixels:.1f} %" if pixels is not None else ""
+    return f"adapting made the features {word} than where they started ({scores} on val){floor}"
 
 
 def verdict(report: dict, cfg: Config) -> str | None:

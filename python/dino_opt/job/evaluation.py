@@ -1,7 +1,10 @@
 """The teacher's evaluation while a run trains (``eval.every_epochs``), and
-that of a distillation's other students, then and at the end of the run."""
+that of a distillation's other students, then and at the end of the run;
+the weights a run started from, evaluated beside the result."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -11,14 +14,28 @@ from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog, gather_objects
 from ..train import StudentBank, recipe_of
+from ..weights import load_backbone
 from .sharding import full_teacher
 
 __all__ = [
     "evaluate_between_epochs",
+    "start_backbone",
     "evaluate_group_students",
     "evaluate_other_students",
     "whole_teacher",
 ]
+
+
+def start_backbone(cfg: Config, parts) -> torch.nn.Module | None:
+    """The teacher's backbone at the weights the run started from
+    (``model.init_from``; read again, so that a resumed run has it too), or
+    None for a run from random initialisation. A distillation's students
+    are judged against random initialisation only."""
+    if cfg.model.init_from is None or len(cfg.student_names) > 1:
+        return None
+    backbone = copy.deepcopy(parts.random_teacher.backbone)
+    load_backbone(cfg.model.init_from, backbone)
+    return backbone.eval()
 
 
 def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device: torch.device,

@@ -63,6 +63,7 @@ from .evaluation import (
     evaluate_between_epochs,
     evaluate_group_students,
     evaluate_other_students,
+    start_backbone,
     whole_teacher,
 )
 from .groups import group_state, load_group_state
@@ -750,7 +751,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         if evaluate:
             nets = (teacher.backbone, p.random_teacher.backbone)
             report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder, self.log,
-                                       self.step))  # fmt: skip
+                                       self.step, start_backbone(cfg, p)))  # fmt: skip
             report.update(evaluate_other_students(cfg, p, teacher, self.device, self.folder,
                                                   self.step))  # fmt: skip
             report.update(evaluate_group_students(cfg, p, teacher, self.device, self.folder,

@@ -341,6 +341,7 @@ def trainer_options(cfg: Config) -> dict:
         "accumulation_steps": cfg.optim.accumulation_steps,
         "gradient_clip": cfg.optim.clip_grad,
         "freeze_last_layer": recipe_of(cfg).freeze_last_layer(cfg),
+        "freeze_backbone": cfg.optim.freeze_backbone_epochs,
     }
 
 

@@ -51,20 +51,25 @@ def layer_id(name: str, n_blocks: int) -> int:
     return n_blocks + 1
 
 
-def _multipliers(name: str, n_blocks: int, decay: float, patch_mult: float) -> tuple:
+def _multipliers(name: str, n_blocks: int, decay: float, patch_mult: float,
+                 backbone_mult: float) -> tuple:  # fmt: skip
     lr_mult = decay ** (n_blocks + 1 - layer_id(name, n_blocks))
     if ".patch_embed." in f".{name}":
         lr_mult *= patch_mult
+    if name.startswith("backbone."):
+        lr_mult *= backbone_mult
     no_wd = name.endswith(".bias") or "norm" in name or "gamma" in name
     return lr_mult, 0.0 if no_wd else 1.0, "last_layer" in name
 
 
 def dinov2_param_groups(
-    model: nn.Module, layerwise_decay: float = 1.0, patch_embed_lr_mult: float = 1.0
-) -> list[dict]:
+    model: nn.Module, layerwise_decay: float = 1.0, patch_embed_lr_mult: float = 1.0,
+    backbone_lr_mult: float = 1.0,
+) -> list[dict]:  # fmt: skip
     """DINOv2's groups of a student (a module with ``backbone`` and heads):
     block i of n gets ``layerwise_decay ** (n + 1 - layer_id)`` times the
-    learning rate, the patch embedding ``patch_embed_lr_mult`` more; biases,
+    learning rate, the patch embedding ``patch_embed_lr_mult`` more, every
+    backbone parameter ``backbone_lr_mult`` (adapting released weights); biases,
     norms and LayerScale gammas no weight decay; the heads' last layers are
     flagged. Parameters with equal multipliers share one group."""
     backbone = getattr(model, "backbone", None)
@@ -74,7 +79,7 @@ def dinov2_param_groups(
         if not p.requires_grad:
             continue
         name = name.replace("module.", "", 1) if name.startswith("module.") else name
-        key = _multipliers(name, n_blocks, layerwise_decay, patch_embed_lr_mult)
+        key = _multipliers(name, n_blocks, layerwise_decay, patch_embed_lr_mult, backbone_lr_mult)
         group = groups[key]
         group["lr_multiplier"], group["wd_multiplier"], group["is_last_layer"] = key
         group["params"].append(p)

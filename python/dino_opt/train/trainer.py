@@ -69,6 +69,11 @@ def _last_layer_params(student: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in student.named_parameters() if "last_layer" in n]
 
 
+def _backbone_params(student: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in student.named_parameters()
+            if n.removeprefix("module.").startswith("backbone.")]  # fmt: skip
+
+
 class MemoryOptimizedDINOTrainer:
     """One DINO training step at a time, memory-lean; see the module docstring.
 
@@ -77,7 +82,9 @@ class MemoryOptimizedDINOTrainer:
     forward/backward group; None or >= the number of crops: one group),
     ``accumulation_steps`` (1), ``gradient_clip`` (3.0; 0 disables); and
     ``precision`` ('auto'; with ``use_amp=False``, float32),
-    ``freeze_last_layer`` (epochs, 1), ``n_global`` (teacher views, 2).
+    ``freeze_last_layer`` (epochs, 1), ``freeze_backbone`` (epochs the
+    student's backbone is not updated while its heads warm up, 0),
+    ``n_global`` (teacher views, 2).
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class MemoryOptimizedDINOTrainer:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         self.gradient_clip = float(self.config.get("gradient_clip", 3.0))
         self.freeze_last_layer = int(self.config.get("freeze_last_layer", 1))
+        self.freeze_backbone = int(self.config.get("freeze_backbone", 0))
         self.n_global = int(self.config.get("n_global", 2))
         if self.gradient_checkpointing:
             self._enable_gradient_checkpointing()
@@ -205,7 +213,8 @@ class MemoryOptimizedDINOTrainer:
         return total
 
     def optimize_step(self) -> bool:
-        """Unscale (fp16), freeze the last layer in the first epochs, clip the
+        """Unscale (fp16), freeze the last layer (and the backbone, when
+        adapting) in the first epochs, clip the
         global gradient norm, step the optimizer, update the teacher. Returns
         False (and skips) until ``accumulation_steps`` micro-batches have
         accumulated. The gradient norm is kept as a device tensor in
@@ -218,6 +227,9 @@ class MemoryOptimizedDINOTrainer:
             self.scaler.unscale_(self.optimizer)
         if self._epoch < self.freeze_last_layer:
             for p in _last_layer_params(student):
+                p.grad = None
+        if self._epoch < self.freeze_backbone:  # no gradient: neither a step nor decay
+            for p in _backbone_params(student):
                 p.grad = None
         params = [p for p in student.parameters() if p.grad is not None]
         # Sharded gradients (FSDP): the norm is reduced over the ranks on the

@@ -39,11 +39,12 @@ class DINORecipe(Recipe):
 
     def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
         """DINO's two groups (biases and norms never decay), or DINOv2's
-        per-layer groups when a layer-wise decay or patch-embedding
+        per-layer groups when a layer-wise decay, patch-embedding or backbone
         multiplier other than 1 asks for them."""
         o = cfg.optim
-        if o.layerwise_decay != 1.0 or o.patch_embed_lr_mult != 1.0:
-            return dinov2_param_groups(student, o.layerwise_decay, o.patch_embed_lr_mult)
+        if (o.layerwise_decay, o.patch_embed_lr_mult, o.backbone_lr_mult) != (1.0, 1.0, 1.0):
+            return dinov2_param_groups(student, o.layerwise_decay, o.patch_embed_lr_mult,
+                                       o.backbone_lr_mult)  # fmt: skip
         return param_groups(student)
 
     def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):

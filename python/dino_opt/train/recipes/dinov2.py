@@ -75,7 +75,8 @@ class DINOv2Recipe(DINORecipe):
 
     def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
         o = cfg.optim
-        return dinov2_param_groups(student, o.layerwise_decay, o.patch_embed_lr_mult)
+        return dinov2_param_groups(student, o.layerwise_decay, o.patch_embed_lr_mult,
+                                   o.backbone_lr_mult)  # fmt: skip
 
     def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):
         s, o = cfg.schedule, cfg.optim
