@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dino_opt.data import BUILTIN_CLASSES, builtin_dataset, render_image
+from dino_opt.data import BUILTIN_CLASSES, BUILTIN_DOMAINS, builtin_dataset, render_image
 from dino_opt.data import builtin as datasets
+from dino_opt.data.builtin import SECOND_CLASSES
 from PIL import Image
 
 SMALL = dict(train_per_class=2, val_per_class=1, test_per_class=1, image_size=48)
@@ -173,14 +174,15 @@ def test_polygon_sdf():
     assert list(datasets._polygon_sdf(pts_x, pts_y, star) < 0) == [True, True, False]
 
 
-def test_images_hold_a_visible_class_and_colour_is_not_the_class():
+@pytest.mark.parametrize("domain", ["default", "second"])
+def test_images_hold_a_visible_class_and_colour_is_not_the_class(domain):
     """Every image has ink that differs from a smooth background, and a
     nearest-centroid classifier on mean colour is near chance: colour is a
-    nuisance, not the label."""
+    nuisance, not the label (in both domains)."""
     rng = np.random.default_rng(0)
     n, size = 24, 40
     means, labels = [], []
-    for label, name in enumerate(BUILTIN_CLASSES):
+    for label, name in enumerate(BUILTIN_DOMAINS[domain]):
         for i in range(n):
             img = render_image(name, np.random.default_rng([7, label, i]), size).astype(float)
             # ink: strong local edges somewhere (backgrounds are smooth, noise is small)
@@ -198,8 +200,34 @@ def test_images_hold_a_visible_class_and_colour_is_not_the_class():
 
 
 def test_render_rejects_unknown_class():
-    with pytest.raises(ValueError, match="hexagon"):
-        render_image("hexagon", np.random.default_rng(0), 32)
+    with pytest.raises(ValueError, match="heptagon"):
+        render_image("heptagon", np.random.default_rng(0), 32)
+
+
+def test_the_second_domain_has_its_own_classes_and_masks(tmp_path):
+    root = builtin_dataset(tmp_path / "second", train_per_class=1, val_per_class=1,
+                           test_per_class=0, image_size=32, domain="second")  # fmt: skip
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["domain"] == "second" and manifest["classes"] == list(SECOND_CLASSES)
+    assert manifest["mask_classes"] == ["background", *SECOND_CLASSES]
+    assert sorted(p.name for p in (root / "train").iterdir()) == list(SECOND_CLASSES)
+    assert not set(SECOND_CLASSES) & set(BUILTIN_CLASSES)
+    for label, name in enumerate(SECOND_CLASSES, start=1):
+        mask = np.array(Image.open(root / "masks" / "val" / name / f"{name}_00000.png"))
+        assert set(np.unique(mask)) <= {0, label} and (mask == label).any()
+    assert (
+        builtin_dataset(
+            tmp_path / "second",
+            train_per_class=1,
+            val_per_class=1,
+            test_per_class=0,
+            image_size=32,
+            domain="second",
+        )
+        == root
+    )  # reused
+    with pytest.raises(ValueError, match="domain must be one of default, second"):
+        builtin_dataset(tmp_path / "x", domain="third")
 
 
 def test_no_leftovers_after_a_failed_generation(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ pairs)."""
 
 from .builtin import (
     BUILTIN_CLASSES,
+    BUILTIN_DOMAINS,
     BUILTIN_MASK_CLASSES,
     BUILTIN_VERSION,
     builtin_dataset,
@@ -52,6 +53,7 @@ from .sources import (
 __all__ = [
     "AUGMENT_KEYS",
     "BUILTIN_CLASSES",
+    "BUILTIN_DOMAINS",
     "BUILTIN_MASK_CLASSES",
     "BUILTIN_VERSION",
     "Batch",

@@ -72,6 +72,7 @@ from PIL import Image
 
 __all__ = [
     "BUILTIN_CLASSES",
+    "BUILTIN_DOMAINS",
     "BUILTIN_MASK_CLASSES",
     "BUILTIN_MASKS",
     "BUILTIN_VERSION",
@@ -101,11 +102,28 @@ BUILTIN_CLASSES = (
     "triangle",
     "waves",
 )
+#: The second domain's classes (``domain="second"``): other silhouettes and
+#: textures, in saturated colours on coloured backgrounds; sorted.
+SECOND_CLASSES = (
+    "arrow",
+    "bricks",
+    "crescent",
+    "diamond",
+    "ellipse",
+    "grid",
+    "hexagon",
+    "pentagon",
+    "rings",
+    "zigzag",
+)
+#: The domains the generator makes, by name: their classes.
+BUILTIN_DOMAINS = {"default": BUILTIN_CLASSES, "second": SECOND_CLASSES}
 #: Names of the mask labels: 0 is the background, ``1 + i`` is ``BUILTIN_CLASSES[i]``.
 BUILTIN_MASK_CLASSES = ("background", *BUILTIN_CLASSES)
 #: The folder under the root that holds the masks, one tree per split.
 BUILTIN_MASKS = "masks"
-_SHAPES = ("circle", "ring", "triangle", "square", "star", "cross")
+_SHAPES = ("circle", "ring", "triangle", "square", "star", "cross",
+           "arrow", "crescent", "diamond", "ellipse", "hexagon", "pentagon")  # fmt: skip
 _SPLITS = ("train", "val", "test")
 _JPEG_QUALITY = 90
 _GENERATOR = "dino_opt.builtin"
@@ -180,6 +198,29 @@ def _shape_sdf(name: str, u: np.ndarray, v: np.ndarray, rng: np.random.Generator
         return _polygon_sdf(u, v, _star(5, 1.15, rng.uniform(0.42, 0.52)))
     if name == "cross":
         return _polygon_sdf(u, v, _cross(1.0, rng.uniform(0.26, 0.36)))
+    return _second_shape_sdf(name, u, v, rng)
+
+
+_ARROW = np.array([(0, 1.2), (0.85, 0.25), (0.32, 0.25), (0.32, -1.1), (-0.32, -1.1),
+                   (-0.32, 0.25), (-0.85, 0.25)])  # fmt: skip
+_DIAMOND = np.array([(0, 1.35), (0.62, 0), (0, -1.35), (-0.62, 0)])
+
+
+def _second_shape_sdf(name: str, u: np.ndarray, v: np.ndarray, rng: np.random.Generator):
+    """The second domain's silhouettes (distances approximate for the ellipse)."""
+    if name == "pentagon":
+        return _polygon_sdf(u, v, _regular(5, 1.1))
+    if name == "hexagon":
+        return _polygon_sdf(u, v, _regular(6, 1.05))
+    if name == "diamond":
+        return _polygon_sdf(u, v, _DIAMOND)
+    if name == "arrow":
+        return _polygon_sdf(u, v, _ARROW)
+    if name == "ellipse":
+        return (np.hypot(u / 1.3, v / 0.68) - 1.0) * 0.68
+    if name == "crescent":
+        bite = rng.uniform(0.4, 0.55)
+        return np.maximum(np.hypot(u, v) - 1.05, 0.85 - np.hypot(u - bite, v))
     raise ValueError(f"unknown shape {name!r}")
 
 
@@ -211,6 +252,21 @@ def _smooth_noise(rng: np.random.Generator, size: int) -> np.ndarray:
     field = np.fft.irfft2(spectrum, s=(size, size))
     lo, hi = field.min(), field.max()
     return ((field - lo) / max(hi - lo, 1e-12)).astype(np.float32)
+
+
+def _vivid_field(rng: np.random.Generator, size: int) -> np.ndarray:
+    """The second domain's backgrounds: a darker 1/f brightness field
+    (0.2 to 0.5) under a strong smooth tint per channel (+-0.25)."""
+    brightness = 0.2 + 0.3 * _smooth_noise(rng, size)
+    tint = np.stack([_smooth_noise(rng, size) for _ in range(3)], axis=-1) - 0.5
+    return np.clip(brightness[..., None] + 0.5 * tint, 0.0, 1.0)
+
+
+def _vivid_ink(rng: np.random.Generator) -> np.ndarray:
+    """A saturated colour of any hue (HSV: saturation 0.7-1, value 0.6-1)."""
+    h, sat, val = rng.uniform(0, 6), rng.uniform(0.7, 1.0), rng.uniform(0.6, 1.0)
+    rgb = np.clip(np.abs(np.mod(h + np.array([0.0, 4.0, 2.0]), 6) - 3) - 1, 0, 1)
+    return (val * (1 - sat + sat * rgb)).astype(np.float32)
 
 
 def _colour_field(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -259,6 +315,29 @@ def _texture(name: str, rng: np.random.Generator, x: np.ndarray, y: np.ndarray, 
         dv = (v / period - np.round(v / period)) * period
         radius = rng.uniform(0.2, 0.34) * period
         return np.clip(radius - np.hypot(du, dv) + 0.5, 0.0, 1.0)
+    return _second_texture(name, rng, u, v, (x, y, size, period, k))
+
+
+def _second_texture(name: str, rng: np.random.Generator, u, v, frame: tuple) -> np.ndarray:
+    """The second domain's textures, in the rotated frame ``(u, v)``."""
+    x, y, size, period, k = frame
+    if name == "grid":  # thin lines both ways
+        return np.maximum(
+            _sharpen(np.cos(k * u), period, 0.6), _sharpen(np.cos(k * v), period, 0.6)
+        )
+    if name == "rings":  # concentric around a point anywhere in the frame
+        cx, cy = rng.uniform(0, size, 2)
+        return _sharpen(np.sin(k * np.hypot(x - cx, y - cy)), period, rng.uniform(-0.3, 0.3))
+    if name == "zigzag":
+        t = v / (rng.uniform(1.5, 3.0) * period)
+        tri = 2 * np.abs(2 * (t - np.floor(t + 0.5))) - 1
+        return _sharpen(np.sin(k * (u + rng.uniform(0.4, 0.8) * period * tri)), period, 0.0)
+    if name == "bricks":  # mortar lines, the joints of every other row shifted half a brick
+        row = np.floor(v / period)
+        joints = np.cos(math.pi * (u / period + 0.5 * (row % 2)))
+        mortar = np.maximum(_sharpen(np.cos(2 * math.pi * v / period), period, 0.8),
+                            _sharpen(joints, 2 * period, 0.9))  # fmt: skip
+        return 1.0 - mortar
     raise ValueError(f"unknown texture {name!r}")
 
 
@@ -295,7 +374,7 @@ def _draw_shapes(
         d_px = _shape_sdf(class_name, u, v, rng) * (radius * min(aspect, 1 / aspect))
         alpha = np.clip(0.5 - d_px, 0.0, 1.0)[..., None]
         box = img[y0:y1, x0:x1]
-        box += (_ink(rng) - box) * alpha
+        box += ((_vivid_ink if class_name in SECOND_CLASSES else _ink)(rng) - box) * alpha
         mask[y0:y1, x0:x1][d_px < 0] = label  # the pixel centre is inside the shape
 
 
@@ -304,22 +383,26 @@ def render_image_and_mask(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One ``[size, size, 3]`` uint8 image of ``class_name`` drawn with
     ``rng`` and its ``[size, size]`` uint8 label mask (0: background,
-    ``1 + BUILTIN_CLASSES.index(class_name)`` where the class is: inside a
+    ``1 +`` the class's index in its domain's classes where the class is: inside a
     shape's instances, everywhere for a texture). Drawing the mask takes
     nothing from ``rng``: the image is the same as :func:`render_image`'s."""
-    if class_name not in BUILTIN_CLASSES:
-        raise ValueError(f"class_name must be one of {BUILTIN_CLASSES}, got {class_name!r}")
-    label = 1 + BUILTIN_CLASSES.index(class_name)
-    img = _colour_field(rng, size)
+    second = class_name in SECOND_CLASSES
+    if class_name not in BUILTIN_CLASSES and not second:
+        raise ValueError(f"class_name must be one of {BUILTIN_CLASSES + SECOND_CLASSES}, got "
+                         f"{class_name!r}")  # fmt: skip
+    label = 1 + (SECOND_CLASSES if second else BUILTIN_CLASSES).index(class_name)
+    img = (_vivid_field if second else _colour_field)(rng, size)
     if class_name in _SHAPES:
         mask = np.zeros((size, size), dtype=np.uint8)
         _draw_shapes(class_name, rng, img, mask, label)
     else:
         x, y = _pixel_grid(size)
         alpha = _texture(class_name, rng, x, y, size)
-        # Light and dark ink across the whole frame, tinted like the background.
-        tint = _colour_field(rng, size) - 0.5
-        light, dark = 0.85 + 0.5 * tint, 0.15 + 0.5 * tint
+        if second:  # two saturated colours
+            light, dark = _vivid_ink(rng), 0.35 * _vivid_ink(rng)
+        else:  # light and dark ink across the whole frame, tinted like the background
+            tint = _colour_field(rng, size) - 0.5
+            light, dark = 0.85 + 0.5 * tint, 0.15 + 0.5 * tint
         img = dark + (light - dark) * alpha[..., None]
         mask = np.full((size, size), label, dtype=np.uint8)
     sigma = rng.uniform(0.0, 0.04)
@@ -341,11 +424,11 @@ def _image_rng(seed: int, split: int, label: int, index: int) -> np.random.Gener
     return np.random.default_rng([_IMAGE_STREAM, seed, split, label, index])
 
 
-def _write_images(task: tuple[str, int, int, int, int, int, int]) -> int:
+def _write_images(task: tuple[str, int, int, int, int, int, int, str]) -> int:
     """Render and save images ``start..stop-1`` of one class of one split
     and their masks; returns the number of images."""
-    out_dir, seed, split, label, start, stop, size = task
-    name = BUILTIN_CLASSES[label]
+    out_dir, seed, split, label, start, stop, size, domain = task
+    name = BUILTIN_DOMAINS[domain][label]
     folder = Path(out_dir) / _SPLITS[split] / name
     masks = Path(out_dir) / BUILTIN_MASKS / _SPLITS[split] / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -358,9 +441,11 @@ def _write_images(task: tuple[str, int, int, int, int, int, int]) -> int:
     return stop - start
 
 
-def _manifest(seed: int, image_size: int, per_class: dict[str, int]) -> dict:
-    n = len(BUILTIN_CLASSES)
+def _manifest(seed: int, image_size: int, per_class: dict[str, int], domain: str) -> dict:
+    classes = BUILTIN_DOMAINS[domain]
+    n = len(classes)
     return {
+        **({"domain": domain} if domain != "default" else {}),
         "generator": _GENERATOR,
         "version": BUILTIN_VERSION,
         "seed": seed,
@@ -368,9 +453,9 @@ def _manifest(seed: int, image_size: int, per_class: dict[str, int]) -> dict:
         "jpeg_quality": _JPEG_QUALITY,
         **{f"{split}_per_class": count for split, count in per_class.items()},
         "counts": {split: n * count for split, count in per_class.items()},
-        "classes": list(BUILTIN_CLASSES),
+        "classes": list(classes),
         "masks": f"{BUILTIN_MASKS}/<split>/<class>/<name>.png",
-        "mask_classes": list(BUILTIN_MASK_CLASSES),
+        "mask_classes": ["background", *classes],
         "mask_edge": "a pixel is its instance's class where its centre is inside the shape",
     }
 
@@ -393,7 +478,7 @@ def _is_complete(root: Path, manifest: dict) -> bool:
         per_class = manifest[f"{split}_per_class"]
         if per_class == 0:
             continue
-        for name in BUILTIN_CLASSES:
+        for name in manifest["classes"]:
             for folder, ext in ((root / split / name, ".jpg"),
                                 (root / BUILTIN_MASKS / split / name, ".png")):  # fmt: skip
                 if _count_files(folder, ext) != per_class:
@@ -443,6 +528,7 @@ def builtin_dataset(
     image_size: int = 112,
     seed: int = 0,
     num_workers: int | None = None,
+    domain: str = "default",
 ) -> Path:
     """The built-in data set's root, generated on first use (see the module
     docstring for what it holds).
@@ -457,8 +543,14 @@ def builtin_dataset(
     again in ``num_workers`` processes (default: the usable CPUs) into a
     temporary directory and renamed into place. An existing ``root`` that is
     not a data set made by this function (no manifest of ours, not empty) is
-    never overwritten: that raises ``FileExistsError``.
+    never overwritten: that raises ``FileExistsError``. ``domain="second"``
+    makes the second domain instead (:data:`BUILTIN_DOMAINS`): ten other
+    classes (six silhouettes, four textures) in saturated colours on coloured
+    backgrounds, drawn the same way: a data set to adapt a model trained on
+    the first one to.
     """
+    if domain not in BUILTIN_DOMAINS:
+        raise ValueError(f"domain must be one of {', '.join(BUILTIN_DOMAINS)}, got {domain!r}")
     train_per_class = _check_count("train_per_class", train_per_class, 1)
     val_per_class = _check_count("val_per_class", val_per_class, 1)
     test_per_class = _check_count("test_per_class", test_per_class, 0)
@@ -469,7 +561,7 @@ def builtin_dataset(
     )
     root = Path(root).expanduser() if root is not None else default_root()
     per_class = {"train": train_per_class, "val": val_per_class, "test": test_per_class}
-    manifest = _manifest(seed, image_size, per_class)
+    manifest = _manifest(seed, image_size, per_class, domain)
 
     if _is_complete(root, manifest):
         return root
@@ -488,9 +580,18 @@ def builtin_dataset(
     try:
         # Tasks of at most _TASK_IMAGES images, so that workers stay busy to the end.
         tasks = [
-            (str(tmp), seed, split, label, start, min(start + _TASK_IMAGES, count), image_size)
+            (
+                str(tmp),
+                seed,
+                split,
+                label,
+                start,
+                min(start + _TASK_IMAGES, count),
+                image_size,
+                domain,
+            )
             for split, count in enumerate(per_class.values())
-            for label in range(len(BUILTIN_CLASSES))
+            for label in range(len(BUILTIN_DOMAINS[domain]))
             for start in range(0, count, _TASK_IMAGES)
         ]
         _generate(tasks, workers)
