@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 from dino_opt.data import builtin_dataset
-from tiny import distill_teacher_net
+from tiny import distill_teacher_net, tiny_one_epoch
 
 # A time (seconds since the epoch) after which no further test starts: the GPU
 # check sets it so that a run cut short still ends, its report written, with
@@ -74,3 +74,19 @@ def distill_teacher(tmp_path_factory):
     path = tmp_path_factory.mktemp("teacher") / "teacher.pth"
     torch.save(distill_teacher_net().state_dict(), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """A tiny built-in data set and TINY trained one epoch on it (tiny.tiny_one_epoch)."""
+    return tiny_one_epoch(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(one_epoch):
+    return one_epoch[0]
+
+
+@pytest.fixture(scope="module")
+def run(one_epoch):
+    return one_epoch[1]

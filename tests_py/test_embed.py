@@ -3,8 +3,6 @@ mean patch token and patch map with its path, equal to extract_features's
 features, in every file type; unreadable images named and left out;
 sharded over two processes as in one."""
 
-import contextlib
-import io
 import json
 import shutil
 
@@ -13,28 +11,12 @@ import pytest
 import torch
 import torchvision
 from dino_opt.cli import main
-from dino_opt.data import builtin_dataset, open_source
+from dino_opt.data import open_source
 from dino_opt.eval import embed_images, extract_features, write_embeddings
 from dino_opt.weights import open_backbone
 from forked import run_cli
 from safetensors import safe_open
-from tiny import TINY, ranks_env
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    return builtin_dataset(tmp_path_factory.mktemp("data") / "builtin", train_per_class=2,
-                           val_per_class=1, image_size=40)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run") / "run"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet",
-                     f"data.root={tiny_data / 'train'}", *TINY, "schedule.epochs=1",
-                     "schedule.warmup_epochs=0"]) == 0  # fmt: skip
-    return out
+from tiny import ranks_env
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,7 @@ saves the best head with the backbone's identity; `dino-opt predict`
 reloads it and gives the probe's own predictions (the same classes, the
 same validation figures), and refuses other weights."""
 
-import contextlib
 import csv
-import io
 import json
 from pathlib import Path
 
@@ -13,30 +11,20 @@ import numpy as np
 import pytest
 import torch
 from dino_opt.cli import main
-from dino_opt.data import builtin_dataset, open_source
+from dino_opt.data import open_source
 from dino_opt.data.segmentation import segmentation_splits
 from dino_opt.eval import DenseLinearHead, ProbeFeatures, extract_features
 from dino_opt.eval.dense import extract_dense_features
 from dino_opt.weights import open_backbone
 from dino_opt.weights.heads import load_head
 from PIL import Image
-from tiny import TINY
+from tiny import tiny_one_epoch
 
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    return builtin_dataset(tmp_path_factory.mktemp("data") / "builtin", train_per_class=3,
-                           val_per_class=2, image_size=40)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run") / "run"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet",
-                     f"data.root={tiny_data / 'train'}", *TINY, "schedule.epochs=1",
-                     "schedule.warmup_epochs=0"]) == 0  # fmt: skip
-    return out
+def one_epoch(tmp_path_factory):
+    """conftest's tiny run, on 3 training and 2 validation images a class."""
+    return tiny_one_epoch(tmp_path_factory, train_per_class=3, val_per_class=2)
 
 
 def _cli(capsys, *args: str) -> str:

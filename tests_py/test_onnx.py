@@ -5,8 +5,6 @@ network allows it), whose onnxruntime outputs are PyTorch's within 1e-4 on
 real images; the input it was trained at in its metadata; bad requests in
 one line."""
 
-import contextlib
-import io
 import json
 import sys
 
@@ -14,31 +12,13 @@ import numpy as np
 import pytest
 import torch
 from dino_opt.cli import main
-from dino_opt.data import builtin_dataset
 from dino_opt.eval import EvalLoader
 from dino_opt.models import build_backbone
 from dino_opt.weights import export_backbone, export_onnx, open_backbone
-from tiny import TINY
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    return builtin_dataset(tmp_path_factory.mktemp("data") / "builtin", train_per_class=2,
-                           val_per_class=1, image_size=40)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def run(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run") / "run"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet",
-                     f"data.root={tiny_data / 'train'}", *TINY, "schedule.epochs=1",
-                     "schedule.warmup_epochs=0"]) == 0  # fmt: skip
-    return out
 
 
 def _images(root, size: int, batch: int) -> torch.Tensor:

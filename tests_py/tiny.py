@@ -4,6 +4,8 @@ bar; a tiny built-in data set; `dino-opt knn` read as JSON; a run killed
 and resumed, and its final state compared with a reference's. Tests add
 their own overrides."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -54,6 +56,21 @@ RESUMABLE = [
     "logging.profile=false",
     "checkpoint.every_steps=1",
 ]
+
+
+def tiny_one_epoch(tmp_path_factory, train_per_class: int = 2, val_per_class: int = 1) -> tuple:
+    """``(data root, run folder)``: a tiny built-in data set (40 px images;
+    ``train_per_class`` and ``val_per_class`` images a class, no test
+    split) and TINY
+    trained one epoch on its train split, in this process."""
+    root = builtin_dataset(tmp_path_factory.mktemp("data") / "builtin",
+                           train_per_class=train_per_class, val_per_class=val_per_class,
+                           test_per_class=0, image_size=40)  # fmt: skip
+    out = tmp_path_factory.mktemp("run") / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", "--output-dir", str(out), "--quiet", f"data.root={root / 'train'}",
+                     *TINY, "schedule.epochs=1", "schedule.warmup_epochs=0"]) == 0  # fmt: skip
+    return root, out
 
 
 def tiny_train_only(tmp_path_factory) -> Path:
