@@ -313,7 +313,8 @@ def _run(model, batches: Iterable, device, amp_dtype, normalize, with_indices: b
 
 def gather_rows(features: torch.Tensor, indices: torch.Tensor, n: int, device) -> torch.Tensor:
     """Every rank's rows (padded to the longest shard for all_gather, then
-    trimmed) put at their data set indices: ``[n, D]`` on every rank."""
+    trimmed) put at their data set indices: ``[n, D]`` on every rank, zero
+    where no rank holds a row (an image no rank could read)."""
     comm = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     )
@@ -331,7 +332,7 @@ def gather_rows(features: torch.Tensor, indices: torch.Tensor, n: int, device) -
     all_where = [torch.empty_like(where) for _ in range(world)]
     dist.all_gather(all_rows, rows)
     dist.all_gather(all_where, where)
-    out = torch.empty(n, dim)
+    out = torch.zeros(n, dim)  # rows no rank holds stay zero
     for r, w, s in zip(all_rows, all_where, shapes, strict=True):
         count = int(s[0])
         out[w[:count].cpu()] = r[:count].cpu()
@@ -351,7 +352,7 @@ def _native_features(model, source, device, batch_size, normalize, amp_dtype, op
     mine = torch.cat(feats) if feats else torch.empty(0, dim)
     mine_at = torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64)
     if world == 1:
-        out = torch.empty(n, dim)
+        out = torch.zeros(n, dim)  # rows no rank holds stay zero
         out[mine_at] = mine
         return out, labels
     return gather_rows(mine, mine_at, n, device), labels
