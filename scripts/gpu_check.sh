@@ -51,15 +51,32 @@ mkdir -p "$REPORT_DIR"
 LOG=$REPORT_DIR/gpu_check.log
 export PYTHONUNBUFFERED=1
 
-if ! tag=$("$PY" -c "import sys, torch; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split(\"+\")[0]}')"); then
+# A stage name is checked before anything starts (torch's import takes seconds).
+STAGES="proof rest tests step carry build"
+[ "$STAGE" = all ] && STAGE=proof,rest
+IFS=, read -r -a stages <<<"$STAGE"
+for s in "${stages[@]}"; do
+  if [[ " $STAGES " != *" $s "* ]]; then
+    echo "gpu-check: unknown stage '$s' (proof, rest, tests, step, carry, build or all)" | tee -a "$LOG"
+    exit 1
+  fi
+done
+
+# One import of torch gives the build's tag, the device's CUDA architecture
+# (90 without a GPU) and the device.
+probe='import sys, torch
+gpu = torch.cuda.is_available()
+version = torch.__version__.split("+")[0]
+print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{version}",
+      "".join(map(str, torch.cuda.get_device_capability())) if gpu else "90", "cuda" if gpu else "cpu")'
+if ! read -r tag device_arch DEVICE < <("$PY" -c "$probe") || [ -z "$DEVICE" ]; then
   echo "gpu-check: $PY cannot import torch" | tee -a "$LOG"
   exit 1
 fi
 BUILD_DIR=$(realpath -m "${GPU_CHECK_BUILD_DIR:-build/gpu-$tag}")
 PREFIX=$(realpath -m "${GPU_CHECK_PREFIX:-.gpu-prefix}")
 CARRY=$(realpath -m "${GPU_CHECK_CARRY:-.gpu-carry}")
-ARCHS=${DINO_OPT_CUDA_ARCHS:-$("$PY" -c "import torch; print(''.join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else '90')")}
-DEVICE=$("$PY" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+ARCHS=${DINO_OPT_CUDA_ARCHS:-$device_arch}
 export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
 # libjpeg-turbo from the prefix for a carried build (its RUNPATH names the
 # prefix of the machine it was built on) and the carried C++ test program.
@@ -371,14 +388,10 @@ run_stage() {
     step) stage_step ;;
     carry) stage_carry ;;
     build) ensure_built ;;
-    *) echo "gpu-check: unknown stage '$stage' (proof, rest, tests, step, carry, build or all)" | tee -a "$LOG"
-       failed=1 ;;
   esac
   echo "== stage $stage done after $((SECONDS - stage_start)) s" | tee -a "$LOG"
 }
 
-[ "$STAGE" = all ] && STAGE=proof,rest
-IFS=, read -r -a stages <<<"$STAGE"
 for s in "${stages[@]}"; do run_stage "$s"; done
 report verdict "$REPORT_DIR" | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] && [ "$failed" -eq 0 ]

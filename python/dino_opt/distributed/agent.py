@@ -31,6 +31,7 @@ exit status or signal, its last completed step and the last checkpoint.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -131,7 +132,11 @@ def enter_launch_env(env: dict[str, str], cwd: str) -> None:
     """In a worker: its launch's environment ``env`` (taken when the launch
     began), with the variables torch's agent set for this worker over it,
     its launch's working folder ``cwd`` and its intra-op thread count
-    (``OMP_NUM_THREADS``, which torch reads only when it is imported)."""
+    (``OMP_NUM_THREADS``, which torch reads only when it is imported). What
+    it inherited from the server (the imported modules, ~385,000 objects)
+    is kept out of the garbage collector's passes (``gc.freeze``): a full
+    collection of it took 0.35 s, paid at each run's start and epoch end."""
+    gc.freeze()
     own = {
         k: v
         for k, v in os.environ.items()
