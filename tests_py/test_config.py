@@ -437,8 +437,9 @@ def test_range_errors(section, key, value, message):
             "model.backbone must be one of vit_tiny, vit_small, vit_base, vit_large, vit_giant2, "
             "vit_small_dinov3, vit_small_plus_dinov3, vit_base_dinov3, vit_large_dinov3, "
             "vit_large_plus_dinov3, vit_huge_plus_dinov3, vit_7b_dinov3, resnet18, resnet50, "
-            "convnext_tiny, convnext_small, convnext_base, convnext_large; "
-            "got 'vit_smal' (did you mean 'vit_small'?)",
+            "convnext_tiny, convnext_small, convnext_base, convnext_large, or timm:NAME, "
+            "torchvision:NAME or package.module:function; got 'vit_smal' (did you mean "
+            "'vit_small'?)",
         ),
         ("model", "patch_size", 12, "model.patch_size must be one of 8, 14, 16; got 12"),
         ("optim", "optimizer", "lars", "optim.optimizer must be one of adamw, sgd; got 'lars'"),

@@ -295,14 +295,19 @@ def test_errors_name_the_problem(run, tiny_data, tmp_path, capsys, gen):
     assert "model.init_from" in err and "nowhere.pth" in err
 
 
-def test_resnet_exports_only_as_dino(tmp_path, gen):
+def test_resnet_exports_as_torchvision_and_timm_state_dicts(tmp_path, gen):
     cfg = apply_overrides(default_config(), ["model.backbone=resnet18", *SMALL_HEAD])
     student, teacher = build_models(cfg)
     path = tmp_path / "r.pth"
     torch.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
                 "config": cfg.to_dict()}, path)  # fmt: skip
-    with pytest.raises(ValueError, match="ViT backbones.*resnet18.*--format dino"):
-        export_weights(path, "timm", tmp_path / "r.safetensors")
+    with pytest.raises(ValueError, match="--format hf does not write a resnet18.*dino or "):
+        export_weights(path, "hf", tmp_path / "r.safetensors")
+    timm = pytest.importorskip("timm")
+    t = export_weights(path, "timm", tmp_path / "r_timm.pth")
+    net = timm.create_model("resnet18", num_classes=0)
+    net.load_state_dict(torch.load(t.path, weights_only=True))
+    assert torch.equal(net.conv1.weight, teacher.backbone.conv1.weight)
     r = export_weights(path, "dino", tmp_path / "r18.pth")
     torchvision = pytest.importorskip("torchvision")
     net = torchvision.models.resnet18()

@@ -27,10 +27,13 @@ from .load import (
     resolve_config_path,
     save_config,
 )
+from .names import BACKBONE_NAMES, EXTERNAL_FORMS, external_name_problem, is_external, student_key
 from .presets import PRESET_KEYS, PRESET_NAMES, PRESETS, HardwarePreset, preset_for_memory
 from .schema import Config, default_config, validate
 
 __all__ = [
+    "BACKBONE_NAMES",
+    "EXTERNAL_FORMS",
     "RECIPE_NEEDS",
     "RECIPES_DIR",
     "AugmentationConfig",
@@ -62,4 +65,7 @@ __all__ = [
     "preset_for_memory",
     "save_config",
     "validate",
+    "external_name_problem",
+    "is_external",
+    "student_key",
 ]

@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .names import BACKBONE_NAMES
 from .presets import PRESET_NAMES
 
 __all__ = [
@@ -67,13 +68,6 @@ def _opt(
 # ---------------------------------------------------------------------------
 # The schema
 # ---------------------------------------------------------------------------
-
-_BACKBONES = (
-    "vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
-    "vit_small_dinov3", "vit_small_plus_dinov3", "vit_base_dinov3", "vit_large_dinov3",
-    "vit_large_plus_dinov3", "vit_huge_plus_dinov3", "vit_7b_dinov3", "resnet18", "resnet50",
-    "convnext_tiny", "convnext_small", "convnext_base", "convnext_large",
-)  # fmt: skip
 
 
 @dataclass
@@ -203,7 +197,11 @@ class AugmentationConfig:
 class ModelConfig:
     """Backbone and DINO head."""
 
-    backbone: str = _opt("vit_small", "backbone architecture", choices=_BACKBONES)
+    backbone: str = _opt(
+        "vit_small",
+        "backbone architecture (distill: or timm:NAME, torchvision:NAME, package.module:function)",
+        choices=BACKBONE_NAMES,
+    )
     patch_size: int = _opt(16, "ViT patch size (ViT backbones only)", choices=(8, 14, 16))
     drop_path_rate: float = _opt(0.1, "stochastic depth rate of the ViT blocks", ge=0, lt=1)
     out_dim: int = _opt(65536, "dimension of the head's output (prototypes)", ge=1)
@@ -452,11 +450,15 @@ class RecipeConfig:
     )
     distill_students: tuple[str, ...] = _opt(
         (),
-        "distill (features): more students beside model.backbone, by backbone name, trained in "
-        "the same run from the same teacher forward (each its own projector, parameter groups, "
-        "clipping, EMA, evaluation and export)",
-        choices=_BACKBONES,
+        "distill (features): more students beside model.backbone, by backbone name (or "
+        "timm:NAME, torchvision:NAME, package.module:function), trained in the same run from "
+        "the same teacher forward (each its own projector, parameter groups, clipping, EMA, "
+        "evaluation and export)",
+        choices=BACKBONE_NAMES,
     )
+    distill_students_init_from: tuple[str, ...] = _opt((), "distill: each of "
+        "recipe.distill_students' first weights, in order (any file model.init_from reads; a "
+        "network of your own: its state dict); none: random init; empty: all random")  # fmt: skip
 
 
 @dataclass

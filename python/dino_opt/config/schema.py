@@ -31,6 +31,7 @@ from .fields import (
     ScheduleConfig,
     _Spec,
 )
+from .names import is_external, student_key
 
 __all__ = ["Config", "default_config", "validate"]
 
@@ -117,6 +118,13 @@ class Config:
         (the first, the run's result) and ``recipe.distill_students``."""
         return (self.model.backbone, *self.recipe.distill_students)
 
+    @property
+    def student_keys(self) -> tuple[str, ...]:
+        """The students' keys, in the order of :attr:`student_names`: their
+        modules' names (``members.<key>.`` in state dicts; a name's dots as
+        underscores)."""
+        return tuple(student_key(n) for n in self.student_names)
+
 
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
@@ -186,7 +194,12 @@ def _check_choice(key: str, value: Any, choices: tuple | None) -> None:
     (with the closest choice of a mistyped string)."""
     if choices is None or value in choices:
         return
+    problem = getattr(choices, "problem", None)  # a backbone key's SOURCE:NAME
+    if problem is not None and isinstance(value, str) and problem(value):
+        raise ConfigError(f"{key}: {problem(value)}")
     listed = ", ".join(str(c) for c in choices)
+    if getattr(choices, "also", None):
+        listed += f", or {choices.also}"
     hint = ""
     if isinstance(value, str):
         close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
@@ -543,7 +556,10 @@ def _distill_conflicts(cfg: Config) -> list[str]:
     """The ``recipe.distill_*`` keys of a recipe with an external teacher."""
     r = cfg.recipe
     if not RECIPE_NEEDS[r.name].get("external_teacher"):
-        if r.distill_students:
+        if is_external(cfg.model.backbone):
+            return [f"model.backbone={cfg.model.backbone!r}: a network of your own is a student "
+                    f"of recipe.name=distill (features), not of {r.name}"]  # fmt: skip
+        if r.distill_students or r.distill_students_init_from:
             return [f"recipe.distill_students is for recipe.name=distill, not {r.name}"]
         if cfg.distributed.student_groups:
             return [f"distributed.student_groups is for recipe.name=distill, not {r.name}"]
@@ -553,6 +569,11 @@ def _distill_conflicts(cfg: Config) -> list[str]:
         errors.append(f"recipe.name={r.name} needs its teacher: set recipe.distill_teacher "
                       "(a dino_opt run or checkpoint, or weights in any format model.init_from "
                       "reads)")  # fmt: skip
+    starts = r.distill_students_init_from
+    if starts and len(starts) != len(r.distill_students):
+        errors.append(f"recipe.distill_students_init_from names {len(starts)} start(s) for "
+                      f"{len(r.distill_students)} student(s) of recipe.distill_students, one each "
+                      "in its order ('none': random initialisation)")  # fmt: skip
     if r.distill_mode == "heads" and not cfg.model.backbone.startswith("vit"):
         errors.append(
             f"recipe.distill_mode=heads trains a ViT student (its iBOT loss is over masked patch "
@@ -611,6 +632,9 @@ def _sharding_conflicts(cfg: Config) -> list[str]:
             f"distributed.strategy=fsdp shards a ViT block by block; {key} names "
             f"{others[0]!r} (use distributed.strategy=ddp)"
         )
+    if cfg.recipe.distill_students_init_from:
+        errors.append("recipe.distill_students_init_from starts students that are not "
+                      "sharded: use distributed.strategy=ddp")  # fmt: skip
     if cfg.hardware.precision == "fp16":
         errors.append(
             "distributed.strategy=fsdp takes hardware.precision bf16, fp32 or auto, not fp16 "

@@ -58,7 +58,7 @@ from ..runtime import (
 )
 from ..train import resolve_recipe
 from ..tune import resolve_hardware
-from ..weights import init_from, weights_reader
+from ..weights import init_from, start_students, weights_reader
 from .evaluation import (
     evaluate_between_epochs,
     evaluate_group_students,
@@ -279,7 +279,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         p = self.parts
         loaders = gather_objects(p.loader.state_dict())  # per rank
         if p.groups is not None:  # joined on rank 0; the loaders of one group
-            networks = group_state(p.groups, list(self.config.student_names), p.sizes,
+            networks = group_state(p.groups, list(self.config.student_keys), p.sizes,
                                    p.student, p.teacher, p.optimizer)  # fmt: skip
             loaders = loaders[: p.groups.size]
         elif self.sharded:
@@ -321,7 +321,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             loss = {**loss, **load_sharded_state(state["shards"], keys, p.student, p.teacher,
                                                  p.optimizer, p.loss_fn)}  # fmt: skip
         elif p.groups is not None:  # this rank's student's part
-            load_group_state(state, list(self.config.student_names), p.groups, p.sizes,
+            load_group_state(state, list(self.config.student_keys), p.groups, p.sizes,
                              p.student, p.teacher, p.optimizer)  # fmt: skip
         else:  # a whole checkpoint (ddp's, or a sharded one read whole)
             load_whole_state(state, p.student, p.teacher, p.optimizer)
@@ -357,15 +357,19 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             print(f"resuming from {path} (epoch {self.epoch}, step {self.step})", file=sys.stderr)
         return path
 
-    def _init_from(self, path: str) -> None:
-        """A fresh run's start from existing weights (``model.init_from``):
-        student, teacher (and the loss's center where the file has one)."""
+    def _init_from(self, path: str | None) -> None:
+        """A fresh run's start from existing weights: ``model.init_from``
+        (student, teacher and the loss's center where the file has one) and
+        a distillation's ``recipe.distill_students_init_from``."""
         p = self.parts
         try:
-            self.init_notes = init_from(path, p.student, p.teacher, p.loss_fn)
+            if path is not None:
+                self.init_notes = init_from(path, p.student, p.teacher, p.loss_fn)
         except (OSError, ValueError) as e:
             raise ValueError(f"model.init_from={path!r}: {e}") from e
-        if self.lead:
+        index = p.groups.index if p.groups is not None else None
+        self.init_notes += start_students(self.config, p.student, p.teacher, index)
+        if self.lead and self.init_notes:
             print("starting from " + "; ".join(self.init_notes), file=sys.stderr)
 
     def _collective(self, name: str):
@@ -437,7 +441,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.trainer = self.parts.trainer
         self.metadata = run_metadata()
         resumed_from = self._resume(resumed)
-        if resumed is None and self.config.model.init_from is not None:
+        if resumed is None:
             self._init_from(self.config.model.init_from)
         del resumed  # the tensors now live in the models and the optimizer
         self._start_logging()
@@ -647,7 +651,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         injected_hang(self.config.debug, self.step, self.rank, len(self.restarts))
         metrics, groups = self._step_metrics, self.parts.groups
         if groups is not None:  # this rank's student's, placed for the mean over all ranks
-            loss, metrics = groups.metrics(list(cfg.student_names), loss, metrics)
+            loss, metrics = groups.metrics(list(cfg.student_keys), loss, metrics)
         parts = {f"loss_{k}": v for k, v in metrics.items() if k != "loss"}
         with self._collective("metrics"):
             reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),

@@ -17,6 +17,7 @@ from .convnext import (
     convnext_small,
     convnext_tiny,
 )
+from .external import ExternalBackbone, build_external
 from .head import DINOHead, WeightNormLinear
 from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
 from .rope import RopePositionEmbedding
@@ -55,6 +56,7 @@ __all__ = [
     "ConvNeXt",
     "DINOHead",
     "DinoV3VisionTransformer",
+    "ExternalBackbone",
     "MultiCropWrapper",
     "RopePositionEmbedding",
     "Tokens",
@@ -64,6 +66,7 @@ __all__ = [
     "backbone_tokens",
     "build_backbone",
     "build_dino_models",
+    "build_external",
     "convert_convnext_state_dict",
     "convert_dinov3_convnext_state_dict",
     "convert_dinov3_state_dict",
@@ -173,12 +176,12 @@ def build_backbone(
         return model, model.embed_dim
     if name in _RESNETS:
         return _resnet(name, vit, kwargs), _RESNETS[name]
+    if ":" in name:  # a network of the user's own: timm:NAME, torchvision:NAME, module:function
+        _no_vit_options(name, "a network of your own", vit)
+        model = build_external(name, **kwargs)
+        return model, model.embed_dim
     if name in _CONVNEXTS:
-        changed = [k for k, v in vit.items() if v != VIT_OPTIONS[k]]
-        if changed:
-            raise ValueError(f"backbone {name!r} is a ConvNeXt; the ViT options "
-                             f"{', '.join(changed)} do not apply to it (leave them at their "
-                             "defaults)")  # fmt: skip
+        _no_vit_options(name, "a ConvNeXt", vit)
         model = _CONVNEXTS[name](drop_path_rate=drop_path_rate, **kwargs)
         return model, model.embed_dim
     raise ValueError(f"unknown backbone {name!r}; allowed: {', '.join(BACKBONES)}")
@@ -201,11 +204,17 @@ def _dinov3_backbone(
     return _DINOV3[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **taken, **kwargs)
 
 
-def _resnet(name: str, vit_options: dict, kwargs: dict) -> nn.Module:
+def _no_vit_options(name: str, kind: str, vit_options: dict) -> None:
+    """ValueError naming the ViT options away from their defaults given to
+    backbone ``name`` (``kind``), which has none."""
     changed = [k for k, v in vit_options.items() if v != VIT_OPTIONS[k]]
     if changed:
-        raise ValueError(f"backbone {name!r} is a ResNet; the ViT options {', '.join(changed)} "
+        raise ValueError(f"backbone {name!r} is {kind}; the ViT options {', '.join(changed)} "
                          "do not apply to it (leave them at their defaults)")  # fmt: skip
+
+
+def _resnet(name: str, vit_options: dict, kwargs: dict) -> nn.Module:
+    _no_vit_options(name, "a ResNet", vit_options)
     try:
         import torchvision.models as tvm
     except ImportError as e:

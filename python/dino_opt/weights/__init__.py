@@ -13,7 +13,8 @@ from .probes import (
     run_linear_probe,
     show_weights,
 )
-from .reading import ExternalWeights, read_weights
+from .reading import ExternalWeights, read_state_dict, read_weights
+from .students import load_student_start, start_students
 from .teacher import OpenedTeacher, open_teacher, weights_reader
 from .transfer import (
     FORMATS,
@@ -40,6 +41,7 @@ __all__ = [
     "export_weights",
     "init_from",
     "load_backbone",
+    "load_student_start",
     "open_backbone",
     "open_teacher",
     "predict",
@@ -47,6 +49,8 @@ __all__ = [
     "run_dense_probe",
     "run_linear_probe",
     "show_weights",
+    "read_state_dict",
     "read_weights",
+    "start_students",
     "weights_reader",
 ]

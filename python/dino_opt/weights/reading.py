@@ -60,8 +60,8 @@ from .layouts_dinov3 import (
     rope_from_periods,
 )
 
-__all__ = ["TRAINING_KEY", "ExternalWeights", "read_weights", "sub_dict", "training_input",
-           "training_sidecar", "write_training_sidecar"]  # fmt: skip
+__all__ = ["TRAINING_KEY", "ExternalWeights", "read_state_dict", "read_weights", "sub_dict",
+           "training_input", "training_sidecar", "write_training_sidecar"]  # fmt: skip
 
 #: Where an export keeps the input its network was trained at: a safetensors
 #: metadata key, a Hugging Face config.json key, the key of a torch file's
@@ -185,6 +185,24 @@ def _torch_load(path: Path) -> dict:
                 return torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file: one message naming it
             raise ValueError(f"{path}: not a weights file torch can read safely ({e})") from e
+
+
+def read_state_dict(path: str | os.PathLike) -> dict:
+    """The tensors of a state-dict file as they are stored (a safetensors
+    file, or a torch file holding a state dict, or one under ``state_dict``
+    or ``model``); ValueError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    state = _read_safetensors(path)[0] if _is_safetensors(path) else _torch_load(path)
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    items = state.items() if isinstance(state, dict) else ()
+    tensors = {k: v for k, v in items if torch.is_tensor(v)}
+    if not tensors:
+        raise ValueError(f"{path}: holds no state dict (a mapping of names to tensors)")
+    return tensors
 
 
 def _split(state: dict) -> dict:

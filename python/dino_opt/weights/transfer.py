@@ -66,11 +66,12 @@ from safetensors.torch import save
 from torch import nn
 
 from ..checkpoint import atomic_write, fsync_dir
-from ..config import Config
+from ..config import Config, student_key
 from ..eval import knn_evaluate_splits, load_checkpoint
 from ..models import DinoV3VisionTransformer, VisionTransformer, build_backbone
 from ..models.vit import pos_embed_grid, resize_pos_embed
 from ..runtime import resolve_device
+from .cnn_export import CNN_FORMATS, export_cnn
 from .layouts import (
     ViTArch,
     hf_dinov2_config,
@@ -114,7 +115,7 @@ __all__ = [
     "load_backbone",
 ]
 
-FORMATS = ("timm", "hf", "dino", "dinov2", "dinov3")
+FORMATS = ("timm", "hf", "dino", "dinov2", "dinov3", *CNN_FORMATS)
 _DINO_SIZE = 224  # the input size of DINO's position tables
 
 
@@ -380,7 +381,7 @@ def _student_prefix(cfg: Config, student: str | None, source, full: bool) -> tup
             f"--full writes DINO's checkpoint of one student; {source} trained "
             f"{', '.join(names)}: export each backbone with --student"
         )
-    return name, f"members.{name}.backbone."
+    return name, f"members.{student_key(name)}.backbone."
 
 
 def export_weights(
@@ -406,15 +407,14 @@ def export_weights(
     cfg = Config.from_dict(ckpt["config"])
     model = cfg.model
     backbone, prefix = _student_prefix(cfg, student, source, full)
-    if fmt != "dino" and not backbone.startswith("vit"):
-        raise ValueError(
-            f"format {fmt} takes ViT backbones (vit_tiny, vit_small, vit_base, ...); {source} "
-            f"holds a {backbone}; --format dino writes it as a torchvision state dict"
-        )
-    output = Path(output)
-    sd = sub_dict(ckpt[which], prefix)
+    output, sd = Path(output), sub_dict(ckpt[which], prefix)
     meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which,
             TRAINING_KEY: json.dumps(training_input(cfg))}  # fmt: skip
+    if not backbone.startswith("vit") and not full:  # a ResNet, a ConvNeXt, a user's network
+        load, notes = export_cnn(fmt, sd, backbone, output, lambda: check_output(output, force))
+        return _recorded(ExportResult(output, fmt, which, backbone, _DINO_SIZE, load, notes), meta)
+    if fmt in CNN_FORMATS:
+        raise ValueError(f"--format {fmt} writes a convolutional student, not a {backbone}")
     if is_rope_vit(sd):
         arch = dinov3_arch(sd)
         load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force)

@@ -50,6 +50,7 @@ def _student_config(cfg: Config, backbone: str) -> Config:
     patch = cfg.model.patch_size if vit else default_config().model.patch_size
     return apply_overrides(cfg, [f"model.backbone={backbone}", f"model.patch_size={patch}",
                                  "recipe.distill_students=[]",
+                                 "recipe.distill_students_init_from=[]",
                                  "distributed.student_groups=false"])  # fmt: skip
 
 
@@ -99,7 +100,7 @@ class DistillRecipe(DINOv2Recipe):
         return _student_config(cfg, cfg.student_names[index])
 
     def join_students(self, cfg: Config, pairs: list[tuple[nn.Module, nn.Module]]):
-        names = cfg.student_names
+        names = cfg.student_keys
         students = StudentBank({n: s for n, (s, _) in zip(names, pairs, strict=True)})
         return students, StudentBank({n: t for n, (_, t) in zip(names, pairs, strict=True)})
 

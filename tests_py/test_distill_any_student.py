@@ -1,0 +1,187 @@
+"""Any student: a timm model by name, a torchvision model or a function's
+module (tests_py/own_nets.py) as a distillation student, read as a feature
+map or as tokens; each student started from its own weights; each exported
+for the library it came from; what cannot be a student refused in one line
+before any training."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import timm
+import torch
+import torchvision
+from dino_opt.cli import main
+from dino_opt.config import ConfigError, apply_overrides, default_config, load_config
+from dino_opt.models import ExternalBackbone, backbone_tokens, build_backbone
+from dino_opt.train import build_models
+from dino_opt.weights import start_students
+from tiny import TINY, final_state
+
+OWN = "own_nets:small_cnn"
+STUDENTS = [*TINY, "recipe.name=distill", "model.drop_path_rate=0", "data.batch_size=4",
+            "schedule.epochs=1", "schedule.warmup_epochs=0", "logging.tensorboard=false",
+            "logging.profile=false", f"recipe.distill_students=[timm:resnet18,{OWN}]"]  # fmt: skip
+
+
+def test_a_torchvision_resnet_is_read_as_the_built_in_one(gen):
+    ours, _ = build_backbone("resnet18")
+    theirs, width = build_backbone("torchvision:resnet18")
+    theirs.net.load_state_dict(ours.state_dict(), strict=False)  # all but its classifier
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    a, b = backbone_tokens(ours.eval(), x), backbone_tokens(theirs.eval(), x)
+    assert width == 512 and a.grid == b.grid == (2, 2)
+    torch.testing.assert_close(b.cls, a.cls) and torch.testing.assert_close(b.patches, a.patches)
+    torch.testing.assert_close(theirs(x), a.cls)
+
+
+def test_a_timm_vit_is_read_as_tokens_after_its_class_token(gen):
+    net, width = build_backbone("timm:vit_tiny_patch16_224")
+    x = torch.randn(2, 3, 64, 64, generator=gen)  # any size: built with dynamic_img_size
+    out = net.net.eval().forward_features(x)
+    t = backbone_tokens(net, x)
+    assert (width, net.prefix, t.grid) == (192, 1, (4, 4))
+    assert torch.equal(t.cls, out[:, 0]) and torch.equal(t.patches, out[:, 1:])
+
+
+def test_a_functions_module_is_read_as_its_feature_map(gen):
+    net, width = build_backbone(OWN)
+    x = torch.randn(3, 3, 32, 32, generator=gen)
+    fmap = net.net(x)  # the plain module: the map's average and its cells
+    t = backbone_tokens(net, x)
+    assert width == 24 and t.grid == (4, 4)
+    torch.testing.assert_close(t.cls, fmap.mean((2, 3)))
+    torch.testing.assert_close(t.patches, fmap.flatten(2).transpose(1, 2))
+    with torch.device("meta"):  # the memory model builds students on the meta device
+        assert build_backbone("timm:resnet18")[1] == 512
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [("timm:resnet_nope", "timm 1.0"),
+     ("torchvision:vit_b_16", "no feature map to read"),
+     ("own_nets:pooled", "gives a tensor of shape [1, 8]"),
+     ("own_nets:two_outputs", "gives a tuple of 2"),
+     ("own_nets:not_a_module", "returned a Tensor, not a torch.nn.Module"),
+     ("own_nets:fails", "calling fails() failed (RuntimeError: no weights here)"),
+     ("own_nets:nothing", "cannot import it (AttributeError"),
+     ("no_such_package.nets:f", "cannot import it (ModuleNotFoundError")],
+)  # fmt: skip
+def test_what_cannot_be_a_student_is_one_line(name, needle):
+    with pytest.raises(ValueError) as e:
+        build_backbone(name)
+    assert needle in str(e.value) and name in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [(["model.backbone=timm:resnet18.a1_in1k"], "'.tag' names weights to download"),
+     (["model.backbone=torchvision:"], "torchvision:NAME takes a model name"),
+     (["model.backbone=resnet18:"], "is not timm:NAME, torchvision:NAME or package.module"),
+     (["model.backbone=timm:resnet18"], "a network of your own is a student of recipe.name"),
+     (["recipe.name=distill", "recipe.distill_teacher=t.pth",
+       "recipe.distill_students=[timm:resnet18]", "recipe.distill_students_init_from=[a,b]"],
+      "names 2 start(s) for 1 student(s)"),
+     (["recipe.name=distill", "recipe.distill_teacher=t.pth", "model.backbone=vit_tiny",
+       "recipe.distill_students=[vit_small]", "recipe.distill_students_init_from=[a]",
+       "distributed.strategy=fsdp"], "use distributed.strategy=ddp")],
+)  # fmt: skip
+def test_bad_student_configs_are_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(default_config(), overrides)
+    assert needle in str(e.value)
+
+
+def test_students_start_from_their_own_weights_and_so_do_their_emas(tmp_path):
+    start = timm.create_model("resnet18", num_classes=10)  # with a classifier, left out
+    torch.save(start.state_dict(), tmp_path / "r18.pth")
+    cfg = load_config(None, [*STUDENTS, "recipe.distill_teacher=t.pth",
+                             f"recipe.distill_students_init_from=[{tmp_path / 'r18.pth'},none]"])
+    student, ema = build_models(cfg)
+    before = student.members[OWN.replace(".", "_")].backbone.net[0].weight.clone()
+    notes = start_students(cfg, student, ema)
+    assert len(notes) == 1 and "its classifier left out: 2 tensors" in notes[0]
+    member, member_ema = student.members["timm:resnet18"], ema.members["timm:resnet18"]
+    assert torch.equal(member.backbone.net.conv1.weight, start.conv1.weight)
+    assert torch.equal(member_ema.backbone.net.conv1.weight, start.conv1.weight)
+    assert torch.equal(student.members[OWN].backbone.net[0].weight, before)  # 'none'
+    torch.save({"conv1.weight": start.conv1.weight}, tmp_path / "part.pth")
+    cfg = apply_overrides(cfg, [f"recipe.distill_students_init_from=[{tmp_path / 'part.pth'},none]"])
+    with pytest.raises(ValueError, match=r"part.pth does not fit timm:resnet18: missing"):
+        start_students(cfg, student, ema)
+
+
+@pytest.fixture(scope="module")
+def trained(distill_data, distill_teacher, tmp_path_factory):
+    """A ViT-T, a timm ResNet-18 (started from weights) and a function's
+    CNN distilled together for one epoch, in this process."""
+    tmp = tmp_path_factory.mktemp("any")
+    start = timm.create_model("resnet18", num_classes=0)
+    torch.save(start.state_dict(), tmp / "r18.pth")
+    out = tmp / "run"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["train", "--output-dir", str(out), "--quiet",
+                     f"data.root={distill_data / 'train'}", *STUDENTS,
+                     f"recipe.distill_teacher={distill_teacher}",
+                     f"recipe.distill_students_init_from=[{tmp / 'r18.pth'},none]"]) == 0  # fmt: skip
+    return out, start
+
+
+def test_a_run_trains_evaluates_and_exports_every_student(trained, tmp_path, capsys):
+    out, start = trained
+    report = json.loads((out / "report.json").read_text())
+    assert any("timm:resnet18 from" in note for note in report["init_from"])
+    assert {"timm:resnet18", OWN} <= set(report["students"])
+    for name in ("timm:resnet18", OWN):
+        assert "knn_top1_trained" in report["students"][name]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(f"loss_{OWN}" in r and "loss_timm:resnet18" in r for r in rows)
+    state = final_state(out)["teacher"]
+    # timm's own state dict, loaded by timm without the classifier
+    target = tmp_path / "r18_timm.pth"
+    assert main(["export", str(out), "--student", "timm:resnet18", "--format", "timm",
+                 "--output", str(target)]) == 0  # fmt: skip
+    net = timm.create_model("resnet18", num_classes=0)
+    net.load_state_dict(torch.load(target, weights_only=True))
+    assert torch.equal(net.conv1.weight, state["members.timm:resnet18.backbone.net.conv1.weight"])
+    assert not torch.equal(net.conv1.weight, start.conv1.weight)  # trained from its start
+    # the function's module: its own state dict
+    own = tmp_path / "own.pth"
+    assert main(["export", str(out), "--student", OWN, "--format", "dino", "--output",
+                 str(own)]) == 0  # fmt: skip
+    import own_nets
+
+    own_nets.small_cnn().load_state_dict(torch.load(own, weights_only=True))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["export", str(out), "--student", "timm:resnet18", "--format", "torchvision",
+              "--output", str(tmp_path / "x.pth")])  # fmt: skip
+    assert "--format torchvision does not write a timm:resnet18 student; dino or timm" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
+    net, _ = build_backbone("resnet18")
+    from dino_opt.weights.cnn_export import export_cnn
+
+    sd = {k: v.clone() for k, v in net.state_dict().items()}
+    for fmt in ("torchvision", "timm"):
+        path = tmp_path / f"{fmt}.pth"
+        load, _ = export_cnn(fmt, sd, "resnet18", path, lambda: None)
+        target = (torchvision.models.resnet18() if fmt == "torchvision"
+                  else timm.create_model("resnet18"))  # fmt: skip
+        target.fc = torch.nn.Identity()
+        target.load_state_dict(torch.load(path, weights_only=True))
+        assert torch.equal(target.conv1.weight, net.conv1.weight) and fmt in load
+    with pytest.raises(ValueError, match="--format timm does not write a convnext_tiny"):
+        export_cnn("timm", {}, "convnext_tiny", tmp_path / "c.pth", lambda: None)
+    assert ExternalBackbone  # the class users see named in errors and docs
+
+
+def test_a_students_key_is_its_name_without_dots():
+    cfg = load_config(None, [*STUDENTS, "recipe.distill_teacher=t.pth",
+                             "recipe.distill_students=[pkg.nets:small]"])  # fmt: skip
+    assert cfg.student_names == ("vit_tiny", "pkg.nets:small")
+    assert cfg.student_keys == ("vit_tiny", "pkg_nets:small")
