@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 
+import own_nets
 import pytest
 import timm
 import torch
@@ -17,6 +18,7 @@ from dino_opt.config import ConfigError, apply_overrides, default_config, load_c
 from dino_opt.models import ExternalBackbone, backbone_tokens, build_backbone
 from dino_opt.train import build_models
 from dino_opt.weights import start_students
+from dino_opt.weights.cnn_export import export_cnn
 from tiny import TINY, final_state
 
 OWN = "own_nets:small_cnn"
@@ -28,6 +30,7 @@ STUDENTS = [*TINY, "recipe.name=distill", "model.drop_path_rate=0", "data.batch_
 def test_a_torchvision_resnet_is_read_as_the_built_in_one(gen):
     ours, _ = build_backbone("resnet18")
     theirs, width = build_backbone("torchvision:resnet18")
+    assert isinstance(theirs, ExternalBackbone) and theirs.reader == "resnet"
     theirs.net.load_state_dict(ours.state_dict(), strict=False)  # all but its classifier
     x = torch.randn(2, 3, 64, 64, generator=gen)
     a, b = backbone_tokens(ours.eval(), x), backbone_tokens(theirs.eval(), x)
@@ -96,10 +99,16 @@ def test_bad_student_configs_are_one_line(overrides, needle):
 def test_students_start_from_their_own_weights_and_so_do_their_emas(tmp_path):
     start = timm.create_model("resnet18", num_classes=10)  # with a classifier, left out
     torch.save(start.state_dict(), tmp_path / "r18.pth")
-    cfg = load_config(None, [*STUDENTS, "recipe.distill_teacher=t.pth",
-                             f"recipe.distill_students_init_from=[{tmp_path / 'r18.pth'},none]"])
+    cfg = load_config(
+        None,
+        [
+            *STUDENTS,
+            "recipe.distill_teacher=t.pth",
+            f"recipe.distill_students_init_from=[{tmp_path / 'r18.pth'},none]",
+        ],
+    )
     student, ema = build_models(cfg)
-    before = student.members[OWN.replace(".", "_")].backbone.net[0].weight.clone()
+    before = student.members[OWN].backbone.net[0].weight.clone()
     notes = start_students(cfg, student, ema)
     assert len(notes) == 1 and "its classifier left out: 2 tensors" in notes[0]
     member, member_ema = student.members["timm:resnet18"], ema.members["timm:resnet18"]
@@ -107,7 +116,8 @@ def test_students_start_from_their_own_weights_and_so_do_their_emas(tmp_path):
     assert torch.equal(member_ema.backbone.net.conv1.weight, start.conv1.weight)
     assert torch.equal(student.members[OWN].backbone.net[0].weight, before)  # 'none'
     torch.save({"conv1.weight": start.conv1.weight}, tmp_path / "part.pth")
-    cfg = apply_overrides(cfg, [f"recipe.distill_students_init_from=[{tmp_path / 'part.pth'},none]"])
+    part = f"recipe.distill_students_init_from=[{tmp_path / 'part.pth'},none]"
+    cfg = apply_overrides(cfg, [part])
     with pytest.raises(ValueError, match=r"part.pth does not fit timm:resnet18: missing"):
         start_students(cfg, student, ema)
 
@@ -119,12 +129,12 @@ def trained(distill_data, distill_teacher, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("any")
     start = timm.create_model("resnet18", num_classes=0)
     torch.save(start.state_dict(), tmp / "r18.pth")
-    out = tmp / "run"
+    out, starts = tmp / "run", f"recipe.distill_students_init_from=[{tmp / 'r18.pth'},none]"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(["train", "--output-dir", str(out), "--quiet",
                      f"data.root={distill_data / 'train'}", *STUDENTS,
                      f"recipe.distill_teacher={distill_teacher}",
-                     f"recipe.distill_students_init_from=[{tmp / 'r18.pth'},none]"]) == 0  # fmt: skip
+                     starts]) == 0  # fmt: skip
     return out, start
 
 
@@ -150,8 +160,6 @@ def test_a_run_trains_evaluates_and_exports_every_student(trained, tmp_path, cap
     own = tmp_path / "own.pth"
     assert main(["export", str(out), "--student", OWN, "--format", "dino", "--output",
                  str(own)]) == 0  # fmt: skip
-    import own_nets
-
     own_nets.small_cnn().load_state_dict(torch.load(own, weights_only=True))
     capsys.readouterr()
     with pytest.raises(SystemExit):
@@ -164,8 +172,6 @@ def test_a_run_trains_evaluates_and_exports_every_student(trained, tmp_path, cap
 
 def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
     net, _ = build_backbone("resnet18")
-    from dino_opt.weights.cnn_export import export_cnn
-
     sd = {k: v.clone() for k, v in net.state_dict().items()}
     for fmt in ("torchvision", "timm"):
         path = tmp_path / f"{fmt}.pth"
@@ -177,7 +183,6 @@ def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
         assert torch.equal(target.conv1.weight, net.conv1.weight) and fmt in load
     with pytest.raises(ValueError, match="--format timm does not write a convnext_tiny"):
         export_cnn("timm", {}, "convnext_tiny", tmp_path / "c.pth", lambda: None)
-    assert ExternalBackbone  # the class users see named in errors and docs
 
 
 def test_a_students_key_is_its_name_without_dots():
