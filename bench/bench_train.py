@@ -165,7 +165,7 @@ PRESETS = {
 }  # fmt: skip
 QUICK = dict(steps=2, warmup=1)
 MIN_ROW_SECONDS = 15  # with --time-budget: less than this left, a row is not started
-QUICK_CPU_BATCH = 8
+QUICK_CPU_BATCH = 4
 SEARCH_START, SEARCH_GRANULARITY = 64, 32
 
 
@@ -1126,7 +1126,9 @@ def main() -> None:
         help="configuration (repeatable; default: recipe and max_batch on a GPU, else cpu)",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help=f"CI size: {QUICK} (CPU batch 8)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"CI size: {QUICK} (CPU batch {QUICK_CPU_BATCH})"
+    )
     parser.add_argument("--only", default=",".join(CASES), help="comma-separated rows")
     parser.add_argument("--steps", type=int, help="training steps per row (warm-up included)")
     parser.add_argument("--warmup", type=int, help="steps left out of the statistics")
