@@ -22,6 +22,8 @@ import math
 import torch
 from torch import nn
 
+from .tokens import resnet_map
+
 __all__ = ["PROBE_SIZE", "ExternalBackbone", "build_external"]
 
 #: The side of the image the network is probed with.
@@ -146,8 +148,7 @@ class ExternalBackbone(nn.Module):
     def _raw(self, images: torch.Tensor):
         n, r = self.net, self.reader
         if r == "resnet":
-            x = n.maxpool(n.relu(n.bn1(n.conv1(images))))
-            return n.layer4(n.layer3(n.layer2(n.layer1(x))))
+            return resnet_map(n, images)
         if r == "features":
             return n.features(images)
         if r == "regnet":

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Tokens", "backbone_tokens", "feature_width", "pool_to_grid"]
+__all__ = ["Tokens", "backbone_tokens", "feature_width", "pool_to_grid", "resnet_map"]
 
 
 class Tokens(NamedTuple):
@@ -34,7 +34,7 @@ def feature_width(backbone: nn.Module) -> int:
     return int(width)
 
 
-def _resnet_map(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def resnet_map(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The last feature map of a torchvision ResNet (before its pooling)."""
     x = net.maxpool(net.relu(net.bn1(net.conv1(x))))
     return net.layer4(net.layer3(net.layer2(net.layer1(x))))
@@ -59,7 +59,7 @@ def backbone_tokens(backbone: nn.Module, images: torch.Tensor) -> Tokens:
         patches = out["x_norm_patchtokens"]
         return Tokens(out["x_norm_clstoken"], patches, _grid(images, patches.shape[1]))
     if all(hasattr(backbone, n) for n in ("conv1", "layer4")):
-        fmap = _resnet_map(backbone, images)
+        fmap = resnet_map(backbone, images)
         return Tokens(fmap.mean((-2, -1)), fmap.flatten(-2).transpose(1, 2), tuple(fmap.shape[-2:]))
     raise ValueError(
         f"{type(backbone).__name__} gives no patch features (neither forward_features nor a "
