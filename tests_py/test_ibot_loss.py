@@ -176,7 +176,12 @@ def test_gradcheck_opcheck_and_compile(gen):
     compiled = torch.compile(step, fullgraph=True)(x2)
     compiled.backward()
     torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=0)
-    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12, atol=1e-15)
+    # the compiled graph fuses tanh's backward: equal to a few float64
+    # roundings of the gradient's largest element (a fixed 1e-15 failed where
+    # that element is 9.4 and a saturated tanh's is 1.7e-3: 1.6 ulps apart)
+    scale = x1.grad.abs().max().item()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12,
+                               atol=16 * torch.finfo(torch.float64).eps * scale)  # fmt: skip
 
 
 def test_meta_tensors_take_the_fake_kernels(gen):
