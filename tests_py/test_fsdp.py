@@ -141,7 +141,10 @@ def test_a_killed_rank_restarts_the_sharded_job_bit_exact(reference, train_root,
     run = _train(out, train_root, *KILLABLE, *kill)
     (restart,) = run["report"]["restarts"]
     assert (restart["rank"], restart["signal"], restart["at_step"]) == (1, "SIGKILL", 7)
-    assert restart["checkpoint"].endswith(".dcp") and restart["step"] in (6, 7)
+    # Saved after every step, asynchronously with one write in flight: the
+    # kill after step 7 comes before step 7's save, while step 6's may still
+    # be writing; step 5's was published before step 6's began.
+    assert restart["checkpoint"].endswith(".dcp") and restart["step"] in (5, 6)
     assert run["report"]["steps"] == 10
     _assert_equal_states(_final_state(out), _final_state(reference))
 

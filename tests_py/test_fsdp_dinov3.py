@@ -103,7 +103,10 @@ def test_a_killed_rank_resumes_the_gram_teacher_bit_for_bit(fsdp, train_root, tm
     kill = ("debug.inject_kill_at_step=7", "debug.inject_kill_rank=1")
     run = _train(tmp_path / "run", train_root, FSDP, *kill)
     (restart,) = run["report"]["restarts"]
-    assert restart["checkpoint"].endswith(".dcp") and restart["step"] in (6, 7)
+    # Saved after every step, asynchronously with one write in flight: the
+    # kill after step 7 comes before step 7's save, while step 6's may still
+    # be writing; step 5's was published before step 6's began.
+    assert restart["checkpoint"].endswith(".dcp") and restart["step"] in (5, 6)
     assert run["report"]["steps"] == 10
     a, b = run["state"], fsdp["state"]
     for key in ("student", "teacher", "loss"):
