@@ -11,6 +11,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+import transformers
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, load_config
 from dino_opt.data import builtin_dataset
@@ -27,6 +28,8 @@ from dino_opt.models import (
     convert_timm_convnext_state_dict,
     vit_tiny,
 )
+from dino_opt.weights.cnn_export import export_cnn
+from dino_opt.weights.reading import TRAINING_KEY, training_sidecar
 from tiny import TINY
 from torch import nn
 
@@ -180,6 +183,55 @@ def test_timm_tiny_variant_and_conv_mlp_weights(gen):
         with torch.no_grad():
             expected = reference.forward_head(reference.forward_features(x), pre_logits=True)
             torch.testing.assert_close(model(x), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_written_for_timm_and_hugging_face_as_their_own_float64(gen, tmp_path):
+    """A random ConvNeXt written as a student is exported (`dino-opt export
+    --format timm|hf`): timm's ConvNeXt and transformers' ConvNextModel load
+    it strictly, and their pooled features equal this model's (float64);
+    each keeps the input it was trained at; both read back as they were."""
+    from timm.models.convnext import ConvNeXt as TimmConvNeXt
+
+    model = randomize(tiny(), gen).double().eval()
+    training = {"image_size": 64, "mean": [0.5] * 3, "std": [0.25] * 3}
+    meta = {TRAINING_KEY: json.dumps(training)}
+    x = torch.randn(2, 3, 64, 96, generator=gen, dtype=F64)
+    load, _ = export_cnn("timm", model.state_dict(), "convnext_tiny", tmp_path / "t.pth", meta,
+                         lambda: None)  # fmt: skip
+    assert load.startswith("net = timm.create_model('convnext_tiny', num_classes=0)")
+    theirs = TimmConvNeXt(num_classes=0, **TINY_SIZE).double().eval()
+    theirs.load_state_dict(torch.load(tmp_path / "t.pth", weights_only=True), strict=True)
+    assert json.loads(training_sidecar(tmp_path / "t.pth").read_text())[TRAINING_KEY] == training
+    folder = tmp_path / "hf"
+    load, _ = export_cnn("hf", model.state_dict(), "convnext_tiny", folder, meta, lambda: None)
+    assert load == "transformers.ConvNextModel.from_pretrained(path)"
+    hf = transformers.ConvNextModel.from_pretrained(folder, dtype=F64).eval()
+    assert json.loads((folder / "config.json").read_text())[TRAINING_KEY] == training
+    classifier = {f"convnext.{k}": v for k, v in hf.state_dict().items()}  # its prefix
+    for written in (theirs.state_dict(), classifier):
+        back = convert_convnext_state_dict(written)  # read back: the same tensors
+        assert back.keys() == model.state_dict().keys()
+        assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(theirs(x), expected, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(hf(pixel_values=x).pooler_output, expected, rtol=1e-10,
+                                   atol=1e-10)  # fmt: skip
+
+
+def test_written_without_layer_scale_or_refused_in_one_line(gen, tmp_path):
+    """Without LayerScale the Hugging Face config says so (its blocks then
+    have none); a state dict with a foreign key is refused naming it."""
+    model = randomize(tiny(layer_scale_init=None), gen).double().eval()
+    export_cnn("hf", model.state_dict(), "convnext_tiny", tmp_path / "hf", {}, lambda: None)
+    hf = transformers.ConvNextModel.from_pretrained(tmp_path / "hf", dtype=F64).eval()
+    x = torch.randn(1, 3, 64, 64, generator=gen, dtype=F64)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(pixel_values=x).pooler_output, model(x), rtol=1e-10,
+                                   atol=1e-10)  # fmt: skip
+    sd = model.state_dict() | {"extra.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match="not a dino_opt ConvNeXt state dict: unknown keys extra"):
+        export_cnn("timm", sd, "convnext_tiny", tmp_path / "x.pth", {}, lambda: None)
 
 
 def _dinov3_keys(depths) -> list[str]:

@@ -19,6 +19,7 @@ from dino_opt.models import ExternalBackbone, backbone_tokens, build_backbone
 from dino_opt.train import build_models
 from dino_opt.weights import start_students
 from dino_opt.weights.cnn_export import export_cnn
+from dino_opt.weights.reading import TRAINING_KEY, training_sidecar
 from tiny import TINY, final_state
 
 OWN = "own_nets:small_cnn"
@@ -170,19 +171,24 @@ def test_a_run_trains_evaluates_and_exports_every_student(trained, tmp_path, cap
     )
 
 
+META = {TRAINING_KEY: json.dumps({"image_size": 96, "mean": [0.5] * 3, "std": [0.25] * 3})}
+
+
 def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
     net, _ = build_backbone("resnet18")
     sd = {k: v.clone() for k, v in net.state_dict().items()}
     for fmt in ("torchvision", "timm"):
         path = tmp_path / f"{fmt}.pth"
-        load, _ = export_cnn(fmt, sd, "resnet18", path, lambda: None)
+        load, _ = export_cnn(fmt, sd, "resnet18", path, META, lambda: None)
         target = (torchvision.models.resnet18() if fmt == "torchvision"
                   else timm.create_model("resnet18"))  # fmt: skip
         target.fc = torch.nn.Identity()
         target.load_state_dict(torch.load(path, weights_only=True))
         assert torch.equal(target.conv1.weight, net.conv1.weight) and fmt in load
-    with pytest.raises(ValueError, match="--format timm does not write a convnext_tiny"):
-        export_cnn("timm", {}, "convnext_tiny", tmp_path / "c.pth", lambda: None)
+        sidecar = json.loads(training_sidecar(path).read_text())[TRAINING_KEY]
+        assert sidecar["image_size"] == 96  # the input it was trained at, beside the file
+    with pytest.raises(ValueError, match="--format torchvision does not write a convnext_tiny"):
+        export_cnn("torchvision", {}, "convnext_tiny", tmp_path / "c.pth", {}, lambda: None)
 
 
 def test_a_students_key_is_its_name_without_dots():

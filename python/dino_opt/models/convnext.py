@@ -19,9 +19,13 @@ are that map flattened (row by row), each through the final norm.
 
 The parameters are named as DINOv3's ConvNeXt names them
 (``downsample_layers``, ``stages``, ``norm``; DINOv3's ``norms.3`` alias of
-``norm`` left out). :func:`convert_timm_convnext_state_dict` and
-:func:`convert_dinov3_convnext_state_dict` rename timm's and DINOv3's state
-dicts to this model's; :func:`convert_convnext_state_dict` tells them apart.
+``norm`` left out). :func:`convert_timm_convnext_state_dict`,
+:func:`convert_hf_convnext_state_dict` and
+:func:`convert_dinov3_convnext_state_dict` rename timm's, Hugging Face's and
+DINOv3's state dicts to this model's; :func:`convert_convnext_state_dict`
+tells them apart. :func:`to_timm_convnext_state_dict`,
+:func:`to_hf_convnext_state_dict` and :func:`hf_convnext_config` write
+this model's for timm and Hugging Face.
 """
 
 from __future__ import annotations
@@ -43,11 +47,16 @@ __all__ = [
     "LayerNorm2d",
     "convert_convnext_state_dict",
     "convert_dinov3_convnext_state_dict",
+    "convert_hf_convnext_state_dict",
     "convert_timm_convnext_state_dict",
     "convnext_base",
     "convnext_large",
     "convnext_small",
+    "convnext_shape",
     "convnext_tiny",
+    "hf_convnext_config",
+    "to_hf_convnext_state_dict",
+    "to_timm_convnext_state_dict",
 ]
 
 #: DINOv3's ConvNeXt sizes (as the original paper's): blocks per stage and
@@ -256,18 +265,32 @@ def convnext_large(**kwargs) -> ConvNeXt:
     return _convnext("convnext_large", kwargs)
 
 
-# ------------------------------------------------------------ weights in
+# ------------------------------------------------------------ weights in and out
 
-# timm's names -> this model's (``\\d`` groups: stage, block).
-_TIMM_RULES = (
-    (r"stem\.([01])\.(weight|bias)", r"downsample_layers.0.\1.\2"),
-    (r"stages\.([1-3])\.downsample\.([01])\.(weight|bias)", r"downsample_layers.\1.\2.\3"),
-    (r"stages\.(\d)\.blocks\.(\d+)\.conv_dw\.(weight|bias)", r"stages.\1.\2.dwconv.\3"),
-    (r"stages\.(\d)\.blocks\.(\d+)\.norm\.(weight|bias)", r"stages.\1.\2.norm.\3"),
-    (r"stages\.(\d)\.blocks\.(\d+)\.mlp\.fc1\.(weight|bias)", r"stages.\1.\2.pwconv1.\3"),
-    (r"stages\.(\d)\.blocks\.(\d+)\.mlp\.fc2\.(weight|bias)", r"stages.\1.\2.pwconv2.\3"),
-    (r"stages\.(\d)\.blocks\.(\d+)\.gamma", r"stages.\1.\2.gamma"),
-    (r"head\.norm\.(weight|bias)", r"norm.\1"),
+# Each library's names beside this model's, as templates whose fields stand
+# for: {s} a stage, {b} a block, {d} a downsampling stage (1-3), {j} the
+# index within a stem or downsampling layer, {m} a block's convolution or
+# linear layer, {p} weight or bias. One table renames either way.
+_FIELDS = {"s": r"\d", "b": r"\d+", "d": "[1-3]", "j": "[01]",
+           "m": "dwconv|pwconv1|pwconv2", "p": "weight|bias"}  # fmt: skip
+_TIMM_NAMES = (
+    ("downsample_layers.0.{j}.{p}", "stem.{j}.{p}"),
+    ("downsample_layers.{d}.{j}.{p}", "stages.{d}.downsample.{j}.{p}"),
+    ("stages.{s}.{b}.dwconv.{p}", "stages.{s}.blocks.{b}.conv_dw.{p}"),
+    ("stages.{s}.{b}.norm.{p}", "stages.{s}.blocks.{b}.norm.{p}"),
+    ("stages.{s}.{b}.pwconv1.{p}", "stages.{s}.blocks.{b}.mlp.fc1.{p}"),
+    ("stages.{s}.{b}.pwconv2.{p}", "stages.{s}.blocks.{b}.mlp.fc2.{p}"),
+    ("stages.{s}.{b}.gamma", "stages.{s}.blocks.{b}.gamma"),
+    ("norm.{p}", "head.norm.{p}"),
+)
+_HF_NAMES = (  # transformers' ConvNextModel
+    ("downsample_layers.0.0.{p}", "embeddings.patch_embeddings.{p}"),
+    ("downsample_layers.0.1.{p}", "embeddings.layernorm.{p}"),
+    ("downsample_layers.{d}.{j}.{p}", "encoder.stages.{d}.downsampling_layer.{j}.{p}"),
+    ("stages.{s}.{b}.{m}.{p}", "encoder.stages.{s}.layers.{b}.{m}.{p}"),
+    ("stages.{s}.{b}.norm.{p}", "encoder.stages.{s}.layers.{b}.layernorm.{p}"),
+    ("stages.{s}.{b}.gamma", "encoder.stages.{s}.layers.{b}.layer_scale_parameter"),
+    ("norm.{p}", "layernorm.{p}"),
 )
 _OURS = re.compile(
     r"downsample_layers\.[0-3]\.[01]\.(weight|bias)|norm\.(weight|bias)"
@@ -275,9 +298,42 @@ _OURS = re.compile(
 )
 
 
+def _rules(names: tuple, to_ours: bool) -> list[tuple[re.Pattern, str]]:
+    """(pattern, replacement) pairs from a table of names: theirs to ours
+    when ``to_ours``, else ours to theirs."""
+    out = []
+    for ours, theirs in names:
+        source, target = (theirs, ours) if to_ours else (ours, theirs)
+        parts = re.split(r"\{(\w)\}", source)  # literal, field, literal, ...
+        pattern = "".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_FIELDS[part]})"
+                          for i, part in enumerate(parts))  # fmt: skip
+        out.append((re.compile(pattern), re.sub(r"\{(\w)\}", r"\\g<\1>", target)))
+    return out
+
+
 def _unknown(keys: list[str], layout: str) -> ValueError:
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     return ValueError(f"not a {layout} ConvNeXt state dict: unknown keys {shown}")
+
+
+def _renamed(state_dict: dict, names: tuple, to_ours: bool, layout: str,
+             skip: str | None = None) -> dict:  # fmt: skip
+    """``state_dict`` renamed by the table ``names`` (to this model's names
+    when ``to_ours``; keys starting with ``skip`` left out); any other key is
+    refused in one line, naming the ``layout`` it was read as."""
+    out, unknown, rules = {}, [], _rules(names, to_ours)
+    for key, value in state_dict.items():
+        if skip is not None and key.startswith(skip):
+            continue
+        for pattern, repl in rules:
+            if (match := pattern.fullmatch(key)) is not None:
+                out[match.expand(repl)] = value
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise _unknown(unknown, layout)
+    return out
 
 
 def convert_timm_convnext_state_dict(state_dict: dict) -> dict:
@@ -289,22 +345,9 @@ def convert_timm_convnext_state_dict(state_dict: dict) -> dict:
     1x1-convolution MLP weights (timm's ``conv_mlp``) become linear ones. Any
     other key (timm's ``norm_pre`` of the head-norm-first variants, which
     normalise before pooling) is refused in one line."""
-    out, unknown = {}, []
-    for key, value in state_dict.items():
-        if key.startswith("head.fc."):
-            continue
-        for pattern, repl in _TIMM_RULES:
-            new, hit = re.subn(f"^{pattern}$", repl, key)
-            if hit:
-                if ".pwconv" in new and new.endswith("weight") and value.dim() == 4:
-                    value = value.flatten(1)
-                out[new] = value
-                break
-        else:
-            unknown.append(key)
-    if unknown:
-        raise _unknown(unknown, "timm")
-    return out
+    out = _renamed(state_dict, _TIMM_NAMES, True, "timm", skip="head.fc.")
+    conv_mlp = [k for k, v in out.items() if ".pwconv" in k and v.dim() == 4]  # weights
+    return out | {k: out[k].flatten(1) for k in conv_mlp}
 
 
 def convert_dinov3_convnext_state_dict(state_dict: dict) -> dict:
@@ -328,9 +371,58 @@ def convert_dinov3_convnext_state_dict(state_dict: dict) -> dict:
     return out
 
 
+def convert_hf_convnext_state_dict(state_dict: dict) -> dict:
+    """A state dict of transformers' ``ConvNextModel`` (or of
+    ``ConvNextForImageClassification``, whose ``convnext.`` prefix is
+    dropped with its ``classifier``) renamed to :class:`ConvNeXt`'s. Any
+    other key is refused in one line."""
+    sd = {k.removeprefix("convnext."): v for k, v in state_dict.items()}
+    return _renamed(sd, _HF_NAMES, True, "Hugging Face", skip="classifier.")
+
+
 def convert_convnext_state_dict(state_dict: dict) -> dict:
-    """:class:`ConvNeXt`'s state dict from timm's, DINOv3's or its own
-    (told apart by timm's ``stem.0.weight``)."""
+    """:class:`ConvNeXt`'s state dict from timm's, Hugging Face's, DINOv3's
+    or its own (told apart by timm's ``stem.0.weight`` and Hugging Face's
+    ``embeddings.patch_embeddings.weight``)."""
     if "stem.0.weight" in state_dict:
         return convert_timm_convnext_state_dict(state_dict)
+    if any(k.endswith("embeddings.patch_embeddings.weight") for k in state_dict):
+        return convert_hf_convnext_state_dict(state_dict)
     return convert_dinov3_convnext_state_dict(state_dict)
+
+
+def convnext_shape(state_dict: dict) -> dict:
+    """The ``depths``, ``dims`` and ``in_chans`` of :class:`ConvNeXt`'s
+    ``state_dict``, and whether its blocks have a LayerScale (``layer_scale``)."""
+    dims = [state_dict[f"stages.{i}.0.dwconv.weight"].shape[0] for i in range(4)]
+    blocks = {tuple(k.split(".")[1:3]) for k in state_dict if k.startswith("stages.")}
+    depths = [sum(1 for s, _ in blocks if s == str(i)) for i in range(4)]
+    stem = state_dict["downsample_layers.0.0.weight"]
+    return dict(depths=depths, dims=dims, in_chans=stem.shape[1],
+                layer_scale="stages.0.0.gamma" in state_dict)  # fmt: skip
+
+
+def to_timm_convnext_state_dict(state_dict: dict) -> dict:
+    """:class:`ConvNeXt`'s ``state_dict`` in timm's names: what
+    ``timm.create_model("convnext_tiny", num_classes=0)`` (or the size's
+    builder) loads; its pooled and normed feature is this model's."""
+    return _renamed(state_dict, _TIMM_NAMES, False, "dino_opt")
+
+
+def to_hf_convnext_state_dict(state_dict: dict) -> dict:
+    """:class:`ConvNeXt`'s ``state_dict`` in the names of Hugging Face's
+    ``ConvNextModel`` (configured by :func:`hf_convnext_config`), whose
+    ``pooler_output`` is this model's pooled feature."""
+    return _renamed(state_dict, _HF_NAMES, False, "dino_opt")
+
+
+def hf_convnext_config(state_dict: dict, image_size: int = 224) -> dict:
+    """The ``config.json`` of Hugging Face's ``ConvNextModel`` for
+    :class:`ConvNeXt`'s ``state_dict``: its depths and widths, every
+    LayerNorm's epsilon (1e-6, the final one's too) and exact GELU."""
+    shape = convnext_shape(state_dict)
+    return {"architectures": ["ConvNextModel"], "model_type": "convnext",
+            "depths": shape["depths"], "hidden_sizes": shape["dims"], "num_stages": 4,
+            "num_channels": shape["in_chans"], "patch_size": 4, "hidden_act": "gelu",
+            "layer_norm_eps": _EPS, "layer_scale_init_value": 1e-6 if shape["layer_scale"] else 0.0,
+            "drop_path_rate": 0.0, "image_size": image_size}  # fmt: skip

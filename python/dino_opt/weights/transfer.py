@@ -54,6 +54,7 @@ others.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -62,16 +63,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 from torch import nn
 
-from ..checkpoint import atomic_write, fsync_dir
 from ..config import Config, student_key
 from ..eval import knn_evaluate_splits, load_checkpoint
 from ..models import DinoV3VisionTransformer, VisionTransformer, build_backbone
 from ..models.vit import pos_embed_grid, resize_pos_embed
 from ..runtime import resolve_device
-from .cnn_export import CNN_FORMATS, export_cnn
+from .cnn_export import CNN_FORMATS, export_cnn, save_safetensors, save_torch, write_hf_folder
 from .layouts import (
     ViTArch,
     hf_dinov2_config,
@@ -154,17 +153,6 @@ def check_output(output: Path, force: bool) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
-    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    atomic_write(path, lambda f: f.write(data))
-    fsync_dir(path.parent)
-
-
-def _save_torch(state: dict, path: Path) -> None:
-    atomic_write(path, lambda f: torch.save(state, f))
-    fsync_dir(path.parent)
-
-
 def _resized(sd: dict, arch: ViTArch, image_size: int, interp: tuple) -> tuple[dict, list[str]]:
     """The state with its position table for ``image_size`` inputs, and a note."""
     if image_size % arch.patch_size:
@@ -184,16 +172,8 @@ def _resized(sd: dict, arch: ViTArch, image_size: int, interp: tuple) -> tuple[d
 def _export_timm(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dict) -> str:
     model, kwargs = timm_model(arch, image_size)
     meta = meta | {"timm_model": model, "timm_kwargs": json.dumps(kwargs)}
-    _save_safetensors(to_timm(sd, arch), output, meta)
+    save_safetensors(to_timm(sd, arch), output, meta)
     return f"timm.create_model({model!r}, **{kwargs})"
-
-
-def _write_hf(output: Path, config: dict, tensors: dict, meta: dict) -> None:
-    output.mkdir(parents=True)
-    if TRAINING_KEY in meta:  # transformers keeps unknown keys as they are
-        config = config | {TRAINING_KEY: json.loads(meta[TRAINING_KEY])}
-    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _save_safetensors(tensors, output / "model.safetensors", meta)
 
 
 def _export_hf(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dict) -> str:
@@ -203,7 +183,7 @@ def _export_hf(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dic
     else:
         config, tensors = hf_dinov2_config(arch, image_size), to_hf_dinov2(sd, arch)
         load = f"transformers.{config['architectures'][0]}.from_pretrained(path)"
-    _write_hf(output, config, tensors, meta)
+    write_hf_folder(output, config, tensors, meta)
     return load
 
 
@@ -228,7 +208,7 @@ def _export_dinov2(sd: dict, arch: ViTArch, output: Path, image_size: int, inter
     state.setdefault("mask_token", sd["cls_token"].new_zeros(1, arch.embed_dim))
     order = ["cls_token", "pos_embed", "register_tokens", "mask_token"]
     state = {k: state[k] for k in order if k in state} | state  # DINOv2's order
-    _save_torch({k: v.contiguous() for k, v in state.items()}, output)
+    save_torch({k: v.contiguous() for k, v in state.items()}, output)
     return _dinov2_load(arch, image_size, interp)
 
 
@@ -265,7 +245,7 @@ def _export_dino(sd: dict, output: Path, image_size: int | None) -> tuple[str, l
             "table (DINO's code resizes it for other inputs); --image-size applies to timm, hf "
             "and dinov2"
         )
-    _save_torch(sd, output)
+    save_torch(sd, output)
     return "vision_transformer / torchvision load_state_dict", notes, native
 
 
@@ -352,11 +332,11 @@ def _export_dinov3(fmt: str, sd: dict, arch: DinoV3Arch, output: Path, image_siz
     tensors, meta, load = _dinov3_files(fmt, sd, arch, image_size, meta)
     check_output(output, force)
     if fmt == "dinov3":
-        _save_torch(tensors, output)
+        save_torch(tensors, output)
     elif fmt == "timm":
-        _save_safetensors(tensors, output, meta)
+        save_safetensors(tensors, output, meta)
     else:
-        _write_hf(output, hf_dinov3_config(arch, image_size), tensors, meta)
+        write_hf_folder(output, hf_dinov3_config(arch, image_size), tensors, meta)
     return load, export_notes(arch, fmt), image_size
 
 
@@ -411,8 +391,9 @@ def export_weights(
     meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which,
             TRAINING_KEY: json.dumps(training_input(cfg))}  # fmt: skip
     if not backbone.startswith("vit") and not full:  # a ResNet, a ConvNeXt, a user's network
-        load, notes = export_cnn(fmt, sd, backbone, output, lambda: check_output(output, force))
-        return _recorded(ExportResult(output, fmt, which, backbone, _DINO_SIZE, load, notes), meta)
+        prepare = functools.partial(check_output, output, force)
+        load, notes = export_cnn(fmt, sd, backbone, output, meta, prepare)
+        return ExportResult(output, fmt, which, backbone, _DINO_SIZE, load, notes)
     if fmt in CNN_FORMATS:
         raise ValueError(f"--format {fmt} writes a convolutional student, not a {backbone}")
     if is_rope_vit(sd):
@@ -422,7 +403,7 @@ def export_weights(
     _refuse_dinov3_format(fmt, f"{source}'s {backbone}")
     check_output(output, force)
     if full:
-        _save_torch(_dino_full(ckpt), output)
+        save_torch(_dino_full(ckpt), output)
         return _recorded(ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
                                       "main_dino.py --resume", []), meta)  # fmt: skip
     interp = (getattr(model, "interpolate_offset", 0.0) or 0.0,
