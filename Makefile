@@ -55,8 +55,9 @@ $(STAMPS)/deps: pyproject.toml $(STAMPS)/torch
 # The package's list of modules: the editable install maps each module to its
 # file, so adding, moving or removing one needs a reinstall (editing does not).
 PY_MODULES := $(STAMPS)/py-modules
-$(shell mkdir -p $(STAMPS) && find python -name '*.py' | sort >$(PY_MODULES).new && \
-  { cmp -s $(PY_MODULES).new $(PY_MODULES) && rm $(PY_MODULES).new || mv $(PY_MODULES).new $(PY_MODULES); })
+# (A file of this make's own first: makes run side by side by CI read the list at once.)
+$(shell mkdir -p $(STAMPS) && new=$(PY_MODULES).$$$$ && find python -name '*.py' | sort >$$new && \
+  { cmp -s $$new $(PY_MODULES) && rm $$new || mv $$new $(PY_MODULES); })
 
 # Editable install into the persistent build directory, with ccache; re-run
 # only when a native source or the list of modules changed.
@@ -67,8 +68,20 @@ $(STAMPS)/build: $(NATIVE_SRCS) $(PY_MODULES) $(STAMPS)/deps | apt-packages
 
 build: setup
 
-test: setup
-	$(MAKE) --no-print-directory test-cpp test-py fuzz
+# The fuzz run keeps one core busy (libFuzzer is one process): it runs beside
+# the build and the tests, its output in $(FUZZ_LOG), shown when they end
+# (all of it if it failed); then lint.
+FUZZ_LOG := build/fuzz.log
+test: $(STAMPS)/deps
+	@mkdir -p $(dir $(FUZZ_LOG))
+	@$(MAKE) --no-print-directory fuzz >$(FUZZ_LOG) 2>&1 & fuzz=$$!; \
+	  echo "make fuzz: beside the build and the tests (log: $(FUZZ_LOG))"; \
+	  tests=0; $(MAKE) --no-print-directory setup test-cpp test-py || tests=$$?; \
+	  fuzzed=0; wait $$fuzz || fuzzed=$$?; \
+	  echo "----- make fuzz ($(FUZZ_LOG)): exit status $$fuzzed"; \
+	  if [ $$fuzzed -eq 0 ]; then tail -n 20 $(FUZZ_LOG); else cat $(FUZZ_LOG); fi; \
+	  [ $$tests -eq 0 ] && [ $$fuzzed -eq 0 ]
+	$(MAKE) --no-print-directory lint
 
 # --no-tests=error: a build without the C++ tests is a failure, never a silent pass.
 test-cpp:
@@ -79,12 +92,13 @@ test-cpp:
 # out in the order tests_py/conftest.py gives, the longest first, rather than
 # xdist's by number of tests), each with one intra-op thread; the 25 slowest
 # are listed at the end, and every test's seconds go to $(TEST_TIMES) (JUnit
-# XML), which `make test-times` reads.
+# XML), which `make test-times` reads. TESTS: the files or folder to run.
 TEST_WORKERS ?= $(JOBS)
 TEST_TIMES   ?= build/pytest-times.xml
+TESTS        ?= tests_py
 test-py:
 	@mkdir -p $(dir $(TEST_TIMES))
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests_py -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(TESTS) -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 	  --durations=25 --junitxml=$(TEST_TIMES)
 
 # The slowest tests and test files of the last `make test-py` (docs/testing.md).
@@ -99,7 +113,7 @@ test-times:
 FUZZ_DIR     := build/fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TAR_SECONDS ?= 30
-fuzz: setup
+fuzz: $(STAMPS)/deps | apt-packages
 	CXX=clang++-14 cmake -S fuzz -B $(FUZZ_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(FUZZ_DIR)
 	$(PY) scripts/fuzz_corpus.py $(FUZZ_DIR)/seeds
