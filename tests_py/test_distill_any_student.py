@@ -146,6 +146,10 @@ def test_a_run_trains_evaluates_and_exports_every_student(trained, tmp_path, cap
     assert {"timm:resnet18", OWN} <= set(report["students"])
     for name in ("timm:resnet18", OWN):
         assert "knn_top1_trained" in report["students"][name]
+    # the started student is judged beside the weights it started from too
+    started, fresh = report["students"]["timm:resnet18"], report["students"][OWN]
+    assert "knn_top1_start" in started and "adapt_verdict" in started
+    assert not any(k.endswith("_start") for k in fresh)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(f"loss_{OWN}" in r and "loss_timm:resnet18" in r for r in rows)
     state = final_state(out)["teacher"]

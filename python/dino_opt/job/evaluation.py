@@ -1,6 +1,7 @@
 """The teacher's evaluation while a run trains (``eval.every_epochs``), and
 that of a distillation's other students, then and at the end of the run;
-the weights a run started from, evaluated beside the result."""
+the weights a run (or each student of a distillation) started from,
+evaluated beside the result."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog, gather_objects
 from ..train import StudentBank, recipe_of
-from ..weights import load_backbone
+from ..weights import load_student_start
 from .sharding import full_teacher
 
 __all__ = [
@@ -26,15 +27,22 @@ __all__ = [
 ]
 
 
-def start_backbone(cfg: Config, parts) -> torch.nn.Module | None:
-    """The teacher's backbone at the weights the run started from
-    (``model.init_from``; read again, so that a resumed run has it too), or
-    None for a run from random initialisation. A distillation's students
-    are judged against random initialisation only."""
-    if cfg.model.init_from is None or len(cfg.student_names) > 1:
+def start_backbone(cfg: Config, parts, index: int = 0) -> torch.nn.Module | None:
+    """Student ``index``'s backbone (the run's own network: 0) at the
+    weights it started from, read again so that a resumed run has it too:
+    ``model.init_from`` for the first, ``recipe.distill_students_init_from``
+    for a distillation's others; None for one from random initialisation.
+    ``parts.random_teacher``'s backbone is that student's (a process of a
+    group of ranks holds one student) or the bank's, whose member it is."""
+    starts = (cfg.model.init_from, *cfg.recipe.distill_students_init_from)
+    path = starts[index] if index < len(starts) else None
+    if path is None or str(path).lower() == "none":
         return None
-    backbone = copy.deepcopy(parts.random_teacher.backbone)
-    load_backbone(cfg.model.init_from, backbone)
+    random = parts.random_teacher
+    if isinstance(random, StudentBank):
+        random = random.members[cfg.student_keys[index]]
+    backbone = copy.deepcopy(random.backbone)
+    load_student_start(path, backbone)
     return backbone.eval()
 
 
@@ -47,9 +55,10 @@ def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device
     ``students/<name>/``; the report's ``students`` key, by name. ``{}``
     for a run of one student."""
     out = {}
-    for name, own, trained in _other_students(cfg, teacher):
+    for index, (name, own, trained) in enumerate(_other_students(cfg, teacher), start=1):
         nets = (trained, parts.random_teacher.members[name].backbone)
-        out[name] = evaluate_run(own, parts.roots, *nets, device, folder.student(name), None, step)
+        out[name] = evaluate_run(own, parts.roots, *nets, device, folder.student(name), None, step,
+                                 start_backbone(cfg, parts, index))  # fmt: skip
     return {"students": out} if out else {}
 
 
@@ -98,8 +107,9 @@ def evaluate_group_students(cfg: Config, parts, teacher: torch.nn.Module | None,
     if own is not None:
         name, config = own
         nets = (teacher.backbone, parts.random_teacher.backbone)
+        start = start_backbone(cfg, parts, parts.groups.index)
         found = (name, evaluate_run(config, parts.roots, *nets, device, folder.student(name),
-                                    None, step))  # fmt: skip
+                                    None, step, start))  # fmt: skip
     found = [f for f in gather_objects(found) if f is not None]
     return {"students": dict(found)} if found else {}
 
