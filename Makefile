@@ -42,17 +42,16 @@ $(PY): | apt-packages
 	$(PY) -m pip install -q --upgrade pip
 
 # torch from this machine's disk (a CUDA build, so the CUDA sources compile and link).
-# --no-compile: Python compiles a module when it is first imported, rather
-# than pip every one of the ~9,000 files of torch, transformers, sympy, ...
-# (one core for about a minute of a fresh setup).
+# pip byte-compiles what it installs: these machines set PYTHONDONTWRITEBYTECODE,
+# so a module pip did not compile is compiled again at every import.
 $(STAMPS)/torch: | $(PY)
 	@mkdir -p $(STAMPS)
-	$(PY) -m pip install -q --no-compile $(TORCH_SPEC)
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	@touch $@
 
 # The Python dependencies pinned in pyproject.toml (runtime, test, lint, build).
 $(STAMPS)/deps: pyproject.toml $(STAMPS)/torch
-	$(PY) -m pip install -q --no-compile $$($(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); p = t['project']; print(' '.join(t['tool']['dynamic-metadata'][0]['requires'] + [r for v in p['optional-dependencies'].values() for r in v]))")
+	$(PY) -m pip install -q $$($(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); p = t['project']; print(' '.join(t['tool']['dynamic-metadata'][0]['requires'] + [r for v in p['optional-dependencies'].values() for r in v]))")
 	@touch $@
 
 # The package's list of modules: the editable install maps each module to its
