@@ -30,6 +30,7 @@ this model's for timm and Hugging Face.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -298,6 +299,7 @@ _OURS = re.compile(
 )
 
 
+@functools.cache
 def _rules(names: tuple, to_ours: bool) -> list[tuple[re.Pattern, str]]:
     """(pattern, replacement) pairs from a table of names: theirs to ours
     when ``to_ours``, else ours to theirs."""

@@ -55,12 +55,11 @@ def _formats(backbone: str) -> dict[str, str]:
         if source in build:
             out[source] = out["dino"]
         return out
+    timm = f"net = timm.create_model({backbone!r}, num_classes=0); {load}"
     if backbone.startswith("resnet"):
         tv = f"net = torchvision.models.{backbone}(); net.fc = torch.nn.Identity(); {load}"
-        timm = f"net = timm.create_model({backbone!r}, num_classes=0); {load}"
         return {"dino": tv, "torchvision": tv, "timm": timm}
-    return {"dino": f"DINOv3's hub {backbone}: {load}",
-            "timm": f"net = timm.create_model({backbone!r}, num_classes=0); {load}",
+    return {"dino": f"DINOv3's hub {backbone}: {load}", "timm": timm,
             "hf": "transformers.ConvNextModel.from_pretrained(path)"}  # fmt: skip
 
 
