@@ -1,6 +1,9 @@
 // The native memory tracker: /proc readings, per-step host peaks, the
-// sampling thread's start and stop.
+// sampling thread's start and stop; the allocation trace's events and ranges.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <atomic>
 #include <chrono>
@@ -9,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "memory/allocation_trace.h"
 #include "memory/memory_tracker.h"
 #include "test_util.h"
 
@@ -89,6 +93,50 @@ TEST(Memory, BadArguments) {
   dino_opt::testing::expect_error([] { MemoryTracker(-2, 0.1); }, "device must be");
   MemoryTracker tracker;
   dino_opt::testing::expect_error([&] { tracker.end_step(); }, "without start_step");
+}
+
+TEST(AllocationTrace, CountsEveryTensorAllocatedInsideAndItsRanges) {
+  at::Tensor before = at::empty({1000}, at::kFloat);  // its free is not counted
+  AllocationTrace trace;
+  trace.start();
+  EXPECT_FALSE(torch::profiler::impl::profilerEnabled());  // torch records no operator
+  at::Tensor a = at::empty({250}, at::kDouble);            // +2000
+  {
+    RECORD_USER_SCOPE("step");
+    at::Tensor b = at::empty({1000}, at::kByte);  // +1000, then -1000
+    before.reset();
+  }
+  trace.stop();
+  a.reset();  // after the trace: not counted
+  const auto events = trace.events();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].bytes, 2000);
+  EXPECT_EQ(events[1].bytes, 1000);
+  EXPECT_EQ(events[2].bytes, -1000);
+  for (const auto& e : events) EXPECT_EQ(e.device_type, 0);
+  EXPECT_LE(events[0].time_ns, events[2].time_ns);
+  const auto ranges = trace.ranges();
+  ASSERT_EQ(ranges.size(), 1u);
+  EXPECT_EQ(ranges[0].name, "step");
+  EXPECT_EQ(ranges[0].first_event, 1u);
+  EXPECT_EQ(ranges[0].end_event, 3u);
+  EXPECT_LE(ranges[0].start_ns, ranges[0].end_ns);
+}
+
+TEST(AllocationTrace, RefusesASecondTraceAndRestartsClean) {
+  AllocationTrace trace, other;
+  trace.start();
+  dino_opt::testing::expect_error([&] { trace.start(); }, "already running");
+  dino_opt::testing::expect_error([&] { other.start(); }, "already active on this thread");
+  trace.stop();
+  trace.stop();   // stopping twice is harmless
+  other.start();  // the slot is free again
+  at::Tensor t = at::empty({8}, at::kFloat);
+  other.stop();
+  EXPECT_EQ(other.events().size(), 1u);
+  trace.start();  // a restart begins a new record
+  trace.stop();
+  EXPECT_TRUE(trace.events().empty());
 }
 
 }  // namespace

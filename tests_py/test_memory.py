@@ -11,6 +11,7 @@ import torch
 from dino_opt import _C
 from dino_opt.observe import AllocationTrace, MemoryTracker, VRAMProfiler, memory_snapshot
 from dino_opt.observe.memory import GB
+from torch.profiler import ProfilerActivity, profile
 
 BIG = 256 * 2**20
 
@@ -68,6 +69,36 @@ def test_allocation_trace_counts_tensor_bytes_exactly():
     assert trace.live()[-1][1] == 2000 and kept.numel() == 1000
     with pytest.raises(KeyError, match="no range 'missing' was recorded"):
         trace.peak("missing")
+
+
+def test_allocation_trace_reports_what_torchs_profiler_reports():
+    # The reference: torch's profiler with profile_memory=True over the same
+    # training step (the second, so that the gradients already exist).
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 14 * 14, 10))  # fmt: skip
+    x = torch.randn(4, 3, 16, 16)
+
+    def step():
+        with torch.profiler.record_function("step"):
+            net(x).square().sum().backward()
+
+    step()
+    with AllocationTrace() as ours:
+        step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as ref:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in ref.profiler.kineto_results.events()
+                    if e.name() == "[memory]")  # fmt: skip
+    live, reference = 0, []
+    for _, nbytes in events:
+        live += nbytes
+        reference.append(live)
+    assert [b for _, b in ours.live()] == reference and len(reference) > 10
+    assert ours.peak("step") == max(reference) and ours.live_at("step") == 0
+    with pytest.raises(RuntimeError, match="already active on this thread"):
+        with profile(activities=[ProfilerActivity.CPU]), AllocationTrace():
+            pass
 
 
 def test_lesson_keys_on_the_cpu():
@@ -144,6 +175,7 @@ def test_cuda_allocator_peaks_match_torch(tmp_path):
 FIRST_CUDA_CALL = """
 import time, warnings
 import torch
+from torch.profiler import ProfilerActivity, profile
 from dino_opt.observe import MemoryTracker
 assert not torch.cuda.is_initialized()
 tracker = MemoryTracker(0, sample_period=0.01)

@@ -5,6 +5,7 @@
 
 #include "bindings/bindings.h"
 #include "build_info.h"
+#include "memory/allocation_trace.h"
 #include "memory/memory_tracker.h"
 #include "profiler/profiler.h"
 
@@ -133,6 +134,30 @@ PYBIND11_MODULE(_C, m) {
       .def("sampling", &MemoryTracker::sampling)
       .def("sampling_error", &MemoryTracker::sampling_error)
       .def("timeline", [](const MemoryTracker& t) { return to_list(t.timeline()); });
+
+  py::class_<AllocationTrace>(m, "AllocationTrace")
+      .def(py::init<>())
+      .def("start", &AllocationTrace::start)
+      .def("stop", &AllocationTrace::stop)
+      .def_property_readonly("running", &AllocationTrace::running)
+      .def("events",
+           [](const AllocationTrace& t) {
+             // (time ns, bytes, device type name, device index) per report
+             py::list out;
+             for (const AllocationEvent& e : t.events()) {
+               const auto type = static_cast<c10::DeviceType>(e.device_type);
+               out.append(py::make_tuple(e.time_ns, e.bytes, c10::DeviceTypeName(type, true),
+                                         e.device_index));
+             }
+             return out;
+           })
+      .def("ranges", [](const AllocationTrace& t) {
+        // (name, first event, end event, start ns, end ns), in the order they ended
+        py::list out;
+        for (const AllocationRange& r : t.ranges())
+          out.append(py::make_tuple(r.name, r.first_event, r.end_event, r.start_ns, r.end_ns));
+        return out;
+      });
 
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<prof::Profiler>(m, "Profiler")
