@@ -41,17 +41,24 @@ $(PY): | apt-packages
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# Byte code: pip does not compile what it installs (--no-compile: 6,400 of
+# torch's and the pinned packages' modules, most of which no process here
+# imports; about 100 s of one core); the first process that imports a module
+# writes its byte code, which the others then read. These machines set
+# PYTHONDONTWRITEBYTECODE, under which every import would compile its modules
+# again, so this project's commands run without it.
+unexport PYTHONDONTWRITEBYTECODE
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 # torch from this machine's disk (a CUDA build, so the CUDA sources compile and link).
-# pip byte-compiles what it installs: these machines set PYTHONDONTWRITEBYTECODE,
-# so a module pip did not compile is compiled again at every import.
 $(STAMPS)/torch: | $(PY)
 	@mkdir -p $(STAMPS)
-	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PIP_INSTALL) $(TORCH_SPEC)
 	@touch $@
 
 # The Python dependencies pinned in pyproject.toml (runtime, test, lint, build).
 $(STAMPS)/deps: pyproject.toml $(STAMPS)/torch
-	$(PY) -m pip install -q $$($(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); p = t['project']; print(' '.join(t['tool']['dynamic-metadata'][0]['requires'] + [r for v in p['optional-dependencies'].values() for r in v]))")
+	$(PIP_INSTALL) $$($(PY) -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); p = t['project']; print(' '.join(t['tool']['dynamic-metadata'][0]['requires'] + [r for v in p['optional-dependencies'].values() for r in v]))")
 	@touch $@
 
 # The package's list of modules: the editable install maps each module to its
@@ -71,10 +78,11 @@ $(STAMPS)/build: $(NATIVE_SRCS) $(PY_MODULES) $(STAMPS)/deps | apt-packages
 build: setup
 
 # The fuzz run keeps one core busy (libFuzzer is one process): it runs beside
-# the build and the tests, its output in $(FUZZ_LOG), shown when they end
-# (all of it if it failed); then lint.
+# the pinned packages' install, the build and the tests (it needs torch's
+# numpy and Pillow, not those), its output in $(FUZZ_LOG), shown when they
+# end (all of it if it failed); then lint.
 FUZZ_LOG := build/fuzz.log
-test: $(STAMPS)/deps
+test: $(STAMPS)/torch
 	@mkdir -p $(dir $(FUZZ_LOG))
 	@$(MAKE) --no-print-directory fuzz >$(FUZZ_LOG) 2>&1 & fuzz=$$!; \
 	  echo "make fuzz: beside the build and the tests (log: $(FUZZ_LOG))"; \
@@ -115,7 +123,7 @@ test-times:
 FUZZ_DIR     := build/fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TAR_SECONDS ?= 30
-fuzz: $(STAMPS)/deps | apt-packages
+fuzz: $(STAMPS)/torch | apt-packages
 	CXX=clang++-14 cmake -S fuzz -B $(FUZZ_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(FUZZ_DIR)
 	$(PY) scripts/fuzz_corpus.py $(FUZZ_DIR)/seeds
