@@ -88,8 +88,9 @@ def test_allocation_trace_reports_what_torchs_profiler_reports():
         step()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as ref:
         step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in ref.profiler.kineto_results.events()
-                    if e.name() == "[memory]")  # fmt: skip
+    events = [(e.start_ns(), e.nbytes()) for e in ref.profiler.kineto_results.events()
+              if e.name() == "[memory]"]  # fmt: skip
+    events.sort(key=lambda t: t[0])  # stable: ties keep their order
     live, reference = 0, []
     for _, nbytes in events:
         live += nbytes
@@ -175,7 +176,6 @@ def test_cuda_allocator_peaks_match_torch(tmp_path):
 FIRST_CUDA_CALL = """
 import time, warnings
 import torch
-from torch.profiler import ProfilerActivity, profile
 from dino_opt.observe import MemoryTracker
 assert not torch.cuda.is_initialized()
 tracker = MemoryTracker(0, sample_period=0.01)

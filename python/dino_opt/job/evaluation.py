@@ -15,7 +15,7 @@ from ..eval import evaluate_run, evaluate_teacher
 from ..observe import RunFolder, RunLog
 from ..runtime import HangWatchdog, gather_objects
 from ..train import StudentBank, recipe_of
-from ..weights import load_student_start
+from ..weights import load_student_start, student_starts
 from .sharding import full_teacher
 
 __all__ = [
@@ -34,9 +34,8 @@ def start_backbone(cfg: Config, parts, index: int = 0) -> torch.nn.Module | None
     for a distillation's others; None for one from random initialisation.
     ``parts.random_teacher``'s backbone is that student's (a process of a
     group of ranks holds one student) or the bank's, whose member it is."""
-    starts = (cfg.model.init_from, *cfg.recipe.distill_students_init_from)
-    path = starts[index] if index < len(starts) else None
-    if path is None or str(path).lower() == "none":
+    path = student_starts(cfg)[index]
+    if path is None:
         return None
     random = parts.random_teacher
     if isinstance(random, StudentBank):

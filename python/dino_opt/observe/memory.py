@@ -278,8 +278,8 @@ class AllocationTrace:
 
     The native core installs a memory reporter on the calling thread in
     place of torch's profiler, so no operator is recorded: the traced code
-    runs at nearly its own speed (torch's profiler, for a ConvNeXt step on
-    the CPU, took 2.6 times the step and as long again to stop).
+    runs at nearly its own speed (under torch's profiler a ConvNeXt-T step
+    on the CPU took 9.7 s against 3.7 s, and stopping the profiler 6.7 s more).
 
     Use as a context manager, on one thread; within it,
     ``torch.profiler.record_function(NAME)`` marks ranges. Afterwards

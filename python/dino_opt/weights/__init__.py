@@ -14,7 +14,7 @@ from .probes import (
     show_weights,
 )
 from .reading import ExternalWeights, read_state_dict, read_weights
-from .students import load_student_start, start_students
+from .students import load_student_start, start_students, student_starts
 from .teacher import OpenedTeacher, open_teacher, weights_reader
 from .transfer import (
     FORMATS,
@@ -52,5 +52,6 @@ __all__ = [
     "read_state_dict",
     "read_weights",
     "start_students",
+    "student_starts",
     "weights_reader",
 ]

@@ -25,7 +25,7 @@ from ..train import StudentBank
 from .reading import read_state_dict
 from .transfer import load_backbone
 
-__all__ = ["load_student_start", "start_students"]
+__all__ = ["load_student_start", "start_students", "student_starts"]
 
 # The top-level names of the classifiers that timm and torchvision models
 # have and a student built without one has not.
@@ -58,19 +58,30 @@ def load_student_start(path: str | os.PathLike, backbone: nn.Module) -> list[str
     return load_backbone(path, backbone)
 
 
+def student_starts(cfg: Config) -> list[str | None]:
+    """The weights each student of ``cfg`` starts from, in the order of
+    ``cfg.student_names``: ``model.init_from`` for the first,
+    ``recipe.distill_students_init_from`` for the others; None for one
+    from random initialisation (``none``, or no starts given)."""
+    others = cfg.recipe.distill_students_init_from or [None] * (len(cfg.student_names) - 1)
+    return [cfg.model.init_from,
+            *(None if s is None or str(s).lower() == "none" else s for s in others)]  # fmt: skip
+
+
 def _members(cfg: Config, student: nn.Module, ema: nn.Module, index: int | None):
     """(start, student member, its EMA) of each student of ``cfg`` this
-    process holds that has a start: every one of a
+    process holds that has a start of its own (the first student's,
+    ``model.init_from``, is loaded with the whole network): every one of a
     :class:`~dino_opt.train.StudentBank`, or the one student ``index`` of
     a process of a group of ranks."""
-    starts = (None, *cfg.recipe.distill_students_init_from)
+    starts = [None, *student_starts(cfg)[1:]]
     bank, bank_ema = unwrap(student), unwrap(ema)
     if isinstance(bank, StudentBank):
         held = [(s, bank.members[k], bank_ema.members[k])
                 for s, k in zip(starts, cfg.student_keys, strict=True)]  # fmt: skip
     else:
         held = [(starts[index], bank, bank_ema)] if index is not None else []
-    return [(s, m, e) for s, m, e in held if s is not None and s.lower() != "none"]
+    return [(s, m, e) for s, m, e in held if s is not None]
 
 
 def start_students(cfg: Config, student: nn.Module, ema: nn.Module,
