@@ -21,7 +21,7 @@ from tiny import TINY, TINY_DEPTH, distill_teacher_net, train_on_ranks
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
-            "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
+            "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=2",
             "checkpoint.keep=20", "eval.every_epochs=1"]  # fmt: skip
 
 

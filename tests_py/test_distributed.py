@@ -10,7 +10,7 @@ import pytest
 import torch
 from dino_opt.distributed import launch_distributed_training
 from dino_opt.runtime import all_reduce_metrics, launched_world, with_index
-from gloo_ranks import launch_ranks
+from gloo_ranks import launch_ranks, run_ranks
 from tiny import TINY as TINY_BASE
 from tiny import ranks_env, read_run, run_cli_ok, tiny_train_only, train_args
 
@@ -58,6 +58,16 @@ def test_metrics_reduction_and_rank0_checkpoint(tmp_path):
         assert g["metrics"] == {"loss": pytest.approx(2.5), "images_per_second": 150.0}
     assert torch.load(tmp_path / "ckpt.pth")["written_by"] == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pth") == ["ckpt.pth"]
+
+
+def test_a_state_sent_between_ranks_arrives_as_pickled(tmp_path):
+    """runtime.send_state/recv_state: every kind of leaf (dtypes, a shared,
+    an empty, a strided and a 0-d tensor, a Parameter, an OrderedDict's
+    metadata) arrives as a pickle round trip gives it, each way and over a
+    group of its own; the tensors received can be written."""
+    for r in run_ranks(HERE / "dist_transfer_worker.py", tmp_path):
+        assert r == {"same": True, "metadata": True, "shared": True, "parameter": True,
+                     "writable": True}, r  # fmt: skip
 
 
 def test_alone_nothing_is_reduced(monkeypatch):

@@ -24,7 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..config import Config
-from ..runtime import StudentGroups, gather_objects, is_sharded, student_groups
+from ..runtime import (
+    StudentGroups,
+    gather_objects,
+    is_sharded,
+    recv_state,
+    send_state,
+    student_groups,
+)
 from .sharding import load_whole_state, optimizer_state_by_position
 
 __all__ = [
@@ -105,17 +112,13 @@ def send_to_lead(groups: StudentGroups, networks: dict) -> list[dict] | None:
     """Collective: every group lead's ``networks`` (its student's
     ``student``, ``teacher`` and ``optimizer`` states), on the CPU, by
     student, on rank 0 (None elsewhere). Each other lead sends its own to
-    rank 0 alone (a gather would pad every rank's share to the largest)."""
-    rank = dist.get_rank()
-    if rank == 0:
-        states = [_on_cpu(networks)]
-        for index in range(1, groups.students):
-            box = [None]
-            dist.recv_object_list(box, src=groups.lead_rank(index))
-            states.append(box[0])
-        return states
+    rank 0 alone (a gather would pad every rank's share to the largest), its
+    tensors as one buffer (:func:`~dino_opt.runtime.send_state`)."""
+    if dist.get_rank() == 0:
+        others = [recv_state(groups.lead_rank(i)) for i in range(1, groups.students)]
+        return [_on_cpu(networks), *others]
     if groups.lead:
-        dist.send_object_list([_on_cpu(networks)], dst=0)
+        send_state(networks, 0)
     return None
 
 

@@ -1,5 +1,5 @@
-"""A run's process: device, precision, process group, collectives, signals, watchdog,
-garbage collection."""
+"""A run's process: device, precision, process group, collectives, a state sent between
+ranks, signals, watchdog, garbage collection."""
 
 from .collector import StepCollector
 from .device import resolve_device, resolve_precision, with_index
@@ -20,6 +20,7 @@ from .process import (
 )
 from .sharding import is_sharded, replicated, shard_frozen_backbone, shard_model
 from .signals import GracefulStop
+from .transfer import recv_state, send_state
 from .watchdog import (
     EXIT_HANG,
     HangWatchdog,
@@ -51,9 +52,11 @@ __all__ = [
     "launched_world",
     "no_sync",
     "rank",
+    "recv_state",
     "replicated",
     "resolve_device",
     "resolve_precision",
+    "send_state",
     "with_index",
     "shard_frozen_backbone",
     "shard_model",
