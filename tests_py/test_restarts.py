@@ -26,6 +26,7 @@ from dino_opt.config import load_config
 from dino_opt.distributed.agent import (
     WORKER_PRELOAD,
     WorkerFailedError,
+    _method_name,
     _peek_exit,
     run_agent,
     worker_start_method,
@@ -43,6 +44,7 @@ from dino_opt.runtime import EXIT_HANG
 from forked import CliProcess, run_cli
 from tiny import TINY as TINY_BASE
 from tiny import ranks_env, tiny_train_only
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
 
 TINY = [
     *TINY_BASE,
@@ -130,6 +132,22 @@ def test_out_of_restarts_the_job_ends_with_one_line(train_root, tmp_path):
     assert shlex.split(last.split("; resume with: ", 1)[1]) == ["dino-opt", *args]
     (row,) = json.loads((out / "restarts.json").read_text())  # the first kill, restarted
     assert (row["rank"], row["at_step"], row["step"]) == (1, 7, 6)
+
+
+def test_rendezvous_events_are_named_as_torch_names_them():
+    """The launcher's stand-in for torch's rendezvous event names (which
+    read every frame's source) names the same function at each depth, and
+    none past the stack's top."""
+
+    def record(depth):  # as torch's rendezvous records: from a method, about its caller
+        return _method_name(depth), get_method_name(depth)
+
+    def next_rendezvous():
+        return record(1), record(2), record(3), record(4), record(10_000)
+
+    names = next_rendezvous()
+    assert [ours for ours, _ in names] == [theirs for _, theirs in names]
+    assert names[1][0] == "next_rendezvous" and names[-1][0] == "no_method_name"
 
 
 def test_the_resume_command_names_the_run_folder_it_made():
