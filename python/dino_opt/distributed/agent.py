@@ -347,7 +347,7 @@ def _method_name(depth: int = 2) -> str:
     event (several every half second, from the agent's monitoring loop):
     that one calls ``inspect.stack()`` twice, which reads the source lines
     of every frame on the stack: 13 ms a call 80 frames deep (a launch from
-    a notebook or a test runner), 2% of the test suite's CPU time."""
+    a notebook or a test runner), 2.9 % of the test suite's py-spy samples."""
     try:
         return sys._getframe(depth).f_code.co_name  # frame 0: this function's
     except ValueError:

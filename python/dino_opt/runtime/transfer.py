@@ -26,6 +26,10 @@ __all__ = ["recv_state", "send_state"]
 _ALIGN = 64  # each tensor's bytes start at a multiple: any dtype's view is aligned
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 class _Packer(pickle.Pickler):
     """Pickles an object with each dense tensor replaced by its slot: its
     number, its place in the buffer, its dtype and its shape (a tensor met
@@ -33,7 +37,7 @@ class _Packer(pickle.Pickler):
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
+        self.tensors: list[tuple[torch.Tensor, int]] = []  # each with its offset
         self.slots: dict[int, tuple] = {}
         self.size = 0
 
@@ -43,11 +47,11 @@ class _Packer(pickle.Pickler):
             return None
         slot = self.slots.get(id(obj))
         if slot is None:
-            offset = -(-self.size // _ALIGN) * _ALIGN
+            offset = _aligned(self.size)
             nbytes = obj.numel() * obj.element_size()
             slot = (len(self.tensors), offset, nbytes, obj.dtype, tuple(obj.shape))
             self.slots[id(obj)] = slot
-            self.tensors.append(obj)
+            self.tensors.append((obj, offset))
             self.size = offset + nbytes
         return slot
 
@@ -76,13 +80,13 @@ def _pack(obj) -> tuple[torch.Tensor, int, int]:
     packer = _Packer(header)
     packer.dump(obj)
     head = header.getbuffer()
-    start = -(-len(head) // _ALIGN) * _ALIGN
+    start = _aligned(len(head))
     out = torch.empty(start + packer.size, dtype=torch.uint8)
     out[: len(head)] = torch.frombuffer(head, dtype=torch.uint8)
-    for t in packer.tensors:
-        _, offset, nbytes = packer.slots[id(t)][:3]
-        if nbytes:
-            view = out[start + offset : start + offset + nbytes].view(t.dtype).view(t.shape)
+    for t, offset in packer.tensors:
+        if t.numel():
+            at = start + offset
+            view = out[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             view.copy_(t.detach())
     return out, len(head), start
 
