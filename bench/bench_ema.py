@@ -2,7 +2,7 @@
 the original DINO code vs torch._foreach_lerp_ (timm's ModelEmaV3), on the
 parameter sets of ViT-S/16 and ViT-B/16, beside the memory-bandwidth floor.
 
-    python bench/bench_ema.py [--device cpu|cuda] [--json PATH]
+    python bench/bench_ema.py [--device cpu|cuda] [--models ViT-S/16 ...] [--json PATH]
 
 Floor: each step reads teacher and student and writes the teacher, so
 (2 * 4 + 4) bytes per fp32 parameter over the measured copy bandwidth.
@@ -106,6 +106,13 @@ def main() -> None:
         "--json", type=Path, help="output file (default docs/results/ema_<device>.json)"
     )
     parser.add_argument("--repeats", type=int, help="timed calls per variant")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=list(MODELS),
+        help="parameter sets to time (default: all)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -122,6 +129,7 @@ def main() -> None:
             floor_gbps=bandwidth,
         )
         for name, shapes in MODELS.items()
+        if name in args.models
     ]
 
     rows = []

@@ -298,7 +298,7 @@ stage_proof() {
   cuda_tests 130
   headline
   bench_step bench_loss 40 bench/bench_loss.py --repeats 10 -- --batch 4 --dim 4096 --repeats 1
-  bench_step bench_ema 20 bench/bench_ema.py --repeats 10 -- --repeats 2
+  bench_step bench_ema 20 bench/bench_ema.py --repeats 10 -- --repeats 2 --models ViT-S/16
 }
 
 # An FSDP run of one epoch of the demo on NCCL (one process on a GPU, gloo on a CPU).
