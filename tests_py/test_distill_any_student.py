@@ -16,6 +16,7 @@ import torchvision
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, apply_overrides, default_config, load_config
 from dino_opt.models import ExternalBackbone, backbone_tokens, build_backbone
+from dino_opt.models.vit import resize_pos_embed
 from dino_opt.train import build_models
 from dino_opt.weights import start_students
 from dino_opt.weights.cnn_export import export_cnn
@@ -38,6 +39,73 @@ def test_a_torchvision_resnet_is_read_as_the_built_in_one(gen):
     assert width == 512 and a.grid == b.grid == (2, 2)
     torch.testing.assert_close(b.cls, a.cls) and torch.testing.assert_close(b.patches, a.patches)
     torch.testing.assert_close(theirs(x), a.cls)
+
+
+# torchvision families by their reader, each with its classifier's name: with
+# the classifier replaced by Identity, the model's own forward gives the
+# image's feature (the pooled map).
+# (The ResNets' reader: the test above.)
+FAMILIES = [("swin_t", "swin", "head"), ("mobilenet_v3_small", "features", "classifier"),
+            ("regnet_x_400mf", "regnet", "fc"), ("mnasnet0_5", "layers", "classifier"),
+            ("shufflenet_v2_x0_5", "shufflenet", "fc")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "reader", "classifier"), FAMILIES)
+def test_a_torchvision_network_is_read_as_its_own_forward_gives_its_feature(
+    name, reader, classifier, gen
+):
+    net, width = build_backbone(f"torchvision:{name}")
+    assert net.reader == reader
+    own = net.net.eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    t = backbone_tokens(net, x)
+    with torch.no_grad():
+        setattr(own, classifier, torch.nn.Identity())
+        torch.testing.assert_close(t.cls, own(x), rtol=1e-5, atol=1e-5)
+    assert t.cls.shape == (2, width) and t.patches.shape[-1] == width
+
+
+def _torchvision_vit(image_size: int) -> torchvision.models.VisionTransformer:
+    return torchvision.models.VisionTransformer(image_size=image_size, patch_size=8, num_layers=2,
+                                                num_heads=2, hidden_dim=32, mlp_dim=64)  # fmt: skip
+
+
+def test_a_torchvision_vit_is_read_as_its_tokens_at_any_size(gen):
+    """At its own size (32 pixels) the class token is the one its forward
+    gives; at 64 its tokens are those of the same network built for 64
+    pixels with the position table resized to the 8 x 8 grid."""
+    with torch.device("meta"):
+        big, width = build_backbone("torchvision:vit_b_32")
+    assert (big.reader, width, big.prefix) == ("vit", 768, 1)
+    net = ExternalBackbone(_torchvision_vit(32), "torchvision:vit", "vit").eval()
+    own, x = net.net, torch.randn(2, 3, 32, 32, generator=gen)
+    own.heads = torch.nn.Identity()
+    with torch.no_grad():
+        torch.testing.assert_close(backbone_tokens(net, x).cls, own(x), rtol=1e-5, atol=1e-5)
+        larger = _torchvision_vit(64)
+        larger.heads = torch.nn.Identity()
+        table = resize_pos_embed(own.encoder.pos_embedding, (8, 8))
+        larger.load_state_dict({**own.state_dict(), "encoder.pos_embedding": table})
+        x = torch.randn(2, 3, 64, 64, generator=gen)
+        t = backbone_tokens(net, x)
+        assert t.grid == (8, 8) and t.patches.shape == (2, 64, 32)
+        torch.testing.assert_close(t.cls, larger.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_features_skip_is_frozen_and_every_other_parameter_learns(gen):
+    """A torchvision classifier takes no part in the features: frozen (DDP
+    refuses a parameter without a gradient), kept in the state dict its
+    own class loads; after a step every trainable parameter has a gradient."""
+    net, _ = build_backbone("torchvision:resnet18")
+    assert net.unreached == ["fc.weight", "fc.bias"]
+    assert not net.net.fc.weight.requires_grad and net.net.conv1.weight.requires_grad
+    torchvision.models.resnet18().load_state_dict(net.net.state_dict())  # strict
+    t = backbone_tokens(net.train(), torch.randn(2, 3, 64, 64, generator=gen))
+    (t.cls.sum() + t.patches.sum()).backward()
+    assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
+    assert build_backbone("timm:resnet18")[0].unreached == []  # built without a classifier
+    with torch.device("meta"):  # found without compute
+        assert build_backbone("torchvision:swin_t")[0].unreached == ["head.weight", "head.bias"]
 
 
 def test_a_timm_vit_is_read_as_tokens_after_its_class_token(gen):
@@ -64,7 +132,7 @@ def test_a_functions_module_is_read_as_its_feature_map(gen):
 @pytest.mark.parametrize(
     ("name", "needle"),
     [("timm:resnet_nope", "timm 1.0"),
-     ("torchvision:vit_b_16", "no feature map to read"),
+     ("torchvision:maxvit_t", "no feature map to read"),
      ("own_nets:pooled", "gives a tensor of shape [1, 8]"),
      ("own_nets:two_outputs", "gives a tuple of 2"),
      ("own_nets:not_a_module", "returned a Tensor, not a torch.nn.Module"),

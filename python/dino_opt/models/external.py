@@ -11,6 +11,11 @@ patches) or tokens ``[B, N, C]`` (the first is the class token when the
 network has one: timm's ``num_prefix_tokens``, or one more token than a
 square grid). Anything else (pooled features only, a tuple, a dict) is a
 one-line error naming what it got, before any training starts.
+
+Parameters the reading does not reach (a torchvision classifier, which the
+features skip) are frozen: found by a forward and backward of the probe on
+the meta device, they would get no gradient, which DistributedDataParallel
+refuses; they stay in the network's state dict, so its own class loads it.
 """
 
 from __future__ import annotations
@@ -21,17 +26,96 @@ import math
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from .tokens import resnet_map
+from .vit import resize_pos_embed
 
-__all__ = ["PROBE_SIZE", "ExternalBackbone", "build_external"]
+__all__ = ["PROBE_SIZE", "ExternalBackbone", "build_external", "unreached_parameters"]
 
 #: The side of the image the network is probed with.
 PROBE_SIZE = 224
 
-# How a torchvision model's last feature map is read, by what it has.
-_TORCHVISION_READERS = (("resnet", ("conv1", "layer4")), ("features", ("features",)),
-                        ("regnet", ("stem", "trunk_output")))  # fmt: skip
+# How a torchvision model's output is read, by what it has (the first that fits).
+_TORCHVISION_READERS = (
+    ("resnet", ("conv1", "layer4")),
+    ("swin", ("features", "norm", "permute")),
+    ("features", ("features",)),
+    ("regnet", ("stem", "trunk_output")),
+    ("vit", ("conv_proj", "encoder", "class_token")),
+    ("layers", ("layers",)),
+    ("shufflenet", ("stage2", "conv5")),
+)
+
+
+def _swin_map(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A torchvision Swin's last stage, normalised, as [B, C, h, w] (its
+    stages run channels-last)."""
+    return net.permute(net.norm(net.features(x)))
+
+
+def _shufflenet_map(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = net.maxpool(net.conv1(x))
+    return net.conv5(net.stage4(net.stage3(net.stage2(x))))
+
+
+def _vit_tokens(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A torchvision ViT's tokens [B, 1 + h * w, C] after its last norm, as
+    its own forward gives them at its image size; at any other size its
+    position table is resized to the grid (bicubic, as DINO's ViT does)."""
+    x = net.conv_proj(x)
+    grid = tuple(x.shape[-2:])
+    x = torch.cat([net.class_token.expand(x.shape[0], -1, -1), x.flatten(2).transpose(1, 2)], 1)
+    encoder = net.encoder
+    pos = resize_pos_embed(encoder.pos_embedding, grid)
+    return encoder.ln(encoder.layers(encoder.dropout(x + pos)))
+
+
+_READERS = {
+    "resnet": resnet_map,
+    "swin": _swin_map,
+    "features": lambda net, x: net.features(x),
+    "regnet": lambda net, x: net.trunk_output(net.stem(x)),
+    "vit": _vit_tokens,
+    "layers": lambda net, x: net.layers(x),
+    "shufflenet": _shufflenet_map,
+}
+
+
+def _read(net: nn.Module, reader: str, images: torch.Tensor):
+    """What ``net`` gives for ``images`` as ``reader`` reads it: one of
+    :data:`_READERS`, or the method of that name."""
+    read = _READERS.get(reader)
+    return read(net, images) if read is not None else getattr(net, reader)(images)
+
+
+class _Reading(nn.Module):
+    """``net`` read as ``reader``: a module whose forward is the reading."""
+
+    def __init__(self, net: nn.Module, reader: str):
+        super().__init__()
+        self.net = net
+        self.reader = reader
+
+    def forward(self, images: torch.Tensor):
+        return _read(self.net, self.reader, images)
+
+
+def unreached_parameters(net: nn.Module, reader: str) -> list[str]:
+    """The trainable parameters of ``net`` that its reading as ``reader``
+    does not reach, from one forward and backward of a probe image on the
+    meta device (no compute, whatever device ``net`` is on); none when the
+    network cannot run there (an operator without a meta kernel)."""
+    params = {f"net.{k}": torch.empty_like(p, device="meta").requires_grad_()
+              for k, p in net.named_parameters() if p.requires_grad}  # fmt: skip
+    buffers = {f"net.{k}": torch.empty_like(b, device="meta") for k, b in net.named_buffers()}
+    probe = torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device="meta")
+    try:
+        out = functional_call(_Reading(net, reader), {**params, **buffers}, (probe,))
+        grads = torch.autograd.grad(out.float().sum(), list(params.values()), allow_unused=True)
+    except Exception:  # the network's own operators: nothing is frozen then
+        return []
+    return [k.removeprefix("net.") for k, g in zip(params, grads, strict=True) if g is None]
 
 
 def _close(name: str, known: list[str]) -> str:
@@ -144,16 +228,11 @@ class ExternalBackbone(nn.Module):
         self.reader = reader
         self.prefix = 0
         self.embed_dim = self._probe()
+        #: the parameters the reading does not reach, frozen (the module's docstring)
+        self.unreached = self._freeze_unreached()
 
     def _raw(self, images: torch.Tensor):
-        n, r = self.net, self.reader
-        if r == "resnet":
-            return resnet_map(n, images)
-        if r == "features":
-            return n.features(images)
-        if r == "regnet":
-            return n.trunk_output(n.stem(images))
-        return getattr(n, r)(images)
+        return _read(self.net, self.reader, images)
 
     def _probe(self) -> int:
         param = next(iter(self.net.parameters()), None)
@@ -169,6 +248,17 @@ class ExternalBackbone(nn.Module):
         finally:
             self.net.train(was_training)
         return self._width(out)
+
+    def _freeze_unreached(self) -> list[str]:
+        was_training = self.net.training
+        self.net.eval()  # as in the probe: no layer skipped at random
+        try:
+            names = unreached_parameters(self.net, self.reader)
+        finally:
+            self.net.train(was_training)
+        for name in names:
+            self.net.get_parameter(name).requires_grad_(False)
+        return names
 
     def _width(self, out) -> int:
         if torch.is_tensor(out) and out.dim() == 4:
