@@ -20,9 +20,11 @@ refuses; they stay in the network's state dict, so its own class loads it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -99,6 +101,18 @@ class _Reading(nn.Module):
 
     def forward(self, images: torch.Tensor):
         return _read(self.net, self.reader, images)
+
+
+@contextlib.contextmanager
+def _in_eval(net: nn.Module) -> Iterator[None]:
+    """``net`` in eval mode (BatchNorm from its running statistics, no layer
+    skipped at random), its mode restored after."""
+    was_training = net.training
+    net.eval()
+    try:
+        yield
+    finally:
+        net.train(was_training)
 
 
 def unreached_parameters(net: nn.Module, reader: str) -> list[str]:
@@ -237,25 +251,17 @@ class ExternalBackbone(nn.Module):
     def _probe(self) -> int:
         param = next(iter(self.net.parameters()), None)
         device = param.device if param is not None else torch.device("cpu")
-        was_training = self.net.training
-        self.net.eval()  # one image: BatchNorm from its running statistics
         try:
-            with torch.no_grad():
+            with _in_eval(self.net), torch.no_grad():
                 out = self._raw(torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device=device))
         except Exception as e:  # the user's network: any failure is one line
             raise ValueError(f"{self.name}: its forward failed on a {PROBE_SIZE} x {PROBE_SIZE} "
                              f"image ({type(e).__name__}: {e})") from None  # fmt: skip
-        finally:
-            self.net.train(was_training)
         return self._width(out)
 
     def _freeze_unreached(self) -> list[str]:
-        was_training = self.net.training
-        self.net.eval()  # as in the probe: no layer skipped at random
-        try:
+        with _in_eval(self.net):
             names = unreached_parameters(self.net, self.reader)
-        finally:
-            self.net.train(was_training)
         for name in names:
             self.net.get_parameter(name).requires_grad_(False)
         return names
