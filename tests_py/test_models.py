@@ -14,6 +14,7 @@ from dino_opt.models import (
     VisionTransformer,
     build_backbone,
     build_dino_models,
+    eval_mode,
     vit_base,
     vit_small,
     vit_tiny,
@@ -472,3 +473,18 @@ def test_the_dinov3_sizes_are_backbones_of_the_config():
     with pytest.raises(ValueError, match="'vit_base_dinov3' is a DINOv3 size, which fixes "
                                          "num_register_tokens"):  # fmt: skip
         build_models(bad)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_eval_mode_sets_eval_inside_and_restores_the_mode_also_on_an_error(training):
+    net = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.BatchNorm1d(3)).train(training)
+    net[2].train(not training)  # a submodule whose mode differs from its parent's
+    with eval_mode(net) as inside:
+        assert inside is net and not any(m.training for m in net.modules())
+        x = torch.randn(4, 3)
+        assert torch.equal(net(x), net(x))  # no dropout, running statistics
+    assert net.training is training and net[0].training is training
+    assert net[2].training is not training  # its own mode, not its parent's
+    with pytest.raises(RuntimeError, match="inside"), eval_mode(net):
+        raise RuntimeError("inside")
+    assert [m.training for m in net.modules()] == [training, training, training, not training]

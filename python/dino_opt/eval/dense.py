@@ -40,6 +40,7 @@ from PIL import Image
 from torch import nn
 
 from ..data.segmentation import IGNORE_INDEX, SegmentationSource, segmentation_splits
+from ..models import eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
@@ -229,15 +230,11 @@ def extract_dense_features(
         _Pairs(source, image_size, num_classes), batch_size=batch_size,
         num_workers=num_workers, generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    was_training = backbone.training
-    backbone.eval()
     feats, masks = [], []
-    try:
+    with eval_mode(backbone):
         for images, target in loader:
             feats.append(patch_feature_map(backbone, images.to(device)).float())
             masks.append(target.to(device))
-    finally:
-        backbone.train(was_training)
     features = torch.cat(feats)
     if not torch.isfinite(features).all():
         raise ValueError(f"the backbone gave non-finite features for {source!r}")

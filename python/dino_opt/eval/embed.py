@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data import DataSource
+from ..models import eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from .dense import tokens_as_map, vit_outputs
 from .features import EvalLoader, amp_dtype_of, gather_rows, shard_of
@@ -145,9 +146,7 @@ def embed_images(
     ``progress``: a progress bar of this rank's batches."""
     device = torch.device(device)
     rank, world = shard_of(distributed)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with EvalLoader(source, image_size, batch_size, rank=rank, world_size=world,
                         num_threads=num_threads, mean=mean, std=std, labelled=False,
                         on_error="skip", pin_memory=device.type == "cuda",
@@ -156,8 +155,6 @@ def embed_images(
                                           patch_maps, progress)  # fmt: skip
             names = [loader.source.describe(i) for i in range(loader.num_samples)]
             failed = loader.stats().get("skipped_files", [])
-    finally:
-        model.train(was_training)
     found = _found(index, len(names), (rank, world), device)
     outputs = [o[found] for o in _in_order(parts, index, len(names), (rank, world), device)]
     if not outputs:

@@ -24,6 +24,7 @@ from torch import nn
 from ..checkpoint import CheckpointManager
 from ..config import Config
 from ..data import segmentation_splits, source_exists
+from ..models import eval_mode
 from ..observe import RunFolder, RunLog
 from ..runtime import resolve_device
 from ..train import DataRoots, build_models, build_source, data_roots
@@ -296,11 +297,8 @@ def evaluate_teacher(cfg: Config, roots: DataRoots, teacher: nn.Module, device: 
     linear probe, as an ``evaluation`` row of the metrics (``epoch``: the
     epochs done; keys such as ``knn_top1_<name>``) and TensorBoard scalars
     ``eval_<name>/*``; returns the row."""
-    was_training = teacher.training
-    try:
+    with eval_mode(teacher):
         keys = report_keys(name, evaluate_backbone(cfg, roots, teacher, device, dense=False))
-    finally:
-        teacher.train(was_training)
     row = {"step": step, "epoch": epoch, "event": "evaluation", **keys}
     log.event(row)
     log.scalars(f"eval_{name}", keys, step)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from ..data import DataSource, LoaderError, NativeLoaderHandle, open_source
+from ..models import eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from ..ops.native import _C
 
@@ -296,9 +297,7 @@ def _run(model, batches: Iterable, device, amp_dtype, normalize, with_indices: b
     feats: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
     indices: list[torch.Tensor] = []
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for batch in batches:
             if not isinstance(batch, (tuple, list)) or len(batch) < 2:
                 raise ValueError("each batch must be (images, labels)")
@@ -306,8 +305,6 @@ def _run(model, batches: Iterable, device, amp_dtype, normalize, with_indices: b
             labels.append(torch.as_tensor(batch[1], dtype=torch.int64).reshape(-1).cpu())
             if with_indices:
                 indices.append(torch.as_tensor(batch[2], dtype=torch.int64).reshape(-1))
-    finally:
-        model.train(was_training)
     return feats, labels, indices
 
 

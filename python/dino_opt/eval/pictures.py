@@ -35,7 +35,7 @@ from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
 from torch import nn
 
-from ..models import DinoV3VisionTransformer, MultiCropWrapper, VisionTransformer
+from ..models import DinoV3VisionTransformer, MultiCropWrapper, VisionTransformer, eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
@@ -112,13 +112,8 @@ def _check_threshold(threshold: float) -> float:
 @contextlib.contextmanager
 def _evaluating(module: nn.Module) -> Iterator[None]:
     """Evaluation mode without autograd inside; the module's mode is restored after."""
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        module.train(was_training)
+    with eval_mode(module), torch.no_grad():
+        yield
 
 
 def _last_block_input(vit: VisionTransformer, images: torch.Tensor) -> tuple[torch.Tensor, tuple]:

@@ -21,6 +21,7 @@ from .convnext import (
 from .external import ExternalBackbone, build_external
 from .head import DINOHead, WeightNormLinear
 from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
+from .modes import eval_mode
 from .rope import RopePositionEmbedding
 from .tokens import Tokens, backbone_tokens, feature_width, pool_to_grid
 from .vit import (
@@ -78,6 +79,7 @@ __all__ = [
     "convnext_large",
     "convnext_small",
     "convnext_tiny",
+    "eval_mode",
     "feature_width",
     "pool_to_grid",
     "vit_base",

@@ -20,16 +20,15 @@ refuses; they stay in the network's state dict, so its own class loads it.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib
 import math
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from .modes import eval_mode
 from .tokens import resnet_map
 from .vit import resize_pos_embed
 
@@ -101,18 +100,6 @@ class _Reading(nn.Module):
 
     def forward(self, images: torch.Tensor):
         return _read(self.net, self.reader, images)
-
-
-@contextlib.contextmanager
-def _in_eval(net: nn.Module) -> Iterator[None]:
-    """``net`` in eval mode (BatchNorm from its running statistics, no layer
-    skipped at random), its mode restored after."""
-    was_training = net.training
-    net.eval()
-    try:
-        yield
-    finally:
-        net.train(was_training)
 
 
 def unreached_parameters(net: nn.Module, reader: str) -> list[str]:
@@ -252,7 +239,7 @@ class ExternalBackbone(nn.Module):
         param = next(iter(self.net.parameters()), None)
         device = param.device if param is not None else torch.device("cpu")
         try:
-            with _in_eval(self.net), torch.no_grad():
+            with eval_mode(self.net), torch.no_grad():
                 out = self._raw(torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device=device))
         except Exception as e:  # the user's network: any failure is one line
             raise ValueError(f"{self.name}: its forward failed on a {PROBE_SIZE} x {PROBE_SIZE} "
@@ -260,7 +247,7 @@ class ExternalBackbone(nn.Module):
         return self._width(out)
 
     def _freeze_unreached(self) -> list[str]:
-        with _in_eval(self.net):
+        with eval_mode(self.net):
             names = unreached_parameters(self.net, self.reader)
         for name in names:
             self.net.get_parameter(name).requires_grad_(False)

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..config import Config, effective_lr
 from ..data import DataLoadingOptimizer, MultiCropLoader
+from ..models import eval_mode
 from ..observe import MemoryTracker
 from ..observe.memory import GB
 from ..ops import DINOLoss
@@ -447,16 +448,10 @@ class ThroughputOptimizer:
         no gradient: nothing of the model changes; its modes are restored)."""
         if self._out_dim is None:
             student = self.model.student
-            modes = [(m, m.training) for m in student.modules()]
             param = next(student.parameters(), None)
             where = param.device if param is not None else torch.device("cpu")
-            try:
-                student.eval()
-                with torch.no_grad():
-                    out = student([self._sample[0][:1].to(where)])
-            finally:
-                for m, mode in modes:
-                    m.training = mode
+            with eval_mode(student), torch.no_grad():
+                out = student([self._sample[0][:1].to(where)])
             self._out_dim = int(out.shape[-1])
         return self._out_dim
 
