@@ -747,3 +747,22 @@ def test_cuda_one_logit_gives_exactly_zero_gradient(gen):
     s = student.clone().requires_grad_()
     dino_loss(s, teacher, center, 0.1, 0.04, 6).backward()
     assert torch.count_nonzero(s.grad) == 0
+
+
+def test_the_cpu_kernels_flush_subnormals_and_leave_the_callers_mode_as_it_was():
+    # Far-below-max logits make subnormal softmax weights; the kernels flush
+    # them on their own threads only, so the result matches the reference and
+    # the calling thread still computes subnormals afterwards.
+    torch.manual_seed(0)
+    student = (torch.randn(4 * 3, 4096, dtype=torch.float64) * 30).requires_grad_()
+    teacher = torch.randn(2 * 3, 4096, dtype=torch.float64) * 30
+    center = torch.zeros(1, 4096, dtype=torch.float64)
+    ours = dino_loss(student, teacher, center, 0.1, 0.04, 4)
+    ours.backward()
+    ref_student = student.detach().clone().requires_grad_()
+    ref = dino_loss_reference(ref_student, teacher, center, 0.1, 0.04, ncrops=4)
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=0)
+    torch.testing.assert_close(student.grad, ref_student.grad, rtol=1e-9, atol=1e-300)
+    tiny = torch.tensor([1e-39, 1e-310], dtype=torch.float64)
+    assert (tiny.float()[:1] * 1.0).item() != 0.0 and (tiny[1:] * 1.0).item() != 0.0

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops/cpu/buffer_pool.h"
+#include "ops/cpu/denormals.h"
 #include "ops/cpu/kernel_table.h"
 #include "ops/dino_loss.h"
 #include "ops/dtype.h"
@@ -116,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dino_loss_cpu(
   // (sample, chunk) item then pair.
   std::vector<double> maxes(rows * C), sums(rows * C), dots(s.batch * C * pairs);
   at::parallel_for(0, s.batch * C, 1, [&](int64_t begin, int64_t end) {
+    const cpu::FlushDenormals flush;          // see denormals.h
     std::vector<double> scratch(T * kChunk);  // wide enough for any acc type
     std::vector<const void*> student(S);
     const void* teacher[dino_loss_detail::kMaxTeacherViews];
@@ -186,6 +188,7 @@ at::Tensor dino_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& stud
   at::Tensor grad_student = cpu::pooled_empty_like(in.student);  // see buffer_pool.h
   char* out = static_cast<char*>(grad_student.data_ptr());
   at::parallel_for(0, s.batch * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
+    const cpu::FlushDenormals flush;  // see denormals.h
     std::vector<double> scratch((s.teacher_views + 1) * kChunk);
     std::vector<void*> grad_rows(s.student_views);
     for (int64_t item = begin; item < end; ++item) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ops/cpu/buffer_pool.h"
+#include "ops/cpu/denormals.h"
 #include "ops/cpu/kernel_table.h"
 #include "ops/dino_loss.h"
 #include "ops/dtype.h"
@@ -79,6 +80,7 @@ struct Partials {
 Partials chunk_partials(const Inputs& in, double inv_temp) {
   Partials p(in.shape.rows * in.n_chunks);
   at::parallel_for(0, in.shape.rows * in.n_chunks, 1, [&](int64_t begin, int64_t end) {
+    const cpu::FlushDenormals flush;  // see denormals.h
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / in.n_chunks, k0 = (item % in.n_chunks) * kChunk;
       const int64_t n = in.chunk_size(item % in.n_chunks);
@@ -125,6 +127,7 @@ at::Tensor ibot_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& stud
   at::Tensor grad_student = cpu::pooled_empty_like(in.student);  // see buffer_pool.h
   char* out = static_cast<char*>(grad_student.data_ptr());
   at::parallel_for(0, s.rows, 1, [&](int64_t begin, int64_t end) {
+    const cpu::FlushDenormals flush;  // see denormals.h
     for (int64_t row = begin; row < end; ++row) {
       double tsum = 0;
       for (int64_t c = 0; c < in.n_chunks; ++c) {
