@@ -751,7 +751,8 @@ def test_cuda_one_logit_gives_exactly_zero_gradient(gen):
 
 def test_the_cpu_kernels_flush_subnormals_and_leave_the_callers_mode_as_it_was():
     # Far-below-max logits make subnormal softmax weights; the kernels flush
-    # them on their own threads only, so the result matches the reference and
+    # them only while a work item runs (the calling thread runs some of them)
+    # and restore the thread's mode, so the result matches the reference and
     # the calling thread still computes subnormals afterwards.
     torch.manual_seed(0)
     student = (torch.randn(4 * 3, 4096, dtype=torch.float64) * 30).requires_grad_()

@@ -464,3 +464,12 @@ def test_hub_backbone_with_weights_of_another_size(tmp_path, gen):
     torch.save(dinov3_layout(source.state_dict(), gen), path)
     with pytest.raises(ValueError, match=r"dinov3_vitb16: .*small.pth does not hold its weights"):
         dinov3.dinov3_vitb16(weights=path)
+
+
+def test_a_position_table_is_refused_by_name_as_the_positions_are_rope():
+    # The DINO ViT's interface asks for a table resized to the grid; DINOv3
+    # has none (RoPE takes any grid), so the call is refused, not answered.
+    model = tiny()
+    assert not hasattr(model, "pos_embed") or model.pos_embed is None
+    with pytest.raises(NotImplementedError, match="no position table; positions are RoPE"):
+        model.interpolate_pos_encoding(torch.zeros(1, 5, model.embed_dim), 32, 32)
