@@ -34,6 +34,7 @@ from dino_opt.train.distill import (
     FrozenTeacher,
     HeadsDistillLoss,
     HeadsDistillTrainer,
+    LocalViews,
     StudentBank,
     teacher_side,
 )
@@ -168,6 +169,42 @@ def test_feature_loss_matches_its_formula_with_gradients(o, gen):
                           "distill_patch_smooth_l1"}  # fmt: skip
 
 
+def _local_reference(local, t_cls, o):
+    """The local crops' terms written out in float64: every (local crop,
+    global crop) pair of each image, cosine and smooth-L1 averaged over them."""
+    n_local, batch, _ = local.shape
+    t = t_cls.reshape(-1, batch, t_cls.shape[-1])
+    cos, l1, pairs = 0.0, 0.0, 0
+    for i in range(n_local):
+        for g in range(t.shape[0]):
+            for b in range(batch):
+                x, y = local[i, b], t[g, b]
+                cos = cos + 1 - (x @ y) / torch.clamp(x.norm() * y.norm(), min=1e-8)
+                d = (x - y).abs()
+                l1 = l1 + torch.where(d < 1, 0.5 * d**2, d - 0.5).mean()
+                pairs += 1
+    return o.local_weight * (o.cosine_weight * cos + o.smooth_l1_weight * l1) / pairs
+
+
+@pytest.mark.parametrize("o", [DistillOptions(local_weight=1.0),
+                               DistillOptions(local_weight=0.5, cosine_weight=2.0,
+                                              smooth_l1_weight=0.25)])  # fmt: skip
+def test_local_crop_terms_match_their_formula_with_gradients(o, gen):
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 1.5
+
+    s = Tokens(r(6, 8), r(6, 4, 8), (2, 2))  # 2 global crops of 3 images
+    t = Tokens(r(6, 8), r(6, 4, 8), (2, 2))
+    local = r(4, 3, 8).requires_grad_()  # 4 local crops of the same 3 images
+    loss, parts = FeatureDistillLoss(o)(LocalViews(s, local), t)
+    ref = _loss_reference(s, t, o) + _local_reference(local, t.cls, o)
+    assert torch.allclose(loss.double(), ref.detach(), rtol=1e-5)
+    assert {"distill_local_cosine", "distill_local_smooth_l1"} <= set(parts)
+    got = torch.autograd.grad(loss, local)[0]
+    want = torch.autograd.grad(_local_reference(local, t.cls, o), local)[0]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
 # ------------------------------------------------------------ the trainers
 
 
@@ -185,8 +222,8 @@ class Counting(torch.nn.Module):
         return self.inner.forward_features(x)
 
 
-def _feature_trainer(student_backbone, teacher_backbone, width, scale=1.0):
-    o = DistillOptions(teacher_scale=scale)
+def _feature_trainer(student_backbone, teacher_backbone, width, scale=1.0, local_weight=0.0):
+    o = DistillOptions(teacher_scale=scale, local_weight=local_weight)
     student = FeatureDistillWrapper(student_backbone, FeatureProjector(width, 48))
     model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9)
     loss = FeatureDistillLoss(o)
@@ -212,6 +249,43 @@ def test_feature_step_runs_the_teacher_once_and_trains_the_projector(gen):
                            after["backbone.blocks.0.attn.qkv.weight"])  # fmt: skip
     ema = trainer.model.teacher.state_dict()["head.cls.weight"]
     assert not torch.equal(ema, before["head.cls.weight"])  # the student's EMA follows
+
+
+@pytest.mark.parametrize("local_weight", [0.0, 1.0])
+def test_local_crops_go_through_the_student_only_with_a_local_weight(local_weight, gen):
+    teacher, student = Counting(_vit(patch=8, dim=48)), Counting(_vit(patch=8, dim=32))
+    trainer = _feature_trainer(student, teacher, 32, local_weight=local_weight)
+    crops = [torch.randn(3, 3, 32, 32, generator=gen) for _ in range(2)]
+    crops += [torch.randn(3, 3, 16, 16, generator=gen) for _ in range(4)]
+    loss, metrics = trainer.train_step_optimized(crops, 0)
+    assert teacher.sides == [32]  # the teacher sees the global crops only
+    assert student.sides == ([32, 16] if local_weight else [32])
+    assert ("distill_local_cosine" in metrics) == bool(local_weight)
+    parts = ("cls", "patch", "local") if local_weight else ("cls", "patch")
+    total = sum(metrics[f"distill_{p}_cosine"] + metrics[f"distill_{p}_smooth_l1"] for p in parts)
+    assert torch.allclose(loss, total)
+    assert trainer.optimize_step()
+
+
+def test_a_resnet_student_with_local_crops_learns_from_them(gen):
+    net = torchvision.models.resnet18(weights=None)
+    net.fc = torch.nn.Identity()
+    trainer = _feature_trainer(net, _vit(patch=8, dim=48), 512, local_weight=1.0)
+    crops = [torch.randn(2, 3, 64, 64, generator=gen) for _ in range(2)]
+    crops += [torch.randn(2, 3, 32, 32, generator=gen) for _ in range(3)]  # a 1 x 1 map each
+    student = trainer.model.student
+    out = student(torch.cat(crops[:2]), crops[2:])
+    assert isinstance(out, LocalViews) and out.local_cls.shape == (3, 2, 48)
+    loss, metrics = trainer.train_step_optimized(crops, 0)
+    assert torch.isfinite(metrics["distill_local_cosine"])
+    # the local terms alone reach the backbone
+    student.zero_grad()
+    only = FeatureDistillLoss(DistillOptions(cls_weight=0, patch_weight=0, local_weight=1.0))
+    only.attach_teacher(trainer.loss_fn.frozen)
+    views = student(torch.cat(crops[:2]), crops[2:])
+    only(views, only.teacher_tokens(torch.cat(crops[:2]), views.tokens.grid))[0].backward()
+    assert student.backbone.layer1[0].conv1.weight.grad.abs().sum() > 0
+    assert student.head.patch.weight.grad is None or not student.head.patch.weight.grad.any()
 
 
 def test_a_resnet_student_learns_from_a_vit_teacher_on_a_coarser_grid(gen):
@@ -501,7 +575,11 @@ def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
     "extra, needle",
     [([], "needs its teacher"),
      (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads", "model.backbone=resnet18",
-       "model.patch_size=16"], "trains a ViT student")],
+       "model.patch_size=16"], "trains a ViT student"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
+       "recipe.distill_local_weight=1"], "recipe.distill_local_weight=1 is for"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_local_weight=0.5",
+       "augmentation.num_local_views=0"], "augmentation.num_local_views is 0")],
 )  # fmt: skip
 def test_config_errors_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:

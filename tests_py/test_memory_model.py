@@ -284,6 +284,8 @@ DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.p
      (["recipe.distill_students=[vit_small]"], 96),
      (["model.backbone=resnet18", "model.patch_size=16"], 96),
      (["recipe.distill_students=[resnet18]"], 96),
+     (["recipe.distill_local_weight=1"], 96),
+     (["recipe.distill_local_weight=1", "recipe.distill_students=[resnet18]"], 96),
      (["model.backbone=convnext_tiny", "model.patch_size=16"], 96),
      (["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
        "recipe.ibot_out_dim=512"], 192)],

@@ -445,6 +445,11 @@ class RecipeConfig:
     distill_patch_weight: float = _opt(1.0, "distill: weight of the patch-token terms", ge=0)
     distill_cosine_weight: float = _opt(1.0, "distill: weight of the cosine terms", ge=0)
     distill_smooth_l1_weight: float = _opt(1.0, "distill: weight of the smooth-L1 terms", ge=0)
+    distill_local_weight: float = _opt(
+        0.0, "distill (features): weight of the local crops' terms: each local crop's projected "
+        "class token pulled to the teacher's class tokens of its image's global crops (DINO's "
+        "local-to-global view); 0: the local crops are not used", ge=0,
+    )  # fmt: skip
     distill_projector_hidden: int = _opt(
         0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
     )

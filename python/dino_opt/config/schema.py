@@ -579,7 +579,22 @@ def _distill_conflicts(cfg: Config) -> list[str]:
             f"recipe.distill_mode=heads trains a ViT student (its iBOT loss is over masked patch "
             f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill_mode=features)"
         )
-    return errors
+    return errors + _local_conflicts(cfg)
+
+
+def _local_conflicts(cfg: Config) -> list[str]:
+    """``recipe.distill_local_weight``: a features distillation with local crops."""
+    r = cfg.recipe
+    if r.distill_local_weight == 0:
+        return []
+    if r.distill_mode != "features":
+        return [f"recipe.distill_local_weight={r.distill_local_weight:g} is for "
+                "recipe.distill_mode=features (heads trains on the local crops with DINOv2's "
+                "losses already)"]  # fmt: skip
+    if cfg.augmentation.num_local_views == 0:
+        return [f"recipe.distill_local_weight={r.distill_local_weight:g} needs local crops; "
+                "augmentation.num_local_views is 0"]  # fmt: skip
+    return []
 
 
 def _students_conflicts(cfg: Config) -> list[str]:

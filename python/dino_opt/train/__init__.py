@@ -39,6 +39,7 @@ from .distill import (
     FeatureDistillWrapper,
     HeadsDistillLoss,
     HeadsDistillTrainer,
+    LocalViews,
     StudentBank,
     teacher_side,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "FeatureDistillLoss",
     "FeatureDistillTrainer",
     "FeatureDistillWrapper",
+    "LocalViews",
     "HeadsDistillLoss",
     "HeadsDistillTrainer",
     "MemoryOptimizedDINOTrainer",

@@ -11,7 +11,11 @@ Two ways to learn (``DistillOptions.mode``):
   tokens of the same global crops by a cosine and a smooth-L1 term
   (:class:`FeatureDistillLoss`). The teacher's patch grid is averaged onto
   the student's when it is a whole multiple of it (a ViT-S/16 teacher on a
-  ResNet's stride-32 map); other grids are an error in one line.
+  ResNet's stride-32 map); other grids are an error in one line. With
+  ``local_weight`` > 0 the student also sees the local crops, and each local
+  crop's projected class token is pulled by the same terms towards the
+  teacher's class tokens of its image's global crops (DINO's
+  local-to-global view; the teacher never sees a local crop).
 - ``heads`` (a teacher trained with DINO heads, a ViT student): DINOv2's
   step (DINO, iBOT and KoLeo losses; centering or Sinkhorn-Knopp) with the
   targets made by the frozen teacher's heads instead of the EMA teacher's
@@ -49,6 +53,7 @@ __all__ = [
     "FeatureProjector",
     "FrozenTeacher",
     "HeadsDistillLoss",
+    "LocalViews",
     "HeadsDistillTrainer",
     "StudentBank",
     "teacher_side",
@@ -67,6 +72,7 @@ class DistillOptions(NamedTuple):
     cosine_weight: float = 1.0
     smooth_l1_weight: float = 1.0
     projector_hidden: int = 0
+    local_weight: float = 0.0
 
 
 def teacher_side(side: int, scale: float, patch: int) -> int:
@@ -146,18 +152,34 @@ class FeatureProjector(nn.Module):
         return Tokens(self.cls(tokens.cls), self.patch(tokens.patches), tokens.grid)
 
 
+class LocalViews(NamedTuple):
+    """A student's output with local crops: the projected ``tokens`` of the
+    global crops and the projected class tokens of the local crops
+    (``local_cls`` [n_local, B, D])."""
+
+    tokens: Tokens
+    local_cls: torch.Tensor
+
+
 class FeatureDistillWrapper(nn.Module):
     """A student backbone and its :class:`FeatureProjector` (``head``):
     ``forward(images)`` gives the projected :class:`~dino_opt.models.Tokens`
-    of a batch of images (through ``forward``, so DDP's hooks run)."""
+    of a batch of images; ``forward(images, local)`` also the projected
+    class tokens of the local crops ``local`` (a list of [B, 3, s, s]
+    batches, one per local crop; :class:`LocalViews`). One call, through
+    ``forward``, so DDP's hooks run once per step."""
 
     def __init__(self, backbone: nn.Module, head: FeatureProjector):
         super().__init__()
         self.backbone = backbone
         self.head = head
 
-    def forward(self, images: torch.Tensor) -> Tokens:
-        return self.head(backbone_tokens(self.backbone, images))
+    def forward(self, images: torch.Tensor, local: Sequence[torch.Tensor] | None = None):
+        tokens = self.head(backbone_tokens(self.backbone, images))
+        if not local:
+            return tokens
+        cls = self.head.cls(backbone_tokens(self.backbone, torch.cat(list(local))).cls)
+        return LocalViews(tokens, cls.unflatten(0, (len(local), -1)))
 
 
 def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -168,8 +190,11 @@ class FeatureDistillLoss(nn.Module):
     """The ``features`` loss: for the class tokens and the patch tokens,
     ``cosine_weight * mean(1 - cos) + smooth_l1_weight * smooth_l1``
     between the student's projected tokens and the teacher's, weighted by
-    ``cls_weight`` and ``patch_weight``. The teacher (:class:`FrozenTeacher`)
-    is attached with :meth:`attach_teacher`."""
+    ``cls_weight`` and ``patch_weight``; a student's :class:`LocalViews`
+    add the same two terms between each local crop's class token and the
+    teacher's class token of each global crop of its image, averaged over
+    those pairs, weighted by ``local_weight``. The teacher
+    (:class:`FrozenTeacher`) is attached with :meth:`attach_teacher`."""
 
     def __init__(self, options: DistillOptions):
         super().__init__()
@@ -209,21 +234,24 @@ class FeatureDistillLoss(nn.Module):
             parts.update({f"{k}_{name}": v for k, v in own.items()})
         return total, parts
 
-    def _one(self, student: Tokens, teacher: Tokens) -> tuple[torch.Tensor, dict]:
+    def _one(self, student, teacher: Tokens) -> tuple[torch.Tensor, dict]:
+        local = student.local_cls if isinstance(student, LocalViews) else None
+        student = student.tokens if local is not None else student
+        pairs = {"cls": (student.cls, teacher.cls), "patch": (student.patches, teacher.patches)}
+        if local is not None:  # each local crop against each global crop of its image
+            t_cls = teacher.cls.unflatten(0, (-1, local.shape[1]))  # [n_global, B, D]
+            shape = (local.shape[0], *t_cls.shape)
+            pairs["local"] = (local.unsqueeze(1).expand(shape), t_cls.unsqueeze(0).expand(shape))
         o = self.options
-        s_cls, s_patch = student.cls.float(), student.patches.float()
-        t_cls, t_patch = teacher.cls.float(), teacher.patches.float()
-        parts = {
-            "distill_cls_cosine": _cosine(s_cls, t_cls),
-            "distill_cls_smooth_l1": F.smooth_l1_loss(s_cls, t_cls),
-            "distill_patch_cosine": _cosine(s_patch, t_patch),
-            "distill_patch_smooth_l1": F.smooth_l1_loss(s_patch, t_patch),
-        }
-        cls = o.cosine_weight * parts["distill_cls_cosine"]
-        cls = cls + o.smooth_l1_weight * parts["distill_cls_smooth_l1"]
-        patch = o.cosine_weight * parts["distill_patch_cosine"]
-        patch = patch + o.smooth_l1_weight * parts["distill_patch_smooth_l1"]
-        total = o.cls_weight * cls + o.patch_weight * patch
+        weights = {"cls": o.cls_weight, "patch": o.patch_weight, "local": o.local_weight}
+        total, parts = 0.0, {}
+        for name, (s, t) in pairs.items():
+            s, t = s.float(), t.float()
+            parts[f"distill_{name}_cosine"] = _cosine(s, t)
+            parts[f"distill_{name}_smooth_l1"] = F.smooth_l1_loss(s, t)
+            term = o.cosine_weight * parts[f"distill_{name}_cosine"]
+            term = term + o.smooth_l1_weight * parts[f"distill_{name}_smooth_l1"]
+            total = total + weights[name] * term
         return total, {k: v.detach() for k, v in parts.items()}
 
 
@@ -245,14 +273,18 @@ class StudentBank(nn.Module):
     def backbone(self) -> nn.Module:
         return next(iter(self.members.values())).backbone
 
-    def forward(self, images: torch.Tensor) -> dict[str, Tokens]:
-        return {name: member(images) for name, member in self.members.items()}
+    def forward(self, images: torch.Tensor, local: Sequence[torch.Tensor] | None = None) -> dict:
+        return {name: member(images, local) for name, member in self.members.items()}
+
+
+def _grid(out) -> tuple[int, int]:
+    return (out.tokens if isinstance(out, LocalViews) else out).grid
 
 
 def _grids(student):
     if isinstance(student, dict):
-        return {name: tokens.grid for name, tokens in student.items()}
-    return student.grid
+        return {name: _grid(out) for name, out in student.items()}
+    return _grid(student)
 
 
 class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
@@ -260,7 +292,8 @@ class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
     global crops (once), the student's projected tokens of the same crops,
     :class:`FeatureDistillLoss`; AMP, accumulation, clipping, the optimizer
     step and the student's EMA are :class:`MemoryOptimizedDINOTrainer`'s.
-    Local crops are not used. A :class:`StudentBank` trains its students
+    The local crops go through the student (in the same call) only when the
+    loss's ``local_weight`` is above 0. A :class:`StudentBank` trains its students
     from the one teacher forward, each clipped to its own gradient norm."""
 
     def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
@@ -278,12 +311,15 @@ class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
     ) -> tuple[torch.Tensor, dict]:
         del masks  # no masks: nothing is masked in a feature distillation
         glob = torch.cat([c.to(self.device, non_blocking=True) for c in crops[: self.n_global]])
+        local = None
+        if self.loss_fn.options.local_weight > 0:
+            local = [c.to(self.device, non_blocking=True) for c in crops[self.n_global :]]
         self._epoch = epoch
         self.captured = {}
         self._sync_last = self._micro_steps + 1 >= self.accumulation_steps
         with no_sync(self.model.student, skip=not self._sync_last):
             with self._autocast():
-                student = self.model.student(glob)
+                student = self.model.student(glob, local)
                 teacher = self.loss_fn.teacher_tokens(glob, _grids(student))
             loss, parts = self.loss_fn(student, teacher)
             self._backward(loss / self.accumulation_steps)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import Config
 from ..models import Tokens, feature_width
-from ..train import DistillOptions, FeatureDistillLoss, build_models, teacher_side
+from ..train import DistillOptions, FeatureDistillLoss, LocalViews, build_models, teacher_side
 
 __all__ = [
     "SavedTrace",
@@ -113,24 +113,30 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
     """One student of a feature distillation under DDP (``cfg`` its own
     config), in bytes: its states (float32 parameters, gradients, AdamW's two
     moments, DDP's buckets, the EMA; the projector's gradients, the first the
-    backward makes), what its forward over the global crops and its loss keep
+    backward makes), what its forward over the global crops (and the local
+    ones, with ``recipe.distill_local_weight``) and its loss keep
     (``activations``; with 16-bit autocast also its weights' cached casts),
     the backward's working set at its start (``working``: the gradient of the
     largest kept value and the one it makes) and, less all its gradients, the
     most alive during the backward with that working set (``end``:
     :meth:`SavedTrace.backward_peak`; a convolutional network's largest
     values are its first, its largest gradients its last)."""
+    a_, batch = cfg.augmentation, cfg.data.batch_size
+    local_weight = cfg.recipe.distill_local_weight
     with torch.device("meta"):
         student, ema = build_models(cfg)
-        side = cfg.augmentation.largest_crop_sizes[0]
-        images = torch.empty(2 * cfg.data.batch_size, 3, side, side)
-    loss = FeatureDistillLoss(DistillOptions())
+        side, local_side = a_.largest_crop_sizes
+        images = torch.empty(2 * batch, 3, side, side)
+        n_local = a_.num_local_views if local_weight > 0 else 0
+        local = [torch.empty(batch, 3, local_side, local_side) for _ in range(n_local)]
+    loss = FeatureDistillLoss(DistillOptions(local_weight=local_weight))
 
     def step() -> None:
-        tokens = student(images)
+        out = student(images, local)
+        tokens = out.tokens if isinstance(out, LocalViews) else out
         teacher = Tokens(torch.empty_like(tokens.cls), torch.empty_like(tokens.patches),
                          tokens.grid)  # fmt: skip
-        loss(tokens, teacher)
+        loss(out, teacher)
 
     trace = trace_saved(step, student, a)
     numel, trainable = parameter_numel(student), parameter_numel(student, trainable=True)
