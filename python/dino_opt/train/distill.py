@@ -53,8 +53,8 @@ __all__ = [
     "FeatureProjector",
     "FrozenTeacher",
     "HeadsDistillLoss",
-    "LocalViews",
     "HeadsDistillTrainer",
+    "LocalViews",
     "StudentBank",
     "teacher_side",
 ]
