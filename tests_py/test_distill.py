@@ -286,6 +286,13 @@ def test_a_resnet_student_with_local_crops_learns_from_them(gen):
     only(views, only.teacher_tokens(torch.cat(crops[:2]), views.tokens.grid))[0].backward()
     assert student.backbone.layer1[0].conv1.weight.grad.abs().sum() > 0
     assert student.head.patch.weight.grad is None or not student.head.patch.weight.grad.any()
+    # BatchNorm's running statistics are the global crops' alone
+    alone = copy.deepcopy(student.backbone)
+    backbone_tokens(alone, torch.cat(crops[:2]))
+    student(torch.cat(crops[:2]), crops[2:])
+    for name, value in alone.state_dict().items():
+        if "running" in name:
+            assert torch.equal(value, student.backbone.state_dict()[name]), name
 
 
 def test_a_resnet_student_learns_from_a_vit_teacher_on_a_coarser_grid(gen):

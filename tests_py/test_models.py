@@ -15,6 +15,7 @@ from dino_opt.models import (
     build_backbone,
     build_dino_models,
     eval_mode,
+    running_stats_kept,
     vit_base,
     vit_small,
     vit_tiny,
@@ -488,3 +489,31 @@ def test_eval_mode_sets_eval_inside_and_restores_the_mode_also_on_an_error(train
     with pytest.raises(RuntimeError, match="inside"), eval_mode(net):
         raise RuntimeError("inside")
     assert [m.training for m in net.modules()] == [training, training, training, not training]
+
+
+def test_running_stats_kept_leaves_batchnorm_statistics_and_restores_momentum():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.BatchNorm2d(4, momentum=None)).train()  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    net(torch.randn(8, 3, 9, 9, generator=g) * 3 + 1)  # statistics away from their start
+    before = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    x = torch.randn(8, 3, 9, 9, generator=g) * 5 - 2
+    with running_stats_kept(net) as inside:
+        assert inside is net
+        out = net(x)
+    after = {k: v for k, v in net.state_dict().items() if "running" in k}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # still training mode: normalised by the batch's own statistics
+    h = net[0](x)
+    var = h.var((0, 2, 3), unbiased=False, keepdim=True)
+    want = (h - h.mean((0, 2, 3), keepdim=True)) / torch.sqrt(var + 1e-5)
+    with running_stats_kept(net):
+        got = net[1](h)
+    w, b = net[1].weight[None, :, None, None], net[1].bias[None, :, None, None]
+    assert torch.allclose(got, want * w + b, atol=1e-5) and out.shape == (8, 4, 7, 7)
+    assert (net[1].momentum, net[3].momentum) == (0.1, None)
+    with pytest.raises(RuntimeError, match="inside"), running_stats_kept(net):
+        raise RuntimeError("inside")
+    assert (net[1].momentum, net[3].momentum) == (0.1, None)
+    net(x)  # outside, the statistics move again
+    assert not torch.equal(before["1.running_mean"], net.state_dict()["1.running_mean"])

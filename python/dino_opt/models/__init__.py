@@ -21,7 +21,7 @@ from .convnext import (
 from .external import ExternalBackbone, build_external
 from .head import DINOHead, WeightNormLinear
 from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
-from .modes import eval_mode
+from .modes import eval_mode, running_stats_kept
 from .rope import RopePositionEmbedding
 from .tokens import Tokens, backbone_tokens, feature_width, pool_to_grid
 from .vit import (
@@ -80,6 +80,7 @@ __all__ = [
     "convnext_small",
     "convnext_tiny",
     "eval_mode",
+    "running_stats_kept",
     "feature_width",
     "pool_to_grid",
     "vit_base",

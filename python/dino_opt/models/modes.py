@@ -1,6 +1,7 @@
-"""A network's mode for a while: evaluation mode inside a ``with`` block,
-the mode of each of its modules (training or not) restored after, whatever
-happens inside."""
+"""A network's mode for a while, restored after whatever happens inside a
+``with`` block: evaluation mode (:func:`eval_mode`), or training mode
+whose BatchNorm layers leave their running statistics as they are
+(:func:`running_stats_kept`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["eval_mode"]
+__all__ = ["eval_mode", "running_stats_kept"]
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 @contextlib.contextmanager
@@ -25,3 +28,22 @@ def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+@contextlib.contextmanager
+def running_stats_kept(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` as it is, except that its BatchNorm layers do not update
+    their running statistics inside the block (their momentum 0: a forward
+    in training mode still normalises by the batch's statistics); each
+    layer's momentum restored after, also when the block raises. For a
+    pass over inputs the running statistics must not describe (DINO's local
+    crops, when a network is evaluated at the global crops' size)."""
+    norms = [m for m in module.modules() if isinstance(m, _BATCH_NORMS)]
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield module
+    finally:
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum

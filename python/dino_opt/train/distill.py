@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import Tokens, backbone_tokens, pool_to_grid
+from ..models import Tokens, backbone_tokens, pool_to_grid, running_stats_kept
 from ..ops import unwrap
 from ..runtime import StudentGroups, no_sync
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
@@ -167,7 +167,9 @@ class FeatureDistillWrapper(nn.Module):
     of a batch of images; ``forward(images, local)`` also the projected
     class tokens of the local crops ``local`` (a list of [B, 3, s, s]
     batches, one per local crop; :class:`LocalViews`). One call, through
-    ``forward``, so DDP's hooks run once per step."""
+    ``forward``, so DDP's hooks run once per step. The local crops' pass
+    leaves BatchNorm's running statistics as the global crops' left them
+    (what the EMA copies and the evaluation reads, at the global size)."""
 
     def __init__(self, backbone: nn.Module, head: FeatureProjector):
         super().__init__()
@@ -178,8 +180,10 @@ class FeatureDistillWrapper(nn.Module):
         tokens = self.head(backbone_tokens(self.backbone, images))
         if not local:
             return tokens
-        cls = self.head.cls(backbone_tokens(self.backbone, torch.cat(list(local))).cls)
-        return LocalViews(tokens, cls.unflatten(0, (len(local), -1)))
+        # the running statistics describe the global crops, the size it is evaluated at
+        with running_stats_kept(self.backbone):
+            cls = backbone_tokens(self.backbone, torch.cat(list(local))).cls
+        return LocalViews(tokens, self.head.cls(cls).unflatten(0, (len(local), -1)))
 
 
 def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
