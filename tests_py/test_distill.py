@@ -123,6 +123,13 @@ def test_teacher_side():
 # ------------------------------------------------------------ the feature loss
 
 
+def _standard(x):
+    rows = x.reshape(-1, x.shape[-1]).double()
+    mean = rows.sum(0) / rows.shape[0]
+    std = (((rows - mean) ** 2).sum(0) / rows.shape[0] + 1e-6).sqrt()
+    return ((x.double() - mean) / std).to(x.dtype)
+
+
 def _loss_reference(s, t, o):
     """The feature loss written out in float64, token by token."""
 
@@ -137,6 +144,8 @@ def _loss_reference(s, t, o):
         d = (a - b).abs().flatten()
         return torch.where(d < 1, 0.5 * d**2, d - 0.5).mean()
 
+    if o.standardize:  # each channel over every token of the batch
+        t = Tokens(*(_standard(x) for x in (t.cls, t.patches)), t.grid)
     cls = o.cosine_weight * cosine(s.cls, t.cls) + o.smooth_l1_weight * smooth_l1(s.cls, t.cls)
     patch = o.cosine_weight * cosine(s.patches, t.patches)
     patch = patch + o.smooth_l1_weight * smooth_l1(s.patches, t.patches)
@@ -147,7 +156,8 @@ def _loss_reference(s, t, o):
     "o",
     [DistillOptions(), DistillOptions(cls_weight=0.3, patch_weight=2.0),
      DistillOptions(cosine_weight=0.0, smooth_l1_weight=1.5),
-     DistillOptions(cosine_weight=2.0, smooth_l1_weight=0.0)],
+     DistillOptions(cosine_weight=2.0, smooth_l1_weight=0.0),
+     DistillOptions(standardize=True, cls_weight=0.5)],
 )  # fmt: skip
 def test_feature_loss_matches_its_formula_with_gradients(o, gen):
     def r(*shape):
@@ -187,6 +197,7 @@ def _local_reference(local, t_cls, o):
 
 
 @pytest.mark.parametrize("o", [DistillOptions(local_weight=1.0),
+                               DistillOptions(local_weight=2.0, standardize=True),
                                DistillOptions(local_weight=0.5, cosine_weight=2.0,
                                               smooth_l1_weight=0.25)])  # fmt: skip
 def test_local_crop_terms_match_their_formula_with_gradients(o, gen):
@@ -197,11 +208,12 @@ def test_local_crop_terms_match_their_formula_with_gradients(o, gen):
     t = Tokens(r(6, 8), r(6, 4, 8), (2, 2))
     local = r(4, 3, 8).requires_grad_()  # 4 local crops of the same 3 images
     loss, parts = FeatureDistillLoss(o)(LocalViews(s, local), t)
-    ref = _loss_reference(s, t, o) + _local_reference(local, t.cls, o)
+    t_cls = _standard(t.cls) if o.standardize else t.cls  # the global crops' statistics
+    ref = _loss_reference(s, t, o) + _local_reference(local, t_cls, o)
     assert torch.allclose(loss.double(), ref.detach(), rtol=1e-5)
     assert {"distill_local_cosine", "distill_local_smooth_l1"} <= set(parts)
     got = torch.autograd.grad(loss, local)[0]
-    want = torch.autograd.grad(_local_reference(local, t.cls, o), local)[0]
+    want = torch.autograd.grad(_local_reference(local, t_cls, o), local)[0]
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-7)
 
 
@@ -586,7 +598,9 @@ def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
      (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
        "recipe.distill_local_weight=1"], "recipe.distill_local_weight=1 is for"),
      (["recipe.distill_teacher=x.pt", "recipe.distill_local_weight=0.5",
-       "augmentation.num_local_views=0"], "augmentation.num_local_views is 0")],
+       "augmentation.num_local_views=0"], "augmentation.num_local_views is 0"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
+       "recipe.distill_standardize=true"], "recipe.distill_standardize is for")],
 )  # fmt: skip
 def test_config_errors_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:

@@ -450,6 +450,11 @@ class RecipeConfig:
         "class token pulled to the teacher's class tokens of its image's global crops (DINO's "
         "local-to-global view); 0: the local crops are not used", ge=0,
     )  # fmt: skip
+    distill_standardize: bool = _opt(
+        False, "distill (features): the teacher's class and patch tokens standardised per channel "
+        "over the batch (mean 0, variance 1) before they are matched, so that each channel "
+        "weighs by how it varies between images, not by its size",
+    )  # fmt: skip
     distill_projector_hidden: int = _opt(
         0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
     )

@@ -579,12 +579,16 @@ def _distill_conflicts(cfg: Config) -> list[str]:
             f"recipe.distill_mode=heads trains a ViT student (its iBOT loss is over masked patch "
             f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill_mode=features)"
         )
-    return errors + _local_conflicts(cfg)
+    return errors + _features_conflicts(cfg)
 
 
-def _local_conflicts(cfg: Config) -> list[str]:
-    """``recipe.distill_local_weight``: a features distillation with local crops."""
+def _features_conflicts(cfg: Config) -> list[str]:
+    """``recipe.distill_standardize``: a features distillation;
+    ``recipe.distill_local_weight``: a features distillation with local crops."""
     r = cfg.recipe
+    if r.distill_standardize and r.distill_mode != "features":
+        return ["recipe.distill_standardize is for recipe.distill_mode=features (heads matches "
+                "the teacher's head outputs, not its tokens)"]  # fmt: skip
     if r.distill_local_weight == 0:
         return []
     if r.distill_mode != "features":

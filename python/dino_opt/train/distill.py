@@ -73,6 +73,7 @@ class DistillOptions(NamedTuple):
     smooth_l1_weight: float = 1.0
     projector_hidden: int = 0
     local_weight: float = 0.0
+    standardize: bool = False
 
 
 def teacher_side(side: int, scale: float, patch: int) -> int:
@@ -186,6 +187,14 @@ class FeatureDistillWrapper(nn.Module):
         return LocalViews(tokens, self.head.cls(cls).unflatten(0, (len(local), -1)))
 
 
+def _standardized(tokens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``tokens`` [..., D] with each channel's mean 0 and variance 1 over all
+    the tokens of the batch (in float32)."""
+    rows = tokens.float().reshape(-1, tokens.shape[-1])
+    var, mean = torch.var_mean(rows, dim=0, correction=0)
+    return (tokens.float() - mean) * torch.rsqrt(var + eps)
+
+
 def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
 
@@ -241,6 +250,9 @@ class FeatureDistillLoss(nn.Module):
     def _one(self, student, teacher: Tokens) -> tuple[torch.Tensor, dict]:
         local = student.local_cls if isinstance(student, LocalViews) else None
         student = student.tokens if local is not None else student
+        if self.options.standardize:
+            teacher = Tokens(_standardized(teacher.cls), _standardized(teacher.patches),
+                             teacher.grid)  # fmt: skip
         pairs = {"cls": (student.cls, teacher.cls), "patch": (student.patches, teacher.patches)}
         if local is not None:  # each local crop against each global crop of its image
             t_cls = teacher.cls.unflatten(0, (-1, local.shape[1]))  # [n_global, B, D]
