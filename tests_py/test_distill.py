@@ -13,7 +13,7 @@ import pytest
 import torch
 import torchvision
 import yaml
-from dino_opt.cli import main
+from dino_opt.cli import DEMO_PRESETS, main
 from dino_opt.config import Config, ConfigError, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
 from dino_opt.train import (
@@ -622,3 +622,15 @@ def test_bad_teachers_are_one_line(train_root, tmp_path, capsys):
         err = capsys.readouterr().err
         lines = [x for x in err.strip().splitlines() if "error" in x]
         assert e.value.code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+def test_the_distill_demo_is_the_dino_demo_with_the_measured_features_settings():
+    dino = load_config(DEMO_PRESETS["dino"])
+    demo = load_config(DEMO_PRESETS["distill"], ["recipe.distill_teacher=t.pth"])
+    r = demo.recipe
+    assert (r.name, r.distill_mode, r.distill_local_weight) == ("distill", "features", 1.0)
+    assert r.distill_standardize and r.distill_projector_hidden == 2048
+    a, b = dino.to_dict(), demo.to_dict()
+    changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
+    assert changed == {"recipe.name", "recipe.distill_teacher", "recipe.distill_local_weight",
+                       "recipe.distill_standardize", "recipe.distill_projector_hidden"}  # fmt: skip
