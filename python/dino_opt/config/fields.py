@@ -422,19 +422,13 @@ class RecipeConfig:
         "dinov3: epochs of the Gram weight's cosine (then constant); null: the rest of the run",
         ge=0,
     )
-    distill_teacher: str | None = _opt(
-        None,
-        "distill: the frozen teacher: a dino_opt run or checkpoint, or weights in any format "
-        "model.init_from reads (DINO, DINOv2, DINOv3, timm, Hugging Face)",
-        check="nonempty",
-    )
-    distill_mode: str = _opt(
-        "features",
-        "distill: features (the student's projected class and patch tokens matched to the "
-        "teacher's; any teacher, any student) or heads (DINOv2's losses against the teacher's "
-        "head targets; a dino_opt teacher with heads, a ViT student)",
-        choices=("features", "heads"),
-    )
+    distill_teacher: str | None = _opt(None, "distill: the frozen teacher: a dino_opt run or "
+        "checkpoint, or weights in any format model.init_from reads (DINO, DINOv2, DINOv3, timm, "
+        "Hugging Face)", check="nonempty")  # fmt: skip
+    distill_mode: str = _opt("features", "distill: features (the student's projected class and "
+        "patch tokens matched to the teacher's; any teacher, any student) or heads (DINOv2's "
+        "losses against the teacher's head targets; a dino_opt teacher with heads, a ViT "
+        "student)", choices=("features", "heads"))  # fmt: skip
     distill_teacher_scale: float = _opt(
         1.0, "distill: the teacher's input side over the student's crop side", gt=0
     )
@@ -445,16 +439,12 @@ class RecipeConfig:
     distill_patch_weight: float = _opt(1.0, "distill: weight of the patch-token terms", ge=0)
     distill_cosine_weight: float = _opt(1.0, "distill: weight of the cosine terms", ge=0)
     distill_smooth_l1_weight: float = _opt(1.0, "distill: weight of the smooth-L1 terms", ge=0)
-    distill_local_weight: float = _opt(
-        0.0, "distill (features): weight of the local crops' terms: each local crop's projected "
-        "class token pulled to the teacher's class tokens of its image's global crops (DINO's "
-        "local-to-global view); 0: the local crops are not used", ge=0,
-    )  # fmt: skip
-    distill_standardize: bool = _opt(
-        False, "distill (features): the teacher's class and patch tokens standardised per channel "
-        "over the batch (mean 0, variance 1) before they are matched, so that each channel "
-        "weighs by how it varies between images, not by its size",
-    )  # fmt: skip
+    distill_local_weight: float = _opt(0.0, "distill (features): weight of the local crops' "
+        "class tokens pulled to the teacher's of their image's global crops (DINO's "
+        "local-to-global view); 0: the local crops are not used", ge=0)  # fmt: skip
+    distill_standardize: bool = _opt(False, "distill (features): the teacher's tokens "
+        "standardised per channel over the batch (mean 0, variance 1) before they are "
+        "matched")  # fmt: skip
     distill_projector_hidden: int = _opt(
         0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
     )

@@ -604,13 +604,11 @@ def estimate_distillation(
     whole, and its backbone's root and two blocks gathered in its forward)
     and the working set of its forward pass (one block at a time, no
     gradients). ``heads`` (DDP or FSDP): besides, DINOv2's terms of the
-    student (:func:`estimate_memory`). ``features`` (DDP or
-    FSDP, each student sharded on its own): for each ViT student its
-    parameters, EMA, AdamW moments and gradients (float32), its blocks'
-    activations over the global crops (and the local ones, with
-    ``recipe.distill_local_weight``), its projector's rows (each global
-    crop's class token and patch tokens, each local crop's class token) and
-    what the loss keeps of them and of the teacher's tokens on its grid; for a
+    student (:func:`estimate_memory`). ``features`` (DDP or FSDP, each
+    student sharded on its own): for each ViT student its parameters, EMA,
+    AdamW moments and gradients (float32), its blocks' activations over the
+    global crops (and the local ones: local weight), its projector's rows
+    and what the loss keeps of them and of the teacher's tokens; for a
     student without blocks (a ResNet, a ConvNeXt; DDP) the same parts, what
     its pass keeps traced on the meta device
     (:func:`~dino_opt.tune.distill_memory.traced_student`); the crops once.
@@ -719,11 +717,10 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     s = _step(cfg, counts)
     residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
     per_token = _blocks_per_token(counts, a, policy, every, residual)
-    rows = 2 * s.batch * (1 + s.global_tokens - counts.extra_tokens)  # class and patch tokens
-    tokens, largest, pairs = 2 * s.batch * s.global_tokens, 2 * s.batch * s.global_tokens, 0
-    if cfg.recipe.distill_local_weight > 0:  # the local crops' pass; their class tokens' pairs
-        tokens, largest = s.tokens, s.largest_group
-        rows, pairs = rows + s.n_local * s.batch, 2 * s.n_local * s.batch
+    local = int(cfg.recipe.distill_local_weight > 0)  # the local crops' pass, their class rows
+    rows = 2 * s.batch * (1 + s.global_tokens - counts.extra_tokens) + local * s.n_local * s.batch
+    tokens = s.tokens if local else 2 * s.batch * s.global_tokens
+    largest, pairs = (s.largest_group if local else tokens), 2 * local * s.n_local * s.batch
     hidden = cfg.recipe.distill_projector_hidden
     width, out = counts.embed_dim, cfg.recipe.distill_teacher_dim
     cast = a * width if a != _FP32 else 0  # the projector's 16-bit input
