@@ -161,6 +161,12 @@ class LocalViews(NamedTuple):
     tokens: Tokens
     local_cls: torch.Tensor
 
+    @staticmethod
+    def global_tokens(out) -> Tokens:
+        """The global crops' tokens of a student's output, with or without
+        local crops."""
+        return out.tokens if isinstance(out, LocalViews) else out
+
 
 class FeatureDistillWrapper(nn.Module):
     """A student backbone and its :class:`FeatureProjector` (``head``):
@@ -190,9 +196,9 @@ class FeatureDistillWrapper(nn.Module):
 def _standardized(tokens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``tokens`` [..., D] with each channel's mean 0 and variance 1 over all
     the tokens of the batch (in float32)."""
-    rows = tokens.float().reshape(-1, tokens.shape[-1])
-    var, mean = torch.var_mean(rows, dim=0, correction=0)
-    return (tokens.float() - mean) * torch.rsqrt(var + eps)
+    tokens = tokens.float()
+    var, mean = torch.var_mean(tokens.reshape(-1, tokens.shape[-1]), dim=0, correction=0)
+    return (tokens - mean) * torch.rsqrt(var + eps)
 
 
 def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -249,7 +255,7 @@ class FeatureDistillLoss(nn.Module):
 
     def _one(self, student, teacher: Tokens) -> tuple[torch.Tensor, dict]:
         local = student.local_cls if isinstance(student, LocalViews) else None
-        student = student.tokens if local is not None else student
+        student = LocalViews.global_tokens(student)
         if self.options.standardize:
             teacher = Tokens(_standardized(teacher.cls), _standardized(teacher.patches),
                              teacher.grid)  # fmt: skip
@@ -293,14 +299,10 @@ class StudentBank(nn.Module):
         return {name: member(images, local) for name, member in self.members.items()}
 
 
-def _grid(out) -> tuple[int, int]:
-    return (out.tokens if isinstance(out, LocalViews) else out).grid
-
-
 def _grids(student):
     if isinstance(student, dict):
-        return {name: _grid(out) for name, out in student.items()}
-    return _grid(student)
+        return {name: LocalViews.global_tokens(out).grid for name, out in student.items()}
+    return LocalViews.global_tokens(student).grid
 
 
 class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):

@@ -133,7 +133,7 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
 
     def step() -> None:
         out = student(images, local)
-        tokens = out.tokens if isinstance(out, LocalViews) else out
+        tokens = LocalViews.global_tokens(out)
         teacher = Tokens(torch.empty_like(tokens.cls), torch.empty_like(tokens.patches),
                          tokens.grid)  # fmt: skip
         loss(out, teacher)
