@@ -36,8 +36,10 @@ from dino_opt.train.distill import (
     HeadsDistillTrainer,
     LocalViews,
     StudentBank,
+    TokenWhitener,
     teacher_side,
 )
+from gloo_ranks import run_ranks
 from tiny import (
     RESUMABLE,
     TINY,
@@ -215,6 +217,104 @@ def test_local_crop_terms_match_their_formula_with_gradients(o, gen):
     got = torch.autograd.grad(loss, local)[0]
     want = torch.autograd.grad(_local_reference(local, t_cls, o), local)[0]
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------ whitening
+
+
+def _anisotropic(gen, *shape):
+    """Tokens [..., D] whose covariance spans four decades (a few large
+    directions, as a DINO teacher's), around a mean far from 0."""
+    d = shape[-1]
+    basis = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+    scales = torch.logspace(0, -2, d, dtype=torch.float64)
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scales) @ basis.T + 3.0
+
+
+def _zca_reference(cov, floor):
+    values, vectors = torch.linalg.eigh(cov)
+    values = values.clamp_min(0)
+    return vectors @ torch.diag((values + floor * values.max()).rsqrt()) @ vectors.T
+
+
+def test_the_whitener_matches_its_formula_batch_after_batch(gen):
+    """Running statistics: those of all the tokens so far while fewer than
+    1 / (1 - momentum) batches were seen, then a mixture giving the new
+    batch 1 - momentum; each batch whitened with the statistics that
+    include it (float64 reference)."""
+    w = TokenWhitener(6, floor=1e-3, momentum=0.6)
+    mean, cov, seen = (
+        torch.zeros(6, dtype=torch.float64),
+        torch.zeros(6, 6, dtype=torch.float64),
+        [],
+    )
+    for i in range(5):
+        x = _anisotropic(gen, 4, 9, 6)
+        got = w(x.float())
+        rows = x.reshape(-1, 6)
+        seen.append(rows)
+        m = min(0.6, i / (i + 1))
+        b = rows.mean(0)
+        cov = m * cov + (1 - m) * torch.cov(rows.T, correction=0)
+        cov = cov + m * (1 - m) * torch.outer(mean - b, mean - b)
+        mean = m * mean + (1 - m) * b
+        if i < 2:  # the pooled statistics of every token so far
+            pooled = torch.cat(seen)
+            assert torch.allclose(mean, pooled.mean(0))
+            assert torch.allclose(cov, torch.cov(pooled.T, correction=0))
+        want = (x - mean) @ _zca_reference(cov, 1e-3)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert torch.allclose(got.double(), want, rtol=1e-3, atol=1e-3), i
+        assert torch.allclose(w.mean, mean, atol=1e-6)
+        assert torch.allclose(w.cov, cov, rtol=1e-4, atol=1e-8)
+    assert int(w.batches) == 5
+
+
+def test_whitened_tokens_have_the_identity_covariance(gen):
+    x = _anisotropic(gen, 8000, 5).float()
+    out = TokenWhitener(5, floor=1e-7)(x).double()
+    assert out.mean(0).abs().max() < 1e-3
+    assert torch.allclose(torch.cov(out.T, correction=0), torch.eye(5, dtype=torch.float64),
+                          atol=2e-3)  # fmt: skip
+    with pytest.raises(ValueError, match="floor"):
+        TokenWhitener(5, floor=0.0)
+
+
+def test_the_teachers_tokens_are_whitened_before_they_are_pooled(gen):
+    """With ``whiten``: the frozen teacher's class tokens and patch tokens
+    each through their own whitener, at the teacher's grid, then averaged
+    onto the student's; the running statistics are the loss's state."""
+    teacher = _vit(patch=8, dim=48)
+    images = torch.randn(3, 3, 32, 32, generator=gen)
+    loss = FeatureDistillLoss(DistillOptions(whiten=1e-3, teacher_dim=48))
+    loss.attach_teacher(FrozenTeacher(teacher, 8))
+    got = loss.teacher_tokens(images, (2, 2))
+    raw = backbone_tokens(teacher, images)
+    cls, patch = TokenWhitener(48, 1e-3), TokenWhitener(48, 1e-3)
+    assert torch.allclose(got.cls, cls(raw.cls), atol=1e-5)
+    assert torch.allclose(got.patches, pool_to_grid(patch(raw.patches), raw.grid, (2, 2)),
+                          atol=1e-5)  # fmt: skip
+    state = loss.state_dict()
+    assert {"whiteners.cls.mean", "whiteners.patch.cov", "whiteners.cls.batches"} <= set(state)
+    assert torch.equal(state["whiteners.patch.mean"], patch.mean)
+    with pytest.raises(ValueError, match="teacher_dim"):
+        FeatureDistillLoss(DistillOptions(whiten=1e-3))
+
+
+def test_the_whitener_averages_over_the_ranks(tmp_path, gen):
+    """Two gloo ranks, each with its own tokens: both hold the statistics
+    of all the tokens, as one process fed them all."""
+    tokens = _anisotropic(gen, 3, 2, 4, 6)  # [steps, ranks, N, D]
+    torch.save(tokens, tmp_path / "tokens.pt")
+    worker = Path(__file__).with_name("dist_whiten_worker.py")
+    ranks = run_ranks(worker, tmp_path, str(tmp_path / "tokens.pt"), timeout=300)
+    whole = TokenWhitener(6, 1e-3)
+    for step in tokens:
+        whole(step.reshape(-1, 6).float())
+    for r in ranks:
+        assert torch.allclose(torch.tensor(r["mean"], dtype=torch.float64), whole.mean)
+        assert torch.allclose(torch.tensor(r["cov"], dtype=torch.float64), whole.cov)
+        assert r["batches"] == 3
 
 
 # ------------------------------------------------------------ the trainers
@@ -530,9 +630,13 @@ def _student(teacher: Path, *extra: str) -> list[str]:
             "model.drop_path_rate=0", *extra]  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["features", "heads"])
-def test_distillation_trains_and_resumes_bit_for_bit(mode, train_root, teacher_run, tmp_path):
-    config = _student(teacher_run, f"recipe.distill_mode={mode}")
+@pytest.mark.parametrize(
+    "mode, extra", [("features", ()), ("heads", ()), ("features", ("recipe.distill_whiten=0.001",))]
+)
+def test_distillation_trains_and_resumes_bit_for_bit(mode, extra, train_root, teacher_run,
+                                                     tmp_path):  # fmt: skip
+    """(With whitening: its running statistics are in the checkpoint.)"""
+    config = _student(teacher_run, f"recipe.distill_mode={mode}", *extra)
     ref = tmp_path / "ref"
     run_cli_ok(_cmd(ref, train_root, *config))
     rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -600,7 +704,12 @@ def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
      (["recipe.distill_teacher=x.pt", "recipe.distill_local_weight=0.5",
        "augmentation.num_local_views=0"], "augmentation.num_local_views is 0"),
      (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
-       "recipe.distill_standardize=true"], "recipe.distill_standardize is for")],
+       "recipe.distill_standardize=true"], "recipe.distill_standardize is for"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
+       "recipe.distill_whiten=0.001"], "recipe.distill_whiten is for"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_standardize=true",
+       "recipe.distill_whiten=0.001"], "choose one"),
+     (["recipe.distill_teacher=x.pt", "recipe.distill_whiten=2"], "recipe.distill_whiten")],
 )  # fmt: skip
 def test_config_errors_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:

@@ -86,11 +86,8 @@ class DataConfig:
     pin_memory: bool = _opt(True, "batches in pinned memory for faster copies to the GPU")
     persistent_workers: bool = _opt(True, "keep the loader's workers alive between epochs")
     prefetch: int = _opt(4, "batches prepared ahead of the training step", ge=1)
-    dtype: str = _opt(
-        "float32",
-        "dtype of the crops the loader outputs",
-        choices=("float32", "bfloat16", "float16"),
-    )
+    dtype: str = _opt("float32", "dtype of the crops the loader outputs",
+                      choices=("float32", "bfloat16", "float16"))  # fmt: skip
     photometric: str = _opt(
         "cpu",
         "where colour augmentation runs: loader threads or a GPU kernel",
@@ -445,6 +442,9 @@ class RecipeConfig:
     distill_standardize: bool = _opt(False, "distill (features): the teacher's tokens "
         "standardised per channel over the batch (mean 0, variance 1) before they are "
         "matched")  # fmt: skip
+    distill_whiten: float = _opt(0.0, "distill (features): the teacher's tokens whitened "
+        "(running mean and covariance, ZCA) with this floor on the eigenvalues, relative to "
+        "the largest, before they are matched; 0: not whitened", ge=0, le=1)  # fmt: skip
     distill_projector_hidden: int = _opt(
         0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
     )

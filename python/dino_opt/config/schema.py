@@ -583,12 +583,17 @@ def _distill_conflicts(cfg: Config) -> list[str]:
 
 
 def _features_conflicts(cfg: Config) -> list[str]:
-    """``recipe.distill_standardize``: a features distillation;
-    ``recipe.distill_local_weight``: a features distillation with local crops."""
+    """``recipe.distill_standardize`` or ``distill_whiten`` (one of them): a
+    features distillation; ``recipe.distill_local_weight``: a features
+    distillation with local crops."""
     r = cfg.recipe
-    if r.distill_standardize and r.distill_mode != "features":
-        return ["recipe.distill_standardize is for recipe.distill_mode=features (heads matches "
-                "the teacher's head outputs, not its tokens)"]  # fmt: skip
+    for key, value in (("standardize", r.distill_standardize), ("whiten", r.distill_whiten)):
+        if value and r.distill_mode != "features":
+            return [f"recipe.distill_{key} is for recipe.distill_mode=features (heads matches "
+                    "the teacher's head outputs, not its tokens)"]  # fmt: skip
+    if r.distill_standardize and r.distill_whiten:
+        return [f"recipe.distill_standardize and recipe.distill_whiten={r.distill_whiten:g} both "
+                "rescale the teacher's tokens; choose one"]  # fmt: skip
     if r.distill_local_weight == 0:
         return []
     if r.distill_mode != "features":

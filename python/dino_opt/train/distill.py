@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..models import Tokens, backbone_tokens, pool_to_grid, running_stats_kept
 from ..ops import unwrap
-from ..runtime import StudentGroups, no_sync
+from ..runtime import StudentGroups, is_distributed, no_sync
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
 from .trainer import MemoryOptimizedDINOTrainer
 
@@ -56,6 +57,7 @@ __all__ = [
     "HeadsDistillTrainer",
     "LocalViews",
     "StudentBank",
+    "TokenWhitener",
     "teacher_side",
 ]
 
@@ -74,6 +76,7 @@ class DistillOptions(NamedTuple):
     projector_hidden: int = 0
     local_weight: float = 0.0
     standardize: bool = False
+    whiten: float = 0.0
 
 
 def teacher_side(side: int, scale: float, patch: int) -> int:
@@ -201,6 +204,65 @@ def _standardized(tokens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (tokens - mean) * torch.rsqrt(var + eps)
 
 
+class TokenWhitener(nn.Module):
+    """Whitens a frozen teacher's tokens [..., D] (ZCA): ``(x - mean) @ W``,
+    ``W = V diag((lambda + floor * lambda_max) ** -1/2) V^T`` from the
+    eigenvalues ``lambda`` and vectors ``V`` of the running covariance. The
+    running mean and covariance (float64 buffers, in the loss's state dict)
+    pool every token seen, over all ranks when distributed: exactly while
+    fewer than ``1 / (1 - momentum)`` batches were seen, then as a mixture
+    that gives this batch ``1 - momentum``. Each batch's covariance is taken
+    around its mean (no cancellation in float32). ``floor`` (relative to
+    the largest eigenvalue) keeps the smallest directions from being blown
+    up as large as the largest. A teacher whose tokens lie mostly in a few
+    directions has the rest (where its classes may differ) weighed equally
+    by the cosine; the whitened tokens are float32, made outside autocast."""
+
+    def __init__(self, dim: int, floor: float, momentum: float = 0.99):
+        super().__init__()
+        if not 0 < floor <= 1:
+            raise ValueError(f"TokenWhitener: floor must be in (0, 1], got {floor}")
+        self.floor, self.momentum = float(floor), float(momentum)
+        self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("cov", torch.zeros(dim, dim, dtype=torch.float64))
+        self.register_buffer("batches", torch.zeros((), dtype=torch.int64))
+
+    @staticmethod
+    def _summed(t: torch.Tensor) -> torch.Tensor:
+        if is_distributed():
+            dist.all_reduce(t)
+        return t
+
+    @torch.no_grad()
+    def update(self, tokens: torch.Tensor) -> None:
+        """Fold the tokens [..., D] of this batch (all ranks') into the
+        running mean and covariance."""
+        x = tokens.reshape(-1, tokens.shape[-1]).float()
+        sums = self._summed(torch.cat([x.sum(0), x.new_tensor([len(x)])]))
+        n, mean = sums[-1], sums[:-1] / sums[-1]
+        centred = x - mean
+        cov = self._summed(centred.T @ centred).double() / n
+        m = min(self.momentum, float(self.batches) / (float(self.batches) + 1))
+        shift = self.mean - mean.double()
+        self.cov.mul_(m).add_(cov, alpha=1 - m).add_(torch.outer(shift, shift), alpha=m * (1 - m))
+        self.mean.mul_(m).add_(mean.double(), alpha=1 - m)
+        self.batches += 1
+
+    def matrix(self) -> torch.Tensor:
+        """``W`` [D, D] (float32) of the statistics so far."""
+        values, vectors = torch.linalg.eigh(self.cov.float())
+        values = values.clamp_min(0)
+        scale = (values + self.floor * values.max().clamp_min(1e-12)).rsqrt()
+        return (vectors * scale) @ vectors.T
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` whitened (float32, same shape), after folding them in."""
+        self.update(tokens)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return (tokens.float() - self.mean.float()) @ self.matrix()
+
+
 def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
 
@@ -219,6 +281,13 @@ class FeatureDistillLoss(nn.Module):
         super().__init__()
         self.options = options
         self.frozen: FrozenTeacher | None = None
+        self.whiteners = None
+        if options.whiten > 0:
+            if options.teacher_dim is None:
+                raise ValueError("FeatureDistillLoss: whiten needs the teacher's width "
+                                 "(DistillOptions.teacher_dim)")  # fmt: skip
+            self.whiteners = nn.ModuleDict({part: TokenWhitener(options.teacher_dim, options.whiten)
+                                            for part in ("cls", "patch")})  # fmt: skip
 
     def attach_teacher(self, teacher: FrozenTeacher) -> None:
         self.frozen = teacher
@@ -232,6 +301,8 @@ class FeatureDistillLoss(nn.Module):
         if self.frozen is None:
             raise RuntimeError("FeatureDistillLoss: no teacher attached (attach_teacher)")
         t = self.frozen.tokens(self.frozen.inputs(images))
+        if self.whiteners is not None:  # before pooling: whitening is affine, pooling an average
+            t = Tokens(self.whiteners["cls"](t.cls), self.whiteners["patch"](t.patches), t.grid)
         if isinstance(grid, dict):
             return {name: Tokens(t.cls, pool_to_grid(t.patches, t.grid, g), g)
                     for name, g in grid.items()}  # fmt: skip

@@ -41,6 +41,7 @@ def distill_options(cfg: Config) -> DistillOptions:
         patch_weight=r.distill_patch_weight, cosine_weight=r.distill_cosine_weight,
         smooth_l1_weight=r.distill_smooth_l1_weight, projector_hidden=r.distill_projector_hidden,
         local_weight=r.distill_local_weight, standardize=r.distill_standardize,
+        whiten=r.distill_whiten,
     )  # fmt: skip
 
 
