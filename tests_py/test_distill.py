@@ -241,14 +241,11 @@ def test_the_whitener_matches_its_formula_batch_after_batch(gen):
     """Running statistics: those of all the tokens so far while fewer than
     1 / (1 - momentum) batches were seen, then a mixture giving the new
     batch 1 - momentum; each batch whitened with the statistics that
-    include it (float64 reference)."""
-    w = TokenWhitener(6, floor=1e-3, momentum=0.6)
-    mean, cov, seen = (
-        torch.zeros(6, dtype=torch.float64),
-        torch.zeros(6, 6, dtype=torch.float64),
-        [],
-    )
-    for i in range(5):
+    include it, then with those of every third batch (float64 reference)."""
+    w = TokenWhitener(6, floor=1e-3, momentum=0.6, refresh=3)
+    mean, cov = torch.zeros(6, dtype=torch.float64), torch.zeros(6, 6, dtype=torch.float64)
+    seen = []
+    for i in range(8):
         x = _anisotropic(gen, 4, 9, 6)
         got = w(x.float())
         rows = x.reshape(-1, 6)
@@ -262,12 +259,14 @@ def test_the_whitener_matches_its_formula_batch_after_batch(gen):
             pooled = torch.cat(seen)
             assert torch.allclose(mean, pooled.mean(0))
             assert torch.allclose(cov, torch.cov(pooled.T, correction=0))
-        want = (x - mean) @ _zca_reference(cov, 1e-3)
+        if i < 2 or i % 3 == 0:  # pooled exactly (1 / (1 - 0.6) = 2.5 batches), then refreshed
+            zca = _zca_reference(cov, 1e-3)
+        want = (x - mean) @ zca
         assert got.dtype == torch.float32 and got.shape == x.shape
         assert torch.allclose(got.double(), want, rtol=1e-3, atol=1e-3), i
         assert torch.allclose(w.mean, mean, atol=1e-6)
         assert torch.allclose(w.cov, cov, rtol=1e-4, atol=1e-8)
-    assert int(w.batches) == 5
+    assert int(w.batches) == 8
 
 
 def test_whitened_tokens_have_the_identity_covariance(gen):
@@ -738,8 +737,8 @@ def test_the_distill_demo_is_the_dino_demo_with_the_measured_features_settings()
     demo = load_config(DEMO_PRESETS["distill"], ["recipe.distill_teacher=t.pth"])
     r = demo.recipe
     assert (r.name, r.distill_mode, r.distill_local_weight) == ("distill", "features", 1.0)
-    assert r.distill_standardize and r.distill_projector_hidden == 2048
+    assert r.distill_whiten == 1e-4 and r.distill_projector_hidden == 2048
     a, b = dino.to_dict(), demo.to_dict()
     changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
     assert changed == {"recipe.name", "recipe.distill_teacher", "recipe.distill_local_weight",
-                       "recipe.distill_standardize", "recipe.distill_projector_hidden"}  # fmt: skip
+                       "recipe.distill_whiten", "recipe.distill_projector_hidden"}  # fmt: skip

@@ -216,16 +216,20 @@ class TokenWhitener(nn.Module):
     the largest eigenvalue) keeps the smallest directions from being blown
     up as large as the largest. A teacher whose tokens lie mostly in a few
     directions has the rest (where its classes may differ) weighed equally
-    by the cosine; the whitened tokens are float32, made outside autocast."""
+    by the cosine; the whitened tokens are float32, made outside autocast.
+    ``W`` is recomputed for every batch while the statistics are pooled
+    exactly, then every ``refresh`` batches (an eigendecomposition makes a
+    GPU wait for its host); it is kept with the statistics."""
 
-    def __init__(self, dim: int, floor: float, momentum: float = 0.99):
+    def __init__(self, dim: int, floor: float, momentum: float = 0.99, refresh: int = 10):
         super().__init__()
         if not 0 < floor <= 1:
             raise ValueError(f"TokenWhitener: floor must be in (0, 1], got {floor}")
-        self.floor, self.momentum = float(floor), float(momentum)
+        self.floor, self.momentum, self.refresh = float(floor), float(momentum), int(refresh)
         self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
         self.register_buffer("cov", torch.zeros(dim, dim, dtype=torch.float64))
         self.register_buffer("batches", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("w", torch.eye(dim))
 
     @staticmethod
     def _summed(t: torch.Tensor) -> torch.Tensor:
@@ -259,8 +263,11 @@ class TokenWhitener(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` whitened (float32, same shape), after folding them in."""
         self.update(tokens)
+        seen = int(self.batches)
+        if seen * (1 - self.momentum) <= 1 or (seen - 1) % self.refresh == 0:
+            self.w.copy_(self.matrix())
         with torch.autocast(tokens.device.type, enabled=False):
-            return (tokens.float() - self.mean.float()) @ self.matrix()
+            return (tokens.float() - self.mean.float()) @ self.w
 
 
 def _cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
