@@ -267,6 +267,12 @@ def test_the_whitener_matches_its_formula_batch_after_batch(gen):
         assert torch.allclose(w.mean, mean, atol=1e-6)
         assert torch.allclose(w.cov, cov, rtol=1e-4, atol=1e-8)
     assert int(w.batches) == 8
+    resumed = TokenWhitener(6, floor=1e-3, momentum=0.6, refresh=3)
+    resumed(_anisotropic(gen, 5, 6).float())  # a used one: loading replaces its count too
+    resumed.load_state_dict(w.state_dict())  # continues where it was: batch 9, 10 (refreshed)
+    for _ in range(2):
+        x = _anisotropic(gen, 5, 6).float()
+        assert torch.equal(resumed(x), w(x))
 
 
 def test_whitened_tokens_have_the_identity_covariance(gen):

@@ -230,6 +230,11 @@ class TokenWhitener(nn.Module):
         self.register_buffer("cov", torch.zeros(dim, dim, dtype=torch.float64))
         self.register_buffer("batches", torch.zeros((), dtype=torch.int64))
         self.register_buffer("w", torch.eye(dim))
+        self._seen: int | None = None  # ``batches`` on the host (read once: no sync per step)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._seen = None
 
     @staticmethod
     def _summed(t: torch.Tensor) -> torch.Tensor:
@@ -246,11 +251,14 @@ class TokenWhitener(nn.Module):
         n, mean = sums[-1], sums[:-1] / sums[-1]
         centred = x - mean
         cov = self._summed(centred.T @ centred).double() / n
-        m = min(self.momentum, float(self.batches) / (float(self.batches) + 1))
+        if self._seen is None:
+            self._seen = int(self.batches)
+        m = min(self.momentum, self._seen / (self._seen + 1))
         shift = self.mean - mean.double()
         self.cov.mul_(m).add_(cov, alpha=1 - m).add_(torch.outer(shift, shift), alpha=m * (1 - m))
         self.mean.mul_(m).add_(mean.double(), alpha=1 - m)
         self.batches += 1
+        self._seen += 1
 
     def matrix(self) -> torch.Tensor:
         """``W`` [D, D] (float32) of the statistics so far."""
@@ -263,7 +271,7 @@ class TokenWhitener(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` whitened (float32, same shape), after folding them in."""
         self.update(tokens)
-        seen = int(self.batches)
+        seen = self._seen
         if seen * (1 - self.momentum) <= 1 or (seen - 1) % self.refresh == 0:
             self.w.copy_(self.matrix())
         with torch.autocast(tokens.device.type, enabled=False):
