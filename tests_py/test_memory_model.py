@@ -285,6 +285,7 @@ DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.p
      (["model.backbone=resnet18", "model.patch_size=16"], 96),
      (["recipe.distill_students=[resnet18]"], 96),
      (["recipe.distill_local_weight=1"], 96),
+     (["recipe.distill_whiten=0.001"], 768),
      (["recipe.distill_local_weight=1", "recipe.distill_students=[resnet18]"], 96),
      (["model.backbone=convnext_tiny", "model.patch_size=16"], 96),
      (["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
@@ -326,6 +327,20 @@ def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     assert _pct(model.step, trace.peak()) <= 0.10, (model.step, trace.peak())
     frozen_numel = sum(p.numel() for p in frozen.parameters())
     assert model.teacher_count == frozen_numel + sum(p.numel() for p in ema.parameters())
+
+
+def test_the_whiteners_state_is_kept_with_the_teacher():
+    """recipe.distill_whiten: the loss's whitening statistics and matrices,
+    as many bytes as the built loss holds, counted with the teacher (kept
+    for the whole run, not the step)."""
+    frozen = VisionTransformer(patch_size=8, embed_dim=384, depth=1, num_heads=6, img_size=64)
+    plain = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=384"])
+    whiten = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=384",
+                                "recipe.distill_whiten=0.001"])  # fmt: skip
+    held = sum(b.numel() * b.element_size() for b in build_loss(whiten).buffers())
+    assert held == 2 * (12 * 384 * 384 + 8 * 384 + 8)
+    a, b = (estimate_memory(c, frozen_teacher=frozen) for c in (plain, whiten))
+    assert b.teacher - a.teacher == held
 
 
 def test_a_sharded_distillation_on_two_ranks_within_10_percent(tmp_path):

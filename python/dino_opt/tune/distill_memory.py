@@ -27,6 +27,7 @@ __all__ = [
     "parameter_numel",
     "trace_saved",
     "traced_student",
+    "whitening_state_bytes",
 ]
 
 _FP32 = 4
@@ -167,7 +168,9 @@ def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
     gradients, one block at a time): the residual stream in and out of a
     block, the MLP's input, hidden and activated values; and its tokens.
     A network without blocks (a ResNet): its output only. A teacher with
-    heads: its backbone's pass (the heads' rows are DINOv2's terms)."""
+    heads: its backbone's pass (the heads' rows are DINOv2's terms). With
+    whitened tokens, after the pass: the tokens, two copies and eigh's
+    matrices, when that is more."""
     teacher = getattr(teacher, "backbone", teacher)
     side = cfg.augmentation.largest_crop_sizes[0]
     patch = int(getattr(teacher, "patch_size", 1))
@@ -176,9 +179,21 @@ def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
     tokens = (
         2 * cfg.data.batch_size * (grid * grid + 1 + getattr(teacher, "num_register_tokens", 0))
     )
+    # after it, whitening (recipe.distill_whiten): its tokens, a centred and a whitened copy, eigh
+    out = 3 * tokens * width + 3 * width * width if cfg.recipe.distill_whiten else tokens * width
     blocks = getattr(teacher, "blocks", None)
     if not blocks:
-        return tokens * width * _FP32
+        return out * _FP32
     mlp = blocks[0].mlp
     hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
-    return tokens * (2 * _FP32 * width + a * (width + 2 * hidden))
+    return max(tokens * (2 * _FP32 * width + a * (width + 2 * hidden)), out * _FP32)
+
+
+def whitening_state_bytes(cfg: Config, teacher: nn.Module) -> int:
+    """The whiteners of ``recipe.distill_whiten`` (class and patch tokens):
+    each a float64 mean and covariance, a float32 matrix and a count, kept
+    all run."""
+    if not cfg.recipe.distill_whiten:
+        return 0
+    width = feature_width(getattr(teacher, "backbone", teacher))
+    return 2 * (12 * width * width + 8 * width + 8)

@@ -14,9 +14,8 @@ output and one log-sum-exp per head and token.
 
 A distillation also counts its frozen teacher and each of its students
 (:func:`estimate_distillation`). The estimate of rank 0 (the largest
-shards) is :func:`estimate_memory`;
-:func:`memory_table` gives the rows ``dino-opt presets --memory-model``
-prints for the architectures of :data:`MEMORY_ARCHS`.
+shards) is :func:`estimate_memory`; :func:`memory_table` gives the rows
+``dino-opt presets --memory-model`` prints for :data:`MEMORY_ARCHS`.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from .distill_memory import (
     frozen_gathered,
     parameter_numel,
     traced_student,
+    whitening_state_bytes,
 )
 
 __all__ = [
@@ -627,7 +627,7 @@ def estimate_distillation(
     local = frozen - parameter_numel(backbone)
     local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
     tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32
-    teacher_bytes = tb * (local if sharded else frozen)
+    teacher_bytes = tb * (local if sharded else frozen) + whitening_state_bytes(cfg, frozen_teacher)
     working = frozen_forward_bytes(cfg, frozen_teacher, a)
     if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
         working += a * frozen_gathered(frozen_teacher)
