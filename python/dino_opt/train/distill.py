@@ -247,7 +247,8 @@ class TokenWhitener(nn.Module):
         """Fold the tokens [..., D] of this batch (all ranks') into the
         running mean and covariance."""
         x = tokens.reshape(-1, tokens.shape[-1]).float()
-        sums = self._summed(torch.cat([x.sum(0), x.new_tensor([len(x)])]))
+        # the count filled on the device: a tensor built from a host list would make a GPU wait
+        sums = self._summed(torch.cat([x.sum(0), x.new_full((1,), len(x))]))
         n, mean = sums[-1], sums[:-1] / sums[-1]
         centred = x - mean
         cov = self._summed(centred.T @ centred).double() / n
