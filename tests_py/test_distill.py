@@ -16,6 +16,7 @@ import yaml
 from dino_opt.cli import DEMO_PRESETS, main
 from dino_opt.config import Config, ConfigError, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
+from dino_opt.runtime import device as device_module
 from dino_opt.train import (
     DINOModel,
     DINOv2Loss,
@@ -490,13 +491,16 @@ def test_students_of_one_teacher_train_as_each_would_alone(gen):
         StudentBank({"one": _students()["vit_a"]})
 
 
-def test_a_teacher_in_bfloat16_on_a_gpu_keeps_its_buffers_and_its_tokens(gen):
+def test_a_teacher_in_bfloat16_on_a_gpu_keeps_its_buffers_and_its_tokens(gen, monkeypatch):
+    monkeypatch.setattr(device_module, "cpu_computes_bf16", lambda: False)
+
     def cfg(precision):
         return load_config(None, [*TINY, f"hardware.precision={precision}"])
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert frozen_teacher_dtype(cfg("bf16"), cuda) == torch.bfloat16
-    assert frozen_teacher_dtype(cfg("bf16"), cpu) is None  # CPUs: bf16 is slower than float32
+    # a CPU without native bfloat16 (test_step: one with it)
+    assert frozen_teacher_dtype(cfg("bf16"), cpu) is None
     assert frozen_teacher_dtype(cfg("fp16"), cuda) is None
     assert frozen_teacher_dtype(cfg("fp32"), cuda) is None
     # the mixed forward (bf16 parameters, float32 inputs and buffers) under

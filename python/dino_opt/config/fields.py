@@ -468,7 +468,8 @@ class HardwareConfig:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N", check="device")
     precision: str = _opt(
         "auto",
-        "autocast precision; auto: bf16 where supported, else fp32",
+        "autocast precision; auto: bf16 on a GPU that has it and on a CPU that computes it "
+        "natively (avx512_bf16 or AMX), else fp32; the losses and the EMA stay fp32",
         choices=("auto", "bf16", "fp16", "fp32"),
     )
     activation_checkpointing: str = _opt(

@@ -1,6 +1,7 @@
-"""The layers of the Vision Transformer: stochastic depth, the feed-forward
-networks (GELU MLP and SwiGLU), LayerScale, self-attention, the pre-norm
-block (with its activation checkpointing) and the patch embedding.
+"""The layers of the Vision Transformer: stochastic depth (mask and subset
+forms), the feed-forward networks (GELU MLP and SwiGLU), LayerScale,
+self-attention, the pre-norm block (with its activation checkpointing) and
+the patch embedding.
 
 Parameter names follow DINO (v1) and DINOv2, so that their checkpoints load
 as they are: ``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1.gamma``,
@@ -9,6 +10,8 @@ as they are: ``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1.gamma``,
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,8 @@ __all__ = [
     "PatchEmbed",
     "SwiGLUFFN",
     "drop_path",
+    "kept_samples",
+    "residual_subset",
     "selective_checkpoint_contexts",
     "swiglu_hidden_dim",
 ]
@@ -81,8 +86,26 @@ def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False) -> torch.
     return x * mask.div_(keep)
 
 
+def kept_samples(batch: int, p: float) -> int:
+    """How many of ``batch`` samples a subset drop-path keeps: ``batch * (1 - p)``
+    rounded down, at least one (DINOv3's count: a fixed number, so that the
+    shapes, and a compiled graph, do not change from step to step)."""
+    return max(int(batch * (1.0 - p)), 1)
+
+
+def residual_subset(
+    x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], index: torch.Tensor
+) -> torch.Tensor:
+    """``x + branch`` on the samples ``index`` only, scaled by ``batch / len(index)``:
+    stochastic depth computed on the kept samples, equal to the mask form
+    (``x + branch(x) * mask * batch / kept``) for the same draw."""
+    out = branch(x[index])
+    return torch.index_add(x, 0, index, out.to(x.dtype), alpha=x.shape[0] / index.numel())
+
+
 class DropPath(nn.Module):
-    """Module form of :func:`drop_path` (active in training mode only)."""
+    """Module form of :func:`drop_path` (active in training mode only);
+    :meth:`add` is the subset form the ViT blocks use."""
 
     def __init__(self, p: float = 0.0) -> None:
         super().__init__()
@@ -92,6 +115,17 @@ class DropPath(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drop_path(x, self.p, self.training)
+
+    def add(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``x + DropPath(branch(x))`` computed on the kept samples only
+        (:func:`kept_samples`, drawn by ``randperm``): the dropped samples'
+        branch is never run. ``x + branch(x)`` in eval mode, at ``p == 0``, or
+        where the count keeps every sample."""
+        b = x.shape[0]
+        kept = kept_samples(b, self.p)
+        if not self.training or self.p == 0.0 or kept == b:
+            return x + branch(x)
+        return residual_subset(x, branch, torch.randperm(b, device=x.device)[:kept])
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -237,8 +271,8 @@ class Block(nn.Module):
         return checkpoint(self._forward, x, use_reentrant=False)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
-        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+        x = self.drop_path.add(x, lambda t: self.ls1(self.attn(self.norm1(t))))
+        return self.drop_path.add(x, lambda t: self.ls2(self.mlp(self.norm2(t))))
 
     def extra_repr(self) -> str:
         return "" if self.checkpointing == "none" else f"checkpointing={self.checkpointing}"

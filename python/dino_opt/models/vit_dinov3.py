@@ -196,8 +196,8 @@ class RopeBlock(Block):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
         """The block without checkpointing: attention, then feed-forward residual."""
-        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x), rope)))
-        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+        x = self.drop_path.add(x, lambda t: self.ls1(self.attn(self.norm1(t), rope)))
+        return self.drop_path.add(x, lambda t: self.ls2(self.mlp(self.norm2(t))))
 
 
 class DinoV3VisionTransformer(VisionTransformer):

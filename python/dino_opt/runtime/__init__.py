@@ -2,7 +2,7 @@
 ranks, signals, watchdog, garbage collection."""
 
 from .collector import StepCollector
-from .device import resolve_device, resolve_precision, with_index
+from .device import computes_bf16, cpu_computes_bf16, resolve_device, resolve_precision, with_index
 from .groups import StudentGroups, data_place, student_groups
 from .process import (
     DistInfo,
@@ -41,6 +41,8 @@ __all__ = [
     "all_reduce_metrics",
     "barrier",
     "broadcast_object",
+    "computes_bf16",
+    "cpu_computes_bf16",
     "data_place",
     "describe_hang",
     "gather_objects",

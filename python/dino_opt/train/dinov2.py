@@ -212,13 +212,15 @@ class DINOv2Trainer(MemoryOptimizedDINOTrainer):
     ) -> tuple[torch.Tensor, dict]:
         if masks is None:
             raise ValueError("the dinov2 recipe needs the global crops' masks (masks=...)")
-        crops = [c.to(self.device, non_blocking=True) for c in crops]
-        masks = masks.to(self.device, non_blocking=True)
         if masks.shape[0] != 2 * crops[0].shape[0]:
             raise ValueError(f"masks: {masks.shape[0]} rows for {crops[0].shape[0]} images; "
                              "need one per global crop (2B)")  # fmt: skip
         self._epoch = epoch
+        # the masked tokens' indices found where the masks are (the loader's:
+        # the host), since finding them on a GPU makes the host wait for it
         info = mask_targets(masks)
+        info = dict(zip(info, self.to_device(list(info.values())), strict=True))
+        crops = self.to_device(crops)
         self.captured = {}
         targets = self._teacher_targets(crops[:2], info)
         self._sync_last = self._micro_steps + 1 >= self.accumulation_steps

@@ -415,10 +415,10 @@ class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
         self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict]:
         del masks  # no masks: nothing is masked in a feature distillation
-        glob = torch.cat([c.to(self.device, non_blocking=True) for c in crops[: self.n_global]])
+        glob = torch.cat(self.to_device(crops[: self.n_global]))
         local = None
         if self.loss_fn.options.local_weight > 0:
-            local = [c.to(self.device, non_blocking=True) for c in crops[self.n_global :]]
+            local = self.to_device(crops[self.n_global :])
         self._epoch = epoch
         self.captured = {}
         self._sync_last = self._micro_steps + 1 >= self.accumulation_steps

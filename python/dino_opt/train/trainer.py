@@ -137,6 +137,20 @@ class MemoryOptimizedDINOTrainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp)
 
+    def to_device(self, tensors: Sequence) -> list:
+        """The step's one input path: each tensor of ``tensors`` copied to the
+        device without blocking the host (other items as they are). Copies to
+        a GPU come from pinned memory (the loader's batches are pinned; a
+        small pageable tensor, such as mask indices made on the host, is
+        pinned first), so that the host never waits for the device."""
+        cuda = self.device.type == "cuda"
+        return [
+            (t.pin_memory() if cuda and t.device.type == "cpu" and not t.is_pinned() else t)
+            .to(self.device, non_blocking=True)
+            if isinstance(t, torch.Tensor) else t
+            for t in tensors
+        ]  # fmt: skip
+
     def train_step_optimized(
         self, crops: Sequence[torch.Tensor], epoch: int
     ) -> tuple[torch.Tensor, dict]:
@@ -144,7 +158,7 @@ class MemoryOptimizedDINOTrainer:
         first). Gradients accumulate until :meth:`optimize_step`. Returns the
         loss as a detached device tensor (no host synchronisation) and metrics
         that are also device tensors."""
-        crops = [c.to(self.device, non_blocking=True) for c in crops]
+        crops = self.to_device(crops)
         self._epoch = epoch
         scale = 1.0 / self.accumulation_steps
         capture = self.capture_outputs

@@ -142,7 +142,7 @@ def resolve_preset(
 
     row = preset_for_memory(memory) if name == "auto" else PRESETS[name]
     if row.name == "cpu":
-        precision = "fp32"  # autocast on a CPU is slower than float32 on most
+        precision = "auto"  # bfloat16 where the CPU computes it natively, else float32
     elif has_bf16 is None:
         precision = "auto"
     else:

@@ -1,0 +1,339 @@
+"""The training step: the autocast precision chosen for the CPU, stochastic
+depth on the kept samples only (against the mask form of the same draw, in
+float64), and a whole step of every recipe free of host synchronisation
+(counted from outside by a dispatch mode)."""
+
+import math
+
+import pytest
+import torch
+from dino_opt.config import load_config
+from dino_opt.models.layers import Block, DropPath, kept_samples, residual_subset
+from dino_opt.models.vit_dinov3 import RopeBlock
+from dino_opt.runtime import device as device_module
+from dino_opt.runtime import resolve_precision
+from dino_opt.train import (
+    DINOModel,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_schedules,
+    build_trainer,
+    frozen_teacher_dtype,
+)
+from dino_opt.tune.hardware import resolve_preset
+from tiny import TINY
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CPU = torch.device("cpu")
+
+# ---------------------------------------------------------------- precision
+
+
+def test_the_bf16_flags_are_read_from_cpuinfo(tmp_path):
+    def flags(*names):
+        path = tmp_path / f"cpuinfo-{len(names)}-{'-'.join(names)}"
+        first = "processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+        path.write_text(f"{first}flags\t\t: fpu sse2 avx2 {' '.join(names)}\n\nprocessor\t: 1\n")
+        return device_module.cpu_computes_bf16(str(path))
+
+    assert flags("avx512f", "avx512_bf16")
+    assert flags("amx_tile", "amx_bf16")
+    assert not flags()
+    assert not flags("avx512f", "avx512bw")  # bfloat16 emulated: far slower than float32
+    assert not device_module.cpu_computes_bf16(str(tmp_path / "missing"))
+    # this machine's answer is its own flags'
+    text = open("/proc/cpuinfo").read() if device_module.Path("/proc/cpuinfo").exists() else ""
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    assert device_module.cpu_computes_bf16() == any(
+        f in line.split() for f in device_module.BF16_CPU_FLAGS
+    )
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_on_a_cpu_that_computes_it(monkeypatch, native):
+    monkeypatch.setattr(device_module, "cpu_computes_bf16", lambda: native)
+    want = torch.bfloat16 if native else None
+    assert resolve_precision("auto", CPU) is want
+    assert resolve_precision("fp32", CPU) is None  # asked for: as asked
+    assert resolve_precision("bf16", CPU) is torch.bfloat16
+    cfg = load_config(None, [*TINY, "hardware.precision=auto"])
+    # a frozen teacher is stored in bfloat16 only where bfloat16 is computed natively
+    assert frozen_teacher_dtype(cfg, CPU) is want
+    # the CPU preset leaves the choice to the run
+    assert resolve_preset("auto", device="cpu").values["hardware.precision"] == "auto"
+    trainer = _trainer(TINY + ["hardware.precision=auto"])
+    assert trainer.amp_dtype is want
+
+
+def test_under_bf16_the_losses_stay_float32(monkeypatch):
+    monkeypatch.setattr(device_module, "cpu_computes_bf16", lambda: True)
+    trainer = _trainer(TINY)
+    seen = {}
+    loss_fn = trainer.loss_fn
+    forward = loss_fn.forward
+
+    def spy(student, teacher, *args, **kwargs):
+        seen.update(student=student.dtype, teacher=teacher.dtype)
+        return forward(student, teacher, *args, **kwargs)
+
+    monkeypatch.setattr(loss_fn, "forward", spy)
+    loss, _ = trainer.train_step_optimized(_crops(load_config(None, TINY)), 1)
+    assert seen == {"student": torch.float32, "teacher": torch.float32}
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert trainer.optimize_step()
+    assert all(p.dtype == torch.float32 for p in trainer.model.teacher.parameters())
+
+
+# ---------------------------------------------------------------- drop path
+
+
+def test_kept_samples_is_dinov3s_count():
+    assert kept_samples(8, 0.1) == 7
+    assert kept_samples(10, 0.1) == 9
+    assert kept_samples(4, 0.1) == 3
+    assert kept_samples(1, 0.5) == 1  # at least one
+    assert kept_samples(64, 0.4) == 38
+
+
+def _reference_block(block, x, draws, rope=None):
+    """The pre-norm block with stochastic depth as published: each residual
+    branch times a 0/1 mask of the samples (here the given draws) and the
+    scale batch / kept."""
+    b = x.shape[0]
+
+    def masked(branch, index):
+        mask = torch.zeros(b, 1, 1, dtype=x.dtype)
+        mask[index] = 1.0
+        return branch * mask * (b / index.numel())
+
+    attn = block.attn(block.norm1(x)) if rope is None else block.attn(block.norm1(x), rope)
+    x = x + masked(block.ls1(attn), draws[0])
+    return x + masked(block.ls2(block.mlp(block.norm2(x))), draws[1])
+
+
+def _randomized(block):
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return block
+
+
+BLOCKS = {
+    "dino": lambda p: Block(32, 4, drop_path=p),
+    "dinov2": lambda p: Block(32, 4, drop_path=p, ffn_layer="swiglu", init_values=1e-5),
+    "dinov3": lambda p: RopeBlock(32, 4, drop_path=p, ffn_layer="swiglu64", mask_k_bias=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+@pytest.mark.parametrize("batch, p", [(8, 0.3), (5, 0.5), (6, 0.1)])
+def test_subset_drop_path_equals_the_mask_form_for_the_same_draw(kind, batch, p):
+    block = _randomized(BLOCKS[kind](p)).double().train()
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 9, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    rope = None
+    if kind == "dinov3":
+        rope = (torch.rand(8, 8, generator=gen, dtype=torch.float64),
+                torch.rand(8, 8, generator=gen, dtype=torch.float64))  # fmt: skip
+    # the block's own draws, read by replaying its generator
+    torch.manual_seed(11)
+    kept = kept_samples(batch, p)
+    draws = [torch.randperm(batch)[:kept] for _ in range(2)]
+    rows = []
+    hook = block.attn.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[0]))
+    torch.manual_seed(11)
+    ours = block(x) if rope is None else block(x, rope)
+    hook.remove()
+    assert rows == [kept if kept < batch else batch]  # the dropped samples never ran
+    names, params = zip(*block.named_parameters(), strict=True)
+    grads = torch.autograd.grad(ours.sin().sum(), [x, *params])
+    ref = _reference_block(block, x, draws, rope)
+    expect = torch.autograd.grad(ref.sin().sum(), [x, *params])
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for n, g, e in zip(("x", *names), grads, expect, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=n)
+    # in eval mode nothing is dropped
+    block.eval()
+    plain = block(x) if rope is None else block(x, rope)
+    torch.testing.assert_close(plain, _reference_block(block, x, [torch.arange(batch)] * 2, rope))
+
+
+def test_residual_subset_keeps_the_stream_dtype():
+    x = torch.randn(6, 4, 8)
+    index = torch.tensor([0, 2, 5])
+    out = residual_subset(x, lambda t: (t * 2).bfloat16(), index)
+    assert out.dtype == torch.float32
+    expect = x.clone()
+    expect[index] += (x[index] * 2).bfloat16().float() * 2.0
+    torch.testing.assert_close(out, expect)
+    drop = DropPath(0.0).train()
+    torch.testing.assert_close(drop.add(x, lambda t: t + 1), 2 * x + 1)
+
+
+def test_the_subset_draw_keeps_the_expectation():
+    # each sample's branch is kept with probability kept / batch and scaled
+    # by batch / kept: the mean over many draws is the branch itself
+    torch.manual_seed(0)
+    drop = DropPath(0.25).train()
+    x = torch.zeros(8, 1, 1, dtype=torch.float64)
+    total = sum(drop.add(x, lambda t: torch.ones_like(t)) for _ in range(4000)) / 4000
+    assert math.isclose(total.mean().item(), 1.0, abs_tol=1e-9)  # exactly batch per draw
+    assert (total - 1.0).abs().max().item() < 0.1  # each sample near its expectation
+
+
+# ---------------------------------------------------------------- host synchronisation
+
+# What makes a host wait for a device: a tensor read as a Python value
+# (.item(), bool(), .tolist() all call _local_scalar_dense), and the
+# operators whose output shape depends on the values (nonzero, masked
+# select, unique, ...), which copy a count back to the host.
+SYNCING = {
+    "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
+    "unique_dim", "unique_consecutive", "unique_dim_consecutive", "repeat_interleave",
+}  # fmt: skip
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records each syncing operator run on a device tensor. A tensor is on
+    the host while it and everything it was made from are the batch as the
+    loader gave it or made by a factory that names no device; what the
+    step's input path returns is on the device (the test hands it out as
+    copies, since on the CPU ``.to(device)`` returns the same tensor)."""
+
+    def __init__(self, host: list[torch.Tensor]):
+        super().__init__()
+        self.host = {id(t) for t in host}
+        self.keep = list(host)  # ids stay unique while the tensors live
+        self.syncs: list[str] = []
+        self.copying = False
+
+    def on_device(self, tensors: list) -> list:
+        """Copies of ``tensors`` that count as device tensors."""
+        self.copying = True
+        try:
+            return [t.clone() if isinstance(t, torch.Tensor) else t for t in tensors]
+        finally:
+            self.copying = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)]  # fmt: skip
+        on_host = not self.copying and bool(inputs) and all(id(t) in self.host for t in inputs)
+        name = func.overloadpacket.__name__
+        if name in SYNCING and not on_host:
+            self.syncs.append(name)
+        out = func(*args, **kwargs)
+        if on_host:
+            self.on_host(out)
+        return out
+
+    def on_host(self, out) -> None:
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.host.add(id(t))
+                self.keep.append(t)
+
+    def __enter__(self):
+        self.factories = _HostFactories(self)
+        self.factories.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.factories.__exit__(*exc)
+
+
+class _HostFactories(TorchFunctionMode):
+    """A tensor made from no tensor, with no device named (``torch.linspace(a,
+    b, n)``) or with the host named as such (``device="cpu"``, as an
+    optimizer keeps its step counts), is the host's on any run; one made on
+    a ``torch.device`` (the run's) is not."""
+
+    def __init__(self, syncs: HostSyncs):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        host = kwargs.get("device") in (None, "cpu")
+        if host and not any(isinstance(a, torch.Tensor) for a in leaves):
+            self.syncs.on_host(out)
+        return out
+
+
+def _crops(cfg, b=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gs, ls = cfg.augmentation.global_crop_size, cfg.augmentation.local_crop_size
+    crops = [torch.randn(b, 3, gs, gs, generator=g) for _ in range(2)]
+    return crops + [torch.randn(b, 3, ls, ls, generator=g)
+                    for _ in range(cfg.augmentation.num_local_views)]  # fmt: skip
+
+
+def _trainer(overrides):
+    torch.manual_seed(0)
+    cfg = load_config(None, overrides)
+    student, teacher = build_models(cfg)
+    model = DINOModel(student, teacher, 0.9)
+    trainer = build_trainer(cfg, model, build_loss(cfg), build_optimizer(cfg, student, CPU), CPU)
+    trainer.set_schedules(build_schedules(cfg, 5), 7)
+    return trainer
+
+
+RECIPES = {
+    "dino": [],
+    "dinov2": ["recipe.name=dinov2", "model.layerscale_init=1e-5"],
+    "dinov3": ["recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
+               "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64"],
+}  # fmt: skip
+
+
+def _step_syncs(monkeypatch, overrides, steps=3):
+    """The syncing operators of each of ``steps`` whole steps (schedules,
+    forward and backward, optimizer step and EMA) of ``TINY`` with ``overrides``."""
+    trainer = _trainer([*TINY, "hardware.precision=fp32", *overrides])
+    cfg = load_config(None, [*TINY, *overrides])
+    moved, current = trainer.to_device, []
+    # what the input path returns is on the device
+    monkeypatch.setattr(trainer, "to_device", lambda ts: current[-1].on_device(moved(ts)))
+    syncs = []
+    for step in range(steps):
+        crops = _crops(cfg, seed=step)
+        side = cfg.augmentation.global_crop_size // cfg.model.patch_size
+        masks = torch.rand(2 * 8, side, side, generator=torch.Generator().manual_seed(step)) < 0.4
+        extra = {} if cfg.recipe.name == "dino" else {"masks": masks}
+        with HostSyncs([*crops, masks]) as mode:
+            current.append(mode)
+            trainer.set_schedules(build_schedules(cfg, 5), 7 + step)
+            loss, metrics = trainer.train_step_optimized(crops, 1, **extra)
+            assert trainer.optimize_step()
+        syncs.append(mode.syncs)
+        assert torch.isfinite(loss)
+    return syncs
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_training_step_makes_no_host_synchronisation(monkeypatch, recipe):
+    # the default AdamW is fused: it skips a non-finite step on the device
+    syncs = _step_syncs(monkeypatch, RECIPES[recipe])
+    assert syncs == [[], [], []]
+
+
+def test_the_checker_sees_a_sync(monkeypatch):
+    # A non-fused optimizer needs the host to decide whether to step (the
+    # documented check): one read of the finite flag per step
+    syncs = _step_syncs(monkeypatch, ["optim.fused=false"], steps=1)
+    assert syncs == [["_local_scalar_dense"]]
+    # masks turned into indices on the device would sync: the checker sees it
+    masks = torch.rand(4, 3, 3) < 0.5
+    with HostSyncs([masks]) as mode:
+        masks.flatten().nonzero()  # on the host: no sync
+        (moved,) = mode.on_device([masks])
+        moved.flatten().nonzero()
+        moved.any().item()
+    assert mode.syncs == ["nonzero", "_local_scalar_dense"]
