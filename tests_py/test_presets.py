@@ -20,6 +20,7 @@ from dino_opt.config import (
     save_config,
 )
 from dino_opt.distributed import launch as distributed_mod
+from dino_opt.runtime import device as device_module
 from dino_opt.tune import dynamic_batch_size, hardware, resolve_hardware, resolve_preset
 
 
@@ -104,11 +105,13 @@ def test_precision_follows_the_card():
     assert old.preset.name == "8gb"
 
 
-def test_on_a_cpu_auto_is_the_cpu_row_with_the_precision_left_to_the_cpu():
+@pytest.mark.parametrize("native", [False, True])
+def test_on_a_cpu_auto_is_the_cpu_row_with_the_precision_this_cpu_computes(monkeypatch, native):
+    monkeypatch.setattr(device_module, "cpu_computes_bf16", lambda: native)
     choice = resolve_preset("auto", device="cpu")
     assert choice.preset.name == "cpu"
     # bfloat16 where the CPU computes it natively, else float32 (test_step)
-    assert choice.values["hardware.precision"] == "auto"
+    assert choice.values["hardware.precision"] == ("bf16" if native else "fp32")
     assert choice.memory_gb is None
     # a GPU row named on a machine without one: precision left to the run
     assert resolve_preset("16gb", device="cpu").values["hardware.precision"] == "auto"

@@ -262,8 +262,8 @@ def test_wandb_offline_run(tiny_data, tmp_path, monkeypatch):
 
 def test_a_hardware_preset_is_resolved_once_when_training_starts(tiny_data, tmp_path, capsys):
     # The TINY keys are the config's own: the cpu row sets only what they leave
-    # (precision fp32, no checkpointing). The run folder's config is resolved
-    # (preset off), so it reloads to the same values on any machine.
+    # (no checkpointing; precision is TINY's fp32). The run folder's config is
+    # resolved (preset off), so it reloads to the same values on any machine.
     out = tmp_path / "run"
     args = ["train", "--output-dir", str(out), "--quiet", f"data.root={tiny_data / 'train'}"]
     assert (

@@ -41,7 +41,7 @@ from ..config import (
     preset_for_memory,
 )
 from ..models import build_backbone
-from ..runtime import resolve_device
+from ..runtime import computes_bf16, resolve_device
 from ..train import DINOModel, build_loss, build_models
 from .throughput import ThroughputOptimizer, dynamic_batch_size
 
@@ -120,7 +120,8 @@ def resolve_preset(
     size; ``bf16`` says whether it supports bfloat16, default yes). ``auto``
     picks the row from the memory. Precision is bf16 on cards with bfloat16
     (Ampere and later), fp16 on older ones, ``auto`` for a GPU row on a
-    machine without a GPU, and fp32 for the CPU row. The crop sizes feed the
+    machine without a GPU, and for the CPU row bf16 where this CPU computes
+    bfloat16 natively (avx512_bf16 or AMX), else fp32. The crop sizes feed the
     memory estimate of ViT rows (lists, one side per crop-size pair: the
     largest); ``fixed`` holds the keys of :data:`PRESET_KEYS` the
     configuration sets itself, which the estimate uses in place of the
@@ -142,7 +143,8 @@ def resolve_preset(
 
     row = preset_for_memory(memory) if name == "auto" else PRESETS[name]
     if row.name == "cpu":
-        precision = "auto"  # bfloat16 where the CPU computes it natively, else float32
+        # resolved here, so that the run folder's config names what ran
+        precision = "bf16" if computes_bf16(torch.device("cpu")) else "fp32"
     elif has_bf16 is None:
         precision = "auto"
     else:
