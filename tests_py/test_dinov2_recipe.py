@@ -132,7 +132,7 @@ def test_dinov2_schedules_and_the_frozen_last_layer():
         expected = 0.0 if g["is_last_layer"] else sched.lr[2] * g["lr_multiplier"]
         assert g["lr"] == pytest.approx(expected)
         assert g["weight_decay"] == pytest.approx(sched.weight_decay[2] * g["wd_multiplier"])
-    assert trainer.teacher_temp == pytest.approx(sched.teacher_temp[2])
+    assert trainer.terms.teacher_temp == pytest.approx(sched.teacher_temp[2])
 
 
 # ------------------------------------------------------------- the loss

@@ -1,12 +1,14 @@
 """The training step: the autocast precision chosen for the CPU, stochastic
 depth on the kept samples only (against the mask form of the same draw, in
-float64), and a whole step of every recipe free of host synchronisation
-(counted from outside by a dispatch mode)."""
+float64), a whole step of every recipe free of host synchronisation
+(counted from outside by a dispatch mode), and one step for every recipe
+(the recipes contribute terms; the engine's calls are written once)."""
 
 import math
 
 import pytest
 import torch
+from dino_opt import train as train_module
 from dino_opt.config import load_config
 from dino_opt.models.layers import Block, DropPath, kept_samples, residual_subset
 from dino_opt.models.vit_dinov3 import RopeBlock
@@ -14,6 +16,10 @@ from dino_opt.runtime import device as device_module
 from dino_opt.runtime import resolve_precision
 from dino_opt.train import (
     DINOModel,
+    DINOTerms,
+    DINOv2Terms,
+    GramTerm,
+    MemoryOptimizedDINOTrainer,
     build_loss,
     build_models,
     build_optimizer,
@@ -338,3 +344,69 @@ def test_the_checker_sees_a_sync(monkeypatch):
         moved.flatten().nonzero()
         moved.any().item()
     assert mode.syncs == ["nonzero", "_local_scalar_dense"]
+
+
+# ---------------------------------------------------------------- one step
+
+ENGINE_CALLS = ("train_step_optimized", "optimize_step", "set_schedules", "_backward", "_clip",
+                "discard_accumulation")  # fmt: skip
+
+
+def test_every_recipe_runs_the_one_step():
+    trainers = [v for v in vars(train_module).values()
+                if isinstance(v, type) and issubclass(v, MemoryOptimizedDINOTrainer)]  # fmt: skip
+    assert len(trainers) == 5  # the engine, DINOv2, DINOv3 and the two distillations
+    for cls in trainers:
+        for name in ENGINE_CALLS:
+            assert getattr(cls, name) is getattr(MemoryOptimizedDINOTrainer, name), (cls, name)
+    # DINOv3 is DINOv2's terms and the Gram term, composed
+    v3 = _trainer([*TINY, *RECIPES["dinov3"]])
+    assert type(v3.terms) is DINOv2Terms
+    assert [type(t) for t in v3.extra_terms] == [GramTerm]
+    assert type(_trainer(TINY).terms) is DINOTerms
+
+
+class _Recorded(DINOTerms):
+    """DINO's terms, recording which engine hooks ran."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attach(self, trainer):
+        self.calls.append("attach")
+
+    def set_schedules(self, trainer, schedules, iteration):
+        self.calls.append(f"schedules {iteration}")
+
+    def before_step(self, trainer):
+        self.calls.append("before")
+
+    def passes(self, trainer, inputs):
+        out = super().passes(trainer, inputs)
+        self.calls.append(f"passes {len(out)}")
+        return out
+
+    def after_step(self, trainer):
+        self.calls.append(f"after {trainer.model.teacher_step}")
+
+
+def test_the_engine_calls_the_terms_at_their_boundaries():
+    torch.manual_seed(0)
+    cfg = load_config(None, TINY)
+    student, teacher = build_models(cfg)
+    terms = _Recorded()
+    trainer = MemoryOptimizedDINOTrainer(
+        DINOModel(student, teacher, 0.9), build_loss(cfg), build_optimizer(cfg, student, CPU),
+        {"accumulation_steps": 2, "crop_batch_size": 3, "freeze_last_layer": 0}, CPU, terms=terms,
+    )  # fmt: skip
+    schedules = build_schedules(cfg, 5)
+    for it in range(2):
+        trainer.set_schedules(schedules, it)
+        for micro in range(2):
+            loss, _ = trainer.train_step_optimized(_crops(cfg, seed=2 * it + micro), 1)
+            assert torch.isfinite(loss)
+            assert trainer.optimize_step() == (micro == 1)
+    # 4 crops in groups of 3: two passes; before at each step's first
+    # micro-batch, after once per optimizer step (the teacher updated)
+    assert terms.calls == ["attach", "schedules 0", "before", "passes 2", "passes 2", "after 1",
+                           "schedules 1", "before", "passes 2", "passes 2", "after 2"]  # fmt: skip

@@ -1,6 +1,6 @@
-"""One training step: the memory-optimised trainer (DINO) and the steps of
-the DINOv2, DINOv3 and distillation recipes, the parameter groups, and the
-builders from a config."""
+"""One training step for every recipe: the memory-optimised trainer (the
+engine, with DINO's terms) and the terms of the DINOv2, DINOv3 and
+distillation recipes, the parameter groups, and the builders from a config."""
 
 from .build import (
     DataRoots,
@@ -25,19 +25,22 @@ from .build import (
 )
 from .dinov2 import (
     DINOv2Loss,
+    DINOv2Terms,
     DINOv2Trainer,
     DINOv2Wrapper,
     PatchStudentOutputs,
     StudentOutputs,
     TeacherTargets,
 )
-from .dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions, GramTeacher, refresh_due
+from .dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions, GramTeacher, GramTerm, refresh_due
 from .distill import (
     DistillOptions,
     FeatureDistillLoss,
+    FeatureDistillTerms,
     FeatureDistillTrainer,
     FeatureDistillWrapper,
     HeadsDistillLoss,
+    HeadsDistillTerms,
     HeadsDistillTrainer,
     LocalViews,
     StudentBank,
@@ -45,29 +48,35 @@ from .distill import (
 )
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
-from .trainer import DINOModel, MemoryOptimizedDINOTrainer
+from .trainer import DINOModel, DINOTerms, MemoryOptimizedDINOTrainer, StepTerms
 
 __all__ = [
     "DINOModel",
+    "DINOTerms",
     "DINOv2Loss",
+    "DINOv2Terms",
     "DINOv2Trainer",
     "DINOv2Wrapper",
     "DINOv3Loss",
     "DINOv3Trainer",
     "GramOptions",
     "GramTeacher",
+    "GramTerm",
     "DataRoots",
     "DistillOptions",
     "FeatureDistillLoss",
+    "FeatureDistillTerms",
     "FeatureDistillTrainer",
     "FeatureDistillWrapper",
     "LocalViews",
     "HeadsDistillLoss",
+    "HeadsDistillTerms",
     "HeadsDistillTrainer",
     "MemoryOptimizedDINOTrainer",
     "PatchStudentOutputs",
     "RECIPES",
     "Recipe",
+    "StepTerms",
     "StudentBank",
     "StudentOutputs",
     "TeacherTargets",

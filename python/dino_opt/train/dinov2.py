@@ -1,7 +1,7 @@
-"""The DINOv2 recipe's training step: DINO's class-token loss, iBOT's loss on
-masked patch tokens and the KoLeo regulariser, as one micro-batch of
-:class:`DINOv2Trainer` (a :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`:
-the same AMP, accumulation, clipping, optimizer step and EMA).
+"""The DINOv2 recipe's terms of the one step: DINO's class-token loss, iBOT's
+loss on masked patch tokens and the KoLeo regulariser (:class:`DINOv2Terms`,
+run by :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`: the same AMP,
+accumulation, clipping, optimizer step and EMA as every recipe).
 
 The step follows DINOv2's (``SSLMetaArch.forward_backward``):
 
@@ -21,7 +21,6 @@ The step follows DINOv2's (``SSLMetaArch.forward_backward``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,11 +30,17 @@ from ..data import mask_targets
 from ..models import MultiCropWrapper
 from ..ops import Schedules
 from ..ops.dinov2_loss import DINOLoss, KoLeoLoss, iBOTPatchLoss
-from ..runtime import no_sync
-from .trainer import MemoryOptimizedDINOTrainer
+from .trainer import MemoryOptimizedDINOTrainer, StepTerms
 
-__all__ = ["DINOv2Loss", "DINOv2Trainer", "DINOv2Wrapper", "PatchStudentOutputs", "StudentOutputs",
-           "TeacherTargets"]  # fmt: skip
+__all__ = [
+    "DINOv2Loss",
+    "DINOv2Terms",
+    "DINOv2Trainer",
+    "DINOv2Wrapper",
+    "PatchStudentOutputs",
+    "StudentOutputs",
+    "TeacherTargets",
+]
 
 
 class TeacherTargets(NamedTuple):
@@ -188,61 +193,72 @@ class DINOv2Wrapper(MultiCropWrapper):
         return StudentOutputs(*outputs)
 
 
-class DINOv2Trainer(MemoryOptimizedDINOTrainer):
-    """One DINOv2 micro-batch at a time (see the module docstring); the
-    constructor is :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`'s, with
-    ``loss_fn`` a :class:`DINOv2Loss`. ``train_step_optimized(crops, epoch,
-    masks=...)`` needs the global crops' masks, bool [2B, h, w] (the native
-    loader's ``Batch.masks``). The teacher temperature is the schedule's of
-    the iteration (:meth:`set_schedules`). Crop batching does not apply."""
+class DINOv2Terms(StepTerms):
+    """DINOv2's terms of the one step (:class:`~dino_opt.train.StepTerms`):
+    the masked tokens' indices found on the host (the loader's masks are
+    there; finding them on a GPU makes the host wait for it), the teacher's
+    targets at the iteration's temperature (:meth:`DINOv2Loss.teacher_targets`),
+    one student pass over the masked global crops and the local crops, and
+    :class:`DINOv2Loss`. Crop batching does not apply."""
 
-    def __init__(self, model, loss_fn, optimizer, config, device):
-        if config.get("crop_batch_size"):
-            raise ValueError("crop_batch_size is not supported by the dinov2 recipe")
-        super().__init__(model, loss_fn, optimizer, config, device)
+    needs_masks = True
+
+    def __init__(self) -> None:
         self.teacher_temp = 0.04
 
-    def set_schedules(self, schedules: Schedules, iteration: int, lr_scale: float = 1.0) -> None:
-        super().set_schedules(schedules, iteration, lr_scale)
+    def attach(self, trainer) -> None:
+        if trainer.crop_batch_size:
+            raise ValueError("crop_batch_size is not supported by the dinov2 recipe")
+
+    def set_schedules(self, trainer, schedules: Schedules, iteration: int) -> None:
         if schedules.teacher_temp is not None:
             self.teacher_temp = float(schedules.teacher_temp[iteration])
 
-    def train_step_optimized(
-        self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict]:
+    def inputs(self, trainer, crops, masks):
         if masks is None:
             raise ValueError("the dinov2 recipe needs the global crops' masks (masks=...)")
         if masks.shape[0] != 2 * crops[0].shape[0]:
             raise ValueError(f"masks: {masks.shape[0]} rows for {crops[0].shape[0]} images; "
                              "need one per global crop (2B)")  # fmt: skip
-        self._epoch = epoch
-        # the masked tokens' indices found where the masks are (the loader's:
-        # the host), since finding them on a GPU makes the host wait for it
         info = mask_targets(masks)
-        info = dict(zip(info, self.to_device(list(info.values())), strict=True))
-        crops = self.to_device(crops)
-        self.captured = {}
-        targets = self._teacher_targets(crops[:2], info)
-        self._sync_last = self._micro_steps + 1 >= self.accumulation_steps
-        with no_sync(self.model.student, skip=not self._sync_last):
-            with self._autocast():
-                student = self.model.student(crops, masks=info["collated_masks"],
-                                             mask_indices=info["mask_indices_list"])  # fmt: skip
-            loss, parts = self.loss_fn(student, targets, info)
-            self._backward(loss / self.accumulation_steps)
-        if self.capture_outputs:
-            self.captured.update(teacher_logits=targets.cls_logits,
-                                 student_logits=student.global_logits.detach().float(),
-                                 teacher_temp=self.teacher_temp)  # fmt: skip
-        self._micro_steps += 1
-        return loss.detach(), {"loss": loss.detach(), **parts}
+        info = dict(zip(info, trainer.to_device(list(info.values())), strict=True))
+        return trainer.to_device(crops), info
 
-    @torch.no_grad()
-    def _teacher_targets(self, glob: list[torch.Tensor], info) -> TeacherTargets:
-        with self._autocast():
-            out = self.model.teacher(glob, mask_indices=info["mask_indices_list"])
-        if self.capture_outputs:
-            self.captured = {"features": out.global_cls.detach().float()}
-        return self.loss_fn.teacher_targets(
+    def teacher_outputs(self, trainer, glob: list[torch.Tensor], info):
+        """The teacher's head outputs of the global crops (the EMA teacher's)."""
+        with trainer.autocast():
+            return trainer.model.teacher(glob, mask_indices=info["mask_indices_list"])
+
+    def targets(self, trainer, inputs, targets=None) -> TeacherTargets:
+        crops, info = inputs
+        out = self.teacher_outputs(trainer, crops[:2], info)
+        if trainer.capture_outputs:
+            trainer.captured["features"] = out.global_cls.detach().float()
+        return trainer.loss_fn.teacher_targets(
             out.global_logits, out.patch_logits, self.teacher_temp, info["n_masked_patches"]
         )
+
+    def student(self, trainer, inputs, views):
+        crops, info = inputs
+        return trainer.model.student(crops, masks=info["collated_masks"],
+                                     mask_indices=info["mask_indices_list"])  # fmt: skip
+
+    def loss(self, trainer, out, targets, inputs, views, last):
+        loss, parts = trainer.loss_fn(out, targets, inputs[1])
+        if trainer.capture_outputs:
+            trainer.captured.update(teacher_logits=targets.cls_logits,
+                                    student_logits=out.global_logits.detach().float(),
+                                    teacher_temp=self.teacher_temp)  # fmt: skip
+        return loss, parts
+
+
+class DINOv2Trainer(MemoryOptimizedDINOTrainer):
+    """The one step (:class:`~dino_opt.train.MemoryOptimizedDINOTrainer`) with
+    :class:`DINOv2Terms`, ``loss_fn`` a :class:`DINOv2Loss`:
+    ``train_step_optimized(crops, epoch, masks=...)`` needs the global crops'
+    masks, bool [2B, h, w] (the native loader's ``Batch.masks``). The teacher
+    temperature is the schedule's of the iteration (``set_schedules``)."""
+
+    def __init__(self, model, loss_fn, optimizer, config, device, *, terms=None, extra_terms=()):
+        super().__init__(model, loss_fn, optimizer, config, device,
+                         terms=terms or DINOv2Terms(), extra_terms=extra_terms)  # fmt: skip

@@ -1,6 +1,6 @@
-"""The DINOv3 recipe's training step: DINOv2's step (DINO's class-token loss,
-iBOT's masked-patch loss, KoLeo) plus Gram anchoring, as one micro-batch of
-:class:`DINOv3Trainer` (a :class:`~dino_opt.train.DINOv2Trainer`).
+"""The DINOv3 recipe's training step: DINOv2's terms (DINO's class-token
+loss, iBOT's masked-patch loss, KoLeo) plus the Gram anchoring term
+(:class:`GramTerm`), composed in the one step (:class:`DINOv3Trainer`).
 
 Gram anchoring (Siméoni et al., 2025) keeps the student's patch-to-patch
 similarities near those of a Gram teacher: ``gram_weight * GramLoss(student's
@@ -37,8 +37,9 @@ from torch.distributed.tensor import DTensor
 from ..ops import Schedules
 from ..ops.gram_loss import GramLoss
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
+from .trainer import StepTerms
 
-__all__ = ["DINOv3Loss", "DINOv3Trainer", "GramOptions", "GramTeacher", "refresh_due"]
+__all__ = ["DINOv3Loss", "DINOv3Trainer", "GramOptions", "GramTeacher", "GramTerm", "refresh_due"]
 
 
 class GramOptions(NamedTuple):
@@ -251,48 +252,52 @@ class DINOv3Loss(DINOv2Loss):
         return total + self.gram_weight * gram, parts
 
 
-class DINOv3Trainer(DINOv2Trainer):
-    """One DINOv3 micro-batch at a time: :class:`DINOv2Trainer`'s step, with
-    ``loss_fn`` a :class:`DINOv3Loss` whose Gram teacher is made here when
-    the job has not made it (a copy of the teacher's backbone); its schedule
-    follows the optimizer steps (``model.teacher_step``, restored on
-    resume): see the module docstring.
-    The student must keep its global patch tokens (the recipe's wrapper)."""
+class GramTerm(StepTerms):
+    """Gram anchoring as an extra term of the one step (added to
+    :class:`~dino_opt.train.DINOv2Terms`): the Gram teacher's patch tokens of
+    the global crops in the targets (once it has weights), the loss's weight
+    from ``schedules.gram_weight``, and the teacher's load and refreshes at
+    the optimizer steps' boundaries (``model.teacher_step``, restored on
+    resume). The term itself is :meth:`DINOv3Loss.gram_term`."""
 
-    def __init__(self, model, loss_fn, optimizer, config, device):
-        super().__init__(model, loss_fn, optimizer, config, device)
-        self.gram_teacher = loss_fn.gram_teacher
+    def __init__(self, gram_teacher: GramTeacher) -> None:
+        self.gram_teacher = gram_teacher
+
+    def attach(self, trainer) -> None:
         # else it never has weights: no Gram term; made already by the job
         # (Recipe.frozen_copies, before the teacher is spread): as it is
         if self.gram_teacher.options.use_loss and self.gram_teacher.backbone is None:
-            self.gram_teacher.attach(model.teacher.backbone)
-            self.gram_teacher.to(self.device)
+            self.gram_teacher.attach(trainer.model.teacher.backbone)
+            self.gram_teacher.to(trainer.device)
 
-    def set_schedules(self, schedules: Schedules, iteration: int, lr_scale: float = 1.0) -> None:
-        """:class:`DINOv2Trainer`'s, and the Gram loss's weight of ``iteration``
-        when ``schedules.gram_weight`` has one."""
-        super().set_schedules(schedules, iteration, lr_scale)
+    def set_schedules(self, trainer, schedules: Schedules, iteration: int) -> None:
         if schedules.gram_weight is not None:
-            self.loss_fn.gram_weight = float(schedules.gram_weight[iteration])
+            trainer.loss_fn.gram_weight = float(schedules.gram_weight[iteration])
 
-    def train_step_optimized(
-        self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict]:
-        if self.at_step_boundary:
-            self.gram_teacher.before_step(self.model.teacher_step, self.model.teacher.backbone)
-        return super().train_step_optimized(crops, epoch, masks)
+    def before_step(self, trainer) -> None:
+        self.gram_teacher.before_step(trainer.model.teacher_step, trainer.model.teacher.backbone)
 
-    def optimize_step(self) -> bool:
-        stepped = super().optimize_step()
-        if stepped:
-            self.gram_teacher.after_step(self.model.teacher_step - 1, self.model.teacher.backbone)
-        return stepped
+    def after_step(self, trainer) -> None:
+        # the step just taken: update_teacher has counted it
+        self.gram_teacher.after_step(trainer.model.teacher_step - 1, trainer.model.teacher.backbone)
 
-    @torch.no_grad()
-    def _teacher_targets(self, glob: list[torch.Tensor], info) -> TeacherTargets:
-        targets = super()._teacher_targets(glob, info)
+    def targets(self, trainer, inputs, targets=None) -> TeacherTargets:
         if not self.gram_teacher.loaded:
             return targets
-        with self._autocast():
-            gram = self.gram_teacher.patch_tokens(glob)
+        crops, _ = inputs
+        with trainer.autocast():
+            gram = self.gram_teacher.patch_tokens(crops[:2])
         return targets._replace(gram=gram)
+
+
+class DINOv3Trainer(DINOv2Trainer):
+    """The one step with DINOv2's terms and the Gram term
+    (:class:`GramTerm`), ``loss_fn`` a :class:`DINOv3Loss` whose Gram teacher
+    is made here when the job has not made it (a copy of the teacher's
+    backbone): see the module docstring. The student must keep its global
+    patch tokens (the recipe's wrapper). ``gram_teacher``: the loss's."""
+
+    def __init__(self, model, loss_fn, optimizer, config, device):
+        self.gram_teacher = loss_fn.gram_teacher
+        super().__init__(model, loss_fn, optimizer, config, device,
+                         extra_terms=(GramTerm(self.gram_teacher),))  # fmt: skip

@@ -42,18 +42,20 @@ from torch import nn
 
 from ..models import Tokens, backbone_tokens, pool_to_grid, running_stats_kept
 from ..ops import unwrap
-from ..runtime import StudentGroups, is_distributed, no_sync
-from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
-from .trainer import MemoryOptimizedDINOTrainer
+from ..runtime import StudentGroups, is_distributed
+from .dinov2 import DINOv2Loss, DINOv2Terms, DINOv2Trainer
+from .trainer import MemoryOptimizedDINOTrainer, StepTerms
 
 __all__ = [
     "DistillOptions",
     "FeatureDistillLoss",
+    "FeatureDistillTerms",
     "FeatureDistillTrainer",
     "FeatureDistillWrapper",
     "FeatureProjector",
     "FrozenTeacher",
     "HeadsDistillLoss",
+    "HeadsDistillTerms",
     "HeadsDistillTrainer",
     "LocalViews",
     "StudentBank",
@@ -392,44 +394,46 @@ def _grids(student):
     return LocalViews.global_tokens(student).grid
 
 
-class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
-    """One ``features`` micro-batch: the frozen teacher's tokens of the
-    global crops (once), the student's projected tokens of the same crops,
-    :class:`FeatureDistillLoss`; AMP, accumulation, clipping, the optimizer
-    step and the student's EMA are :class:`MemoryOptimizedDINOTrainer`'s.
+class FeatureDistillTerms(StepTerms):
+    """The ``features`` terms of the one step: the student's projected tokens
+    of the global crops and the frozen teacher's tokens of the same crops
+    (one forward, pooled onto the student's grid), :class:`FeatureDistillLoss`.
     The local crops go through the student (in the same call) only when the
-    loss's ``local_weight`` is above 0. A :class:`StudentBank` trains its students
-    from the one teacher forward, each clipped to its own gradient norm."""
+    loss's ``local_weight`` is above 0. A :class:`StudentBank` trains its
+    students from the one teacher forward, each clipped to its own gradient
+    norm. Nothing is masked: ``masks`` are not used."""
 
-    def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
-        bank = unwrap(self.model.student)
-        if not isinstance(bank, StudentBank):
-            return super()._clip(params)
-        ids = {id(p) for p in params}
-        norms = []
-        for member in bank.members.values():
-            norms.append(super()._clip([p for p in member.parameters() if id(p) in ids]))
-        return torch.linalg.vector_norm(torch.stack(norms))
-
-    def train_step_optimized(
-        self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict]:
-        del masks  # no masks: nothing is masked in a feature distillation
-        glob = torch.cat(self.to_device(crops[: self.n_global]))
+    def inputs(self, trainer, crops, masks):
+        glob = torch.cat(trainer.to_device(crops[: trainer.n_global]))
         local = None
-        if self.loss_fn.options.local_weight > 0:
-            local = self.to_device(crops[self.n_global :])
-        self._epoch = epoch
-        self.captured = {}
-        self._sync_last = self._micro_steps + 1 >= self.accumulation_steps
-        with no_sync(self.model.student, skip=not self._sync_last):
-            with self._autocast():
-                student = self.model.student(glob, local)
-                teacher = self.loss_fn.teacher_tokens(glob, _grids(student))
-            loss, parts = self.loss_fn(student, teacher)
-            self._backward(loss / self.accumulation_steps)
-        self._micro_steps += 1
-        return loss.detach(), {"loss": loss.detach(), **parts}
+        if trainer.loss_fn.options.local_weight > 0:
+            local = trainer.to_device(crops[trainer.n_global :])
+        return glob, local
+
+    def student(self, trainer, inputs, views):
+        glob, local = inputs
+        student = trainer.model.student(glob, local)
+        return student, trainer.loss_fn.teacher_tokens(glob, _grids(student))
+
+    def loss(self, trainer, out, targets, inputs, views, last):
+        return trainer.loss_fn(*out)
+
+    def clip_groups(self, trainer, params):
+        bank = unwrap(trainer.model.student)
+        if not isinstance(bank, StudentBank):
+            return [params]
+        ids = {id(p) for p in params}
+        return [[p for p in member.parameters() if id(p) in ids]
+                for member in bank.members.values()]  # fmt: skip
+
+
+class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
+    """The one step (:class:`MemoryOptimizedDINOTrainer`: AMP, accumulation,
+    clipping, the optimizer step and the student's EMA) with
+    :class:`FeatureDistillTerms`."""
+
+    def __init__(self, model, loss_fn, optimizer, config, device):
+        super().__init__(model, loss_fn, optimizer, config, device, terms=FeatureDistillTerms())
 
 
 class HeadsDistillLoss(DINOv2Loss):
@@ -447,19 +451,18 @@ class HeadsDistillLoss(DINOv2Loss):
         self.frozen = teacher
 
 
-class HeadsDistillTrainer(DINOv2Trainer):
-    """DINOv2's step (:class:`~dino_opt.train.DINOv2Trainer`) with the frozen
+class HeadsDistillTerms(DINOv2Terms):
+    """DINOv2's terms (:class:`~dino_opt.train.DINOv2Terms`) with the frozen
     teacher's head outputs as targets: its DINO head on the class tokens of
     the global crops, its iBOT head (or DINO's, shared) on the patch tokens
     at the student's masked positions. The grids must match."""
 
-    @torch.no_grad()
-    def _teacher_targets(self, glob: list[torch.Tensor], info) -> TeacherTargets:
-        frozen = self.loss_fn.frozen
+    def teacher_outputs(self, trainer, glob: list[torch.Tensor], info):
+        frozen = trainer.loss_fn.frozen
         if frozen is None:
             raise RuntimeError("HeadsDistillLoss: no teacher attached (attach_teacher)")
         images = [frozen.inputs(g) for g in glob]
-        student_grid = glob[0].shape[-1] // self.model.teacher.backbone.patch_size
+        student_grid = glob[0].shape[-1] // trainer.model.teacher.backbone.patch_size
         teacher_grid = images[0].shape[-1] // frozen.patch_size
         if student_grid != teacher_grid:
             raise ValueError(
@@ -468,10 +471,13 @@ class HeadsDistillTrainer(DINOv2Trainer):
                 "iBOT targets are the teacher's tokens at the student's masked patches; set "
                 "recipe.distill_teacher_scale (or use recipe.distill_mode=features)"
             )
-        with self._autocast():
-            out = frozen.network(images, mask_indices=info["mask_indices_list"])
-        if self.capture_outputs:
-            self.captured = {"features": out.global_cls.detach().float()}
-        return self.loss_fn.teacher_targets(
-            out.global_logits, out.patch_logits, self.teacher_temp, info["n_masked_patches"]
-        )
+        with trainer.autocast():
+            return frozen.network(images, mask_indices=info["mask_indices_list"])
+
+
+class HeadsDistillTrainer(DINOv2Trainer):
+    """The one step with :class:`HeadsDistillTerms`, ``loss_fn`` a
+    :class:`HeadsDistillLoss` with its teacher attached."""
+
+    def __init__(self, model, loss_fn, optimizer, config, device):
+        super().__init__(model, loss_fn, optimizer, config, device, terms=HeadsDistillTerms())

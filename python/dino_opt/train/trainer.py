@@ -1,23 +1,26 @@
-"""The one-step engine: the memory-optimised DINO trainer.
+"""The one training step of every recipe: the memory-optimised DINO trainer.
 
 ``MemoryOptimizedDINOTrainer`` keeps the lesson's constructor
 ``(model, loss_fn, optimizer, config, device)`` and its two calls,
 ``train_step_optimized(crops, epoch)`` (forward and backward of one
-micro-batch) and ``optimize_step()`` (clip, step, teacher update), but:
+micro-batch) and ``optimize_step()`` (clip, step, teacher update), and is
+the step of every recipe: a recipe contributes its terms (:class:`StepTerms`:
+inputs, teacher targets, student passes, loss; DINO's are
+:class:`DINOTerms`, DINOv3's are DINOv2's plus the Gram term), and the
+engine owns the rest:
 
-- AMP runs in bfloat16 where the device supports it (no GradScaler needed),
+- AMP runs in bfloat16 where the device computes it (no GradScaler needed),
   float16 with a GradScaler otherwise, or float32;
-- the teacher sees only the global crops, under ``no_grad``;
-- crop batching bounds activation memory by running forward *and backward*
-  per group of student views: the DINO loss is a sum of per-view terms once
-  the teacher's targets are fixed, and the loss operator computes each
-  group's share of it (``DINOLoss(..., views=...)``); no per-crop loop and no
-  ``empty_cache()``;
-- gradient clipping is one global norm over all parameters (``foreach``
-  kernels, no host synchronisation), the last layer is frozen in the first
-  ``freeze_last_layer`` epochs, and nothing calls ``.item()`` on the hot path:
-  the returned loss is a device tensor.
-"""
+- the teacher runs under ``no_grad``, on the global crops;
+- crop batching (DINO's terms) bounds activation memory by running forward
+  *and backward* per group of student views: the DINO loss is a sum of
+  per-view terms once the teacher's targets are fixed, and the loss
+  operator computes each group's share of it (``DINOLoss(..., views=...)``);
+- gradient clipping is one global norm (``foreach`` kernels, no host
+  synchronisation), the last layer is frozen in the first
+  ``freeze_last_layer`` epochs, a non-finite step is skipped on the device
+  by a fused optimizer, and nothing calls ``.item()`` on the hot path: the
+  returned loss is a device tensor."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from ..ops import EMATeacher, Schedules
 from ..runtime import no_sync, replicated, resolve_precision
 from .param_groups import param_groups
 
-__all__ = ["DINOModel", "MemoryOptimizedDINOTrainer", "param_groups"]
+__all__ = ["DINOModel", "DINOTerms", "MemoryOptimizedDINOTrainer", "StepTerms", "param_groups"]
 
 
 class DINOModel(nn.Module):
@@ -74,8 +77,112 @@ def _backbone_params(student: nn.Module) -> list[nn.Parameter]:
             if n.removeprefix("module.").startswith("backbone.")]  # fmt: skip
 
 
+class StepTerms:
+    """A recipe's part of the one step (:class:`MemoryOptimizedDINOTrainer`):
+    what it feeds the networks, its teacher targets, its student passes and
+    its loss. Everything else (autocast, accumulation, DDP's all-reduce on
+    the last pass, clipping, the optimizer step, the EMA, the schedules) is
+    the engine's, written once. Each hook gets the trainer. Extra terms (the
+    engine's ``extra_terms``: DINOv3's Gram term) add to the targets and
+    follow the schedules and step boundaries; the main terms do the rest."""
+
+    #: whether ``train_step_optimized`` needs the global crops' ``masks``
+    needs_masks = False
+
+    def attach(self, trainer: MemoryOptimizedDINOTrainer) -> None:
+        """Called once by the trainer's constructor (checks its config)."""
+
+    def inputs(self, trainer, crops: Sequence[torch.Tensor], masks: torch.Tensor | None):
+        """The micro-batch on the device (host-side work first)."""
+        return trainer.to_device(crops)
+
+    def targets(self, trainer, inputs, targets=None):
+        """The teacher's side, run under ``no_grad``; an extra term gets the
+        main terms' ``targets`` and returns them with its own added."""
+        return targets
+
+    def passes(self, trainer, inputs) -> list:
+        """The student passes of a micro-batch, each run forward and backward
+        on its own (only one pass's activations alive at a time)."""
+        return [None]
+
+    def student(self, trainer, inputs, views):
+        """The student's forward of one pass (under autocast)."""
+        raise NotImplementedError
+
+    def loss(self, trainer, out, targets, inputs, views, last: bool) -> tuple[torch.Tensor, dict]:
+        """One pass's loss and its detached parts; ``last``: the micro-batch's
+        last pass (where running statistics such as a center update)."""
+        raise NotImplementedError
+
+    def clip_groups(self, trainer, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """The parameter groups clipped each to its own norm (one by default)."""
+        return [params]
+
+    def set_schedules(self, trainer, schedules: Schedules, iteration: int) -> None:
+        """The recipe's scheduled values of ``iteration`` (beyond lr and wd)."""
+
+    def before_step(self, trainer) -> None:
+        """At an optimizer step's first micro-batch."""
+
+    def after_step(self, trainer) -> None:
+        """After an optimizer step (the teacher updated)."""
+
+
+class DINOTerms(StepTerms):
+    """DINO's terms: the teacher's head outputs of the global crops as
+    targets, the student on every crop, :class:`~dino_opt.ops.DINOLoss`.
+    With ``crop_batch_size`` the student views run in groups, each forward
+    and backward on its own: the loss is a sum of per-view terms once the
+    targets are fixed, and the loss operator computes each group's share
+    (``views=``); the center is updated once, with the last group."""
+
+    def targets(self, trainer, inputs, targets=None):
+        teacher = trainer.model.teacher
+        glob = inputs[: trainer.n_global]
+        with trainer.autocast():
+            if trainer.capture_outputs and hasattr(teacher, "forward_backbone"):
+                features = teacher.forward_backbone(glob)
+                out = teacher.head(features)
+                trainer.captured["features"] = features.detach()
+            else:
+                out = teacher(glob)
+        out = _for_loss(out)
+        if trainer.capture_outputs:
+            trainer.captured["teacher_logits"] = out.detach()
+        return out
+
+    def passes(self, trainer, inputs) -> list:
+        n, size = len(inputs), trainer.crop_batch_size
+        if not size or size >= n:
+            return [None]
+        return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def student(self, trainer, inputs, views):
+        crops = inputs if views is None else [inputs[v] for v in views]
+        return _for_loss(trainer.model.student(crops))
+
+    def loss(self, trainer, out, targets, inputs, views, last):
+        epoch = trainer.epoch
+        if views is None:
+            loss = trainer.loss_fn(out, targets, epoch)
+        else:
+            loss = trainer.loss_fn(out, targets, epoch, views=views, update_center=last)
+        if trainer.capture_outputs:  # the global views' rows, in view order
+            b = inputs[0].shape[0]
+            views = range(len(inputs)) if views is None else views
+            rows = [out[i * b : (i + 1) * b].detach()
+                    for i, v in enumerate(views) if v < trainer.n_global]  # fmt: skip
+            captured = trainer.captured
+            captured.setdefault("student_parts", []).extend(rows)
+            if last:
+                captured["student_logits"] = torch.cat(captured.pop("student_parts"))
+        return loss, {}
+
+
 class MemoryOptimizedDINOTrainer:
-    """One DINO training step at a time, memory-lean; see the module docstring.
+    """The one training step of every recipe, a micro-batch at a time,
+    memory-lean; see the module docstring.
 
     ``config`` (a dict) takes the lesson's keys: ``use_amp`` (default True),
     ``gradient_checkpointing`` (False), ``crop_batch_size`` (student views per
@@ -84,7 +191,8 @@ class MemoryOptimizedDINOTrainer:
     ``precision`` ('auto'; with ``use_amp=False``, float32),
     ``freeze_last_layer`` (epochs, 1), ``freeze_backbone`` (epochs the
     student's backbone is not updated while its heads warm up, 0),
-    ``n_global`` (teacher views, 2).
+    ``n_global`` (teacher views, 2). ``terms``: the recipe's part of the step
+    (:class:`StepTerms`; DINO's by default), ``extra_terms`` added to it.
     """
 
     def __init__(
@@ -94,6 +202,9 @@ class MemoryOptimizedDINOTrainer:
         optimizer: torch.optim.Optimizer,
         config: dict,
         device: torch.device,
+        *,
+        terms: StepTerms | None = None,
+        extra_terms: Sequence[StepTerms] = (),
     ):
         self.model = model
         self.loss_fn = loss_fn
@@ -118,7 +229,7 @@ class MemoryOptimizedDINOTrainer:
         self.n_global = int(self.config.get("n_global", 2))
         if self.gradient_checkpointing:
             self._enable_gradient_checkpointing()
-        self._epoch = 0
+        self.epoch = 0
         self._micro_steps = 0  # micro-batches accumulated towards the next optimizer step
         # Set capture_outputs before a step to keep its teacher and student
         # outputs of the global views and the teacher's backbone features in
@@ -127,6 +238,14 @@ class MemoryOptimizedDINOTrainer:
         self.captured: dict[str, torch.Tensor] = {}
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_finite: torch.Tensor | None = None
+        self.terms = terms if terms is not None else DINOTerms()
+        self.extra_terms = tuple(extra_terms)
+        for t in self._all_terms:
+            t.attach(self)
+
+    @property
+    def _all_terms(self) -> tuple[StepTerms, ...]:
+        return (self.terms, *self.extra_terms)
 
     def _enable_gradient_checkpointing(self) -> None:
         backbone = getattr(self.model.student, "backbone", None)
@@ -134,7 +253,8 @@ class MemoryOptimizedDINOTrainer:
             raise ValueError("gradient_checkpointing needs a ViT backbone (set_grad_checkpointing)")
         backbone.set_grad_checkpointing(True)
 
-    def _autocast(self):
+    def autocast(self):
+        """The step's autocast context (disabled in float32)."""
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.use_amp)
 
     def to_device(self, tensors: Sequence) -> list:
@@ -152,79 +272,40 @@ class MemoryOptimizedDINOTrainer:
         ]  # fmt: skip
 
     def train_step_optimized(
-        self, crops: Sequence[torch.Tensor], epoch: int
+        self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict]:
         """Forward and backward of one micro-batch of crops (global crops
-        first). Gradients accumulate until :meth:`optimize_step`. Returns the
-        loss as a detached device tensor (no host synchronisation) and metrics
-        that are also device tensors."""
-        crops = self.to_device(crops)
-        self._epoch = epoch
-        scale = 1.0 / self.accumulation_steps
-        capture = self.capture_outputs
+        first; ``masks``: the global crops' masks, for the recipes whose
+        terms need them). Gradients accumulate until :meth:`optimize_step`.
+        Returns the loss as a detached device tensor (no host
+        synchronisation) and metrics that are also device tensors."""
+        self.epoch = epoch
+        if self.at_step_boundary:
+            for t in self._all_terms:
+                t.before_step(self)
+        inputs = self.terms.inputs(self, crops, masks)
         self.captured = {}
-        teacher = self.model.teacher
-        with torch.no_grad(), self._autocast():
-            if capture and hasattr(teacher, "forward_backbone"):
-                features = teacher.forward_backbone(crops[: self.n_global])
-                teacher_out = teacher.head(features)
-                self.captured["features"] = features.detach()
-            else:
-                teacher_out = teacher(crops[: self.n_global])
-        if capture:
-            self.captured["teacher_logits"] = _for_loss(teacher_out).detach()
-        groups = self._view_groups(len(crops))
+        with torch.no_grad():
+            targets = self.terms.targets(self, inputs)
+            for t in self.extra_terms:
+                targets = t.targets(self, inputs, targets)
+        passes = self.terms.passes(self, inputs)
         # With DDP, only the last backward of an optimizer step all-reduces.
-        self._sync_last = self._micro_steps + 1 >= self.accumulation_steps
-        if len(groups) == 1:
-            with no_sync(self.model.student, skip=not self._sync_last):
-                with self._autocast():
-                    student_out = self.model.student(crops)
-                loss = self.loss_fn(_for_loss(student_out), _for_loss(teacher_out), epoch)
-                self._backward(loss * scale)
-            if capture:
-                rows = self.n_global * crops[0].shape[0]
-                self.captured["student_logits"] = _for_loss(student_out[:rows]).detach()
-        else:
-            loss = self._grouped_backward(crops, _for_loss(teacher_out), epoch, groups, scale)
+        sync = self._micro_steps + 1 >= self.accumulation_steps
+        total, parts = None, {}
+        for i, views in enumerate(passes):
+            last = i == len(passes) - 1
+            with no_sync(self.model.student, skip=not (sync and last)):
+                with self.autocast():
+                    out = self.terms.student(self, inputs, views)
+                loss, parts = self.terms.loss(self, out, targets, inputs, views, last)
+                self._backward(loss / self.accumulation_steps)
+            total = loss.detach() if total is None else total + loss.detach()
         self._micro_steps += 1
-        return loss.detach(), {"loss": loss.detach()}
-
-    def _view_groups(self, n_views: int) -> list[range]:
-        size = self.crop_batch_size
-        if not size or size >= n_views:
-            return [range(n_views)]
-        return [range(i, min(i + size, n_views)) for i in range(0, n_views, size)]
+        return total, {"loss": total, **parts}
 
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def _grouped_backward(self, crops, teacher_out, epoch, groups, scale) -> torch.Tensor:
-        """The loss as a sum of per-view terms given fixed teacher targets:
-        each group of student views runs forward and backward on its own
-        (its share of the loss through the loss operator), so only one
-        group's activations are alive at a time. The center is updated once,
-        with the last group."""
-        b = crops[0].shape[0]
-        total = teacher_out.new_zeros(())
-        for gi, group in enumerate(groups):
-            last = gi == len(groups) - 1
-            with no_sync(self.model.student, skip=not (self._sync_last and last)):
-                with self._autocast():
-                    out = _for_loss(self.model.student([crops[v] for v in group]))
-                loss = self.loss_fn(out, teacher_out, epoch, views=group, update_center=last)
-                self._backward(loss * scale)
-            if self.capture_outputs:  # the global views' rows, in view order
-                rows = [
-                    out[i * b : (i + 1) * b].detach()
-                    for i, v in enumerate(group)
-                    if v < self.n_global
-                ]
-                self.captured.setdefault("student_parts", []).extend(rows)
-            total = total + loss.detach()
-        if self.capture_outputs:
-            self.captured["student_logits"] = torch.cat(self.captured.pop("student_parts"))
-        return total
 
     def optimize_step(self) -> bool:
         """Unscale (fp16), freeze the last layer (and the backbone, when
@@ -239,16 +320,20 @@ class MemoryOptimizedDINOTrainer:
         student = self.model.student
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self._epoch < self.freeze_last_layer:
+        if self.epoch < self.freeze_last_layer:
             for p in _last_layer_params(student):
                 p.grad = None
-        if self._epoch < self.freeze_backbone:  # no gradient: neither a step nor decay
+        if self.epoch < self.freeze_backbone:  # no gradient: neither a step nor decay
             for p in _backbone_params(student):
                 p.grad = None
         params = [p for p in student.parameters() if p.grad is not None]
         # Sharded gradients (FSDP): the norm is reduced over the ranks on the
         # device and comes back replicated; no host synchronisation.
-        self.last_grad_norm = replicated(self._clip(params))
+        groups = self.terms.clip_groups(self, params)
+        norms = [replicated(self._clip(g)) for g in groups]
+        self.last_grad_norm = (
+            norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        )
         # A NaN/inf loss or gradient skips the update (counted by the caller
         # from last_step_finite). fp16: GradScaler skips it and lowers its
         # scale; a fused optimizer skips it on the device (found_inf, as
@@ -274,6 +359,8 @@ class MemoryOptimizedDINOTrainer:
             self.model.update_teacher()
         else:
             self.model.teacher_step += 1  # the momentum schedule stays aligned with the steps
+        for t in self._all_terms:
+            t.after_step(self)
         return True
 
     def _clip(self, params: list[nn.Parameter]) -> torch.Tensor:
@@ -302,7 +389,9 @@ class MemoryOptimizedDINOTrainer:
         ``wd_multiplier`` (:mod:`dino_opt.train.param_groups`; of groups
         without a ``wd_multiplier`` only the first gets the weight decay, as
         DINO sets it); groups flagged
-        ``is_last_layer`` follow ``schedules.last_layer_lr`` where there is one."""
+        ``is_last_layer`` follow ``schedules.last_layer_lr`` where there is one;
+        then the terms' own scheduled values (a teacher temperature, a Gram
+        weight)."""
         last = schedules.last_layer_lr
         for i, group in enumerate(self.optimizer.param_groups):
             lr = last if last is not None and group.get("is_last_layer") else schedules.lr
@@ -310,3 +399,5 @@ class MemoryOptimizedDINOTrainer:
             if "wd_multiplier" in group or i == 0:
                 wd_mult = group.get("wd_multiplier", 1.0)
                 group["weight_decay"] = float(schedules.weight_decay[iteration]) * wd_mult
+        for t in self._all_terms:
+            t.set_schedules(self, schedules, iteration)
