@@ -23,6 +23,11 @@ Rows (same model, same initialisation from one seed, same schedules):
   loader, the double-loop loss, per-parameter clipping, the host syncs) as
   published. Its parts that cannot run here are left out and listed in its
   ``toggles``. The table's "vs strong" column is each row against it.
+- ``default``: the step ``dino-opt train`` runs with its defaults, built from
+  the config by its own builders (precision ``auto``, fused AdamW, the fused
+  loss and EMA, subset drop path), on the native loader;
+  ``default_fp32`` the same in float32 (what a CPU without native bfloat16
+  gets).
 - ``dino_opt``: ``MemoryOptimizedDINOTrainer`` built as ``dino-opt train``
   builds it (global-norm clipping with foreach kernels, no host sync in the
   step, the loss kept on the device, fused AdamW on a GPU) but with every
@@ -50,8 +55,11 @@ Configurations: ``recipe`` (GPU): ViT-S/16, 2x224^2 + 8x96^2 crops, out_dim
 or ``--data``; ``max_batch`` (GPU): the same at the largest batch each row
 fits (searched with real training steps on random crops: doubling from 64,
 then bisection to multiples of 32); ``cpu``: ViT-T/16, 2x64^2 + 4x32^2, out_dim
-4096, batch 32, on the built-in data set (dino_opt.data.builtin_dataset).
+4096, batch 32, on the built-in data set (dino_opt.data.builtin_dataset);
+``cpu_recipe``: the ``recipe`` crops and model at batch 4, 12 steps, on the CPU.
 Default: ``recipe`` and ``max_batch`` when CUDA is available, else ``cpu``.
+On the CPU, MFU is over the rate ``torch.mm`` reaches in the same run at the
+default step's dtype (bfloat16 where the CPU computes it natively).
 
 Method: each row runs in a fresh Python process (``--no-isolate``: one after
 the other in this one), builds its models from the seed, runs ``--steps``
@@ -98,7 +106,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from dino_opt.train import build_models
+from dino_opt import DINOLoss
+from dino_opt.config import apply_overrides, default_config
+from dino_opt.data import MultiCropLoader
+from dino_opt.models.vit import Attention
+from dino_opt.ops import Schedules
+from dino_opt.runtime import resolve_precision
+from dino_opt.train import (
+    DINOModel,
+    MemoryOptimizedDINOTrainer,
+    build_loss,
+    build_models,
+    build_optimizer,
+    build_trainer,
+    param_groups,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -123,7 +145,19 @@ from reference_trainer import (  # noqa: E402
 TOGGLES = ("loader", "fused_loss", "fused_ema", "bf16", "sdpa", "compile", "checkpointing")
 #: What the strong baseline adds to the published step, where it can run.
 STRONG_PARTS = ("bf16", "compile")
-CASES = ("baseline", "strong", "dino_opt", *TOGGLES, "all_no_ckpt", "all", "model_step")
+CASES = (
+    "baseline",
+    "strong",
+    "default",
+    "default_fp32",
+    "dino_opt",
+    *TOGGLES,
+    "all_no_ckpt",
+    "all",
+    "model_step",
+)
+DEFAULT = "default"  # the default row's marker: built from the config as `dino-opt train` builds it
+FP32 = "fp32"  # with DEFAULT: hardware.precision=fp32 (the default step without bfloat16)
 ON_DEVICE = "on_device"  # the model_step row's marker: crops made on the device
 ON_DEVICE_BATCHES = 4  # random batches the model_step row cycles through
 # An end-to-end step this much slower than the model step is bound by its input;
@@ -132,6 +166,8 @@ INPUT_BOUND, GPU_BOUND = 0.9, 0.9
 LABELS = {
     "baseline": "baseline: DINO step as published",
     "strong": "strong baseline: + bf16, compiled blocks, fused AdamW, foreach EMA",
+    "default": "dino-opt train's step: its defaults, native loader",
+    "default_fp32": "dino-opt train's step, precision fp32",
     "dino_opt": "dino_opt trainer, switches off",
     "loader": "+ native loader",
     "fused_loss": "+ fused loss",
@@ -153,6 +189,10 @@ PRESETS = {
     "cpu": dict(
         backbone="vit_tiny", out_dim=4096, global_size=64, local_size=32, n_local=4,
         batch_size=32, steps=30, warmup=5, data="builtin",
+    ),
+    "cpu_recipe": dict(
+        backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
+        batch_size=4, steps=12, warmup=2, data="synthetic",
     ),
     "recipe": dict(
         backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
@@ -177,14 +217,10 @@ def manual_attention_supported() -> bool:
     softmax, v) path: a boolean ``fused_attn`` attribute on its Attention
     modules (timm's convention). dino_opt.models.vit has none today: its
     attention always goes through SDPA."""
-    from dino_opt.models.vit import Attention
-
     return isinstance(getattr(Attention(8, 2), "fused_attn", None), bool)
 
 
 def set_manual_attention(model: torch.nn.Module, manual: bool) -> None:
-    from dino_opt.models.vit import Attention
-
     for m in model.modules():
         if isinstance(m, Attention):
             m.fused_attn = not manual
@@ -216,6 +252,10 @@ def case_toggles(case: str, available: list[str]) -> list[str] | None:
         return ["strong", *(t for t in STRONG_PARTS if t in available)]
     if case == "dino_opt":
         return []
+    if case == DEFAULT:
+        return [DEFAULT, "loader"]
+    if case == "default_fp32":
+        return [DEFAULT, "loader", FP32]
     if case == "all":
         return list(available)
     if case == "all_no_ckpt":
@@ -229,8 +269,6 @@ def case_toggles(case: str, available: list[str]) -> list[str] | None:
 
 
 def model_config(s: dict):
-    from dino_opt.config import apply_overrides, default_config
-
     return apply_overrides(
         default_config(),
         [
@@ -238,6 +276,21 @@ def model_config(s: dict):
             f"model.out_dim={s['out_dim']}",
             f"model.patch_size={s['patch_size']}",
             f"model.drop_path_rate={s['drop_path_rate']}",
+        ],
+    )
+
+
+def recipe_defaults(s: dict):
+    """The config `dino-opt train` would run for the row's settings: its
+    defaults (precision, optimizer, loss, EMA, drop path, compile) with the
+    row's model, crops and batch."""
+    return apply_overrides(
+        model_config(s),
+        [
+            f"augmentation.global_crop_size={s['global_size']}",
+            f"augmentation.local_crop_size={s['local_size']}",
+            f"augmentation.num_local_views={s['n_local']}",
+            f"data.batch_size={s.get('batch_size') or 1}",
         ],
     )
 
@@ -268,10 +321,6 @@ class Job:
     def __init__(
         self, s: dict, toggles: list[str] | None, batch_size: int, niter_per_epoch: int
     ) -> None:
-        from dino_opt import DINOLoss
-        from dino_opt.ops import Schedules
-        from dino_opt.train import DINOModel, MemoryOptimizedDINOTrainer, param_groups
-
         strong = toggles is not None and "strong" in toggles
         self.baseline = toggles is None or strong  # the published trainer
         use = set(toggles or ())
@@ -316,6 +365,15 @@ class Job:
                 wd_schedule=self.schedules.weight_decay,
                 momentum_schedule=self.schedules.momentum,
             )
+            return
+        if DEFAULT in use:
+            cfg = recipe_defaults(dict(s, batch_size=batch_size))
+            if FP32 in use:
+                cfg = apply_overrides(cfg, ["hardware.precision=fp32"])
+            model = DINOModel(student, teacher, self.schedules.momentum)
+            model.teacher_step = self.it0
+            optimizer = build_optimizer(cfg, student, device)
+            self.trainer = build_trainer(cfg, model, build_loss(cfg).to(device), optimizer, device)
             return
         model_class = DINOModel if "fused_ema" in use else LoopEMAModel
         model = model_class(student, teacher, self.schedules.momentum)
@@ -372,8 +430,6 @@ def data_stream(s: dict, native: bool, batch_size: int):
         seed=s["seed"],
     )
     if native:
-        from dino_opt.data import MultiCropLoader
-
         photometric = s["photometric"]
         loader = MultiCropLoader(
             s["data_root"],
@@ -546,10 +602,27 @@ BUSY_STEPS = 3  # profiled steps after the timed ones, for the GPU's busy share
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
+def cpu_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """The matrix rate ``torch.mm`` reaches on this CPU at ``dtype`` (FLOP/s,
+    best of ``repeats`` products of two n x n matrices, the default threads):
+    the CPU's MFU denominator, measured in the same run as the steps."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
 def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
-    """The device's dense 16-bit matrix rate in FLOP/s (None: not known)."""
+    """The device's dense 16-bit matrix rate in FLOP/s (None: not known); on
+    the CPU, :func:`cpu_matmul_rate` at the default step's dtype."""
     if override:
         return override * 1e12
+    if device.type == "cpu":
+        return cpu_matmul_rate(resolve_precision("auto", device) or torch.float32)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -1015,7 +1088,12 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         f"model FLOPs per image and step {per_image / 1e9:.2f} G (torch.utils.flop_counter: the "
         "teacher's forward on the globals, the student's forward and backward on every crop)"
         + (
-            f"; MFU over a peak of {peak / 1e12:.1f} TFLOP/s"
+            (
+                f"; MFU over the torch.mm rate measured in this run, {peak / 1e9:.0f} GFLOP/s "
+                "at the default step's dtype"
+                if device.type == "cpu" and not args.peak_tflops
+                else f"; MFU over a peak of {peak / 1e12:.1f} TFLOP/s"
+            )
             if peak
             else "; no MFU: this device's peak is not known (--peak-tflops)"
         ),
@@ -1189,7 +1267,7 @@ def main() -> None:
         parser.error("--device cuda but CUDA is not available")
     if not args.configs:
         args.configs = ["recipe", "max_batch"] if device.type == "cuda" else ["cpu"]
-    if device.type != "cuda" and set(args.configs) - {"cpu"}:
+    if device.type != "cuda" and set(args.configs) - {"cpu", "cpu_recipe"}:
         parser.error("the recipe and max_batch configurations need a GPU")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
