@@ -343,6 +343,9 @@ def test_bench_quick_smoke_in_process(tmp_path):
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"]), case
         assert r["images_per_s"] > 0 and r["peak_memory_bytes"] > 0
     assert set(results["all"]["toggles"]) == {"loader", "fused_loss", "fused_ema", "checkpointing"}
+    # the default rows: the step dino-opt train builds from its config
+    assert results["default"]["toggles"] == ["default", "loader"]
+    assert results["default_fp32"]["toggles"] == ["default", "loader", "fp32"]
     # Same init, same PIL crops, same drop-path draws: the first loss (before
     # any update) agrees between the baseline and every row on the PIL loader.
     base = results["baseline"]["losses"][0]

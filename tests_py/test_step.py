@@ -25,6 +25,7 @@ from dino_opt.train import (
     build_optimizer,
     build_schedules,
     build_trainer,
+    compiles,
     frozen_teacher_dtype,
 )
 from dino_opt.tune.hardware import resolve_preset
@@ -410,3 +411,50 @@ def test_the_engine_calls_the_terms_at_their_boundaries():
     # micro-batch, after once per optimizer step (the teacher updated)
     assert terms.calls == ["attach", "schedules 0", "before", "passes 2", "passes 2", "after 1",
                            "schedules 1", "before", "passes 2", "passes 2", "after 2"]  # fmt: skip
+
+
+# ---------------------------------------------------------------- compiled
+
+
+def test_compile_defaults_to_the_gpu_only():
+    assert compiles(load_config(None, TINY)) is False  # TINY runs on the CPU
+    assert compiles(load_config(None, [*TINY, "hardware.compile=true"])) is True
+    assert compiles(load_config(None, [*TINY, "hardware.device=auto"])) is torch.cuda.is_available()
+
+
+def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch):
+    """Every block compiled whole (a graph break would raise), static shapes:
+    the graphs are made in the first step (per crop size and drop-path rate)
+    and none after, while the schedules move lr, weight decay, momentum and
+    the teacher temperature; the losses are eager's. The backend only counts
+    the graphs dynamo hands it (inductor's code generation is not what this
+    checks, and takes minutes on two cores)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **kw: real(*a, backend=counting, **kw))
+    torch._dynamo.reset()
+    overrides = [*TINY, *RECIPES["dinov2"], "model.drop_path_rate=0.2"]
+    losses = {}
+    for compiled in (False, True):
+        trainer = _trainer([*overrides, f"hardware.compile={str(compiled).lower()}"])
+        cfg = load_config(None, overrides)
+        side = cfg.augmentation.global_crop_size // cfg.model.patch_size
+        losses[compiled], made = [], []
+        for step in range(3):
+            torch.manual_seed(step)  # the same drop-path draws in both runs
+            masks = torch.rand(16, side, side, generator=torch.Generator().manual_seed(step)) < 0.4
+            trainer.set_schedules(build_schedules(cfg, 5), 7 + step)
+            loss, _ = trainer.train_step_optimized(_crops(cfg, seed=step), 1, masks=masks)
+            assert trainer.optimize_step()
+            losses[compiled].append(loss.item())
+            made.append(len(graphs))
+        if compiled:
+            assert made[0] > 0 and made[1] == made[0] and made[2] == made[0], made
+        else:
+            assert made == [0, 0, 0]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -493,10 +493,10 @@ class HardwareConfig:
         "memory (auto) or a named row (dino-opt presets); keys set in the config win",
         choices=PRESET_NAMES,
     )
-    compile: bool = _opt(
-        False,
-        "torch.compile each ViT block in place (its checkpointing inside), student and "
-        "teacher; a ResNet whole",
+    compile: bool | None = _opt(
+        None,
+        "torch.compile each ViT block in place (whole graph, static shapes, its checkpointing "
+        "inside), student and teacher; a ResNet whole; null: on a GPU, off on a CPU",
     )
     gc_every_steps: int = _opt(
         50, "Python's garbage collector off in training: run every N steps; 0: automatic", ge=0

@@ -324,6 +324,11 @@ class VisionTransformer(nn.Module):
         return last.attn.attention_weights(last.norm1(x))
 
 
+#: crop sizes a compiled block keeps a graph of (global and local, and
+#: DINOv3's pairs of them), in training and evaluation mode each
+MAX_CROP_SIZES = 8
+
+
 def apply_block_options(
     backbone: nn.Module,
     activation_checkpointing: str = "none",
@@ -341,11 +346,16 @@ def apply_block_options(
     keep their names. A backbone other than a ViT takes no checkpointing and
     is compiled whole, in place. Returns ``backbone``.
 
-    All blocks share one code object, so torch.compile keeps their graphs in
-    one cache; a block's drop-path rate is a constant of its graph, so blocks
-    of different rates (DINO's linear ramp) compile a graph each, and the
-    cache's limit (``torch._dynamo.config.recompile_limit``) is raised to
-    hold them all, in training and evaluation mode, beside the teacher's."""
+    A block compiles whole (``fullgraph``: a graph break is an error, not a
+    silent slow path) and with static shapes: one graph per crop size, whose
+    shapes never change from step to step (the subset drop path keeps a
+    fixed count of samples). All blocks share one code object, so
+    torch.compile keeps their graphs in one cache; a block's drop-path rate
+    is a constant of its graph, so blocks of different rates (DINO's linear
+    ramp) compile a graph each, and the cache's limit
+    (``torch._dynamo.config.recompile_limit``) is raised to hold them all,
+    for every crop size, in training and evaluation mode, beside the
+    teacher's."""
     if not isinstance(backbone, VisionTransformer):
         if activation_checkpointing != "none":
             raise ValueError(f"activation checkpointing ({activation_checkpointing}) needs a "
@@ -355,10 +365,10 @@ def apply_block_options(
         return backbone
     backbone.set_activation_checkpointing(activation_checkpointing, every)
     if compile:
-        limit = 2 * len(backbone.blocks) + 8
+        limit = 2 * MAX_CROP_SIZES * len(backbone.blocks) + 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         for block in backbone.blocks:
-            block.compile(mode=compile_mode)
+            block.compile(mode=compile_mode, fullgraph=True, dynamic=False)
     return backbone
 
 
