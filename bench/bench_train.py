@@ -269,9 +269,11 @@ def case_toggles(case: str, available: list[str]) -> list[str] | None:
 
 
 def model_config(s: dict):
+    """The rows' model (compiled only where a row's switches say so)."""
     return apply_overrides(
         default_config(),
         [
+            "hardware.compile=false",
             f"model.backbone={s['backbone']}",
             f"model.out_dim={s['out_dim']}",
             f"model.patch_size={s['patch_size']}",
@@ -287,6 +289,8 @@ def recipe_defaults(s: dict):
     return apply_overrides(
         model_config(s),
         [
+            "hardware.compile=null",
+            f"hardware.device={s['device']}",
             f"augmentation.global_crop_size={s['global_size']}",
             f"augmentation.local_crop_size={s['local_size']}",
             f"augmentation.num_local_views={s['n_local']}",
@@ -327,8 +331,11 @@ class Job:
         self.device = device = torch.device(s["device"])
         cuda = device.type == "cuda"
         torch.manual_seed(s["seed"])
-        student, teacher = build_models(model_config(s))
-        if manual_attention_supported():  # plain attention unless the row switches SDPA on
+        default = DEFAULT in use
+        # the default row's models as `dino-opt train` builds them (its
+        # attention, its blocks compiled where its config says so)
+        student, teacher = build_models(recipe_defaults(s) if default else model_config(s))
+        if manual_attention_supported() and not default:  # plain unless the row switches SDPA on
             for net in (student, teacher):
                 set_manual_attention(net, manual="sdpa" not in use)
         student, teacher = student.to(device), teacher.to(device)
