@@ -422,13 +422,15 @@ def test_compile_defaults_to_the_gpu_only():
     assert compiles(load_config(None, [*TINY, "hardware.device=auto"])) is torch.cuda.is_available()
 
 
-def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch):
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch, recipe):
     """Every block compiled whole (a graph break would raise), static shapes:
     the graphs are made in the first step (per crop size and drop-path rate)
     and none after, while the schedules move lr, weight decay, momentum and
-    the teacher temperature; the losses are eager's. The backend only counts
-    the graphs dynamo hands it (inductor's code generation is not what this
-    checks, and takes minutes on two cores)."""
+    the teacher temperature and the last layer's freeze ends (epoch 0, then
+    1); the losses are eager's. The backend only counts the graphs dynamo
+    hands it (inductor's code generation is not what this checks, and takes
+    minutes on two cores)."""
     graphs = []
 
     def counting(gm, example_inputs):
@@ -438,7 +440,7 @@ def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch):
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *a, **kw: real(*a, backend=counting, **kw))
     torch._dynamo.reset()
-    overrides = [*TINY, *RECIPES["dinov2"], "model.drop_path_rate=0.2"]
+    overrides = [*TINY, *RECIPES[recipe], "model.drop_path_rate=0.2"]
     losses = {}
     for compiled in (False, True):
         trainer = _trainer([*overrides, f"hardware.compile={str(compiled).lower()}"])
@@ -448,8 +450,10 @@ def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch):
         for step in range(3):
             torch.manual_seed(step)  # the same drop-path draws in both runs
             masks = torch.rand(16, side, side, generator=torch.Generator().manual_seed(step)) < 0.4
-            trainer.set_schedules(build_schedules(cfg, 5), 7 + step)
-            loss, _ = trainer.train_step_optimized(_crops(cfg, seed=step), 1, masks=masks)
+            extra = {} if recipe == "dino" else {"masks": masks}
+            trainer.set_schedules(build_schedules(cfg, 5), 3 + step)
+            epoch = 0 if step == 0 else 1  # the frozen last layer, then not
+            loss, _ = trainer.train_step_optimized(_crops(cfg, seed=step), epoch, **extra)
             assert trainer.optimize_step()
             losses[compiled].append(loss.item())
             made.append(len(graphs))
