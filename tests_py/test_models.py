@@ -12,6 +12,7 @@ from dino_opt.models import (
     DINOHead,
     MultiCropWrapper,
     VisionTransformer,
+    WeightNormLinear,
     build_backbone,
     build_dino_models,
     eval_mode,
@@ -392,6 +393,32 @@ def test_weight_norm_linear_matches_torch_weight_norm():
     assert torch.allclose(
         head.last_layer.weight.norm(dim=1), head.last_layer.weight_g.squeeze(1), atol=1e-6
     )
+
+
+@pytest.mark.parametrize("rows", [3, 40, 64, 200])  # fewer rows than inputs (64) and more
+def test_weight_norm_linear_both_forms_equal_torch_weight_norm_in_float64(rows):
+    # fewer rows than inputs: the outputs are scaled by g / ||v||; else the
+    # normalised weight is formed; values and gradients as torch's weight_norm
+    g = torch.Generator().manual_seed(rows)
+    layer = WeightNormLinear(64, 96).double()
+    ref = nn.utils.parametrizations.weight_norm(nn.Linear(64, 96, bias=False).double())
+    with torch.no_grad():
+        layer.weight_g.copy_(torch.rand(96, 1, generator=g, dtype=torch.float64) + 0.5)
+        layer.weight_v.copy_(torch.randn(96, 64, generator=g, dtype=torch.float64))
+        ref.parametrizations.weight.original0.copy_(layer.weight_g)
+        ref.parametrizations.weight.original1.copy_(layer.weight_v)
+    x = torch.randn(rows, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, out_ref = layer(x), ref(x_ref)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    up = torch.randn(rows, 96, generator=g, dtype=torch.float64)
+    (out * up).sum().backward()
+    (out_ref * up).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.weight_g.grad, ref.parametrizations.weight.original0.grad,
+                               rtol=1e-10, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(layer.weight_v.grad, ref.parametrizations.weight.original1.grad,
+                               rtol=1e-10, atol=1e-12)  # fmt: skip
 
 
 def test_dino_head_batchnorm_and_init():

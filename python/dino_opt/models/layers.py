@@ -99,7 +99,7 @@ def residual_subset(
     """``x + branch`` on the samples ``index`` only, scaled by ``batch / len(index)``:
     stochastic depth computed on the kept samples, equal to the mask form
     (``x + branch(x) * mask * batch / kept``) for the same draw."""
-    out = branch(x[index])
+    out = branch(x.index_select(0, index))
     return torch.index_add(x, 0, index, out.to(x.dtype), alpha=x.shape[0] / index.numel())
 
 
