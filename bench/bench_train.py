@@ -8,7 +8,9 @@ optimisation switched on one at a time, and all together.
         [--photometric cpu|gpu] [--epoch N] [--no-isolate] [--without compile,...]
         [--time-budget S] [--json PATH]
 
-Rows (same model, same initialisation from one seed, same schedules):
+Rows (same model, same initialisation from one seed, same schedules; every
+row but the default ones runs DINO's head, its normalised last-layer weight
+formed on every forward, and the plain attention unless ``sdpa`` is on):
 
 - ``baseline``: :class:`ReferenceDINOTrainer`, DINO as people run it: the PIL
   multi-crop pipeline through DataLoader, per-resolution backbone calls, the
@@ -27,7 +29,8 @@ Rows (same model, same initialisation from one seed, same schedules):
   the config by its own builders (precision ``auto``, fused AdamW, the fused
   loss and EMA, subset drop path), on the native loader;
   ``default_fp32`` the same in float32 (what a CPU without native bfloat16
-  gets).
+  gets). Their models are built as ``dino-opt train`` builds them (its head,
+  SDPA attention, its blocks compiled where ``hardware.compile`` says).
 - ``dino_opt``: ``MemoryOptimizedDINOTrainer`` built as ``dino-opt train``
   builds it (global-norm clipping with foreach kernels, no host sync in the
   step, the loss kept on the device, fused AdamW on a GPU) but with every
@@ -75,9 +78,11 @@ load touches all rows alike, and the steps of all rounds are pooled). Peak
 memory: the CUDA caching allocator's peak allocation over the row (models,
 optimizer state and activations) on a GPU; on the CPU the peak resident set
 of the training process (DataLoader worker processes are not in it; the
-native loader's threads and buffers are). Losses are read at the end (for dino_opt's rows
-from device tensors); steps 1, 10 and the last are in the table, all in the
-JSON. With ``--time-budget``, a row is started only while at least
+native loader's threads and buffers are). ops/step (kernels/step on a GPU):
+``BUSY_STEPS`` more steps under torch.profiler, the aten operators dispatched
+(every level) or the kernels and copies launched, per step. Losses are read
+at the end (for dino_opt's rows from device tensors); steps 1, 10 and the
+last are in the table, all in the JSON. With ``--time-budget``, a row is started only while at least
 ``MIN_ROW_SECONDS`` of the budget are left and is stopped when it runs out;
 the rows that did not run or were stopped are in the table and the JSON as
 such, so that a bench cut short still writes its results. Both trainers
@@ -109,6 +114,7 @@ import torch
 from dino_opt import DINOLoss
 from dino_opt.config import apply_overrides, default_config
 from dino_opt.data import MultiCropLoader
+from dino_opt.models import WeightNormLinear
 from dino_opt.models.vit import Attention
 from dino_opt.ops import Schedules
 from dino_opt.runtime import resolve_precision
@@ -121,7 +127,9 @@ from dino_opt.train import (
     build_trainer,
     param_groups,
 )
+from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -226,11 +234,19 @@ def set_manual_attention(model: torch.nn.Module, manual: bool) -> None:
             m.fused_attn = not manual
 
 
+def set_published_head(model: torch.nn.Module) -> None:
+    """The head's last layer as DINO computes it: the normalised weight
+    formed on every forward (torch's weight_norm), not dino_opt's scaled outputs."""
+    for m in model.modules():
+        if isinstance(m, WeightNormLinear):
+            m.scale_outputs = False
+
+
 def unavailable_toggles(device: torch.device, try_compile: bool) -> dict[str, str]:
     """Switches that cannot run here, with the reason."""
     out = {}
     if device.type != "cuda":
-        out["bf16"] = "GPU only (bfloat16 autocast on a CPU is slower than float32)"
+        out["bf16"] = "GPU only in these rows (the default rows run the CPU's own precision)"
     elif not torch.cuda.is_bf16_supported():
         out["bf16"] = "this GPU has no bfloat16"
     if not manual_attention_supported():
@@ -335,9 +351,11 @@ class Job:
         # the default row's models as `dino-opt train` builds them (its
         # attention, its blocks compiled where its config says so)
         student, teacher = build_models(recipe_defaults(s) if default else model_config(s))
-        if manual_attention_supported() and not default:  # plain unless the row switches SDPA on
+        if not default:  # the published model: its head, plain attention unless switched
             for net in (student, teacher):
-                set_manual_attention(net, manual="sdpa" not in use)
+                set_published_head(net)
+                if manual_attention_supported():
+                    set_manual_attention(net, manual="sdpa" not in use)
         student, teacher = student.to(device), teacher.to(device)
         if "compile" in use:
             compile_models(student, teacher, s.get("compile_dynamic", False), per_block=strong)
@@ -602,7 +620,7 @@ def largest_batch(
             hi = mid
 
 
-BUSY_STEPS = 3  # profiled steps after the timed ones, for the GPU's busy share
+BUSY_STEPS = 3  # profiled steps after the timed ones: the GPU's busy share, operators per step
 
 #: Dense bfloat16/float16 matrix rate by datasheet, TFLOP/s, by the device
 #: name's model (SXM parts): the denominator of MFU (``--peak-tflops`` overrides).
@@ -672,22 +690,30 @@ def covered_fraction(intervals, start: float, end: float) -> float:
     return covered / (end - start) if end > start else 0.0
 
 
-def gpu_busy(job, stream, first_step: int) -> float:
-    """Share of the wall time of BUSY_STEPS more steps (data included) during
-    which the GPU ran a kernel or a copy: the union of the device activity
-    that torch.profiler (CUPTI) records, over the window's host time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def profiled_steps(job, stream, first_step: int, device: torch.device) -> tuple:
+    """BUSY_STEPS more steps (data included) under torch.profiler: the share
+    of their wall time during which the GPU ran a kernel or a copy (the union
+    of the device activity CUPTI records, over the window's host time; None
+    on the CPU), and the operators per step: on a GPU the kernels and copies
+    launched, on the CPU the aten operators dispatched (every level: a
+    composite and the operators it calls each count): ``(busy, ops)``."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
         with record_function("bench_window"):
             for i in range(BUSY_STEPS):
                 job.step(next(stream), first_step + i)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
     events = prof.events()
+    if not cuda:
+        ops = sum(1 for e in events if e.name.startswith("aten::"))
+        return None, ops / BUSY_STEPS
+    work = device_work(events, DeviceType.CUDA)
     window = next(e for e in events if e.name == "bench_window").time_range
-    return covered_fraction(device_work(events, DeviceType.CUDA), window.start, window.end)
+    return covered_fraction(work, window.start, window.end), len(work) / BUSY_STEPS
 
 
 def device_work(events, device_type) -> list[tuple[float, float]]:
@@ -728,7 +754,7 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         step_s = clock.seconds()  # waits for the GPU once, at the end
         t_end = time.perf_counter()
         loader_stats = stats_fn() if stats_fn is not None else None
-        busy = gpu_busy(job, stream, s["steps"]) if device.type == "cuda" else None
+        busy, ops = profiled_steps(job, stream, s["steps"], device)
     finally:
         close()
     losses = [float(x) for x in losses]  # dino_opt: device tensors, read now
@@ -748,6 +774,7 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         "images_per_s_window": batch_size * len(measured) / window,
         "peak_memory_bytes": peak_memory(device),
         "gpu_busy": busy,
+        "ops_per_step": ops,
         "losses": losses,
         "loader": "crops on the device"
         if on_device
@@ -782,6 +809,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
         images_per_s_window=statistics.median(r["images_per_s_window"] for r in ok),
         peak_memory_bytes=max((r["peak_memory_bytes"] or 0) for r in ok) or None,
         gpu_busy=statistics.median(busy) if busy else None,
+        ops_per_step=statistics.median(r["ops_per_step"] for r in ok),
         rounds=[
             {
                 k: r.get(k)
@@ -1043,6 +1071,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         "peak MiB",
         *(["GPU busy %"] if device.type == "cuda" else []),
         *(["MFU %"] if peak else []),
+        "kernels/step" if device.type == "cuda" else "ops/step",
         "loss@1",
         "loss@10",
         "loss@last",
@@ -1069,6 +1098,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
                 else []
             ),
             *([_fmt(100 * r["mfu"], 1)] if peak else []),
+            _fmt(r.get("ops_per_step"), 0),
             _fmt(losses[0], 4),
             _fmt(losses[9], 4) if len(losses) >= 10 else "n/a",
             _fmt(losses[-1], 4),
@@ -1088,6 +1118,12 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
     )
     notes += [
         f"peak memory: {mem_kind}",
+        (
+            "kernels/step: the kernels and copies a step launches on the GPU"
+            if device.type == "cuda"
+            else "ops/step: the aten operators a step dispatches (every level)"
+        )
+        + f", counted by torch.profiler over {BUSY_STEPS} steps after the timed ones",
         "the baseline clips each parameter's gradient to norm 3 on its own (DINO), dino_opt "
         "the global norm; otherwise the steps compute the same thing",
         "rows on the native loader see other random crops of the same images (its own "

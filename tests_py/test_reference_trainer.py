@@ -342,6 +342,7 @@ def test_bench_quick_smoke_in_process(tmp_path):
         assert "error" not in r, (case, r)
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"]), case
         assert r["images_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["ops_per_step"] > 100, case  # aten operators dispatched per step
     assert set(results["all"]["toggles"]) == {"loader", "fused_loss", "fused_ema", "checkpointing"}
     # the default rows: the step dino-opt train builds from its config
     assert results["default"]["toggles"] == ["default", "loader"]
@@ -355,7 +356,7 @@ def test_bench_quick_smoke_in_process(tmp_path):
     # the same losses while the EMA has not yet moved the teacher apart
     assert results["strong"]["toggles"] == ["strong"]
     assert results["strong"]["losses"] == pytest.approx(results["baseline"]["losses"], rel=1e-4)
-    assert "vs strong" in stdout
+    assert "vs strong" in stdout and "ops/step" in stdout
     # the model step: all_no_ckpt's trainer on crops made once on the device
     assert results["model_step"]["loader"] == "crops on the device"
     assert "loader" not in results["model_step"]["toggles"]

@@ -23,7 +23,8 @@ class WeightNormLinear(nn.Module):
     by ``g / ||v||`` instead of forming the normalised weight: the same map,
     with elementwise work over rows x out instead of out x in, forward and
     backward (at DINO's 65,536 outputs and a few hundred rows per step on a
-    CPU, the normalised weight was a tenth of the step).
+    CPU, the normalised weight was a tenth of the step). ``scale_outputs =
+    False`` always forms the weight, as ``torch.nn.utils.weight_norm`` does.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -33,6 +34,7 @@ class WeightNormLinear(nn.Module):
         self.weight_g = nn.Parameter(torch.ones(out_features, 1))
         self.weight_v = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.trunc_normal_(self.weight_v, std=0.02)
+        self.scale_outputs = True
 
     @property
     def weight(self) -> torch.Tensor:
@@ -40,7 +42,7 @@ class WeightNormLinear(nn.Module):
         return self.weight_g * (self.weight_v / self.weight_v.norm(dim=1, keepdim=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.in_features * self.in_features:  # fewer rows than inputs
+        if self.scale_outputs and x.numel() < self.in_features**2:  # fewer rows than inputs
             scale = self.weight_g.squeeze(1) / self.weight_v.norm(dim=1)
             return F.linear(x, self.weight_v) * scale
         return F.linear(x, self.weight)
