@@ -127,6 +127,7 @@ from dino_opt.train import (
     build_trainer,
     param_groups,
 )
+from dino_opt.tune import resolve_hardware
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -301,8 +302,9 @@ def model_config(s: dict):
 def recipe_defaults(s: dict):
     """The config `dino-opt train` would run for the row's settings: its
     defaults (precision, optimizer, loss, EMA, drop path, compile) with the
-    row's model, crops and batch."""
-    return apply_overrides(
+    row's model, crops and batch, resolved for the row's device as a run
+    resolves it (``hardware.compile: null`` becomes on for a GPU)."""
+    cfg = apply_overrides(
         model_config(s),
         [
             "hardware.compile=null",
@@ -313,6 +315,7 @@ def recipe_defaults(s: dict):
             f"data.batch_size={s.get('batch_size') or 1}",
         ],
     )
+    return resolve_hardware(cfg)[0]
 
 
 def compile_models(student, teacher, dynamic: bool | None, per_block: bool = False) -> None:

@@ -190,7 +190,9 @@ def test_resolution_is_one_step_and_leaves_a_self_contained_config(fake_gpu):
     assert set(PRESET_KEYS) <= cfg.given_keys
     again, none = resolve_hardware(cfg)
     assert again is cfg and none is None
-    assert resolve_hardware(Config()) == (Config(), None)
+    plain, none = resolve_hardware(Config())  # no preset: only compile's null is resolved
+    assert none is None and plain.hardware.compile is torch.cuda.is_available()
+    assert resolve_hardware(plain) == (plain, None)
 
 
 def test_auto_on_this_cpu(monkeypatch):

@@ -25,10 +25,9 @@ from dino_opt.train import (
     build_optimizer,
     build_schedules,
     build_trainer,
-    compiles,
     frozen_teacher_dtype,
 )
-from dino_opt.tune.hardware import resolve_preset
+from dino_opt.tune.hardware import resolve_hardware, resolve_preset
 from tiny import TINY
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -417,9 +416,17 @@ def test_the_engine_calls_the_terms_at_their_boundaries():
 
 
 def test_compile_defaults_to_the_gpu_only():
-    assert compiles(load_config(None, TINY)) is False  # TINY runs on the CPU
-    assert compiles(load_config(None, [*TINY, "hardware.compile=true"])) is True
-    assert compiles(load_config(None, [*TINY, "hardware.device=auto"])) is torch.cuda.is_available()
+    # resolved when a run starts, so the run folder says what ran and a tool
+    # rebuilding a model from a run's config never compiles it unasked
+    def resolved(*extra):
+        return resolve_hardware(load_config(None, [*TINY, *extra]))[0].hardware.compile
+
+    assert load_config(None, TINY).hardware.compile is None
+    assert resolved() is False  # TINY runs on the CPU
+    assert resolved("hardware.compile=true") is True
+    assert resolved("hardware.device=auto") is torch.cuda.is_available()
+    student, _ = build_models(load_config(None, [*TINY, "hardware.device=auto"]))
+    assert student.backbone.blocks[0]._compiled_call_impl is None  # unresolved null: eager
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

@@ -30,7 +30,7 @@ from ..data import (
 )
 from ..models import MultiCropWrapper, apply_block_options, build_backbone, build_dino_models
 from ..ops import Schedules
-from ..runtime import computes_bf16, resolve_device, resolve_precision
+from ..runtime import computes_bf16, resolve_precision
 from .recipes import WeightsReader, recipe_of
 from .trainer import DINOModel
 
@@ -50,7 +50,6 @@ __all__ = [
     "build_source",
     "build_student",
     "build_trainer",
-    "compiles",
     "resolve_recipe",
     "data_roots",
     "loader_masks",
@@ -106,19 +105,9 @@ def build_student(cfg: Config, index: int) -> tuple[nn.Module, nn.Module]:
         return _one_pair(recipe_of(cfg).student_alone(cfg, index))
 
 
-def compiles(cfg: Config) -> bool:
-    """Whether the blocks are compiled: ``hardware.compile``, or where it is
-    null (the default) on a GPU only (on a CPU per-block compilation gave
-    1.00-1.04x for minutes of compiling: docs/training.md#the-step)."""
-    h = cfg.hardware
-    if h.compile is not None:
-        return h.compile
-    return resolve_device(h.device).type == "cuda"
-
-
 def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     m, h = cfg.model, cfg.hardware
-    compile = compiles(cfg)
+    compile = h.compile is True  # null (not resolved by a run): off
     vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
     recipe = recipe_of(cfg)
     if not recipe.builds_heads(cfg):  # the student's backbone alone
@@ -196,7 +185,7 @@ def place_frozen_teacher(cfg: Config, network: nn.Module, device: torch.device) 
     dtype = frozen_teacher_dtype(cfg, device)
     if dtype is not None:
         parameters_in(network, dtype)
-    if compiles(cfg):
+    if cfg.hardware.compile is True:
         apply_block_options(getattr(network, "backbone", network), compile=True)
     return network
 

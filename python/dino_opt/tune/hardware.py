@@ -196,8 +196,17 @@ def resolve_hardware(cfg: Config) -> tuple[Config, PresetChoice | None]:
     same values on any machine, and processes given it resolve nothing
     again); and the choice. Without a preset: ``(cfg, None)``.
 
+    ``hardware.compile: null`` (the default) is resolved here too: true where
+    the device is a GPU, false on the CPU (where per-block compilation did
+    not pay: docs/training.md#the-step), so that the run folder says what ran
+    and the tools that rebuild a model from a run's config (k-NN, a frozen
+    teacher, the memory model) never compile it unasked.
+
     Raises :class:`~dino_opt.config.ConfigError` naming the preset when it
     cannot be resolved (e.g. ``hardware.device=cuda`` without CUDA)."""
+    if cfg.hardware.compile is None:
+        on_gpu = cfg.hardware.device != "cpu" and torch.cuda.is_available()
+        cfg = apply_overrides(cfg, [f"hardware.compile={str(on_gpu).lower()}"])
     name = cfg.hardware.preset
     if name == "off":
         return cfg, None
