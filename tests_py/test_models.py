@@ -415,10 +415,12 @@ def test_weight_norm_linear_both_forms_equal_torch_weight_norm_in_float64(rows):
     (out * up).sum().backward()
     (out_ref * up).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(layer.weight_g.grad, ref.parametrizations.weight.original0.grad,
-                               rtol=1e-10, atol=1e-12)  # fmt: skip
-    torch.testing.assert_close(layer.weight_v.grad, ref.parametrizations.weight.original1.grad,
-                               rtol=1e-10, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        layer.weight_g.grad, ref.parametrizations.weight.original0.grad, rtol=1e-10, atol=1e-12
+    )
+    torch.testing.assert_close(
+        layer.weight_v.grad, ref.parametrizations.weight.original1.grad, rtol=1e-10, atol=1e-12
+    )
 
 
 def test_dino_head_batchnorm_and_init():

@@ -20,6 +20,7 @@ from dino_opt.train import (
     DINOv2Terms,
     GramTerm,
     MemoryOptimizedDINOTrainer,
+    StepTerms,
     build_loss,
     build_models,
     build_optimizer,
@@ -348,13 +349,22 @@ def test_the_checker_sees_a_sync(monkeypatch):
 
 # ---------------------------------------------------------------- one step
 
-ENGINE_CALLS = ("train_step_optimized", "optimize_step", "set_schedules", "_backward", "_clip",
-                "discard_accumulation")  # fmt: skip
+ENGINE_CALLS = (
+    "train_step_optimized",
+    "optimize_step",
+    "set_schedules",
+    "_backward",
+    "_clip",
+    "discard_accumulation",
+)
 
 
 def test_every_recipe_runs_the_one_step():
-    trainers = [v for v in vars(train_module).values()
-                if isinstance(v, type) and issubclass(v, MemoryOptimizedDINOTrainer)]  # fmt: skip
+    trainers = [
+        v
+        for v in vars(train_module).values()
+        if isinstance(v, type) and issubclass(v, MemoryOptimizedDINOTrainer)
+    ]
     assert len(trainers) == 5  # the engine, DINOv2, DINOv3 and the two distillations
     for cls in trainers:
         for name in ENGINE_CALLS:
@@ -364,6 +374,8 @@ def test_every_recipe_runs_the_one_step():
     assert type(v3.terms) is DINOv2Terms
     assert [type(t) for t in v3.extra_terms] == [GramTerm]
     assert type(_trainer(TINY).terms) is DINOTerms
+    with pytest.raises(TypeError):  # a recipe's terms must say its student pass and loss
+        StepTerms()
 
 
 class _Recorded(DINOTerms):
@@ -396,9 +408,13 @@ def test_the_engine_calls_the_terms_at_their_boundaries():
     student, teacher = build_models(cfg)
     terms = _Recorded()
     trainer = MemoryOptimizedDINOTrainer(
-        DINOModel(student, teacher, 0.9), build_loss(cfg), build_optimizer(cfg, student, CPU),
-        {"accumulation_steps": 2, "crop_batch_size": 3, "freeze_last_layer": 0}, CPU, terms=terms,
-    )  # fmt: skip
+        DINOModel(student, teacher, 0.9),
+        build_loss(cfg),
+        build_optimizer(cfg, student, CPU),
+        {"accumulation_steps": 2, "crop_batch_size": 3, "freeze_last_layer": 0},
+        CPU,
+        terms=terms,
+    )
     schedules = build_schedules(cfg, 5)
     for it in range(2):
         trainer.set_schedules(schedules, it)
@@ -408,8 +424,19 @@ def test_the_engine_calls_the_terms_at_their_boundaries():
             assert trainer.optimize_step() == (micro == 1)
     # 4 crops in groups of 3: two passes; before at each step's first
     # micro-batch, after once per optimizer step (the teacher updated)
-    assert terms.calls == ["attach", "schedules 0", "before", "passes 2", "passes 2", "after 1",
-                           "schedules 1", "before", "passes 2", "passes 2", "after 2"]  # fmt: skip
+    assert terms.calls == [
+        "attach",
+        "schedules 0",
+        "before",
+        "passes 2",
+        "passes 2",
+        "after 1",
+        "schedules 1",
+        "before",
+        "passes 2",
+        "passes 2",
+        "after 2",
+    ]
 
 
 # ---------------------------------------------------------------- compiled

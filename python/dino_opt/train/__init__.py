@@ -48,7 +48,7 @@ from .distill import (
 )
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
-from .trainer import DINOModel, DINOTerms, MemoryOptimizedDINOTrainer, StepTerms
+from .trainer import DINOModel, DINOTerms, MemoryOptimizedDINOTrainer, StepHooks, StepTerms
 
 __all__ = [
     "DINOModel",
@@ -76,6 +76,7 @@ __all__ = [
     "PatchStudentOutputs",
     "RECIPES",
     "Recipe",
+    "StepHooks",
     "StepTerms",
     "StudentBank",
     "StudentOutputs",

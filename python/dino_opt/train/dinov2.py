@@ -201,8 +201,6 @@ class DINOv2Terms(StepTerms):
     one student pass over the masked global crops and the local crops, and
     :class:`DINOv2Loss`. Crop batching does not apply."""
 
-    needs_masks = True
-
     def __init__(self) -> None:
         self.teacher_temp = 0.04
 
@@ -240,15 +238,18 @@ class DINOv2Terms(StepTerms):
 
     def student(self, trainer, inputs, views):
         crops, info = inputs
-        return trainer.model.student(crops, masks=info["collated_masks"],
-                                     mask_indices=info["mask_indices_list"])  # fmt: skip
+        return trainer.model.student(
+            crops, masks=info["collated_masks"], mask_indices=info["mask_indices_list"]
+        )
 
     def loss(self, trainer, out, targets, inputs, views, last):
         loss, parts = trainer.loss_fn(out, targets, inputs[1])
         if trainer.capture_outputs:
-            trainer.captured.update(teacher_logits=targets.cls_logits,
-                                    student_logits=out.global_logits.detach().float(),
-                                    teacher_temp=self.teacher_temp)  # fmt: skip
+            trainer.captured.update(
+                teacher_logits=targets.cls_logits,
+                student_logits=out.global_logits.detach().float(),
+                teacher_temp=self.teacher_temp,
+            )
         return loss, parts
 
 
@@ -260,5 +261,12 @@ class DINOv2Trainer(MemoryOptimizedDINOTrainer):
     temperature is the schedule's of the iteration (``set_schedules``)."""
 
     def __init__(self, model, loss_fn, optimizer, config, device, *, terms=None, extra_terms=()):
-        super().__init__(model, loss_fn, optimizer, config, device,
-                         terms=terms or DINOv2Terms(), extra_terms=extra_terms)  # fmt: skip
+        super().__init__(
+            model,
+            loss_fn,
+            optimizer,
+            config,
+            device,
+            terms=terms or DINOv2Terms(),
+            extra_terms=extra_terms,
+        )

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from ..ops import Schedules
 from ..ops.gram_loss import GramLoss
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
-from .trainer import StepTerms
+from .trainer import StepHooks
 
 __all__ = ["DINOv3Loss", "DINOv3Trainer", "GramOptions", "GramTeacher", "GramTerm", "refresh_due"]
 
@@ -252,7 +252,7 @@ class DINOv3Loss(DINOv2Loss):
         return total + self.gram_weight * gram, parts
 
 
-class GramTerm(StepTerms):
+class GramTerm(StepHooks):
     """Gram anchoring as an extra term of the one step (added to
     :class:`~dino_opt.train.DINOv2Terms`): the Gram teacher's patch tokens of
     the global crops in the targets (once it has weights), the loss's weight
@@ -299,5 +299,6 @@ class DINOv3Trainer(DINOv2Trainer):
 
     def __init__(self, model, loss_fn, optimizer, config, device):
         self.gram_teacher = loss_fn.gram_teacher
-        super().__init__(model, loss_fn, optimizer, config, device,
-                         extra_terms=(GramTerm(self.gram_teacher),))  # fmt: skip
+        super().__init__(
+            model, loss_fn, optimizer, config, device, extra_terms=(GramTerm(self.gram_teacher),)
+        )

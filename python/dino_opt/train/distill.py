@@ -423,8 +423,9 @@ class FeatureDistillTerms(StepTerms):
         if not isinstance(bank, StudentBank):
             return [params]
         ids = {id(p) for p in params}
-        return [[p for p in member.parameters() if id(p) in ids]
-                for member in bank.members.values()]  # fmt: skip
+        return [
+            [p for p in member.parameters() if id(p) in ids] for member in bank.members.values()
+        ]
 
 
 class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):

@@ -24,6 +24,7 @@ engine owns the rest:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,14 @@ from ..ops import EMATeacher, Schedules
 from ..runtime import no_sync, replicated, resolve_precision
 from .param_groups import param_groups
 
-__all__ = ["DINOModel", "DINOTerms", "MemoryOptimizedDINOTrainer", "StepTerms", "param_groups"]
+__all__ = [
+    "DINOModel",
+    "DINOTerms",
+    "MemoryOptimizedDINOTrainer",
+    "StepHooks",
+    "StepTerms",
+    "param_groups",
+]
 
 
 class DINOModel(nn.Module):
@@ -77,47 +85,20 @@ def _backbone_params(student: nn.Module) -> list[nn.Parameter]:
             if n.removeprefix("module.").startswith("backbone.")]  # fmt: skip
 
 
-class StepTerms:
-    """A recipe's part of the one step (:class:`MemoryOptimizedDINOTrainer`):
-    what it feeds the networks, its teacher targets, its student passes and
-    its loss. Everything else (autocast, accumulation, DDP's all-reduce on
-    the last pass, clipping, the optimizer step, the EMA, the schedules) is
-    the engine's, written once. Each hook gets the trainer. Extra terms (the
-    engine's ``extra_terms``: DINOv3's Gram term) add to the targets and
-    follow the schedules and step boundaries; the main terms do the rest."""
-
-    #: whether ``train_step_optimized`` needs the global crops' ``masks``
-    needs_masks = False
+class StepHooks:
+    """What every part of the one step (:class:`MemoryOptimizedDINOTrainer`)
+    may add: a check of the trainer's config, its targets, its scheduled
+    values and its work at the optimizer steps' boundaries; each hook gets
+    the trainer and does nothing by default. Extra terms (the engine's
+    ``extra_terms``: DINOv3's Gram term) are these hooks alone."""
 
     def attach(self, trainer: MemoryOptimizedDINOTrainer) -> None:
         """Called once by the trainer's constructor (checks its config)."""
-
-    def inputs(self, trainer, crops: Sequence[torch.Tensor], masks: torch.Tensor | None):
-        """The micro-batch on the device (host-side work first)."""
-        return trainer.to_device(crops)
 
     def targets(self, trainer, inputs, targets=None):
         """The teacher's side, run under ``no_grad``; an extra term gets the
         main terms' ``targets`` and returns them with its own added."""
         return targets
-
-    def passes(self, trainer, inputs) -> list:
-        """The student passes of a micro-batch, each run forward and backward
-        on its own (only one pass's activations alive at a time)."""
-        return [None]
-
-    def student(self, trainer, inputs, views):
-        """The student's forward of one pass (under autocast)."""
-        raise NotImplementedError
-
-    def loss(self, trainer, out, targets, inputs, views, last: bool) -> tuple[torch.Tensor, dict]:
-        """One pass's loss and its detached parts; ``last``: the micro-batch's
-        last pass (where running statistics such as a center update)."""
-        raise NotImplementedError
-
-    def clip_groups(self, trainer, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """The parameter groups clipped each to its own norm (one by default)."""
-        return [params]
 
     def set_schedules(self, trainer, schedules: Schedules, iteration: int) -> None:
         """The recipe's scheduled values of ``iteration`` (beyond lr and wd)."""
@@ -127,6 +108,35 @@ class StepTerms:
 
     def after_step(self, trainer) -> None:
         """After an optimizer step (the teacher updated)."""
+
+
+class StepTerms(StepHooks, ABC):
+    """A recipe's part of the one step: what it feeds the networks, its
+    teacher targets, its student passes and its loss. Everything else
+    (autocast, accumulation, DDP's all-reduce on the last pass, clipping, the
+    optimizer step, the EMA, the schedules) is the engine's, written once."""
+
+    def inputs(self, trainer, crops: Sequence[torch.Tensor], masks: torch.Tensor | None):
+        """The micro-batch on the device (host-side work first)."""
+        return trainer.to_device(crops)
+
+    def passes(self, trainer, inputs) -> list:
+        """The student passes of a micro-batch, each run forward and backward
+        on its own (only one pass's activations alive at a time)."""
+        return [None]
+
+    @abstractmethod
+    def student(self, trainer, inputs, views):
+        """The student's forward of one pass (under autocast)."""
+
+    @abstractmethod
+    def loss(self, trainer, out, targets, inputs, views, last: bool) -> tuple[torch.Tensor, dict]:
+        """One pass's loss and its detached parts; ``last``: the micro-batch's
+        last pass (where running statistics such as a center update)."""
+
+    def clip_groups(self, trainer, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """The parameter groups clipped each to its own norm (one by default)."""
+        return [params]
 
 
 class DINOTerms(StepTerms):
@@ -171,8 +181,11 @@ class DINOTerms(StepTerms):
         if trainer.capture_outputs:  # the global views' rows, in view order
             b = inputs[0].shape[0]
             views = range(len(inputs)) if views is None else views
-            rows = [out[i * b : (i + 1) * b].detach()
-                    for i, v in enumerate(views) if v < trainer.n_global]  # fmt: skip
+            rows = [
+                out[i * b : (i + 1) * b].detach()
+                for i, v in enumerate(views)
+                if v < trainer.n_global
+            ]
             captured = trainer.captured
             captured.setdefault("student_parts", []).extend(rows)
             if last:
@@ -192,7 +205,8 @@ class MemoryOptimizedDINOTrainer:
     ``freeze_last_layer`` (epochs, 1), ``freeze_backbone`` (epochs the
     student's backbone is not updated while its heads warm up, 0),
     ``n_global`` (teacher views, 2). ``terms``: the recipe's part of the step
-    (:class:`StepTerms`; DINO's by default), ``extra_terms`` added to it.
+    (:class:`StepTerms`; DINO's by default), ``extra_terms`` added to it
+    (:class:`StepHooks`).
     """
 
     def __init__(
@@ -204,7 +218,7 @@ class MemoryOptimizedDINOTrainer:
         device: torch.device,
         *,
         terms: StepTerms | None = None,
-        extra_terms: Sequence[StepTerms] = (),
+        extra_terms: Sequence[StepHooks] = (),
     ):
         self.model = model
         self.loss_fn = loss_fn
@@ -244,7 +258,7 @@ class MemoryOptimizedDINOTrainer:
             t.attach(self)
 
     @property
-    def _all_terms(self) -> tuple[StepTerms, ...]:
+    def _all_terms(self) -> tuple[StepHooks, ...]:
         return (self.terms, *self.extra_terms)
 
     def _enable_gradient_checkpointing(self) -> None:
