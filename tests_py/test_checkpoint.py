@@ -2,6 +2,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import signal
@@ -22,6 +23,7 @@ from dino_opt.checkpoint import (
 )
 from dino_opt.checkpoint import files as ckpt
 from dino_opt.runtime import GracefulStop
+from torch.distributed.checkpoint.metadata import Metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -610,7 +612,7 @@ def _sharded_folder(manager: CheckpointManager, epoch: int, step: int) -> Path:
     partial.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(os.urandom(1000))
     (partial / "__1_0.distcp").write_bytes(os.urandom(900))
-    (partial / ".metadata").write_bytes(os.urandom(100))
+    (partial / ".metadata").write_bytes(pickle.dumps(Metadata({}, storage_data={})))
     torch.save({"step": step}, partial / "extra.pt")
     return partial
 
@@ -622,7 +624,7 @@ def test_sharded_checkpoints_are_published_verified_rotated_and_cleaned(tmp_path
         assert path.name == f"checkpoint-e0000-s{step:08d}.dcp" and path.is_dir()
     records = manager.checkpoints()
     assert [r.step for r in records] == [2, 3]  # the oldest folder rotated away
-    assert records[-1].size == 2000 + len((path / "extra.pt").read_bytes())
+    assert records[-1].size == sum(p.stat().st_size for p in path.iterdir())
     assert manager.verify(path) and manager.load(path, tensors=False) == {"step": 3}
     (path / "__1_0.distcp").write_bytes(b"short")
     assert "__1_0.distcp has 5 bytes" in manager.verify_reason(path)

@@ -1,6 +1,7 @@
 """Checkpoint storage: atomic files, the manager, the background writers (one file, or
 sharded through torch.distributed.checkpoint), RNG state."""
 
+from .description import RefusedCheckpointError
 from .files import CheckpointWriteError, atomic_write, fsync_dir
 from .manager import CheckpointManager, CheckpointRecord
 from .sharded import is_sharded_checkpoint, load_shards, read_sharded
@@ -12,6 +13,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointRecord",
     "CheckpointWriteError",
+    "RefusedCheckpointError",
     "ShardedCheckpointWriter",
     "atomic_write",
     "capture_rng_state",

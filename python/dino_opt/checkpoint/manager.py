@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 
+from .description import RefusedCheckpointError
 from .files import (
     CheckpointWriteError,
     _file_sha256,
@@ -584,7 +585,10 @@ class CheckpointManager:
         unpickling instead (trusted files only). A sharded checkpoint (a
         ``.dcp`` folder) is read whole into CPU tensors, or with
         ``tensors=False`` only its small state (a sharded run then loads its
-        shards in place: :func:`~dino_opt.checkpoint.sharded.load_shards`)."""
+        shards in place: :func:`~dino_opt.checkpoint.sharded.load_shards`).
+        A sharded checkpoint whose description or values name code raises
+        :class:`~dino_opt.checkpoint.description.RefusedCheckpointError`
+        (a ValueError, never wrapped, never run)."""
         path = Path(path)
         sharded = path.name.endswith(SHARDED_SUFFIX) and path.is_dir()
         if verify:
@@ -598,6 +602,8 @@ class CheckpointManager:
                 state = read_sharded(path, tensors=tensors)
             else:
                 state = self._torch_load(path, map_location, allow_pickle)
+        except RefusedCheckpointError:
+            raise
         except Exception as e:
             raise ValueError(
                 f"checkpoint {str(path)!r} cannot be loaded: {type(e).__name__}: {e}"
@@ -612,13 +618,18 @@ class CheckpointManager:
         """The newest checkpoint that verifies and loads, as ``(state, path)``;
         None when there is none. Each newer checkpoint skipped (corrupt,
         truncated, unrecorded, unloadable) is reported with ``warnings.warn``
-        naming the file and the reason. ``tensors``: as for :meth:`load`."""
+        naming the file and the reason. ``tensors``: as for :meth:`load`.
+        A checkpoint refused for naming code
+        (:class:`~dino_opt.checkpoint.description.RefusedCheckpointError`)
+        ends the search: it is raised, not skipped."""
         for record in reversed(self.checkpoints()):
             try:
                 state = self.load(
                     record.path, map_location, allow_pickle=allow_pickle, tensors=tensors
                 )
                 return state, record.path
+            except RefusedCheckpointError:
+                raise  # someone's forgery, not a torn save: no fallback hides it
             except (ValueError, OSError) as e:
                 warnings.warn(f"{e}; falling back to an older checkpoint", stacklevel=2)
         return None

@@ -23,6 +23,9 @@ again); ``torch.distributed.checkpoint`` fails on a shard it cannot read.
 ``dino-opt export``, ``knn`` and ``report`` need); a sharded run loads its
 shards in place on every rank instead (:func:`load_shards`), at any world
 size: the checkpoint's description lets each rank read the pieces it needs.
+Neither unpickles anything but the classes a description is made of
+(:mod:`dino_opt.checkpoint.description`): a folder is read without
+running any of its bytes, whoever wrote it and its records.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .description import DescribedReader, WeightsOnlyPlanner, one_line_failures, read_description
 from .files import atomic_write
 
 __all__ = [
@@ -140,20 +143,27 @@ def read_sharded(folder: str | os.PathLike, *, tensors: bool = True) -> dict:
     whole CPU tensors (keyed by parameter name, the optimizer's by name too).
     A part kept partly in each (the loss: its small state in ``extra.pt``,
     its frozen networks' weights as shards) comes back as one dict, as a
-    single-file checkpoint holds it."""
+    single-file checkpoint holds it. Without ``tensors`` the description is
+    still read and checked, so that a run never loads its shards from a
+    folder whose description names code."""
     folder = Path(folder)
     state = _read_extra(folder)
+    metadata = read_description(folder / METADATA_NAME)  # checked before any shard is read
     if not tensors:
         return state
-    reader = FileSystemReader(folder)
-    metadata = reader.read_metadata()
     flat: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         is_tensor = isinstance(meta, TensorStorageMetadata)
         flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if is_tensor else None
     with warnings.catch_warnings():  # "no process group: loading in one process" is the point
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, storage_reader=reader, no_dist=True)
+        with one_line_failures(folder):
+            dcp.load(
+                flat,
+                storage_reader=DescribedReader(folder, metadata),
+                planner=WeightsOnlyPlanner(folder),
+                no_dist=True,
+            )
     for key, value in _nest(flat, dict(metadata.planner_data or {})).items():
         if isinstance(value, dict) and isinstance(state.get(key), dict):
             value = {**state[key], **value}
@@ -164,5 +174,14 @@ def read_sharded(folder: str | os.PathLike, *, tensors: bool = True) -> dict:
 def load_shards(folder: str | os.PathLike, state: dict, process_group=None) -> None:
     """Collective: fills ``state`` (sharded state dicts, e.g. of
     ``torch.distributed.checkpoint.state_dict.get_model_state_dict``) in place
-    from ``folder``, whatever the world size that wrote it."""
-    dcp.load(state, checkpoint_id=os.fspath(folder), process_group=process_group)
+    from ``folder``, whatever the world size that wrote it. The description
+    and the non-tensor values are read as :mod:`.description` says: a
+    checkpoint naming any other code is refused (ValueError naming the file)."""
+    metadata = read_description(Path(folder) / METADATA_NAME)
+    with one_line_failures(folder):
+        dcp.load(
+            state,
+            storage_reader=DescribedReader(folder, metadata),
+            planner=WeightsOnlyPlanner(folder),
+            process_group=process_group,
+        )

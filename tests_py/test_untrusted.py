@@ -1,0 +1,189 @@
+"""Nothing a stranger's file can do: a sharded checkpoint whose description
+(or a value) names code is refused in one line by every reader, behind
+records rewritten to match its bytes, and nothing of it runs."""
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dino_opt.checkpoint import CheckpointManager, RefusedCheckpointError, read_sharded
+from dino_opt.checkpoint.description import read_description
+from dino_opt.checkpoint.sharded import manifest
+from dino_opt.cli import main
+from dino_opt.data import builtin_dataset
+from forked import run_cli
+from tiny import TINY, ranks_env, train_args
+
+
+class _Touch:
+    """Unpickling it runs ``touch MARKER``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rerecord(folder: Path) -> None:
+    """The records of every sharded checkpoint of ``folder`` (its sidecars and
+    index) rewritten to match the bytes now there, as a forger would."""
+    manager = CheckpointManager(folder)
+    index = json.loads(manager.index_path.read_text())
+    for record in manager.checkpoints():
+        sha, size, files = manifest(record.path)
+        entry = {**record.to_json(), "sha256": sha, "size": size, "files": files}
+        manager.sidecar_path(record.path).write_text(json.dumps(entry) + "\n")
+        for e in index["checkpoints"]:
+            if e["file"] == record.path.name:
+                e.update(entry)
+    manager.index_path.write_text(json.dumps(index))
+    assert all(manager.verify(r.path) for r in manager.checkpoints())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return builtin_dataset(tmp_path_factory.mktemp("data") / "builtin", train_per_class=4,
+                           val_per_class=1, test_per_class=0, image_size=40)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sharded_run(data, tmp_path_factory):
+    """A run of one epoch sharded with FSDP on 2 gloo ranks."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    extra = ("data.num_workers=1", "data.batch_size=4", "logging.tensorboard=false",
+             "logging.profile=false", "distributed.strategy=fsdp", "schedule.epochs=1",
+             "schedule.warmup_epochs=0")  # fmt: skip
+    done = run_cli(train_args(out, data / "train", *TINY, *extra, nproc=2), ranks_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+@pytest.fixture
+def forged(sharded_run, tmp_path):
+    """A copy of the sharded run whose every checkpoint's ``.metadata``
+    would create ``tmp_path/MARKER`` when unpickled, its records matching."""
+    run = tmp_path / "forged"
+    shutil.copytree(sharded_run, run)
+    marker = tmp_path / "MARKER"
+    for folder in (run / "checkpoints").glob("*.dcp"):
+        (folder / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    _rerecord(run / "checkpoints")
+    return run, marker
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """``dino-opt ARGV`` ends with exit status 2 and one line on stderr; that line."""
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_forged_description_is_refused_in_one_line_and_never_run(forged):
+    run, marker = forged
+    manager = CheckpointManager(run / "checkpoints")
+    newest = manager.checkpoints()[-1].path
+    with pytest.raises(RefusedCheckpointError, match=r"\.metadata' names the global posix.system"):
+        manager.load(newest)
+    for tensors in (True, False):  # the tools' read, and a sharded run's before its shards
+        with pytest.raises(RefusedCheckpointError):
+            read_sharded(newest, tensors=tensors)
+    with pytest.raises(RefusedCheckpointError):  # no fallback to an older (forged) one
+        manager.load_latest()
+    assert not marker.exists()
+
+
+def test_every_reader_refuses_a_forged_run(forged, data, tmp_path, capsys):
+    run, marker = forged
+    image = next((data / "val").rglob("*.jpg"))
+    commands = [
+        ["embed", str(run), str(data / "val"), "-o", str(tmp_path / "e.npy")],
+        ["knn", "--checkpoint", str(run), "--data", str(data), "--device", "cpu"],
+        ["export", str(run), "--format", "timm", "--output", str(tmp_path / "x.safetensors")],
+        ["export", str(run), "--format", "onnx", "--output", str(tmp_path / "x.onnx")],
+        ["show", "pca", str(run), str(image), "--output-dir", str(tmp_path / "pictures")],
+        ["eval", "linear", str(run), "--data", str(data), "--device", "cpu"],
+        # resume, continued pretraining, a distillation's teacher
+        ["train", "--output-dir", str(run), "--quiet", "checkpoint.resume=auto"],
+        ["train", "--adapt", str(run), "--output-dir", str(tmp_path / "adapted"), "--quiet",
+         f"data.root={data / 'train'}", "hardware.device=cpu", "data.batch_size=8"],
+        ["train", "--output-dir", str(tmp_path / "distilled"), "--quiet",
+         f"data.root={data / 'train'}", "hardware.device=cpu", "data.batch_size=8",
+         "recipe.name=distill", f"recipe.distill_teacher={run}"],
+    ]  # fmt: skip
+    for argv in commands:
+        line = _refused(capsys, argv)
+        assert "names the global posix.system" in line and ".metadata" in line, (argv, line)
+    # the report lists each checkpoint as skipped, with the refusal as the reason
+    capsys.readouterr()
+    assert main(["report", str(run), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]["checkpoints"]
+    assert rows and all("names the global posix.system" in r["reason"] for r in rows)
+    assert not marker.exists()
+
+
+def test_a_value_naming_code_is_refused(tmp_path):
+    """A non-tensor value of the shards (what the optimizer's param_groups
+    are) read with weights_only: one naming code is refused, never run."""
+    folder = tmp_path / "checkpoint-e0000-s00000001.dcp"
+    marker = tmp_path / "MARKER"
+    with pytest.warns(UserWarning, match="save in a single process"):
+        dcp.save({"w": torch.ones(3), "lr": _Touch(marker)}, checkpoint_id=folder, no_dist=True)
+    torch.save({"step": 1}, folder / "extra.pt")
+    assert not marker.exists()  # saving pickles it; only unpickling would run it
+    with pytest.raises(RefusedCheckpointError, match="'lr'.*not plain data"):
+        read_sharded(folder)
+    assert not marker.exists()
+
+
+def test_a_real_description_reads_as_torch_reads_it(sharded_run):
+    newest = CheckpointManager(sharded_run / "checkpoints").checkpoints()[-1].path
+    ours = read_description(newest / ".metadata")
+    with open(newest / ".metadata", "rb") as f:
+        theirs = pickle.load(f)  # our own run's file: trusted here, to compare
+    assert ours == theirs
+    state = read_sharded(newest)
+    assert state["step"] == 5 and state["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "cannot be read: EOFError"),
+        (b"\x80\x04K\x01.", "holds a int"),
+        (pickle.dumps({"state_dict_metadata": {}}), "holds a dict"),
+        (pickle.dumps(io.BytesIO()), "names the global _io.BytesIO"),
+        (pickle.dumps(print), "names the global builtins.print"),
+    ],
+)
+def test_malformed_descriptions_are_one_line(tmp_path, content, message):
+    path = tmp_path / ".metadata"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as e:
+        read_description(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_piece_outside_the_folder_is_refused(sharded_run, tmp_path):
+    """A description whose pieces lie in a file outside its folder."""
+    newest = CheckpointManager(sharded_run / "checkpoints").checkpoints()[-1].path
+    metadata = read_description(newest / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../elsewhere.distcp"
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match="is stored in '../../elsewhere.distcp', not a file of"):
+        read_description(path)
