@@ -1,6 +1,9 @@
 """Networks of a user's own, named by the distillation tests as
 ``own_nets:FUNCTION`` students (``package.module:function``)."""
 
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -37,3 +40,9 @@ def not_a_module():
 
 def fails():
     raise RuntimeError("no weights here")
+
+
+def noted_cnn() -> nn.Module:
+    """:func:`small_cnn`, its call noted: the file ``$OWN_NETS_NOTE`` is created."""
+    Path(os.environ["OWN_NETS_NOTE"]).touch()
+    return small_cnn()

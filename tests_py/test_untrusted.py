@@ -1,6 +1,8 @@
 """Nothing a stranger's file can do: a sharded checkpoint whose description
 (or a value) names code is refused in one line by every reader, behind
-records rewritten to match its bytes, and nothing of it runs."""
+records rewritten to match its bytes, and nothing of it runs; a network
+that a checkpoint's config names as package.module:function is built only
+with the user's --trust-code."""
 
 import io
 import json
@@ -16,7 +18,10 @@ from dino_opt.checkpoint import CheckpointManager, RefusedCheckpointError, read_
 from dino_opt.checkpoint.description import read_description
 from dino_opt.checkpoint.sharded import manifest
 from dino_opt.cli import main
+from dino_opt.config import apply_overrides, default_config
 from dino_opt.data import builtin_dataset
+from dino_opt.train import build_models
+from dino_opt.weights import open_teacher
 from forked import run_cli
 from tiny import TINY, ranks_env, train_args
 
@@ -187,3 +192,53 @@ def test_a_piece_outside_the_folder_is_refused(sharded_run, tmp_path):
     path.write_bytes(pickle.dumps(metadata))
     with pytest.raises(ValueError, match="is stored in '../../elsewhere.distcp', not a file of"):
         read_description(path)
+
+
+# ------------------------------------------------------- code named in a config
+
+
+@pytest.fixture
+def own_net_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint whose config names its student ``own_nets:noted_cnn``
+    (a distillation's), which notes each call by creating NOTE."""
+    note = tmp_path / "NOTE"
+    monkeypatch.setenv("OWN_NETS_NOTE", str(note))
+    own = [
+        "recipe.name=distill",
+        f"recipe.distill_teacher={tmp_path / 'teacher'}",
+        "model.backbone=own_nets:noted_cnn",
+        "model.patch_size=16",
+        "model.trust_code=true",
+    ]
+    cfg = apply_overrides(default_config(), [*TINY, *own])
+    student, teacher = build_models(cfg)
+    path = tmp_path / "checkpoint.pth"
+    state = {"student": student.state_dict(), "teacher": teacher.state_dict(),
+             "config": cfg.to_dict()}  # fmt: skip
+    torch.save(state, path)
+    note.unlink()
+    return path, note
+
+
+def test_code_a_checkpoint_names_runs_only_with_trust_code(own_net_checkpoint, data, capsys):
+    path, note = own_net_checkpoint
+    argv = ["knn", "--checkpoint", str(path), "--data", str(data), "--device", "cpu"]
+    line = _refused(capsys, argv)
+    assert line == (
+        f"dino-opt knn: error: checkpoint {str(path)!r}: its config names "
+        "model.backbone='own_nets:noted_cnn', which would import own_nets and call noted_cnn(); "
+        "code named in a file being read is not run unless you allow it: --trust-code (or "
+        "model.trust_code=true in your config)"
+    )  # the file's own model.trust_code=true counts for nothing
+    assert not note.exists()
+    capsys.readouterr()
+    assert main([*argv, "--trust-code"]) == 0
+    assert note.exists() and json.loads(capsys.readouterr().out)["n_val"] == 10
+
+
+def test_a_teacher_run_naming_code_needs_trust_code(own_net_checkpoint, data, tmp_path):
+    """A distillation through heads opens its teacher's run by its config."""
+    path, note = own_net_checkpoint
+    with pytest.raises(ValueError, match=r"recipe.distill_teacher=.*own_nets:noted_cnn.*--trust"):
+        open_teacher(path, heads=True)
+    assert not note.exists()

@@ -235,6 +235,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.config is not None and args.demo is not None:
         raise ValueError("give --config or --demo, not both")
     adapt = [o.format(weights=args.adapt) for o in ADAPT_OVERRIDES] if args.adapt else []
+    adapt += ["model.trust_code=true"] if args.trust_code else []
     cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], adapt + args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -422,7 +423,8 @@ def _memory_model(args: argparse.Namespace) -> int:
         reader = weights_reader()
         config = resolve_recipe(config, reader)  # e.g. the teacher's feature width
         r = config.recipe
-        teacher = reader.open_teacher(r.distill_teacher, r.distill_mode == "heads").network
+        heads = r.distill_mode == "heads"
+        teacher = reader.open_teacher(r.distill_teacher, heads, config.model.trust_code).network
     rows = memory_table(
         args.arch, tuple(args.world), tuple(args.strategy), tuple(args.checkpointing),
         batch_size=args.batch, reshard_after_forward=args.reshard_after_forward == "on",
@@ -486,7 +488,8 @@ def _knn(args: argparse.Namespace) -> int:
                                   **given)  # fmt: skip
     else:
         result = evaluate_checkpoint(args.checkpoint, data=args.data, device=args.device,
-                                     which=args.which, **options)  # fmt: skip
+                                     which=args.which, trust_code=args.trust_code,
+                                     **options)  # fmt: skip
     print(json.dumps(result, indent=2))
     return 0
 
@@ -610,6 +613,12 @@ def _add_train(sub) -> None:
         action="store_true",
         help="on a failure, the traceback and torch's launcher logs too",
     )
+    t.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="model.trust_code=true: build a network a distillation teacher's run config "
+        "names as package.module:function",
+    )
     t.add_argument("overrides", nargs="*", help="key=value, e.g. data.batch_size=32")
     t.set_defaults(run=_train)
 
@@ -698,6 +707,12 @@ def _add_knn(sub) -> None:
     k.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     k.add_argument(
         "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
+    )
+    k.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="--checkpoint: build a network its config names as package.module:function "
+        "(imports and calls it)",
     )
     k.set_defaults(run=_knn)
 

@@ -27,7 +27,15 @@ from .load import (
     resolve_config_path,
     save_config,
 )
-from .names import BACKBONE_NAMES, EXTERNAL_FORMS, external_name_problem, is_external, student_key
+from .names import (
+    BACKBONE_NAMES,
+    EXTERNAL_FORMS,
+    external_name_problem,
+    is_external,
+    names_code,
+    refuse_code,
+    student_key,
+)
 from .presets import PRESET_KEYS, PRESET_NAMES, PRESETS, HardwarePreset, preset_for_memory
 from .schema import Config, default_config, validate
 
@@ -67,5 +75,7 @@ __all__ = [
     "validate",
     "external_name_problem",
     "is_external",
+    "names_code",
+    "refuse_code",
     "student_key",
 ]

@@ -1,11 +1,9 @@
 """The configuration's fields: one dataclass per section, each field with its
-help, default and allowed values, and the per-key specs derived from them."""
+help, default and allowed values (the per-key specs derived from them are
+:mod:`dino_opt.config.specs`')."""
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,6 +238,12 @@ class ModelConfig:
         "weights a fresh run starts from (continued pretraining): a timm or Hugging Face "
         "export, an original DINO file, a dino_opt checkpoint or run folder",
         check="nonempty",
+    )
+    trust_code: bool = _opt(
+        False,
+        "import and call a network named package.module:function in a file being read (a "
+        "distillation teacher's run config; dino-opt knn --checkpoint's), as --trust-code "
+        "does; never read from such a file itself",
     )
 
 
@@ -752,49 +756,3 @@ _ALIASES: dict[str, dict[str, tuple[str, dict[Any, Any]]]] = {
         "grad_checkpointing": ("activation_checkpointing", {True: "full", False: "none"}),
     },
 }
-
-
-# ---------------------------------------------------------------------------
-# Field types and per-field checks
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Spec:
-    kind: str  # "int", "float", "bool", "str", "pair", "sizes" (int or ints), "floats", "names"
-    attr: str  # the dataclass attribute (the key, unless that is a Python keyword)
-    optional: bool
-    meta: typing.Mapping[str, Any]
-    default: Any
-
-
-def _spec_of(tp: Any) -> tuple[str, bool]:
-    """The kind of a field's annotation and whether it may be None."""
-    optional = False
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        if args == [int, tuple[int, ...]]:
-            return "sizes", optional  # an int, or a list of them
-        (tp,) = args
-    if typing.get_origin(tp) is tuple:
-        if typing.get_args(tp) == (str, ...):
-            return "names", optional  # a list of strings, possibly empty
-        return ("floats" if ... in typing.get_args(tp) else "pair"), optional
-    kinds = {int: "int", float: "float", bool: "bool", str: "str"}
-    return kinds[tp], optional
-
-
-def _build_specs() -> dict[str, dict[str, _Spec]]:
-    specs: dict[str, dict[str, _Spec]] = {}
-    for name, cls in _SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        specs[name] = {}
-        for f in dataclasses.fields(cls):
-            kind, optional = _spec_of(hints[f.name])
-            key = f.metadata.get("key") or f.name
-            specs[name][key] = _Spec(kind, f.name, optional, f.metadata, f.default)
-    return specs
-
-
-_SPECS = _build_specs()

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..checkpoint import atomic_write, fsync_dir
-from .fields import _ALIASES, _SECTIONS, _SPECS, ConfigError
+from .fields import _ALIASES, _SECTIONS, ConfigError
 from .schema import (
     Config,
     _from_dict,
@@ -24,6 +24,7 @@ from .schema import (
     alias_value,
     validate,
 )
+from .specs import _SPECS
 
 __all__ = [
     "RECIPES_DIR",

@@ -7,6 +7,13 @@ the user's own, by source (what :mod:`dino_opt.models.external` builds):
 
 Only the spelling is checked here; whether the network exists and what it
 gives is checked when it is built, before any training.
+
+A ``package.module:function`` name imports that module (running its
+import-time code) and calls the function: :func:`refuse_code` refuses one
+named in a file being read (a checkpoint's or a run's config) unless the
+user allowed it (``--trust-code``, or ``model.trust_code`` in the config
+they gave); ``timm:`` and ``torchvision:`` names build those libraries'
+own models and import nothing else.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ __all__ = [
     "BackboneNames",
     "external_name_problem",
     "is_external",
+    "names_code",
+    "refuse_code",
     "student_key",
 ]
 
@@ -47,6 +56,32 @@ def external_name_problem(name: str) -> str | None:
     if not _MODULE.fullmatch(source) or not _NAME.fullmatch(what):
         return f"{name!r} is not {EXTERNAL_FORMS}"
     return None
+
+
+def names_code(name: str) -> bool:
+    """Whether the backbone ``name`` imports code of its own
+    (``package.module:function``, not a built-in, timm or torchvision name)."""
+    return is_external(name) and name.partition(":")[0] not in ("timm", "torchvision")
+
+
+def refuse_code(cfg, where: str, trust_code: bool) -> None:
+    """ValueError (one line, naming ``where``, the file the config ``cfg``
+    was read from) when ``cfg`` names a network of code of its own
+    (``model.backbone``, ``recipe.distill_students``) and the user did not
+    allow it (``trust_code``: what they gave, never the file's own
+    ``model.trust_code``)."""
+    if trust_code:
+        return
+    named = [("model.backbone", cfg.model.backbone)]
+    named += [("recipe.distill_students", n) for n in cfg.recipe.distill_students]
+    for key, name in named:
+        if names_code(name):
+            module, _, function = name.partition(":")
+            raise ValueError(
+                f"{where}: its config names {key}={name!r}, which would import {module} and "
+                f"call {function}(); code named in a file being read is not run unless you "
+                "allow it: --trust-code (or model.trust_code=true in your config)"
+            )
 
 
 class BackboneNames(tuple):

@@ -13,7 +13,6 @@ from typing import Any
 from .fields import (
     _ALIASES,
     _SECTIONS,
-    _SPECS,
     RECIPE_NEEDS,
     AugmentationConfig,
     CheckpointConfig,
@@ -29,9 +28,9 @@ from .fields import (
     OptimConfig,
     RecipeConfig,
     ScheduleConfig,
-    _Spec,
 )
 from .names import is_external, student_key
+from .specs import _SPECS, _Spec
 
 __all__ = ["Config", "default_config", "validate"]
 

@@ -22,7 +22,7 @@ from PIL import Image
 from torch import nn
 
 from ..checkpoint import CheckpointManager
-from ..config import Config
+from ..config import Config, refuse_code
 from ..data import segmentation_splits, source_exists
 from ..models import eval_mode
 from ..observe import RunFolder, RunLog
@@ -95,6 +95,7 @@ def evaluate_checkpoint(
     temperature: float | None = None,
     device: str = "auto",
     which: str = "teacher",
+    trust_code: bool = False,
 ) -> dict:
     """k-NN top-1/top-5 of the backbone of a training checkpoint (``which``:
     its teacher or student) on ``data/train`` vs ``data/val``, and vs
@@ -103,7 +104,9 @@ def evaluate_checkpoint(
     Defaults come from the checkpoint's config, as the training job used
     them: the data of :func:`~dino_opt.train.data_roots`, ``image_size`` the
     global crop size, ``k`` and ``temperature`` its ``eval`` section; so the
-    teacher's top-1 equals the run's ``knn_top1_trained`` on the same device."""
+    teacher's top-1 equals the run's ``knn_top1_trained`` on the same device.
+    A network the checkpoint's config names as ``package.module:function``
+    is built (its code imported and called) only with ``trust_code``."""
     if which not in ("teacher", "student"):
         raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
     ckpt = load_checkpoint(path, keys=(which, "config"))
@@ -111,6 +114,7 @@ def evaluate_checkpoint(
         cfg = Config.from_dict(ckpt["config"])
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"checkpoint {str(path)!r}: its config is not valid: {e}") from e
+    refuse_code(cfg, f"checkpoint {str(path)!r}", trust_code)
     roots = _eval_roots(cfg, data)
     student, teacher = build_models(cfg)
     model = teacher if which == "teacher" else student

@@ -45,7 +45,8 @@ PROFILE_PHASES = ("data_wait", "forward_backward", "optimizer_step")
 # where things go and how they are reported, not what is computed (the loader
 # gives the same batches whatever its thread count).
 _RESUME_MAY_DIFFER = ("logging.", "checkpoint.", "health.", "eval.", "hardware.device",
-                      "hardware.preset", "model.init_from", "distributed.", "debug.",
+                      "hardware.preset", "model.init_from", "model.trust_code", "distributed.",
+                      "debug.",
                       "data.num_workers", "data.prefetch", "data.pin_memory")  # fmt: skip
 
 # Saves made even while the run is unhealthy (a non-finite streak, or a

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from ..config import Config
+from ..config import Config, refuse_code
 from ..eval import load_checkpoint
 from ..models import feature_width
 from ..train import DINOv2Wrapper, WeightsReader, build_models
@@ -37,8 +37,9 @@ class OpenedTeacher(NamedTuple):
     format: str
 
 
-def _with_heads(path: Path) -> OpenedTeacher:
-    """A dino_opt run's teacher with its heads, as a DINOv2Wrapper."""
+def _with_heads(path: Path, trust_code: bool) -> OpenedTeacher:
+    """A dino_opt run's teacher with its heads, as a DINOv2Wrapper (a network
+    its config names as ``package.module:function``: only with ``trust_code``)."""
     try:
         ckpt = load_checkpoint(path, keys=("teacher", "config"))
     except (ValueError, FileNotFoundError) as e:
@@ -47,6 +48,7 @@ def _with_heads(path: Path) -> OpenedTeacher:
             f"DINO head); {str(path)!r} is not one ({e}); use recipe.distill_mode=features"
         ) from None
     cfg = Config.from_dict(ckpt["config"])
+    refuse_code(cfg, f"recipe.distill_teacher={str(path)!r}", trust_code)
     teacher = build_models(cfg)[1]
     teacher.load_state_dict(ckpt["teacher"])
     if not isinstance(teacher, DINOv2Wrapper):  # a DINO run: its head serves the patches too
@@ -58,15 +60,20 @@ def _with_heads(path: Path) -> OpenedTeacher:
                          "dino_opt")  # fmt: skip
 
 
-def open_teacher(path: str | os.PathLike, heads: bool = False) -> OpenedTeacher:
+def open_teacher(
+    path: str | os.PathLike, heads: bool = False, trust_code: bool = False
+) -> OpenedTeacher:
     """The frozen teacher at ``path`` (in eval mode, no gradients): its
     backbone, or with ``heads`` its backbone and DINO heads (a dino_opt run
-    or checkpoint only; ValueError naming the file otherwise)."""
+    or checkpoint only; ValueError naming the file otherwise). ``trust_code``:
+    the user's leave to build a network the run's config names as
+    ``package.module:function`` (heads only: a backbone is read from its
+    weights' keys, never from a config)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"recipe.distill_teacher={str(path)!r} does not exist")
     if heads:
-        opened = _with_heads(path)
+        opened = _with_heads(path, trust_code)
     else:
         o = open_backbone(path)
         net = o.net
@@ -83,11 +90,13 @@ def weights_reader() -> WeightsReader:
     widths when it starts and then attaches it opens its file once."""
     kept: dict = {}
 
-    def open_once(path: str | os.PathLike, heads: bool = False) -> OpenedTeacher:
-        key = (str(Path(path).resolve()), bool(heads))
+    def open_once(
+        path: str | os.PathLike, heads: bool = False, trust_code: bool = False
+    ) -> OpenedTeacher:
+        key = (str(Path(path).resolve()), bool(heads), bool(trust_code))
         if key not in kept:
             kept.clear()
-            kept[key] = open_teacher(path, heads)
+            kept[key] = open_teacher(path, heads, trust_code)
         return kept[key]
 
     return WeightsReader(load_backbone=load_backbone, open_teacher=open_once)

@@ -141,7 +141,7 @@ class DistillRecipe(DINOv2Recipe):
         (features), or the student heads' widths (heads: the teacher's
         prototypes), read by opening the teacher."""
         r = cfg.recipe
-        info = reader.open_teacher(r.distill_teacher, _heads(cfg))._asdict()
+        info = reader.open_teacher(r.distill_teacher, _heads(cfg), cfg.model.trust_code)._asdict()
         if not _heads(cfg):
             if r.distill_teacher_dim not in (None, info["embed_dim"]):
                 raise ValueError(
@@ -158,7 +158,7 @@ class DistillRecipe(DINOv2Recipe):
         """Opens the teacher (an :class:`~dino_opt.weights.OpenedTeacher`)
         and hands it to the loss; returns its network, for the job to place."""
         r = cfg.recipe
-        opened = reader.open_teacher(r.distill_teacher, _heads(cfg))
+        opened = reader.open_teacher(r.distill_teacher, _heads(cfg), cfg.model.trust_code)
         frozen = FrozenTeacher(opened.network, opened.patch_size, r.distill_teacher_scale)
         loss_fn.attach_teacher(frozen)
         return opened.network
