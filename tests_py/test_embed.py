@@ -46,7 +46,7 @@ def test_embeddings_are_extract_features_with_their_paths(run, tiny_data, tmp_pa
     cls = np.load(tmp_path / "e.npy")
     np.testing.assert_array_equal(cls, feats.numpy())
     source = open_source(tiny_data / "train")
-    names = (tmp_path / "e.paths.txt").read_text().splitlines()
+    names = json.loads((tmp_path / "e.paths.json").read_text())
     assert names == [source.describe(i) for i in range(len(source))]
     patches = np.load(tmp_path / "e.patches.npy")
     assert patches.shape == (20, 192, 4, 4)  # 32 px at patch 8
@@ -54,6 +54,8 @@ def test_embeddings_are_extract_features_with_their_paths(run, tiny_data, tmp_pa
     np.testing.assert_allclose(patches.mean(axis=(2, 3)), mean_patch, rtol=1e-5, atol=1e-6)
     meta = json.loads((tmp_path / "e.json").read_text())
     assert meta["image_size"] == 32 and meta["images"] == 20 and meta["failed"] == 0
+    sides = ["mean_patch.npy", "patches.npy", "paths.json", "json"]
+    assert meta["files"] == ["e.npy", *(f"e.{side}" for side in sides)]
 
 
 def test_every_file_type_holds_the_same_rows(run, unlabelled, tmp_path):
@@ -84,7 +86,7 @@ def test_an_unreadable_image_is_named_and_the_rest_embedded(run, unlabelled, tmp
     assert "embedded 6 images" in out and "1 unreadable" in out
     lines = [x for x in err.splitlines() if x.startswith("unreadable: ")]  # the rest: the bar
     assert len(lines) == 1 and lines[0].startswith(f"unreadable: {unlabelled / '3b.jpg'}: ")
-    names = (tmp_path / "e.paths.txt").read_text().splitlines()
+    names = json.loads((tmp_path / "e.paths.json").read_text())
     assert names == [str(unlabelled / f"{i}.jpg") for i in range(6)]
     # each row is that image's alone: the same as embedding the readable ones by themselves
     readable = tmp_path / "readable"
@@ -117,8 +119,9 @@ def test_a_network_without_tokens_gives_its_pooled_feature(unlabelled):
 
 def test_bad_arguments_are_one_line(run, unlabelled, tmp_path, capsys):
     capsys.readouterr()
-    assert main(["embed", str(run), str(unlabelled), "-o", str(tmp_path / "e.csv")]) == 2
-    assert "the file type must be one of .npy" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["embed", str(run), str(unlabelled), "-o", str(tmp_path / "e.csv")])
+    assert e.value.code == 2 and "the file type must be one of .npy" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["embed", str(run), str(tmp_path / "missing"), "-o", str(tmp_path / "e.npy")])
     assert e.value.code == 2 and "missing" in capsys.readouterr().err

@@ -58,7 +58,6 @@ from .config import (
 )
 from .data import find_images, verify_shards, write_shards
 from .distributed import WorkerFailedError, launch_distributed_training
-from .eval import evaluate_checkpoint
 from .job import run_training
 from .models import CHECKPOINT_POLICIES
 from .observe import DINOTrainingAnalyzer, format_report
@@ -77,7 +76,7 @@ from .tune import (
 )
 from .weights import (
     FORMATS,
-    evaluate_weights,
+    ONNX_TOLERANCE,
     export_onnx,
     export_weights,
     weights_reader,
@@ -478,25 +477,10 @@ def _print_memory(rows, out: list[dict], usable: float | None) -> None:
         )
 
 
-def _knn(args: argparse.Namespace) -> int:
-    options = {"image_size": args.image_size, "k": args.k, "temperature": args.temperature}
-    if args.weights is not None:
-        if args.data is None:
-            raise ValueError("--weights needs --data ROOT (a folder holding train/ and val/)")
-        given = {key: value for key, value in options.items() if value is not None}
-        result = evaluate_weights(args.weights, args.data, device=args.device, which=args.which,
-                                  **given)  # fmt: skip
-    else:
-        result = evaluate_checkpoint(args.checkpoint, data=args.data, device=args.device,
-                                     which=args.which, trust_code=args.trust_code,
-                                     **options)  # fmt: skip
-    print(json.dumps(result, indent=2))
-    return 0
-
-
 def _export(args: argparse.Namespace) -> int:
     if args.format == "onnx":
-        options = dict(which=args.which, image_size=args.image_size, force=args.force)
+        options = dict(which=args.which, image_size=args.image_size, force=args.force,
+                       tolerance=args.onnx_tolerance)  # fmt: skip
         result = export_onnx(args.source, args.output, data=args.data, **options)
         print(json.dumps(result, indent=2))
         return 0
@@ -676,47 +660,6 @@ def _add_presets(sub) -> None:
     h.set_defaults(run=_presets)
 
 
-def _add_knn(sub) -> None:
-    k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
-    source = k.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--checkpoint",
-        help="a dino-opt train run folder (its newest good checkpoint) or a checkpoint file",
-    )
-    source.add_argument(
-        "--weights",
-        help="weights in any format model.init_from reads (timm, hf, dino); needs --data",
-    )
-    k.add_argument(
-        "--data",
-        help="folder holding train/ and val/ (and test/, evaluated too; default: the data of "
-        "the checkpoint's config: the built-in data set, or data.root and its siblings)",
-    )
-    k.add_argument(
-        "--image-size",
-        type=int,
-        help="evaluation crop side (default: the global crop size; for --weights, the size "
-        "they were exported for)",
-    )
-    k.add_argument("--k", type=int, help="neighbours (default: the config's eval.knn_k, 20)")
-    k.add_argument(
-        "--temperature",
-        type=float,
-        help="vote temperature (default: the config's eval.knn_temperature, 0.07)",
-    )
-    k.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    k.add_argument(
-        "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
-    )
-    k.add_argument(
-        "--trust-code",
-        action="store_true",
-        help="--checkpoint: build a network its config names as package.module:function "
-        "(imports and calls it)",
-    )
-    k.set_defaults(run=_knn)
-
-
 def _add_export(sub) -> None:
     e = sub.add_parser(
         "export", help="write a run's weights for timm, Hugging Face, DINO, DINOv2, DINOv3 or ONNX"
@@ -746,7 +689,19 @@ def _add_export(sub) -> None:
         "they were trained for: 224 for DINO, the global crop size for the dinov2 recipe; "
         "DINOv3's RoPE ViT: the size the target's config names)",
     )
-    e.add_argument("--force", action="store_true", help="replace an existing output")
+    e.add_argument(
+        "--onnx-tolerance",
+        type=float,
+        default=ONNX_TOLERANCE,
+        help="onnx: the largest difference to PyTorch's outputs the check accepts; above it "
+        f"the export fails (exit 2) and writes nothing (default {ONNX_TOLERANCE:g})",
+    )
+    e.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output (never one that is or holds the source or the "
+        "working folder)",
+    )
     e.add_argument(
         "--student",
         help="a distillation into several students: the one to write, by its backbone "
@@ -780,7 +735,7 @@ def _add_doctor(sub) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_prepare, _add_train, _add_config, _add_presets, _add_knn,
+    for add in (_add_prepare, _add_train, _add_config, _add_presets, probing.add_knn,
                 probing.add_eval, probing.add_show, probing.add_embed, probing.add_predict,
                 _add_export, _add_report, _add_doctor):  # fmt: skip
         add(sub)

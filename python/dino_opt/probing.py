@@ -1,6 +1,9 @@
-"""The ``dino-opt eval``, ``dino-opt show`` and ``dino-opt embed`` commands:
-probes, pictures and embeddings of a frozen backbone from a run, a
-checkpoint or weights in any format.
+"""The ``dino-opt knn``, ``dino-opt eval``, ``dino-opt show`` and ``dino-opt
+embed`` commands: probes, pictures and embeddings of a frozen backbone from
+a run, a checkpoint or weights in any format.
+
+``dino-opt knn --checkpoint RUN [--data ROOT]`` prints the k-NN accuracy of
+a run's backbone (``--weights PATH --data ROOT``: of weights in any format).
 
 ``dino-opt eval linear SOURCE [--data ROOT] [--mode fast|augmented]`` trains
 DINOv2's grid of linear classifiers (and, in the fast mode, its logistic
@@ -23,25 +26,37 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .checkpoint import check_output, write_file
 from .distributed.agent import WorkerFailedError, run_agent
-from .eval import EMBED_FORMATS, probe_table
+from .eval import EMBED_FORMATS, check_embeddings_output, evaluate_checkpoint, probe_table
 from .observe import RunFolder
 from .runtime import init_distributed, resolve_device
-from .weights import embed_weights, predict, run_dense_probe, run_linear_probe, show_weights
+from .weights import (
+    embed_weights,
+    evaluate_weights,
+    predict,
+    run_dense_probe,
+    run_linear_probe,
+    show_weights,
+)
 
-__all__ = ["add_embed", "add_eval", "add_predict", "add_show"]
+__all__ = ["add_embed", "add_eval", "add_knn", "add_predict", "add_show"]
 
 
 def _write_json(result: dict, output: str | None) -> None:
     if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(result, indent=2) + "\n")
+        text = (json.dumps(result, indent=2) + "\n").encode()
+        write_file(output, lambda f: f.write(text))
         print(f"wrote {output}")
 
 
 def _eval(args: argparse.Namespace) -> int:
+    if args.output:  # before the probe trains: its result must have somewhere to go
+        check_output(args.output, args.force, (args.source, args.data, args.head))
+    if args.head and args.output and Path(args.head).resolve() == Path(args.output).resolve():
+        raise ValueError(f"--head and --output are both {args.head!r}: give two files")
     common = dict(which=args.which, image_size=args.image_size, device=args.device,
-                  head=args.head)  # fmt: skip
+                  head=args.head, force=args.force)  # fmt: skip
     if args.probe == "linear":
         options = {"mode": args.mode, "epochs": args.epochs, "batch_size": args.batch_size}
         result = run_linear_probe(args.source, args.data, **common, **options)
@@ -68,9 +83,26 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _knn(args: argparse.Namespace) -> int:
+    options = {"image_size": args.image_size, "k": args.k, "temperature": args.temperature}
+    if args.weights is not None:
+        if args.data is None:
+            raise ValueError("--weights needs --data ROOT (a folder holding train/ and val/)")
+        given = {key: value for key, value in options.items() if value is not None}
+        result = evaluate_weights(args.weights, args.data, device=args.device, which=args.which,
+                                  **given)  # fmt: skip
+    else:
+        result = evaluate_checkpoint(args.checkpoint, data=args.data, device=args.device,
+                                     which=args.which, trust_code=args.trust_code,
+                                     **options)  # fmt: skip
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _predict(args: argparse.Namespace) -> int:
     done = predict(args.source, args.head, args.data, args.output, which=args.which,
-                   device=resolve_device(args.device), batch_size=args.batch_size)  # fmt: skip
+                   device=resolve_device(args.device), batch_size=args.batch_size,
+                   force=args.force)  # fmt: skip
     for line in done["failed"]:
         print(f"unreadable: {line}", file=sys.stderr)
     what = "classes and scores" if done["kind"] == "linear" else "masks"
@@ -98,6 +130,56 @@ def _source_arguments(p) -> None:
         "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+
+
+def _force_argument(p) -> None:
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output (never one that is or holds a source or the working "
+        "folder); without it an existing output is refused before any work",
+    )
+
+
+def add_knn(sub) -> None:
+    k = sub.add_parser("knn", help="k-NN accuracy of a trained checkpoint's backbone")
+    source = k.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--checkpoint",
+        help="a dino-opt train run folder (its newest good checkpoint) or a checkpoint file",
+    )
+    source.add_argument(
+        "--weights",
+        help="weights in any format model.init_from reads (timm, hf, dino); needs --data",
+    )
+    k.add_argument(
+        "--data",
+        help="folder holding train/ and val/ (and test/, evaluated too; default: the data of "
+        "the checkpoint's config: the built-in data set, or data.root and its siblings)",
+    )
+    k.add_argument(
+        "--image-size",
+        type=int,
+        help="evaluation crop side (default: the global crop size; for --weights, the size "
+        "they were exported for)",
+    )
+    k.add_argument("--k", type=int, help="neighbours (default: the config's eval.knn_k, 20)")
+    k.add_argument(
+        "--temperature",
+        type=float,
+        help="vote temperature (default: the config's eval.knn_temperature, 0.07)",
+    )
+    k.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    k.add_argument(
+        "--which", choices=("teacher", "student"), default="teacher", help="default: teacher"
+    )
+    k.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="--checkpoint: build a network its config names as package.module:function "
+        "(imports and calls it)",
+    )
+    k.set_defaults(run=_knn)
 
 
 def add_eval(sub) -> None:
@@ -130,6 +212,7 @@ def add_eval(sub) -> None:
     e.add_argument("--top", type=int, default=12, help="linear: rows of the table (default 12)")
     e.add_argument("--output", help="write the result as JSON here")
     e.add_argument("--head", help="save the best head here (.safetensors) for dino-opt predict")
+    _force_argument(e)
     e.set_defaults(run=_eval)
 
 
@@ -143,6 +226,7 @@ def add_predict(sub) -> None:
                    help="linear: a CSV file (path, class, score, each class's score); dense: "
                    "a folder of PNG masks, one per image")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="default 64")
+    _force_argument(p)
     p.set_defaults(run=_predict)
 
 
@@ -169,17 +253,15 @@ def _embed_here(args: dict) -> dict:
     return embed_weights(
         args["source"], args["data"], args["output"], which=args["which"],
         image_size=args["image_size"], device=info.device, progress=info.rank == 0,
-        batch_size=args["batch_size"], patch_maps=args["patch_maps"],
+        batch_size=args["batch_size"], patch_maps=args["patch_maps"], force=args["force"],
     )  # fmt: skip
 
 
 def _embed(args: argparse.Namespace) -> int:
-    if Path(args.output).suffix not in EMBED_FORMATS:
-        print(f"dino-opt embed: --output {args.output!r}: the file type must be one of "
-              f"{', '.join(EMBED_FORMATS)}", file=sys.stderr)  # fmt: skip
-        return 2
-    options = {k: getattr(args, k) for k in ("source", "data", "output", "which", "image_size",
-                                             "batch_size", "patch_maps", "device")}  # fmt: skip
+    # before any rank starts: the file type, the format's contents, an existing output
+    check_embeddings_output(args.output, args.patch_maps, args.force, (args.source, args.data))
+    keys = ("source", "data", "output", "which", "image_size", "batch_size", "patch_maps")
+    options = {k: getattr(args, k) for k in (*keys, "device", "force")}
     if args.nproc > 1:
         with tempfile.TemporaryDirectory(prefix="dino_opt-embed-") as folder:
             try:
@@ -213,4 +295,5 @@ def add_embed(sub) -> None:
     m.add_argument("--batch-size", type=int, default=64, help="default 64")
     m.add_argument("--nproc", type=int, default=1,
                    help="processes, each embedding its share (one per GPU; default 1)")  # fmt: skip
+    _force_argument(m)
     m.set_defaults(run=_embed)

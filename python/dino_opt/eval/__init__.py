@@ -4,7 +4,13 @@ attention and PCA pictures, embeddings of any images, and the evaluation
 of checkpoints and runs."""
 
 from .dense import DenseLinearHead, dense_probe, dense_probe_root, segmentation_metrics
-from .embed import EMBED_FORMATS, Embeddings, embed_images, write_embeddings
+from .embed import (
+    EMBED_FORMATS,
+    Embeddings,
+    check_embeddings_output,
+    embed_images,
+    write_embeddings,
+)
 from .evaluate import (
     draw_pictures,
     evaluate_backbone,
@@ -79,4 +85,5 @@ __all__ = [
     "tsne_plot",
     "verdict",
     "write_embeddings",
+    "check_embeddings_output",
 ]

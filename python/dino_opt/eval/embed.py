@@ -6,7 +6,8 @@ image's name, in data set order; unreadable images are left out and named.
 native loader's threads (the evaluation transform of
 :class:`~dino_opt.eval.features.EvalLoader`), on one process or sharded over
 the ranks of a process group; :func:`write_embeddings` writes the result as
-``.npy`` files, ``.npz``, ``.safetensors`` or Parquet.
+``.npy`` files, ``.npz``, ``.safetensors`` or Parquet, atomically, after
+:func:`check_embeddings_output` has checked the output before the pass.
 """
 
 from __future__ import annotations
@@ -19,17 +20,25 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..checkpoint import check_output, write_file, write_files
 from ..data import DataSource
 from ..models import eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from .dense import tokens_as_map, vit_outputs
 from .features import EvalLoader, amp_dtype_of, gather_rows, shard_of
 
-__all__ = ["EMBED_FORMATS", "Embeddings", "embed_images", "write_embeddings"]
+__all__ = [
+    "EMBED_FORMATS",
+    "Embeddings",
+    "check_embeddings_output",
+    "embed_images",
+    "side_files",
+    "write_embeddings",
+]
 
 #: The file types :func:`write_embeddings` writes, by suffix.
 EMBED_FORMATS = (".npy", ".npz", ".safetensors", ".parquet")
@@ -166,20 +175,64 @@ def embed_images(
     return Embeddings(kept, outputs[0], outputs[1], outputs[2], failed)
 
 
-def _npy(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
+def side_files(path: str | os.PathLike) -> list[Path]:
+    """Every side file a ``.npy`` output ``path`` may have beside it (those
+    of an earlier version too: ``NAME.paths.txt``), written or removed with it."""
+    path = Path(path)
+    if path.suffix != ".npy":
+        return []
     stem = path.with_suffix("")
-    written = [path]
-    np.save(path, emb.cls.numpy())
+    return [stem.with_name(f"{stem.name}.{side}") for side in _SIDES]
+
+
+_SIDES = ("mean_patch.npy", "patches.npy", "paths.json", "json", "paths.txt")
+
+
+def check_embeddings_output(
+    path: str | os.PathLike, patch_maps: bool, force: bool, sources: Sequence = ()
+) -> Path:
+    """Checks, before any image is embedded, that ``path`` can take the
+    embeddings: its file type, patch maps in a format that holds them, and
+    (:func:`~dino_opt.checkpoint.check_output`) no output or side file of
+    it there unless ``force``, never one that is or holds a source."""
+    path = Path(path)
+    if path.suffix not in EMBED_FORMATS:
+        raise ValueError(_file_type(path))
+    if patch_maps and path.suffix == ".parquet":
+        raise ValueError(_PARQUET_MAPS)
+    return check_output(path, force, sources, side_files=side_files(path))
+
+
+_PARQUET_MAPS = (
+    "Parquet holds the class and mean patch tokens; patch maps need .npy, .npz or .safetensors"
+)
+
+
+def _file_type(path: Path) -> str:
+    return f"output {str(path)!r}: the file type must be one of {', '.join(EMBED_FORMATS)}"
+
+
+def _saver(value: np.ndarray):
+    return lambda f: np.save(f, value)
+
+
+def _npy(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
+    """The class tokens at ``path``; beside it the other arrays, the names
+    (a JSON list) and ``meta`` with the files written (``files``), all
+    renamed into place together; an earlier output's other side files removed."""
+    stem = path.with_suffix("")
+    files = {path: _saver(emb.cls.numpy())}
     for name in ("mean_patch", "patches"):
         value = getattr(emb, name)
         if value is not None:
-            written.append(stem.with_name(f"{stem.name}.{name}.npy"))
-            np.save(written[-1], value.numpy())
-    written.append(stem.with_name(f"{stem.name}.paths.txt"))
-    written[-1].write_text("".join(f"{n}\n" for n in emb.names))
-    written.append(stem.with_name(f"{stem.name}.json"))
-    written[-1].write_text(json.dumps(meta, indent=2) + "\n")
-    return written
+            files[stem.with_name(f"{stem.name}.{name}.npy")] = _saver(value.numpy())
+    names = (json.dumps(emb.names) + "\n").encode()
+    files[stem.with_name(f"{stem.name}.paths.json")] = lambda f: f.write(names)
+    manifest = stem.with_name(f"{stem.name}.json")
+    listed = {**meta, "files": [p.name for p in (*files, manifest)]}
+    text = (json.dumps(listed, indent=2) + "\n").encode()
+    files[manifest] = lambda f: f.write(text)
+    return write_files(files, stale=side_files(path))
 
 
 def _arrays(emb: Embeddings) -> dict[str, torch.Tensor]:
@@ -189,8 +242,7 @@ def _arrays(emb: Embeddings) -> dict[str, torch.Tensor]:
 
 def _parquet(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
     if emb.patches is not None:
-        raise ValueError("Parquet holds the class and mean patch tokens; patch maps need "
-                         ".npy, .npz or .safetensors")  # fmt: skip
+        raise ValueError(_PARQUET_MAPS)
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -202,23 +254,25 @@ def _parquet(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
             pa.array(value.reshape(-1).numpy()), value.shape[1]
         )
     table = pa.table(columns).replace_schema_metadata({"dino_opt": json.dumps(meta)})
-    pq.write_table(table, path)
-    return [path]
+    return [write_file(path, lambda f: pq.write_table(table, f))]
 
 
 def write_embeddings(emb: Embeddings, path: str | os.PathLike, meta: dict | None = None) -> list:
     """Writes ``emb`` to ``path`` by its suffix (:data:`EMBED_FORMATS`):
     ``.npy``: the class tokens, with ``NAME.mean_patch.npy``,
-    ``NAME.patches.npy``, the images' names one per line in
-    ``NAME.paths.txt`` and ``meta`` in ``NAME.json`` beside it; ``.npz`` and
+    ``NAME.patches.npy``, the images' names as a JSON list in
+    ``NAME.paths.json`` and ``meta`` with the files written in ``NAME.json``
+    beside it (an earlier output's other side files removed); ``.npz`` and
     ``.safetensors``: one array each and the names (``paths``: an array of
     strings in ``.npz``, JSON in the safetensors metadata with ``meta``);
     ``.parquet``: a row per image (``path``, ``cls``, ``mean_patch``), ``meta``
-    in the schema's metadata. Returns the files written."""
+    in the schema's metadata. Each file is written to a temporary file
+    beside it and renamed into place, replacing an existing one (see
+    :func:`check_embeddings_output` for the checks before). Returns the
+    files written."""
     path, meta = Path(path), dict(meta or {})
     if path.suffix not in EMBED_FORMATS:
-        raise ValueError(f"output {str(path)!r}: the file type must be one of "
-                         f"{', '.join(EMBED_FORMATS)}")  # fmt: skip
+        raise ValueError(_file_type(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".npy":
         return _npy(emb, path, meta)
@@ -226,9 +280,9 @@ def write_embeddings(emb: Embeddings, path: str | os.PathLike, meta: dict | None
         return _parquet(emb, path, meta)
     arrays = _arrays(emb)
     if path.suffix == ".npz":
-        np.savez(path, paths=np.array(emb.names), meta=np.array(json.dumps(meta)),
-                 **{k: v.numpy() for k, v in arrays.items()})  # fmt: skip
-    else:
-        text = {"paths": json.dumps(emb.names), "dino_opt": json.dumps(meta)}
-        save_file({k: v.contiguous() for k, v in arrays.items()}, str(path), metadata=text)
-    return [path]
+        values = {k: v.numpy() for k, v in arrays.items()}
+        paths, meta_text = np.array(emb.names), np.array(json.dumps(meta))
+        return [write_file(path, lambda f: np.savez(f, paths=paths, meta=meta_text, **values))]
+    text = {"paths": json.dumps(emb.names), "dino_opt": json.dumps(meta)}
+    data = save({k: v.contiguous() for k, v in arrays.items()}, metadata=text)
+    return [write_file(path, lambda f: f.write(data))]

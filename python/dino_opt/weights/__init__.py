@@ -2,7 +2,7 @@
 
 from .layouts import ViTArch
 from .layouts_dinov3 import DinoV3Arch
-from .onnx_export import export_onnx
+from .onnx_export import ONNX_TOLERANCE, export_onnx
 from .probes import (
     OpenedBackbone,
     embed_weights,
@@ -31,6 +31,7 @@ __all__ = [
     "ExportResult",
     "ExternalWeights",
     "FORMATS",
+    "ONNX_TOLERANCE",
     "OpenedBackbone",
     "OpenedTeacher",
     "ViTArch",

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from ..checkpoint import atomic_write, fsync_dir
+from ..checkpoint import write_file, write_folder
 from ..config import is_external
 from ..models.convnext import (
     hf_convnext_config,
@@ -64,27 +64,31 @@ def _formats(backbone: str) -> dict[str, str]:
 
 
 def save_torch(state: dict, path: Path) -> None:
-    """``state`` as a torch file at ``path``, written atomically."""
-    atomic_write(path, lambda f: torch.save(state, f))
-    fsync_dir(path.parent)
+    """``state`` as a torch file at ``path``, written atomically (replacing
+    an earlier output once complete)."""
+    write_file(path, lambda f: torch.save(state, f))
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
     """``tensors`` (made contiguous) and string ``metadata`` as a safetensors
     file at ``path``, written atomically."""
     data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    atomic_write(path, lambda f: f.write(data))
-    fsync_dir(path.parent)
+    write_file(path, lambda f: f.write(data))
 
 
 def write_hf_folder(output: Path, config: dict, tensors: dict, meta: dict) -> None:
     """A Hugging Face model folder: ``config.json`` (with the training input
-    of ``meta``, which transformers keeps as it is) and ``model.safetensors``."""
-    output.mkdir(parents=True)
+    of ``meta``, which transformers keeps as it is) and ``model.safetensors``,
+    filled beside ``output`` and swapped in whole."""
     if TRAINING_KEY in meta:
         config = config | {TRAINING_KEY: json.loads(meta[TRAINING_KEY])}
-    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_safetensors(tensors, output / "model.safetensors", meta)
+    text = (json.dumps(config, indent=2) + "\n").encode()
+
+    def fill(folder: Path) -> None:
+        (folder / "config.json").write_bytes(text)
+        save_safetensors(tensors, folder / "model.safetensors", meta)
+
+    write_folder(output, fill)
 
 
 def export_cnn(fmt: str, sd: dict, backbone: str, output: Path, meta: dict,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -26,15 +27,16 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
+from ..checkpoint import check_output, write_file, write_folder
 from ..eval import DenseLinearHead, ProbeFeatures
 from ..eval.dense import patch_feature_map
 from ..eval.linear import input_columns
 
-__all__ = ["HEAD_KEY", "backbone_fingerprint", "check_identity", "head_model", "load_head",
-           "save_head", "write_classes", "write_masks"]  # fmt: skip
+__all__ = ["HEAD_KEY", "backbone_fingerprint", "check_head_output", "check_identity",
+           "head_model", "load_head", "save_head", "write_classes", "write_masks"]  # fmt: skip
 
 #: The safetensors metadata key of a head file.
 HEAD_KEY = "dino_opt_head"
@@ -49,16 +51,25 @@ def backbone_fingerprint(net: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def save_head(path: str | os.PathLike, tensors: dict, record: dict) -> Path:
-    """Writes a probe's head (``tensors``) and its ``record`` (see the module
-    docstring) as a safetensors file."""
+def check_head_output(path: str | os.PathLike, force: bool, sources=()) -> Path:
+    """Checks, before a probe is trained, that its head can be saved at
+    ``path``: a ``.safetensors`` name, and no file there unless ``force``
+    (never one that is or holds a source: :func:`~dino_opt.checkpoint.check_output`)."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"head file {str(path)!r}: the name must end in .safetensors")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-              metadata={HEAD_KEY: json.dumps(record)})  # fmt: skip
-    return path
+    return check_output(path, force, sources, what="head file")
+
+
+def save_head(path: str | os.PathLike, tensors: dict, record: dict) -> Path:
+    """Writes a probe's head (``tensors``) and its ``record`` (see the module
+    docstring) as a safetensors file, atomically."""
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"head file {str(path)!r}: the name must end in .safetensors")
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    data = save(tensors, metadata={HEAD_KEY: json.dumps(record)})
+    return write_file(path, lambda f: f.write(data))
 
 
 def load_head(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -129,28 +140,34 @@ def write_classes(path: Path, names: list[str], logits: torch.Tensor, classes: l
     """A CSV row per image: its path, class, that class's probability and every class's."""
     scores = torch.softmax(logits, dim=1)
     best = scores.argmax(dim=1).tolist()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["path", "class", "score", *classes])
-        for name, k, row in zip(names, best, scores.tolist(), strict=True):
-            out.writerow([name, classes[k], f"{row[k]:.6f}", *(f"{v:.6f}" for v in row)])
+    text = io.StringIO(newline="")
+    out = csv.writer(text)
+    out.writerow(["path", "class", "score", *classes])
+    for name, k, row in zip(names, best, scores.tolist(), strict=True):
+        out.writerow([name, classes[k], f"{row[k]:.6f}", *(f"{v:.6f}" for v in row)])
+    data = text.getvalue().encode()
+    write_file(path, lambda f: f.write(data))
 
 
 def write_masks(folder: Path, names: list[str], masks: torch.Tensor, size: int) -> list[Path]:
     """One PNG per image in ``folder`` (named by the image's stem; a repeated
-    stem gets the image's index), each pixel its class index."""
-    folder.mkdir(parents=True, exist_ok=True)
-    written, used = [], set()
+    stem gets the image's index), each pixel its class index; the folder is
+    filled beside ``folder`` and swapped in whole (replacing an earlier one)."""
+    stems, used = [], set()
     for i, name in enumerate(names):
         stem = Path(name.split(": ")[-1]).stem
         stem = stem if stem not in used else f"{stem}_{i}"
         used.add(stem)
-        pixels = masks[i].reshape(size, size).to(torch.int64).numpy()
-        if pixels.max(initial=0) < 256:
-            image = Image.fromarray(pixels.astype(np.uint8), "L")
-        else:
-            image = Image.fromarray(pixels.astype(np.int32), "I")
-        image.save(folder / f"{stem}.png")
-        written.append(folder / f"{stem}.png")
-    return written
+        stems.append(stem)
+
+    def fill(into: Path) -> None:
+        for i, stem in enumerate(stems):
+            pixels = masks[i].reshape(size, size).to(torch.int64).numpy()
+            if pixels.max(initial=0) < 256:
+                image = Image.fromarray(pixels.astype(np.uint8), "L")
+            else:
+                image = Image.fromarray(pixels.astype(np.int32), "I")
+            image.save(into / f"{stem}.png")
+
+    write_folder(folder, fill)
+    return [folder / f"{stem}.png" for stem in stems]

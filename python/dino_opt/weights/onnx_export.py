@@ -10,7 +10,9 @@ the patch size for the ViT). A ViT with a learned position table is
 exported for one size (its table is resized in Python when the graph is
 traced, so the graph holds one resized table): the size it was trained at,
 or ``image_size``. The model's metadata records the input it was trained
-at (``dino_opt_training``), as every export does. onnx, onnxscript and
+at (``dino_opt_training``), as every export does. An export whose
+onnxruntime outputs differ from PyTorch's by more than the tolerance
+(``--onnx-tolerance``, 1e-3 by default) fails and writes nothing. onnx, onnxscript and
 onnxruntime come with the ``onnx`` extra.
 """
 
@@ -26,14 +28,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..checkpoint import check_output, replace_with
 from ..data import builtin_dataset, source_exists
 from ..eval import EvalLoader
 from ..train import data_roots
 from .probes import OpenedBackbone, open_backbone
 from .reading import TRAINING_KEY
-from .transfer import check_output
 
-__all__ = ["export_onnx"]
+__all__ = ["ONNX_TOLERANCE", "export_onnx"]
+
+#: The largest difference between onnxruntime's outputs and PyTorch's that
+#: an export accepts (``--onnx-tolerance``).
+ONNX_TOLERANCE = 1e-3
 
 _EXAMPLE_BATCH, _CHECK_BATCH = 2, 3  # the check's batch differs from the traced one
 _LARGE = 1 << 30  # parameter bytes past which the weights go to an external data file
@@ -129,26 +135,47 @@ def _opened(source, which: str, image_size: int | None) -> OpenedBackbone:
     return OpenedBackbone(source.eval(), image_size or 224, "module", type(source).__name__, None)
 
 
+def _place(staged: Path, output: Path) -> None:
+    """The files of the export traced and checked in the folder ``staged``
+    (the graph, named as ``output``, and its external data file if any)
+    renamed into ``output``'s folder; an external data file of an earlier
+    export there that this one has not is removed."""
+    names = []
+    for file in sorted(staged.iterdir()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        replace_with(file, output.with_name(file.name))
+        names.append(file.name)
+    stale = output.with_name(output.name + ".data")
+    if stale.name not in names:
+        stale.unlink(missing_ok=True)
+
+
 def export_onnx(source: str | os.PathLike | nn.Module, output: str | os.PathLike, *,
                 which: str = "teacher", image_size: int | None = None, data=None,
-                force: bool = False) -> dict:  # fmt: skip
+                force: bool = False, tolerance: float = ONNX_TOLERANCE) -> dict:  # fmt: skip
     """Writes the ``which`` backbone of the weights at ``source`` (a run,
     a checkpoint or weights in any format the project reads; or a backbone
     module, normalised as ImageNet, 224 px by default) as an ONNX
     model at ``output`` (see the module docstring), traced at ``image_size``
     (default: the size it was trained at), and runs it with onnxruntime on
     real images (``data``, else the run's, else the built-in data set's)
-    beside PyTorch. Returns the export's ``path``, ``backbone``,
-    ``image_size``, ``dynamic`` axes, ``outputs``, ``max_abs_diff`` (the
-    largest difference to PyTorch over every output and checked size) and
-    ``checked_on``."""
+    beside PyTorch. The graph is traced and checked beside ``output`` and
+    put in place only when the largest difference is at most ``tolerance``
+    (ValueError otherwise, an earlier ``output`` left as it was). Returns the
+    export's ``path``, ``backbone``, ``image_size``, ``dynamic`` axes,
+    ``outputs``, ``max_abs_diff`` (the largest difference to PyTorch over
+    every output and checked size), the ``tolerance`` and ``checked_on``."""
+    if not tolerance >= 0:
+        raise ValueError(f"--onnx-tolerance must be >= 0, got {tolerance}")
+    output = Path(output)
+    sources = () if isinstance(source, nn.Module) else (source,)
+    check_output(output, force, sources)
+    if data is not None and not source_exists(Path(data)):
+        raise FileNotFoundError(f"check data {str(data)!r} does not exist")
     onnx, onnxruntime = _onnx_modules()
     opened = _opened(source, which, image_size)
-    graph, size, output = (
-        _Graph(opened.net.float().eval()),
-        image_size or opened.image_size,
-        Path(output),
-    )
+    graph, size = _Graph(opened.net.float().eval()), image_size or opened.image_size
     if size % _patch(opened.net):
         raise ValueError(
             f"image_size {size} is not a multiple of the patch size {_patch(opened.net)}"
@@ -156,22 +183,41 @@ def export_onnx(source: str | os.PathLike | nn.Module, output: str | os.PathLike
     # a learned position table is resized in Python: the traced graph holds one size's
     dynamic_size = getattr(opened.net, "pos_embed", None) is None
     big = sum(p.numel() * p.element_size() for p in graph.parameters()) > _LARGE
-    check_output(output, force)
-    try:
-        _trace(graph, output, size, dynamic_size, big)
-    except Exception as e:  # noqa: BLE001 - the exporter's many errors: one line naming the network
-        output.unlink(missing_ok=True)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{source}: {opened.name} could not be exported to ONNX: {first}") from e
-    training = {"image_size": opened.image_size, "mean": list(opened.mean), "std": list(opened.std)}
-    _record(onnx, output, {TRAINING_KEY: json.dumps(training), "dino_opt_source": str(source),
-                           "dino_opt_backbone": opened.name, "dino_opt_which": which})  # fmt: skip
-    session = onnxruntime.InferenceSession(str(output), providers=["CPUExecutionProvider"])
-    with tempfile.TemporaryDirectory(prefix="dino_opt-onnx-") as folder:
-        images = _check_data(opened, data, Path(folder))
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.", dir=output.parent) as staging:
+        staged = Path(staging) / "graph" / output.name
+        staged.parent.mkdir()
+        try:
+            _trace(graph, staged, size, dynamic_size, big)
+        except Exception as e:  # noqa: BLE001 - the exporter's many errors: one line naming it
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(
+                f"{source}: {opened.name} could not be exported to ONNX: {first}"
+            ) from e
+        training = {
+            "image_size": opened.image_size,
+            "mean": list(opened.mean),
+            "std": list(opened.std),
+        }
+        meta = {
+            TRAINING_KEY: json.dumps(training),
+            "dino_opt_source": str(source),
+            "dino_opt_backbone": opened.name,
+            "dino_opt_which": which,
+        }
+        _record(onnx, staged, meta)
+        session = onnxruntime.InferenceSession(str(staged), providers=["CPUExecutionProvider"])
+        images = _check_data(opened, data, Path(staging))
         sizes = [size, size + 2 * _patch(opened.net)] if dynamic_size else [size]
         diff = max(_largest_difference(session, graph, _images(opened, images, s)) for s in sizes)
+        if not diff <= tolerance:
+            raise ValueError(
+                f"{output}: onnxruntime's outputs differ from PyTorch's by up to {diff:.3g}, more "
+                f"than --onnx-tolerance {tolerance:g}: not written"
+            )
+        del session
+        _place(staged.parent, output)
     axes = ["batch", "height", "width"] if dynamic_size else ["batch"]
     return {"path": str(output), "format": "onnx", "which": which, "backbone": opened.name,
             "image_size": size, "dynamic": axes, "outputs": graph.output_names,
-            "max_abs_diff": diff, "checked_on": str(images), "checked_sizes": sizes}  # fmt: skip
+            "max_abs_diff": diff, "tolerance": tolerance, "checked_on": str(images),
+            "checked_sizes": sizes}  # fmt: skip

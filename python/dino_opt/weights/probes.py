@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import check_output
 from ..config import Config
 from ..data import segmentation_splits, source_exists
 from ..eval import (
     ProbeData,
+    check_embeddings_output,
     dense_probe,
     embed_images,
     linear_probe,
@@ -36,6 +38,7 @@ from ..runtime import resolve_device
 from ..train import data_roots
 from .heads import (
     backbone_fingerprint,
+    check_head_output,
     check_identity,
     head_model,
     load_head,
@@ -115,9 +118,12 @@ def probe_data(opened: OpenedBackbone, data: str | os.PathLike | None) -> tuple[
 def run_linear_probe(path: str | os.PathLike, data: str | os.PathLike | None = None, *,
                      which: str = "teacher", image_size: int | None = None,
                      device: str = "auto", head: str | os.PathLike | None = None,
-                     **options) -> dict:  # fmt: skip
+                     force: bool = False, **options) -> dict:  # fmt: skip
     """:func:`~dino_opt.eval.linear_probe` of the weights at ``path``; with
-    ``head``, its best classifier saved there (:mod:`~dino_opt.weights.heads`)."""
+    ``head``, its best classifier saved there (:mod:`~dino_opt.weights.heads`;
+    checked before the probe: an existing file only with ``force``)."""
+    if head is not None:
+        check_head_output(head, force, (path, data))
     opened = open_backbone(path, which)
     train, val, test = probe_data(opened, data)
     size = image_size or opened.image_size
@@ -149,11 +155,14 @@ def _record(info: dict, opened: OpenedBackbone, path, which: str) -> dict:
 def run_dense_probe(path: str | os.PathLike, data: str | os.PathLike | None = None, *,
                     which: str = "teacher", image_size: int | None = None,
                     device: str = "auto", head: str | os.PathLike | None = None,
-                    **options) -> dict:  # fmt: skip
+                    force: bool = False, **options) -> dict:  # fmt: skip
     """:func:`~dino_opt.eval.dense.dense_probe` of the weights at ``path`` on
     the segmentation splits of ``data`` (image/mask pairs; the built-in data
     set has them), else of the run's data; with ``head``, the trained head
-    saved there (:mod:`~dino_opt.weights.heads`)."""
+    saved there (:mod:`~dino_opt.weights.heads`; checked before the probe:
+    an existing file only with ``force``)."""
+    if head is not None:
+        check_head_output(head, force, (path, data))
     opened = open_backbone(path, which)
     root = Path(data) if data is not None else _data_root(opened)
     splits = segmentation_splits(root)
@@ -193,14 +202,17 @@ def show_weights(path: str | os.PathLike, images, kind: str = "attention",
 def embed_weights(path: str | os.PathLike, data, output: str | os.PathLike, *,
                   which: str = "teacher", image_size: int | None = None,
                   device: str | torch.device = "cpu", progress: bool = False,
-                  **options) -> dict:  # fmt: skip
+                  force: bool = False, **options) -> dict:  # fmt: skip
     """:func:`~dino_opt.eval.embed_images` of every image of ``data`` under
     the ``which`` backbone of the weights at ``path``, at the size and
     normalisation it was trained at (``image_size`` overrides the size),
     written to ``output`` (:func:`~dino_opt.eval.write_embeddings`; by rank 0
     only when a process group shards the work). ``options``: ``batch_size``,
     ``patch_maps``, ``amp``, ``num_threads``. Returns what was done:
-    ``images`` embedded, ``failed`` (``"name: cause"``), ``files`` written."""
+    ``images`` embedded, ``failed`` (``"name: cause"``), ``files`` written.
+    The output is checked first (:func:`~dino_opt.eval.check_embeddings_output`:
+    an existing one replaced only with ``force``)."""
+    check_embeddings_output(output, options.get("patch_maps", False), force, (path, data))
     opened = open_backbone(path, which)
     size = image_size or opened.image_size
     emb = embed_images(opened.net.to(device), data, size, device=device, mean=opened.mean,
@@ -217,7 +229,8 @@ def embed_weights(path: str | os.PathLike, data, output: str | os.PathLike, *,
 
 def predict(weights: str | os.PathLike, head: str | os.PathLike, data,
             output: str | os.PathLike, *, which: str = "teacher",
-            device: str | torch.device = "cpu", batch_size: int = 64) -> dict:  # fmt: skip
+            device: str | torch.device = "cpu", batch_size: int = 64,
+            force: bool = False) -> dict:  # fmt: skip
     """Applies the head file ``head`` over the ``which`` backbone of
     ``weights`` (refused unless they are the weights it was trained on) to
     every image of ``data``, at the size and normalisation it was trained
@@ -226,7 +239,9 @@ def predict(weights: str | os.PathLike, head: str | os.PathLike, data,
     image into the folder ``output`` (each pixel its class index; the
     image's centre square, resized to the probe's size). Returns
     the ``kind``, the ``images`` done, the ``failed`` ones (``"name:
-    cause"``) and the ``output``."""
+    cause"``) and the ``output``, written atomically: an existing one
+    replaced only with ``force``, never the weights, the head or the data."""
+    check_output(output, force, (weights, head, data))
     tensors, record = load_head(head)
     opened = open_backbone(weights, which)
     check_identity(opened.net, record, weights, head)

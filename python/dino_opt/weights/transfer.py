@@ -58,13 +58,13 @@ import functools
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..checkpoint import check_output
 from ..config import Config, student_key
 from ..eval import knn_evaluate_splits, load_checkpoint
 from ..models import DinoV3VisionTransformer, VisionTransformer, build_backbone
@@ -137,20 +137,6 @@ class ExportResult:
 
 
 # ---------------------------------------------------------------- export
-
-
-def check_output(output: Path, force: bool) -> None:
-    """Refuses an existing ``output`` unless ``force`` (then removes it); makes its folder."""
-    if output.exists() or output.is_symlink():
-        if not force:
-            raise FileExistsError(
-                f"output {str(output)!r} exists; choose another path or pass --force to replace it"
-            )
-        if output.is_dir() and not output.is_symlink():
-            shutil.rmtree(output)
-        else:
-            output.unlink()
-    output.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _resized(sd: dict, arch: ViTArch, image_size: int, interp: tuple) -> tuple[dict, list[str]]:
@@ -322,15 +308,23 @@ def _dinov3_files(fmt: str, sd: dict, arch: DinoV3Arch, image_size: int,
     return to_hf_dinov3(sd, arch), meta, "transformers.DINOv3ViTModel.from_pretrained(path)"
 
 
-def _export_dinov3(fmt: str, sd: dict, arch: DinoV3Arch, output: Path, image_size: int | None,
-                   meta: dict, force: bool) -> tuple[str, list[str], int]:  # fmt: skip
+def _export_dinov3(
+    fmt: str,
+    sd: dict,
+    arch: DinoV3Arch,
+    output: Path,
+    image_size: int | None,
+    meta: dict,
+    force: bool,
+    sources: tuple = (),
+) -> tuple[str, list[str], int]:
     """Writes a DINOv3 backbone state ``sd`` as ``fmt`` (refused before
     ``output`` is touched when the format cannot hold it); (load, notes,
     image size)."""
     image_size = image_size or arch.img_size
     _check_dinov3_export(fmt, arch, image_size)
     tensors, meta, load = _dinov3_files(fmt, sd, arch, image_size, meta)
-    check_output(output, force)
+    check_output(output, force, sources)
     if fmt == "dinov3":
         save_torch(tensors, output)
     elif fmt == "timm":
@@ -391,17 +385,18 @@ def export_weights(
     meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which,
             TRAINING_KEY: json.dumps(training_input(cfg))}  # fmt: skip
     if not backbone.startswith("vit") and not full:  # a ResNet, a ConvNeXt, a user's network
-        prepare = functools.partial(check_output, output, force)
+        prepare = functools.partial(check_output, output, force, (source,))
         load, notes = export_cnn(fmt, sd, backbone, output, meta, prepare)
         return ExportResult(output, fmt, which, backbone, _DINO_SIZE, load, notes)
     if fmt in CNN_FORMATS:
         raise ValueError(f"--format {fmt} writes a convolutional student, not a {backbone}")
     if is_rope_vit(sd):
         arch = dinov3_arch(sd)
-        load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force)
+        load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force,
+                                           (source,))  # fmt: skip
         return _recorded(ExportResult(output, fmt, which, backbone, size, load, notes), meta)
     _refuse_dinov3_format(fmt, f"{source}'s {backbone}")
-    check_output(output, force)
+    check_output(output, force, (source,))
     if full:
         save_torch(_dino_full(ckpt), output)
         return _recorded(ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
