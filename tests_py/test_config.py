@@ -6,6 +6,7 @@ import re
 
 import pytest
 import yaml
+from dino_opt.cli import main
 from dino_opt.config import (
     Config,
     ConfigError,
@@ -202,6 +203,10 @@ def test_partial_yaml(tmp_path):
         ("hardware.device=cuda:0", "hardware", "device", "cuda:0"),
         ("logging.output_dir=2024", "logging", "output_dir", "2024"),
         ("data.root='my images'", "data", "root", "my images"),
+        # a path is a path: no YAML comment cut at its '#'; quoted, YAML's string
+        ("model.init_from=runs/exp #3/ckpt.pth", "model", "init_from", "runs/exp #3/ckpt.pth"),
+        ('model.init_from="~"', "model", "init_from", "~"),
+        ("data.root=a: b", "data", "root", "a: b"),
         (
             "augmentation.global_crops_scale=[0.3,1.0]",
             "augmentation",
@@ -727,3 +732,13 @@ def test_grad_checkpointing_is_the_old_name_of_full(tmp_path):
         load_config(None, ["hardware.grad_checkpointing=often"])
     with pytest.raises(ConfigError, match="must be one of true, false, got 1"):
         Config.from_dict({"hardware": {"grad_checkpointing": 1}})
+
+
+@pytest.mark.parametrize("path", ["runs/exp #3/ckpt.pth", "~", "null", "[a, b]"])
+def test_adapt_takes_its_path_as_written(path, tmp_path, capsys, monkeypatch):
+    """``train --adapt PATH``: the path as it was typed, never YAML."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--adapt", path, "--output-dir", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"model.init_from={path!r}: weights {path!r} do not exist" in err

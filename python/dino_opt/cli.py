@@ -233,7 +233,9 @@ ADAPT_OVERRIDES = ("model.init_from={weights}", "optim.freeze_backbone_epochs=1"
 def _train(args: argparse.Namespace) -> int:
     if args.config is not None and args.demo is not None:
         raise ValueError("give --config or --demo, not both")
-    adapt = [o.format(weights=args.adapt) for o in ADAPT_OVERRIDES] if args.adapt else []
+    # the path as a YAML string: never cut at a '#', never '~' read as null
+    weights = json.dumps(args.adapt)
+    adapt = [o.format(weights=weights) for o in ADAPT_OVERRIDES] if args.adapt else []
     adapt += ["model.trust_code=true"] if args.trust_code else []
     cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], adapt + args.overrides)
     if args.nproc < 1:

@@ -74,12 +74,19 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         value = text  # left to the type check, which names the key
-    if spec.kind == "str" and value is not None and not isinstance(value, str):
-        # `logging.output_dir=2024` means the text, not the int.
+    if spec.kind == "str" and value is not None and not _quoted(text):
+        # `logging.output_dir=2024` means the text, not the int, and a path is
+        # a path: `model.init_from=runs/exp #3/ckpt.pth` is not cut at a YAML
+        # comment (a quoted value is read as YAML's string)
         value = text.strip()
     if spec.optional and isinstance(value, str) and value.strip().lower() == "none":
         value = None  # Python's spelling of YAML's null
     return sname, key, value
+
+
+def _quoted(text: str) -> bool:
+    text = text.strip()
+    return len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
 
 
 def _merge_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
