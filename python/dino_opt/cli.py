@@ -747,6 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as e:  # a path given
+        parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
     except TrainingHungError as e:
         parser.exit(EXIT_HANG, f"dino-opt {args.command}: {e}\n")
 

@@ -123,7 +123,7 @@ def evaluate_checkpoint(
     except (RuntimeError, TypeError, AttributeError) as e:
         raise ValueError(
             f"checkpoint {str(path)!r}: its {which} weights do not fit the model of its "
-            f"config ({cfg.model.backbone}): {e}"
+            f"config ({cfg.model.backbone}): {' '.join(str(e).split())}"
         ) from e
     dev = resolve_device(device)
     size = image_size if image_size is not None else _train_size(cfg)

@@ -20,6 +20,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 from pathlib import Path
 
@@ -85,7 +86,66 @@ def load_head(path: str | os.PathLike) -> tuple[dict, dict]:
         raise ValueError(f"{path}: not a dino_opt head file ({e})") from None
     except Exception as e:  # noqa: BLE001 - safetensors' own errors: one line naming the file
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    _check_record(record, tensors, path)
     return tensors, record
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The keys of a head's record, by kind, with the type of each.
+_RECORD_KEYS = {"classes": list, "image_size": int, "mean": list, "std": list, "backbone": dict}
+_KIND_KEYS = {
+    "linear": {"n_blocks": int, "avgpool": bool, "dim": int},
+    "dense": {"in_dim": int, "num_classes": int},
+}
+
+
+def _check_record(record, tensors: dict, path: Path) -> None:
+    """ValueError naming ``path`` unless its record and tensors are a head
+    of the kind it says: every key of its kind with its type, positive
+    sizes, finite normalisation, the backbone's identity, tensors of the
+    shapes the record gives."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: its {HEAD_KEY} record {what}")
+
+    if not isinstance(record, dict):
+        raise bad(f"is a {type(record).__name__}, not a JSON object")
+    kind = record.get("kind")
+    if kind not in _KIND_KEYS:
+        raise bad(f"has kind {kind!r}, not linear or dense")
+    for key, type_ in {**_RECORD_KEYS, **_KIND_KEYS[kind]}.items():
+        value = record.get(key)
+        if not isinstance(value, type_) or (type_ is int and isinstance(value, bool)):
+            raise bad(f"has {key}={value!r}, not a {type_.__name__}")
+        if type_ is int and value < 1:
+            raise bad(f"has {key}={value}")
+    norm = record["mean"] + record["std"]
+    if len(norm) != 6 or not all(map(_is_number, norm)) or min(record["std"]) <= 0:
+        raise bad(
+            f"has mean {record['mean']!r} and std {record['std']!r}, not 3 finite numbers each"
+        )
+    identity = record["backbone"]
+    if not all(
+        isinstance(identity.get(k), str) for k in ("fingerprint", "backbone", "which", "weights")
+    ):
+        raise bad("does not name its backbone (fingerprint, backbone, which, weights)")
+    classes = len(record["classes"])
+    if kind == "linear":
+        width = record["dim"] * (record["n_blocks"] + int(record["avgpool"]))
+        shapes = {"weight": (width, classes), "bias": (classes,)}
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        if got != shapes:
+            raise bad(f"says tensors {shapes}; the file holds {got}")
+        return
+    if record["num_classes"] != classes:
+        raise bad(f"has {record['num_classes']} classes and names {classes}")
+    try:
+        DenseLinearHead(record["in_dim"], record["num_classes"]).load_state_dict(tensors)
+    except RuntimeError as e:
+        raise bad(f"does not fit its tensors ({' '.join(str(e).split())})") from None
 
 
 class _Classifier(nn.Module):

@@ -245,7 +245,10 @@ def predict(weights: str | os.PathLike, head: str | os.PathLike, data,
     tensors, record = load_head(head)
     opened = open_backbone(weights, which)
     check_identity(opened.net, record, weights, head)
-    model = head_model(opened.net, tensors, record).to(device)
+    try:
+        model = head_model(opened.net, tensors, record).to(device)
+    except (IndexError, KeyError, RuntimeError) as e:  # a record this backbone cannot take
+        raise ValueError(f"{head}: its head does not fit {weights}'s backbone ({e})") from None
     size = record["image_size"]
     # the dense probe's images are resized whole to size x size (a square image: exactly so)
     resize = size if record["kind"] == "dense" else None

@@ -156,12 +156,24 @@ def _run_training(ckpt: dict, path: Path) -> dict | None:
         raise ValueError(f"checkpoint {str(path)!r}: its config is not valid: {e}") from e
 
 
+def _json_object(path: Path) -> dict:
+    """The JSON object in the file ``path`` (a Hugging Face folder's
+    config.json or index); ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def _recorded_training(path: Path) -> dict | None:
     """The training input an export records: in a Hugging Face folder's
     config.json, a safetensors file's metadata or a torch file's sidecar."""
     if path.is_dir():
         config = path / "config.json"
-        value = json.loads(config.read_text()).get(TRAINING_KEY) if config.is_file() else None
+        value = _json_object(config).get(TRAINING_KEY) if config.is_file() else None
         return None if value is None else _checked_training(value, str(config))
     if _is_safetensors(path):
         with safe_open(str(path), "pt") as f:
@@ -245,7 +257,11 @@ def _hf_state(folder: Path) -> dict:
         return _torch_load(legacy)
     if single.is_file() or not index.is_file():
         return _read_safetensors(single)[0]
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    weight_map = _json_object(index).get("weight_map")
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and n == Path(n).name for n in names):
+        raise ValueError(f"{index}: its weight_map does not map tensor names to shard files here")
+    shards = sorted(set(names))
     state: dict = {}
     for shard in shards:
         state |= _read_safetensors(folder / shard)[0]
@@ -264,6 +280,9 @@ def _hf(sd: dict, config: dict | None = None) -> _Raw:
     """A Hugging Face ViTModel / Dinov2Model / Dinov2WithRegistersModel /
     DINOv3ViTModel state."""
     config = config or {}
+    heads = config.get("num_attention_heads")
+    if heads is not None and (not isinstance(heads, int) or isinstance(heads, bool) or heads < 1):
+        raise ValueError(f"num_attention_heads is {heads!r}, not a positive int")
     if config.get("model_type") == "dinov3_vit" or dinov3_layout(sd) == "hf":
         return _hf_dinov3(sd, config)
     dinov2 = str(config.get("model_type", "")).startswith("dinov2") or any(
@@ -298,12 +317,20 @@ def _backbone_state(sd: dict, container: str, heads: int | None = None) -> _Raw:
     return _Raw(fmt, net, net, None, heads)
 
 
-def _timm_kwargs(meta: dict) -> dict:
+def _timm_kwargs(meta: dict, path: Path) -> dict:
+    """The ``timm_kwargs`` an export records (what timm builds the model
+    with): a JSON object whose ``num_heads`` is a positive int where given;
+    ValueError naming the file otherwise (never guessed from the shapes)."""
     try:
         kwargs = json.loads(meta.get("timm_kwargs", "{}"))
-    except ValueError:
-        return {}
-    return kwargs if isinstance(kwargs, dict) else {}
+    except ValueError as e:
+        raise ValueError(f"{path}: its timm_kwargs metadata is not JSON ({e})") from None
+    heads = kwargs.get("num_heads", 1) if isinstance(kwargs, dict) else None
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise ValueError(
+            f"{path}: its timm_kwargs metadata {kwargs!r} is not an object with an int num_heads"
+        )
+    return kwargs
 
 
 def _dino_opt_interp(ckpt: dict) -> tuple[float, bool]:
@@ -334,7 +361,15 @@ def _training_checkpoint(state: dict, path: Path) -> _Raw | None:
 
 def _read_raw(path: Path) -> _Raw:
     if path.is_dir() and (path / "config.json").is_file():
-        return _hf(_hf_state(path), json.loads((path / "config.json").read_text()))
+        config = _json_object(path / "config.json")
+        state = _hf_state(path)
+        try:
+            return _hf(state, config)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(
+                f"{path / 'config.json'}: not a config this project reads with its weights "
+                f"({type(e).__name__}: {e})"
+            ) from None
     if path.is_dir():  # a dino_opt run folder or checkpoints/ folder
         ckpt = load_checkpoint(path, keys=("student", "teacher"))
         center = ckpt.get("loss", {}).get("center")
@@ -342,7 +377,7 @@ def _read_raw(path: Path) -> _Raw:
                     _dino_opt_interp(ckpt), training=_run_training(ckpt, path))  # fmt: skip
     if _is_safetensors(path):
         sd, meta = _read_safetensors(path)
-        kwargs = _timm_kwargs(meta)
+        kwargs = _timm_kwargs(meta, path)
         raw = _backbone_state(sd, "safetensors", kwargs.get("num_heads"))
         base = kwargs.get("rope_temperature")
         return raw._replace(rope=RopeSpec(float(base))) if base else raw
@@ -389,7 +424,10 @@ def read_weights(path: str | os.PathLike) -> ExternalWeights:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"weights {str(path)!r} do not exist")
-    raw = _read_raw(path)
+    try:
+        raw = _read_raw(path)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a malformed file's contents
+        raise ValueError(f"{path}: cannot be read as weights ({type(e).__name__}: {e})") from None
     if not raw.teacher["backbone"]:
         raise ValueError(f"{path}: holds no backbone weights")
     try:

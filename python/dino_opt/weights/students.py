@@ -36,8 +36,13 @@ def _load_own(path: str | os.PathLike, backbone: ExternalBackbone) -> list[str]:
     state = {k.removeprefix("module."): v for k, v in read_state_dict(path).items()}
     if state and all(k.startswith("net.") for k in state):  # a dino_opt student's backbone
         state = {k.removeprefix("net."): v for k, v in state.items()}
-    with torch.no_grad():
-        result = backbone.net.load_state_dict(state, strict=False)
+    try:
+        with torch.no_grad():
+            result = backbone.net.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that do not fit: one line naming the file
+        raise ValueError(
+            f"{path} does not fit {backbone.name}: {' '.join(str(e).split())}"
+        ) from None
     left_out = [k for k in result.unexpected_keys if k.split(".")[0] in _CLASSIFIERS]
     unexpected = [k for k in result.unexpected_keys if k not in left_out]
     if result.missing_keys or unexpected:

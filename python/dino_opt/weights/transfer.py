@@ -599,7 +599,9 @@ def load_strict(module: nn.Module, sd: dict, what: str, path: Path) -> None:
     except RuntimeError as e:
         result = module.load_state_dict(sd, strict=False) if "size mismatch" not in str(e) else None
         if result is None:
-            raise ValueError(f"{path}: the {what} weights do not fit: {e}") from None
+            raise ValueError(
+                f"{path}: the {what} weights do not fit: {' '.join(str(e).split())}"
+            ) from None
         raise ValueError(
             f"{path}: the {what} weights do not fit: missing keys {result.missing_keys}, "
             f"unexpected keys {result.unexpected_keys}"
