@@ -111,11 +111,15 @@ def test_a_forged_description_is_refused_in_one_line_and_never_run(forged):
     assert not marker.exists()
 
 
-def test_every_reader_refuses_a_forged_run(forged, data, tmp_path, capsys):
+def test_every_reader_refuses_a_forged_run(sharded_run, forged, data, tmp_path, capsys):
     run, marker = forged
     image = next((data / "val").rglob("*.jpg"))
+    head = tmp_path / "head.safetensors"  # a head of the real run, for predict
+    probe = ["eval", "linear", str(sharded_run), "--data", str(data), "--epochs", "1"]
+    assert main([*probe, "--head", str(head), "--device", "cpu"]) == 0
     commands = [
         ["embed", str(run), str(data / "val"), "-o", str(tmp_path / "e.npy")],
+        ["predict", str(run), str(head), str(data / "val"), "-o", str(tmp_path / "p.csv")],
         ["knn", "--checkpoint", str(run), "--data", str(data), "--device", "cpu"],
         ["export", str(run), "--format", "timm", "--output", str(tmp_path / "x.safetensors")],
         ["export", str(run), "--format", "onnx", "--output", str(tmp_path / "x.onnx")],
