@@ -139,3 +139,19 @@ def test_a_permission_error_is_one_line(run, tiny_data, tmp_path, capsys, monkey
     argv = ["embed", str(run), str(tiny_data / "val"), "-o", str(tmp_path / "e.npy")]
     line = _one_line(capsys, argv)
     assert line.endswith(f"Permission denied: '{tmp_path / 'e.npy'}'")
+
+
+def test_a_bug_is_a_traceback_and_a_line_saying_so(run, tiny_data, tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("an internal mistake")
+
+    monkeypatch.setattr(probing, "embed_weights", broken)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["embed", str(run), str(tiny_data / "val"), "-o", str(tmp_path / "e.npy")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" in err and "TypeError: an internal mistake" in err
+    assert err.strip().splitlines()[-1] == (
+        "dino-opt embed: internal error: a bug in dino-opt, not in what you gave it; please "
+        "report it with the traceback above"
+    )

@@ -734,6 +734,13 @@ def _add_doctor(sub) -> None:
     d.set_defaults(run=doctor.run)
 
 
+def _bug(parser: argparse.ArgumentParser, command: str) -> None:
+    """The traceback of an error no input explains, and a line saying so."""
+    traceback.print_exc()
+    line = "internal error: a bug in dino-opt, not in what you gave it; please report it with "
+    parser.exit(1, f"dino-opt {command}: {line}the traceback above\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dino-opt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -747,10 +754,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
-    except (PermissionError, IsADirectoryError, NotADirectoryError) as e:  # a path given
-        parser.exit(2, f"dino-opt {args.command}: error: {e}\n")
+    except OSError as e:
+        if e.filename is None:  # not a path's: handled below, as a bug
+            _bug(parser, args.command)
+        parser.exit(2, f"dino-opt {args.command}: error: {e}\n")  # a path given, or a full disk
     except TrainingHungError as e:
         parser.exit(EXIT_HANG, f"dino-opt {args.command}: {e}\n")
+    except Exception:  # noqa: BLE001 - anything else is dino-opt's fault, not the input's
+        _bug(parser, args.command)
 
 
 if __name__ == "__main__":
