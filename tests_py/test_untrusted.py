@@ -246,3 +246,16 @@ def test_a_teacher_run_naming_code_needs_trust_code(own_net_checkpoint, data, tm
     with pytest.raises(ValueError, match=r"recipe.distill_teacher=.*own_nets:noted_cnn.*--trust"):
         open_teacher(path, heads=True)
     assert not note.exists()
+
+
+def test_a_tensor_larger_than_its_shards_is_refused(sharded_run, tmp_path):
+    """A description whose tensor is larger than every shard together: refused
+    before anything is allocated for it."""
+    newest = CheckpointManager(sharded_run / "checkpoints").checkpoints()[-1].path
+    metadata = read_description(newest / ".metadata")
+    entry = metadata.state_dict_metadata["student.backbone.cls_token"]
+    entry.size = torch.Size([10**12, 192])
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match="'student.backbone.cls_token' of .* more than its shards"):
+        read_description(path)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -99,8 +100,9 @@ class _DescriptionUnpickler(pickle.Unpickler):
         admitted = _ADMITTED.get((module, name))
         if admitted is not None:
             return admitted
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        dtype = torch.__dict__.get(name) if module == "torch" else None  # no lazy import
+        if isinstance(dtype, torch.dtype):
+            return dtype
         raise _Refused(
             f"{str(self._path)!r} names the global {module}.{name}, which a sharded "
             "checkpoint's description never holds: refused, nothing of it was run"
@@ -130,16 +132,6 @@ def _check(metadata: Any, path: Path) -> Metadata:
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise bad("its entries or its storage are not mappings")
-    for key, entry in entries.items():
-        if not isinstance(key, str) or not isinstance(
-            entry, TensorStorageMetadata | BytesStorageMetadata
-        ):
-            raise bad(f"entry {key!r} is a {type(entry).__name__}")
-        if isinstance(entry, TensorStorageMetadata) and not (
-            isinstance(entry.size, torch.Size)
-            and isinstance(getattr(entry.properties, "dtype", None), torch.dtype)
-        ):
-            raise bad(f"tensor {key!r} has no size or dtype")
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise bad(f"a storage entry is a {type(info).__name__}")
@@ -148,6 +140,20 @@ def _check(metadata: Any, path: Path) -> Metadata:
             raise bad(f"{index.fqn!r} is stored in {name!r}, not a file of its folder")
         if not isinstance(info.offset, int) or not isinstance(info.length, int):
             raise bad(f"{index.fqn!r} has no offset or length")
+    stored = sum(info.length for info in storage.values())
+    for key, entry in entries.items():
+        if not isinstance(key, str) or not isinstance(
+            entry, TensorStorageMetadata | BytesStorageMetadata
+        ):
+            raise bad(f"entry {key!r} is a {type(entry).__name__}")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        dtype = getattr(entry.properties, "dtype", None)
+        if not isinstance(entry.size, torch.Size) or not isinstance(dtype, torch.dtype):
+            raise bad(f"tensor {key!r} has no size or dtype")
+        size = math.prod(entry.size) * dtype.itemsize
+        if min(entry.size, default=0) < 0 or size > stored:  # never allocated to find out
+            raise bad(f"tensor {key!r} of {list(entry.size)} is more than its shards hold")
     planner = metadata.planner_data
     if planner is not None and not (
         isinstance(planner, dict) and all(_is_key_path(v) for v in planner.values())
