@@ -25,6 +25,17 @@ from dino_opt.weights import open_teacher
 from forked import run_cli
 from tiny import TINY, ranks_env, train_args
 
+#: A run of one epoch sharded with FSDP on 2 gloo ranks (with tiny.TINY).
+FSDP_RUN = (
+    "data.num_workers=1",
+    "data.batch_size=4",
+    "logging.tensorboard=false",
+    "logging.profile=false",
+    "distributed.strategy=fsdp",
+    "schedule.epochs=1",
+    "schedule.warmup_epochs=0",
+)
+
 
 class _Touch:
     """Unpickling it runs ``touch MARKER``."""
@@ -54,18 +65,20 @@ def _rerecord(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return builtin_dataset(tmp_path_factory.mktemp("data") / "builtin", train_per_class=4,
-                           val_per_class=1, test_per_class=0, image_size=40)  # fmt: skip
+    return builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin",
+        train_per_class=4,
+        val_per_class=1,
+        test_per_class=0,
+        image_size=40,
+    )
 
 
 @pytest.fixture(scope="module")
 def sharded_run(data, tmp_path_factory):
     """A run of one epoch sharded with FSDP on 2 gloo ranks."""
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    extra = ("data.num_workers=1", "data.batch_size=4", "logging.tensorboard=false",
-             "logging.profile=false", "distributed.strategy=fsdp", "schedule.epochs=1",
-             "schedule.warmup_epochs=0")  # fmt: skip
-    done = run_cli(train_args(out, data / "train", *TINY, *extra, nproc=2), ranks_env())
+    done = run_cli(train_args(out, data / "train", *TINY, *FSDP_RUN, nproc=2), ranks_env())
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 
@@ -127,12 +140,29 @@ def test_every_reader_refuses_a_forged_run(sharded_run, forged, data, tmp_path, 
         ["eval", "linear", str(run), "--data", str(data), "--device", "cpu"],
         # resume, continued pretraining, a distillation's teacher
         ["train", "--output-dir", str(run), "--quiet", "checkpoint.resume=auto"],
-        ["train", "--adapt", str(run), "--output-dir", str(tmp_path / "adapted"), "--quiet",
-         f"data.root={data / 'train'}", "hardware.device=cpu", "data.batch_size=8"],
-        ["train", "--output-dir", str(tmp_path / "distilled"), "--quiet",
-         f"data.root={data / 'train'}", "hardware.device=cpu", "data.batch_size=8",
-         "recipe.name=distill", f"recipe.distill_teacher={run}"],
-    ]  # fmt: skip
+        [
+            "train",
+            "--adapt",
+            str(run),
+            "--output-dir",
+            str(tmp_path / "adapted"),
+            "--quiet",
+            f"data.root={data / 'train'}",
+            "hardware.device=cpu",
+            "data.batch_size=8",
+        ],
+        [
+            "train",
+            "--output-dir",
+            str(tmp_path / "distilled"),
+            "--quiet",
+            f"data.root={data / 'train'}",
+            "hardware.device=cpu",
+            "data.batch_size=8",
+            "recipe.name=distill",
+            f"recipe.distill_teacher={run}",
+        ],
+    ]
     for argv in commands:
         line = _refused(capsys, argv)
         assert "names the global posix.system" in line and ".metadata" in line, (argv, line)
@@ -142,6 +172,16 @@ def test_every_reader_refuses_a_forged_run(sharded_run, forged, data, tmp_path, 
     rows = json.loads(capsys.readouterr().out)["checkpoints"]["checkpoints"]
     assert rows and all("names the global posix.system" in r["reason"] for r in rows)
     assert not marker.exists()
+
+
+def test_a_sharded_resume_refuses_a_forged_run_without_restarts(forged, data):
+    """Resumed on 2 ranks: each refuses before loading a shard, and the
+    launcher does not restart them (a restart would fail the same way)."""
+    run, marker = forged
+    done = run_cli(train_args(run, data / "train", *TINY, *FSDP_RUN, nproc=2), ranks_env())
+    refusals = [x for x in done.stderr.splitlines() if "names the global posix.system" in x]
+    assert done.returncode != 0 and len(refusals) == 2, done.stderr[-3000:]
+    assert "0 of 3 restarts used" in done.stderr and not marker.exists()
 
 
 def test_a_value_naming_code_is_refused(tmp_path):
@@ -217,8 +257,11 @@ def own_net_checkpoint(tmp_path, monkeypatch):
     cfg = apply_overrides(default_config(), [*TINY, *own])
     student, teacher = build_models(cfg)
     path = tmp_path / "checkpoint.pth"
-    state = {"student": student.state_dict(), "teacher": teacher.state_dict(),
-             "config": cfg.to_dict()}  # fmt: skip
+    state = {
+        "student": student.state_dict(),
+        "teacher": teacher.state_dict(),
+        "config": cfg.to_dict(),
+    }
     torch.save(state, path)
     note.unlink()
     return path, note
