@@ -60,7 +60,7 @@ from .data import find_images, verify_shards, write_shards
 from .distributed import WorkerFailedError, launch_distributed_training
 from .job import run_training
 from .models import CHECKPOINT_POLICIES
-from .observe import DINOTrainingAnalyzer, NonFiniteError, format_report
+from .observe import CollapseError, DINOTrainingAnalyzer, format_report
 from .ops.native import _C
 from .runtime import EXIT_HANG, TrainingHungError, launched_world
 from .train import RECIPES, recipe_of, resolve_recipe
@@ -760,8 +760,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"dino-opt {args.command}: error: {e}\n")  # a path given, or a full disk
     except TrainingHungError as e:
         parser.exit(EXIT_HANG, f"dino-opt {args.command}: {e}\n")
-    except NonFiniteError:  # a run that diverged: its own message says what to do
-        raise
+    except (FloatingPointError, CollapseError, WorkerFailedError):
+        raise  # a run's own outcome (diverged, collapsed, a worker lost), with its advice
     except Exception:  # noqa: BLE001 - anything else is dino-opt's fault, not the input's
         _bug(parser, args.command)
 
