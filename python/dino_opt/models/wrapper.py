@@ -17,10 +17,12 @@ class MultiCropWrapper(nn.Module):
     orders them (global crops first, then local crops). Each run of consecutive
     crops with the same spatial size is concatenated along the batch dimension
     and goes through the backbone in one call (so 2 global + 10 local crops cost
-    2 backbone calls, not 12); the features of all crops are then concatenated
-    and go through the head once. The output is ``head(features)`` with the
-    crops' rows in input order: shape (sum of batch sizes, head output dim).
-    A single tensor is treated as a list of one crop.
+    2 backbone calls, not 12); a backbone whose ``packs_crops`` is true (the
+    ViTs) takes the whole list and runs every size in one packed pass. The
+    features of all crops are then concatenated and go through the head once.
+    The output is ``head(features)`` with the crops' rows in input order:
+    shape (sum of batch sizes, head output dim). A single tensor is treated
+    as a list of one crop.
     """
 
     def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
@@ -45,6 +47,8 @@ class MultiCropWrapper(nn.Module):
             crops = [crops]
         if len(crops) == 0:
             raise ValueError("MultiCropWrapper: no crops given")
+        if getattr(self.backbone, "packs_crops", False):
+            return self.backbone(list(crops))
         feats = []
         for start, end in self.resolution_groups(crops):
             group = crops[start] if end - start == 1 else torch.cat(list(crops[start:end]))
