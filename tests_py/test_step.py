@@ -4,6 +4,7 @@ float64), a whole step of every recipe free of host synchronisation
 (counted from outside by a dispatch mode), and one step for every recipe
 (the recipes contribute terms; the engine's calls are written once)."""
 
+import json
 import math
 
 import pytest
@@ -13,6 +14,8 @@ from dino_opt.config import load_config
 from dino_opt.models.layers import Block, DropPath, kept_samples, residual_subset
 from dino_opt.models.vit import vit_tiny
 from dino_opt.models.vit_dinov3 import RopeBlock
+from dino_opt.observe import RunFolder, RunLog
+from dino_opt.observe import runlog as runlog_module
 from dino_opt.runtime import device as device_module
 from dino_opt.runtime import resolve_precision
 from dino_opt.train import (
@@ -550,3 +553,31 @@ def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch, re
         else:
             assert made == [0, 0, 0]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_first_step_says_what_compile_cost(tmp_path, monkeypatch, capsys, compiled):
+    """With hardware.compile on, the run's log says after its first step how
+    many graphs torch.compile made and in how many seconds, and writes it as
+    a ``compiled`` event; once, and not at all with compile off."""
+    monkeypatch.setattr(runlog_module, "compile_totals", lambda: (24, 3.25))
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            f"hardware.compile={str(compiled).lower()}",
+            "logging.tensorboard=false",
+            "logging.progress=false",
+        ],
+    )
+    log = RunLog(cfg, RunFolder(tmp_path), lead=True, step=0, total=3, metadata={})
+    for _ in range(3):
+        log.advance()
+    log.close({})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    printed = capsys.readouterr().out
+    if compiled:
+        assert rows == [{"step": 1, "event": "compiled", "graphs": 24, "seconds": 3.25}]
+        assert "torch.compile: 24 graphs" in printed and "3.2 s" in printed
+    else:
+        assert rows == [] and "torch.compile" not in printed
