@@ -514,9 +514,10 @@ def test_compile_defaults_to_the_gpu_only():
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch, recipe):
-    """Every block compiled whole (a graph break would raise), static shapes:
-    the graphs are made in the first step (per crop size and drop-path rate)
+def test_compiled_blocks_and_heads_have_no_graph_break_and_never_recompile(monkeypatch, recipe):
+    """Every block and head compiled whole (a graph break would raise), static
+    shapes (a DINOv2 head's rows dynamic, for its masked patches): the graphs
+    are made in the first step (per crop size and drop-path rate)
     and none after, while the schedules move lr, weight decay, momentum and
     the teacher temperature and the last layer's freeze ends (epoch 0, then
     1); the losses are eager's. The backend only counts the graphs dynamo
@@ -550,6 +551,8 @@ def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch, re
             made.append(len(graphs))
         if compiled:
             assert made[0] > 0 and made[1] == made[0] and made[2] == made[0], made
+            heads = [trainer.model.student.head, trainer.model.teacher.head]
+            assert all(h._compiled_call_impl is not None for h in heads)  # whole, too
         else:
             assert made == [0, 0, 0]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -25,10 +25,25 @@ class MultiCropWrapper(nn.Module):
     as a list of one crop.
     """
 
+    #: whether a head sees the same number of rows at each call for a crop
+    #: size (DINO's: one per crop); a wrapper whose heads also see a varying
+    #: number of rows (DINOv2's masked patches) says False
+    head_rows_fixed = True
+
     def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
+
+    def compile_heads(self, mode: str | None = None) -> None:
+        """``torch.compile`` of each head with parameters (``head``, and an
+        ``ibot_head`` where there is one) in place, whole (``fullgraph``):
+        static shapes where ``head_rows_fixed``, else the rows dynamic (one
+        graph for every count of masked patches)."""
+        for name in ("head", "ibot_head"):
+            head = getattr(self, name, None)
+            if isinstance(head, nn.Module) and any(True for _ in head.parameters()):
+                head.compile(mode=mode, fullgraph=True, dynamic=not self.head_rows_fixed)
 
     @staticmethod
     def resolution_groups(crops: Sequence[torch.Tensor]) -> list[tuple[int, int]]:

@@ -167,6 +167,8 @@ class DINOv2Wrapper(MultiCropWrapper):
     which also hold the global crops' patch tokens. Going through ``forward`` keeps
     DistributedDataParallel's hooks."""
 
+    head_rows_fixed = False  # the masked patches' count changes from step to step
+
     def __init__(self, backbone: nn.Module, head: nn.Module, ibot_head: nn.Module | None = None):
         super().__init__(backbone, head)
         self.ibot_head = ibot_head
