@@ -160,9 +160,9 @@ def test_the_config_reaches_both_models():
     policies = [b.checkpointing for b in student.backbone.blocks]
     assert policies == ["selective", "none", "none", "none"] * 3
     assert all(b.checkpointing == "none" for b in teacher.backbone.blocks)  # no backward
-    for net in (student, teacher):  # compiled in place, block by block
+    for net in (student, teacher):  # compiled in place, block by block, and the head
         assert all(b._compiled_call_impl is not None for b in net.backbone.blocks)
-        assert net.backbone._compiled_call_impl is None and net.head._compiled_call_impl is None
+        assert net.backbone._compiled_call_impl is None and net.head._compiled_call_impl is not None
     assert student.state_dict().keys() == teacher.state_dict().keys()
     assert not any("_orig_mod" in k for k in student.state_dict())
     plain, _ = build_models(load_config(None, ["model.backbone=vit_tiny"]))

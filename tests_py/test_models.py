@@ -312,14 +312,18 @@ def test_multicrop_wrapper_matches_per_crop_and_groups_by_resolution():
     backbone = small_vit().double().eval()
     head = DINOHead(32, 24, nlayers=2, hidden_dim=16, bottleneck_dim=8).double().eval()
     wrapper = MultiCropWrapper(backbone, head)
-    calls = []
-    backbone.register_forward_hook(lambda m, inp, out: calls.append(inp[0].shape))
+    calls, passes = [], []
+    # each resolution group is embedded as one batch; the ViT packs the
+    # groups into one pass through its blocks
+    backbone.patch_embed.register_forward_hook(lambda m, inp, out: calls.append(inp[0].shape))
+    backbone.blocks[0].register_forward_hook(lambda m, inp, out: passes.append(inp[0].shape))
 
     sizes = [32, 32, 16, 16, 16]
     crops = [torch.randn(2, 3, s, s, dtype=torch.float64) for s in sizes]
     with torch.no_grad():
         out = wrapper(crops)
         assert calls == [(4, 3, 32, 32), (6, 3, 16, 16)]
+        assert passes == [(4 * 17 + 6 * 5, 32)]  # the rows of both sizes at once
         calls.clear()
         ref = torch.cat([head(backbone(c)) for c in crops])
     assert out.shape == (10, 24)

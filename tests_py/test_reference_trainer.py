@@ -54,7 +54,11 @@ def tiny_models(dtype, seed):
             f"model.out_dim={OUT}",
             "model.hidden_dim=48",
             "model.bottleneck_dim=16",
-            "model.drop_path_rate=0.1",
+            # no drop path: dino_opt's ViT runs the crop sizes packed and draws
+            # the dropped samples block by block, the published forward size
+            # by size, so the draws differ (the subset drop path's equality to
+            # the mask form, for the same draws, is tested in test_packing)
+            "model.drop_path_rate=0.0",
         ],
     )
     torch.manual_seed(seed)
@@ -82,8 +86,8 @@ CENTER_TOL = dict(rtol=1e-6, atol=1e-7)
 )
 def test_reference_step_matches_dino_opt_trainer(gen, dtype, tol):
     """Two steps (epoch 0 with the last layer frozen, then epoch 1) of both
-    trainers from the same init on the same crops with the same drop-path
-    draws: loss, gradients, student and teacher parameters and center agree.
+    trainers from the same init on the same crops (no drop path): loss,
+    gradients, student and teacher parameters and center agree.
 
     float64 runs DINO's AdamW. float32 runs SGD with momentum: AdamW's first
     step divides each gradient element by its own magnitude, so in float32 the
@@ -347,7 +351,7 @@ def test_bench_quick_smoke_in_process(tmp_path):
     # the default rows: the step dino-opt train builds from its config
     assert results["default"]["toggles"] == ["default", "loader"]
     assert results["default_fp32"]["toggles"] == ["default", "loader", "fp32"]
-    # Same init, same PIL crops, same drop-path draws: the first loss (before
+    # Same init, same PIL crops, no drop path (--quick): the first loss (before
     # any update) agrees between the baseline and every row on the PIL loader.
     base = results["baseline"]["losses"][0]
     for case in ("strong", "dino_opt", "fused_loss", "fused_ema", "checkpointing"):

@@ -4,6 +4,7 @@ float64), a whole step of every recipe free of host synchronisation
 (counted from outside by a dispatch mode), and one step for every recipe
 (the recipes contribute terms; the engine's calls are written once)."""
 
+import json
 import math
 
 import pytest
@@ -11,7 +12,10 @@ import torch
 from dino_opt import train as train_module
 from dino_opt.config import load_config
 from dino_opt.models.layers import Block, DropPath, kept_samples, residual_subset
+from dino_opt.models.vit import vit_tiny
 from dino_opt.models.vit_dinov3 import RopeBlock
+from dino_opt.observe import RunFolder, RunLog
+from dino_opt.observe import runlog as runlog_module
 from dino_opt.runtime import device as device_module
 from dino_opt.runtime import resolve_precision
 from dino_opt.train import (
@@ -155,7 +159,8 @@ def test_subset_drop_path_equals_the_mask_form_for_the_same_draw(kind, batch, p)
     torch.manual_seed(11)
     ours = block(x) if rope is None else block(x, rope)
     hook.remove()
-    assert rows == [kept if kept < batch else batch]  # the dropped samples never ran
+    # the dropped samples never ran: attention saw the kept samples' rows (9 tokens each)
+    assert rows == [9 * (kept if kept < batch else batch)]
     names, params = zip(*block.named_parameters(), strict=True)
     grads = torch.autograd.grad(ours.sin().sum(), [x, *params])
     ref = _reference_block(block, x, draws, rope)
@@ -190,6 +195,58 @@ def test_the_subset_draw_keeps_the_expectation():
     total = sum(drop.add(x, lambda t: torch.ones_like(t)) for _ in range(4000)) / 4000
     assert math.isclose(total.mean().item(), 1.0, abs_tol=1e-9)  # exactly batch per draw
     assert (total - 1.0).abs().max().item() < 0.1  # each sample near its expectation
+
+
+# ---------------------------------------------------------------- the residual stream
+
+
+class _Conversions(TorchDispatchMode):
+    """The dtype conversions (``_to_copy``) of tensors other than ``params``."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = {id(p) for p in params}
+        self.converted: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and id(args[0]) not in self.params:
+            self.converted.append((tuple(args[0].shape), args[0].dtype, kwargs.get("dtype")))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["dino", "dinov2"])
+def test_under_bf16_autocast_the_residual_stream_is_bf16(kind):
+    """The stream goes to bfloat16 once, after the embeddings (summed in
+    float32); in the blocks no activation is converted (autocast casts only
+    the weights), forward or backward; the features leave the final norm."""
+    extra = {"ffn_layer": "swiglu", "layerscale_init": 1e-5} if kind == "dinov2" else {}
+    net = vit_tiny(patch_size=8, img_size=32, depth=2, drop_path_rate=0.2, **extra).train()
+    crops = [torch.randn(4, 3, 32, 32), torch.randn(6, 3, 16, 16)]
+    seen = {}
+    # (a hook that returns something replaces the call's inputs or output)
+    net.blocks[0].register_forward_pre_hook(lambda m, a: seen.update({"in": a[0].dtype}))
+    net.blocks[-1].register_forward_hook(lambda m, a, out: seen.update({"out": out.dtype}))
+    mode = _Conversions(list(net.parameters()))
+    inside = []
+    net.blocks[0].register_forward_pre_hook(lambda m, a: inside.append(len(mode.converted)))
+    net.blocks[-1].register_forward_hook(lambda m, a, out: inside.append(len(mode.converted)))
+    with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+        out = net(crops)
+        start, end = inside
+        out.float().square().sum().backward()
+    assert seen == {"in": torch.bfloat16, "out": torch.bfloat16}
+    assert mode.converted[start:end] == []  # forward: the blocks convert no activation
+    # backward: the blocks' packed rows (T, C) are never converted (the
+    # weights' gradients go to float32, the embeddings' come back to theirs)
+    params = {tuple(p.shape) for p in net.parameters()} | {tuple(out.shape)}
+    rows = [c for c in mode.converted[end:] if len(c[0]) == 2 and c[0] not in params]
+    assert rows == []
+    assert all(
+        p.grad is not None and p.grad.dtype == torch.float32 for p in net.blocks.parameters()
+    )
+    # float32 without autocast: the stream stays float32
+    with torch.no_grad():
+        assert net.prepare_tokens(crops[0]).dtype == torch.float32
 
 
 # ---------------------------------------------------------------- host synchronisation
@@ -457,9 +514,10 @@ def test_compile_defaults_to_the_gpu_only():
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch, recipe):
-    """Every block compiled whole (a graph break would raise), static shapes:
-    the graphs are made in the first step (per crop size and drop-path rate)
+def test_compiled_blocks_and_heads_have_no_graph_break_and_never_recompile(monkeypatch, recipe):
+    """Every block and head compiled whole (a graph break would raise), static
+    shapes (a DINOv2 head's rows dynamic, for its masked patches): the graphs
+    are made in the first step (per crop size and drop-path rate)
     and none after, while the schedules move lr, weight decay, momentum and
     the teacher temperature and the last layer's freeze ends (epoch 0, then
     1); the losses are eager's. The backend only counts the graphs dynamo
@@ -493,6 +551,36 @@ def test_compiled_blocks_have_no_graph_break_and_never_recompile(monkeypatch, re
             made.append(len(graphs))
         if compiled:
             assert made[0] > 0 and made[1] == made[0] and made[2] == made[0], made
+            heads = [trainer.model.student.head, trainer.model.teacher.head]
+            assert all(h._compiled_call_impl is not None for h in heads)  # whole, too
         else:
             assert made == [0, 0, 0]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_first_step_says_what_compile_cost(tmp_path, monkeypatch, capsys, compiled):
+    """With hardware.compile on, the run's log says after its first step how
+    many graphs torch.compile made and in how many seconds, and writes it as
+    a ``compiled`` event; once, and not at all with compile off."""
+    monkeypatch.setattr(runlog_module, "compile_totals", lambda: (24, 3.25))
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            f"hardware.compile={str(compiled).lower()}",
+            "logging.tensorboard=false",
+            "logging.progress=false",
+        ],
+    )
+    log = RunLog(cfg, RunFolder(tmp_path), lead=True, step=0, total=3, metadata={})
+    for _ in range(3):
+        log.advance()
+    log.close({})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    printed = capsys.readouterr().out
+    if compiled:
+        assert rows == [{"step": 1, "event": "compiled", "graphs": 24, "seconds": 3.25}]
+        assert "torch.compile: 24 graphs" in printed and "3.2 s" in printed
+    else:
+        assert rows == [] and "torch.compile" not in printed

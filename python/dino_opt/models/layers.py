@@ -1,7 +1,18 @@
 """The layers of the Vision Transformer: stochastic depth (mask and subset
 forms), the feed-forward networks (GELU MLP and SwiGLU), LayerScale,
 self-attention, the pre-norm block (with its activation checkpointing) and
-the patch embedding.
+the patch embedding. Attention and the block take a batch (B, N, C) or the
+packed rows of several crop sizes.
+
+Packed crops: a ViT's token-wise layers (norms, the feed-forward network,
+the q/k/v and output projections, LayerScale, the residual adds) do not
+care which image a token belongs to, so the global and the local crops of a
+step go through them together, as one (rows, channels) matrix: one matrix
+product per layer instead of one per crop size. Only attention needs the
+crops apart; it reads each crop size's rows as a (batch, tokens, channels)
+view of the stream. A :data:`Layout` says how the rows are laid out: the
+(batch, tokens) of each crop size, in order; it is made of Python ints, so
+that a compiled block keeps one graph per layout.
 
 Parameter names follow DINO (v1) and DINOv2, so that their checkpoints load
 as they are: ``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1.gamma``,
@@ -11,7 +22,7 @@ as they are: ``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1.gamma``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +40,70 @@ __all__ = [
     "Block",
     "DropPath",
     "LayerScale",
+    "Layout",
     "Mlp",
     "PatchEmbed",
     "SwiGLUFFN",
+    "autocast_stream",
     "drop_path",
+    "kept_rows",
     "kept_samples",
+    "pack",
     "residual_subset",
     "selective_checkpoint_contexts",
     "swiglu_hidden_dim",
+    "unpack",
 ]
+
+#: (batch, tokens) of each crop size in a packed stream, in order.
+Layout = tuple[tuple[int, int], ...]
+
+
+def autocast_stream(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream ``x`` in bfloat16 where bfloat16 autocast is on
+    for its device (unchanged otherwise): the blocks' norms, adds and
+    LayerScale then run on half the bytes, and no layer converts its input
+    to float32 and back. Float16 autocast keeps a float32 stream (its range
+    is too narrow for the residual sums)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+        return x.to(torch.bfloat16)
+    return x
+
+
+def pack(tokens: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Layout]:
+    """Token batches (B_i, N_i, C) as one stream (sum of B_i N_i, C) and its
+    layout (a view, not a copy, for a single batch)."""
+    if len(tokens) == 0:
+        raise ValueError("pack: no token batches given")
+    layout = tuple((int(t.shape[0]), int(t.shape[1])) for t in tokens)
+    if len(tokens) == 1:
+        return tokens[0].flatten(0, 1), layout
+    return torch.cat([t.flatten(0, 1) for t in tokens]), layout
+
+
+def unpack(rows: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The (B_i, N_i, C) views of a packed stream ``rows``."""
+    parts = rows.split([b * n for b, n in layout]) if len(layout) > 1 else (rows,)
+    return [part.view(b, n, rows.shape[-1]) for part, (b, n) in zip(parts, layout, strict=True)]
+
+
+def kept_rows(
+    samples: Sequence[torch.Tensor | None], layout: Layout, device: torch.device
+) -> torch.Tensor:
+    """The rows of a packed stream that hold the samples ``samples[i]`` of
+    crop size ``i`` (None: all of them), in that order: what a subset drop
+    path gathers, runs its branch on and adds back."""
+    rows, offset = [], 0
+    for index, (b, n) in zip(samples, layout, strict=True):
+        if index is None:
+            rows.append(torch.arange(offset, offset + b * n, device=device))
+        else:
+            tokens = torch.arange(n, device=device)
+            rows.append((index.unsqueeze(1) * n + tokens + offset).flatten())
+        offset += b * n
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
 
 #: The feed-forward kinds a block takes. ``swiglu`` and ``swiglufused`` are
 #: the same network (DINOv2 maps both to its fused SwiGLU and its hidden size).
@@ -116,16 +182,42 @@ class DropPath(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drop_path(x, self.p, self.training)
 
-    def add(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def add(self, x: torch.Tensor, branch: Callable, layout: Layout | None = None) -> torch.Tensor:
         """``x + DropPath(branch(x))`` computed on the kept samples only
         (:func:`kept_samples`, drawn by ``randperm``): the dropped samples'
         branch is never run. ``x + branch(x)`` in eval mode, at ``p == 0``, or
-        where the count keeps every sample."""
-        b = x.shape[0]
-        kept = kept_samples(b, self.p)
-        if not self.training or self.p == 0.0 or kept == b:
-            return x + branch(x)
-        return residual_subset(x, branch, torch.randperm(b, device=x.device)[:kept])
+        where the count keeps every sample. With a ``layout``, ``x`` is the
+        packed rows of several crop sizes, each drawn on its own, and the
+        branch is called as ``branch(rows, layout_of_rows)``."""
+        if layout is None:
+            b = x.shape[0]
+            kept = kept_samples(b, self.p)
+            if not self.training or self.p == 0.0 or kept == b:
+                return x + branch(x)
+            return residual_subset(x, branch, torch.randperm(b, device=x.device)[:kept])
+        sizes = [b for b, _ in layout]
+        kept = [kept_samples(b, self.p) for b in sizes]
+        if not self.training or self.p == 0.0 or kept == sizes:
+            return x + branch(x, layout)
+        draws = [
+            None if k == b else torch.randperm(b, device=x.device)[:k]
+            for k, b in zip(kept, sizes, strict=True)
+        ]
+        rows = kept_rows(draws, layout, x.device)
+        out = branch(
+            x.index_select(0, rows), tuple((k, n) for k, (_, n) in zip(kept, layout, strict=True))
+        )
+        scales = [b / k for k, b in zip(kept, sizes, strict=True)]
+        if len(set(scales)) == 1:
+            return torch.index_add(x, 0, rows, out.to(x.dtype), alpha=scales[0])
+        # each crop size's kept rows scaled by its own batch / kept
+        scale = torch.cat(
+            [
+                torch.full((k * n, 1), a, dtype=x.dtype, device=x.device)
+                for a, k, (_, n) in zip(scales, kept, layout, strict=True)
+            ]
+        )
+        return torch.index_add(x, 0, rows, out.to(x.dtype) * scale)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -175,7 +267,8 @@ class LayerScale(nn.Module):
         self.gamma = nn.Parameter(torch.full((dim,), self.init_values))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
+        # in the stream's dtype: a bfloat16 stream stays bfloat16
+        return x * self.gamma.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"init_values={self.init_values}"
@@ -198,22 +291,44 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, n, c = x.shape
         # (B, N, 3*C) -> (3, B, heads, N, head_dim); unbind, not indexing: one
         # stack in backward instead of three zero-filled selects added up
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        b, n, _ = x.shape
+        qkv = x.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return qkv.unbind(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        q, k, v = self._qkv(x)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys as attention compares them (this attention has
+        no position rotation; :class:`~dino_opt.models.vit_dinov3.RopeAttention` has)."""
+        if rope is not None:
+            raise ValueError(f"{type(self).__name__} takes no RoPE")
+        return q, k
 
-    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, layout: Layout | None = None) -> torch.Tensor:
+        """Attention over a batch ``x`` (B, N, C) (``rope``: its RoPE or None),
+        or over the packed rows ``x`` (T, C) of ``layout`` (``rope``: one per
+        crop size, or None): the projections run on all rows at once,
+        attention within each crop size."""
+        if layout is None:
+            b, n, c = x.shape
+            return self.forward(x.flatten(0, 1), (rope,), ((b, n),)).view(b, n, c)
+        ropes = (None,) * len(layout) if rope is None else rope
+        outs = []
+        for part, r in zip(unpack(self.qkv(x), layout), ropes, strict=True):
+            b, n, _ = part.shape
+            q, k, v = self._qkv(part)
+            q, k = self.rotate(q, k, r)
+            out = F.scaled_dot_product_attention(q, k, v)
+            outs.append(out.transpose(1, 2).reshape(b * n, -1))
+        return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def attention_weights(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         """The softmax attention matrix, shape (B, heads, N, N), computed explicitly
         (the fused kernels never materialise it)."""
-        q, k, _ = self._qkv(x)
+        q, k, _ = self._qkv(self.qkv(x))
+        q, k = self.rotate(q, k, rope)
         return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 
@@ -262,17 +377,29 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.checkpointing = "none"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, layout: Layout | None = None) -> torch.Tensor:
+        """The block over a batch (B, N, C), or over the packed rows (T, C) of
+        ``layout`` (``rope``: as :meth:`Attention.forward` takes it)."""
         if self.checkpointing == "none" or not (self.training and torch.is_grad_enabled()):
-            return self._forward(x)
+            return self.residuals(x, rope, layout)
         if self.checkpointing == "selective":
-            return checkpoint(self._forward, x, use_reentrant=False,
+            return checkpoint(self.residuals, x, rope, layout, use_reentrant=False,
                               context_fn=selective_checkpoint_contexts)  # fmt: skip
-        return checkpoint(self._forward, x, use_reentrant=False)
+        return checkpoint(self.residuals, x, rope, layout, use_reentrant=False)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.drop_path.add(x, lambda t: self.ls1(self.attn(self.norm1(t))))
-        return self.drop_path.add(x, lambda t: self.ls2(self.mlp(self.norm2(t))))
+    def residuals(self, x: torch.Tensor, rope=None, layout: Layout | None = None) -> torch.Tensor:
+        """The block without checkpointing: attention, then feed-forward
+        residual, on packed rows (a batch is the rows of one crop size)."""
+        if layout is None:
+            b, n, c = x.shape
+            rope = None if rope is None else (rope,)
+            return self.residuals(x.flatten(0, 1), rope, ((b, n),)).view(b, n, c)
+
+        def attention(t: torch.Tensor, lay: Layout) -> torch.Tensor:
+            return self.ls1(self.attn(self.norm1(t), rope, lay))
+
+        x = self.drop_path.add(x, attention, layout)
+        return self.drop_path.add(x, lambda t, _: self.ls2(self.mlp(self.norm2(t))), layout)
 
     def extra_repr(self) -> str:
         return "" if self.checkpointing == "none" else f"checkpointing={self.checkpointing}"

@@ -11,7 +11,10 @@ switches, uniform stochastic depth and DINOv2's position interpolation
 (offset and anti-aliasing). State-dict names are DINO's and DINOv2's.
 
 ``forward`` returns the normalised CLS token (B, embed_dim) of a batch or of
-a list of crops; ``forward_features`` returns DINOv2's dict of outputs.
+a list of crops; ``forward_features`` returns DINOv2's dict of outputs. A
+list of crops of several sizes goes through the blocks in one pass, packed
+(:mod:`dino_opt.models.layers`): the token-wise layers on all crops'
+tokens at once, attention within each crop size.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention``,
 which dispatches to flash / memory-efficient kernels on GPUs. Blocks can be
@@ -39,8 +42,11 @@ from .layers import (
     Mlp,
     PatchEmbed,
     SwiGLUFFN,
+    autocast_stream,
     drop_path,
+    pack,
     swiglu_hidden_dim,
+    unpack,
 )
 from .wrapper import MultiCropWrapper
 
@@ -70,7 +76,8 @@ __all__ = [
 
 class VisionTransformer(nn.Module):
     """DINO's and DINOv2's Vision Transformer backbone; ``forward`` returns the
-    normalised CLS feature (B, embed_dim).
+    normalised CLS feature (B, embed_dim), of a batch or of a list of crops
+    (``packs_crops``: every size in one pass).
 
     Args:
         img_size: side of the images the position table is made for (224;
@@ -101,6 +108,10 @@ class VisionTransformer(nn.Module):
         interpolate_antialias: anti-aliased bicubic resizing (DINOv2 with
             registers).
     """
+
+    #: ``forward`` and ``forward_features_list`` run a list of crops of
+    #: several sizes in one packed pass (the multi-crop wrappers rely on it).
+    packs_crops = True
 
     def __init__(
         self,
@@ -237,17 +248,37 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(x)
         if masks is not None:
             x = self._mask(x, masks)
-        # cat promotes to the wider dtype, so under autocast the residual stream is fp32.
+        # cat promotes to the wider dtype: the embeddings are summed in float32,
+        # then the stream goes to bfloat16 under bfloat16 autocast
         x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1)
         x = x + self.interpolate_pos_encoding(x, h, w)
         if self.register_tokens is not None:
             x = torch.cat((x[:, :1], self.register_tokens.expand(b, -1, -1), x[:, 1:]), dim=1)
-        return x
+        return autocast_stream(x)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
         return x
+
+    def packed_prenorm(
+        self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
+    ) -> list[torch.Tensor]:
+        """The tokens before the final norm (B_i, N_i, C) of each batch of
+        ``x_list`` (crops of any sizes, with their masks or None), every batch
+        through the blocks in one packed pass."""
+        masks_list = [None] * len(x_list) if masks_list is None else list(masks_list)
+        if len(masks_list) != len(x_list):
+            raise ValueError(f"{len(x_list)} batches of crops but {len(masks_list)} masks")
+        tokens = [self.prepare_tokens(x, m) for x, m in zip(x_list, masks_list, strict=True)]
+        rows, layout = pack(tokens)
+        for block in self.blocks:
+            rows = block(rows, None, layout)
+        return unpack(rows, layout)
+
+    def cls_feature(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised class token (B, C) of tokens ``x`` before the final norm."""
+        return self.norm(x[:, 0])
 
     # ------------------------------------------------------------ outputs
 
@@ -285,21 +316,22 @@ class VisionTransformer(nn.Module):
         self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
     ) -> list[dict]:
         """:meth:`forward_features` of each batch of ``x_list`` (crops of any
-        sizes) with its masks (``masks_list`` None: no masks)."""
+        sizes) with its masks (``masks_list`` None: no masks), all batches
+        through the blocks in one packed pass."""
         masks_list = [None] * len(x_list) if masks_list is None else list(masks_list)
-        if len(masks_list) != len(x_list):
-            raise ValueError(f"{len(x_list)} batches of crops but {len(masks_list)} masks")
-        return [self.forward_features(x, m) for x, m in zip(x_list, masks_list, strict=True)]
+        prenorm = self.packed_prenorm(x_list, masks_list)
+        return [self._outputs(x, m) for x, m in zip(prenorm, masks_list, strict=True)]
 
     def forward(self, x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """The normalised CLS token (B, embed_dim); of a list of crops, those of
-        all crops in input order (consecutive crops of one size in one pass)."""
+        all crops in input order (consecutive crops of one size batched, and
+        the sizes packed into one pass)."""
         if isinstance(x, torch.Tensor):
-            return self.forward_tokens(x)[:, 0]
+            return self.cls_feature(self.packed_prenorm([x])[0])
         if len(x) == 0:
             raise ValueError("VisionTransformer: no crops given")
-        groups = MultiCropWrapper.resolution_groups(x)
-        return torch.cat([self.forward_tokens(torch.cat(list(x[s:e])))[:, 0] for s, e in groups])
+        batches = [torch.cat(list(x[s:e])) for s, e in MultiCropWrapper.resolution_groups(x)]
+        return torch.cat([self.cls_feature(t) for t in self.packed_prenorm(batches)])
 
     def get_intermediate_layers(self, x: torch.Tensor, n: int = 1) -> list[torch.Tensor]:
         """Outputs (all tokens: CLS, registers, patches; after the final norm)

@@ -27,9 +27,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from .layers import Attention, Block, LayerScale, SwiGLUFFN, selective_checkpoint_contexts
+from .layers import Attention, Block, LayerScale, SwiGLUFFN, autocast_stream, pack, unpack
 from .rope import RopePositionEmbedding, apply_rope
 from .vit import VisionTransformer, drop_path_rates
 
@@ -121,33 +120,15 @@ class RopeAttention(Attention):
         if masked:
             self.qkv = MaskedKeyBiasLinear(dim)
 
-    def rotated_qkv(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries and keys (rotated) and values, each (B, heads, N, head_dim)."""
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys (B, heads, N, head_dim) with the patch tokens rotated."""
         if rope is None:
             raise ValueError("RopeAttention needs the RoPE (sin, cos) of the patch grid; the "
                              "DINOv3 ViT passes it (call the model or its methods)")  # fmt: skip
-        b, n, _ = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # one stack in backward (Attention._qkv)
         sin, cos = rope
-        return apply_rope(q, sin, cos), apply_rope(k, sin, cos), v
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        b, n, c = x.shape
-        q, k, v = self.rotated_qkv(x, rope)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, n, c))
-
-    def attention_weights(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """The softmax attention matrix (B, heads, N, N), computed explicitly."""
-        q, k, _ = self.rotated_qkv(x, rope)
-        return ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
 
 
 class RopeBlock(Block):
@@ -181,23 +162,6 @@ class RopeBlock(Block):
         if align:
             hidden = dinov3_swiglu_hidden_dim(int(dim * ffn_ratio), align)
             self.mlp = SwiGLUFFN(dim, hidden, bias=ffn_bias)
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        if self.checkpointing == "none" or not (self.training and torch.is_grad_enabled()):
-            return self.residuals(x, rope)
-        if self.checkpointing == "selective":
-            return checkpoint(self.residuals, x, rope, use_reentrant=False,
-                              context_fn=selective_checkpoint_contexts)  # fmt: skip
-        return checkpoint(self.residuals, x, rope, use_reentrant=False)
-
-    def residuals(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor:
-        """The block without checkpointing: attention, then feed-forward residual."""
-        x = self.drop_path.add(x, lambda t: self.ls1(self.attn(self.norm1(t), rope)))
-        return self.drop_path.add(x, lambda t: self.ls2(self.mlp(self.norm2(t))))
 
 
 class DinoV3VisionTransformer(VisionTransformer):
@@ -342,7 +306,7 @@ class DinoV3VisionTransformer(VisionTransformer):
         tokens = [cls.expand(len(x), -1, -1), x]
         if self.register_tokens is not None:
             tokens.insert(1, self.register_tokens.expand(len(x), -1, -1))
-        return torch.cat(tokens, dim=1), grid
+        return autocast_stream(torch.cat(tokens, dim=1)), grid
 
     def prepare_tokens(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens of :meth:`prepare_tokens_with_masks`, without the grid
@@ -408,7 +372,9 @@ class DinoV3VisionTransformer(VisionTransformer):
         if not isinstance(x, torch.Tensor):
             return self.forward_features_list(x, masks)
         tokens, grid = self.prepare_tokens_with_masks(x, masks)
-        x = self.run_blocks(tokens, grid)
+        return self._outputs(self.run_blocks(tokens, grid), masks, local_crops)
+
+    def _outputs(self, x: torch.Tensor, masks: torch.Tensor | None, local_crops: bool) -> dict:
         cls_reg, patches = self.normed(x, local_crops)
         return {"x_norm_clstoken": cls_reg[:, 0], "x_norm_regtokens": cls_reg[:, 1:],
                 "x_norm_patchtokens": patches, "x_prenorm": x, "masks": masks}  # fmt: skip
@@ -416,13 +382,41 @@ class DinoV3VisionTransformer(VisionTransformer):
     def forward_features_list(
         self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
     ) -> list[dict]:
-        """:meth:`forward_features` of each batch with its masks; the second
-        batch counts as local crops (DINOv3's rule for ``local_cls_norm``)."""
+        """:meth:`forward_features` of each batch with its masks, all batches
+        through the blocks in one packed pass; the second batch counts as
+        local crops (DINOv3's rule for ``local_cls_norm``)."""
+        masks_list = [None] * len(x_list) if masks_list is None else list(masks_list)
+        prenorm = self.packed_prenorm(x_list, masks_list)
+        pairs = enumerate(zip(prenorm, masks_list, strict=True))
+        return [self._outputs(x, m, local_crops=i == 1) for i, (x, m) in pairs]
+
+    def packed_prenorm(
+        self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
+    ) -> list[torch.Tensor]:
+        """The tokens before the final norms of each batch of ``x_list`` (any
+        grids, with their masks or None), every batch through the blocks in
+        one packed pass, each with its grid's RoPE (drawn anew for each block
+        while the RoPE's augmentations are on)."""
         masks_list = [None] * len(x_list) if masks_list is None else list(masks_list)
         if len(masks_list) != len(x_list):
             raise ValueError(f"{len(x_list)} batches of crops but {len(masks_list)} masks")
-        pairs = zip(x_list, masks_list, strict=True)
-        return [self.forward_features(x, m, local_crops=i == 1) for i, (x, m) in enumerate(pairs)]
+        prepared = [
+            self.prepare_tokens_with_masks(x, m) for x, m in zip(x_list, masks_list, strict=True)
+        ]
+        tokens, grids = zip(*prepared, strict=True)
+        rows, layout = pack(tokens)
+
+        def ropes() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [self.rope(g, t) for g, t in zip(grids, tokens, strict=True)]
+
+        fixed = None if self.rope_embed.augmenting else ropes()
+        for block in self.blocks:
+            rows = block(rows, fixed if fixed is not None else ropes(), layout)
+        return unpack(rows, layout)
+
+    def cls_feature(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised class token (B, C) of tokens ``x`` before the final norms."""
+        return (self.norm if self.cls_norm is None else self.cls_norm)(x[:, 0])
 
     def get_intermediate_layers(self, x: torch.Tensor, n: int = 1) -> list[torch.Tensor]:
         """Outputs (all tokens, after the final norms) of the last ``n`` blocks."""

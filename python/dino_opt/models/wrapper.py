@@ -17,16 +17,33 @@ class MultiCropWrapper(nn.Module):
     orders them (global crops first, then local crops). Each run of consecutive
     crops with the same spatial size is concatenated along the batch dimension
     and goes through the backbone in one call (so 2 global + 10 local crops cost
-    2 backbone calls, not 12); the features of all crops are then concatenated
-    and go through the head once. The output is ``head(features)`` with the
-    crops' rows in input order: shape (sum of batch sizes, head output dim).
-    A single tensor is treated as a list of one crop.
+    2 backbone calls, not 12); a backbone whose ``packs_crops`` is true (the
+    ViTs) takes the whole list and runs every size in one packed pass. The
+    features of all crops are then concatenated and go through the head once.
+    The output is ``head(features)`` with the crops' rows in input order:
+    shape (sum of batch sizes, head output dim). A single tensor is treated
+    as a list of one crop.
     """
+
+    #: whether a head sees the same number of rows at each call for a crop
+    #: size (DINO's: one per crop); a wrapper whose heads also see a varying
+    #: number of rows (DINOv2's masked patches) says False
+    head_rows_fixed = True
 
     def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
+
+    def compile_heads(self, mode: str | None = None) -> None:
+        """``torch.compile`` of each head with parameters (``head``, and an
+        ``ibot_head`` where there is one) in place, whole (``fullgraph``):
+        static shapes where ``head_rows_fixed``, else the rows dynamic (one
+        graph for every count of masked patches)."""
+        for name in ("head", "ibot_head"):
+            head = getattr(self, name, None)
+            if isinstance(head, nn.Module) and any(True for _ in head.parameters()):
+                head.compile(mode=mode, fullgraph=True, dynamic=not self.head_rows_fixed)
 
     @staticmethod
     def resolution_groups(crops: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
@@ -45,6 +62,8 @@ class MultiCropWrapper(nn.Module):
             crops = [crops]
         if len(crops) == 0:
             raise ValueError("MultiCropWrapper: no crops given")
+        if getattr(self.backbone, "packs_crops", False):
+            return self.backbone(list(crops))
         feats = []
         for start, end in self.resolution_groups(crops):
             group = crops[start] if end - start == 1 else torch.cat(list(crops[start:end]))

@@ -14,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from ..config import Config
+from ..runtime import compile_totals
 from .runfiles import RunFolder
 
 __all__ = ["RunLog"]
@@ -45,7 +46,9 @@ class RunLog:
     """The sinks of one run. ``write(row)`` appends a metrics row to
     ``metrics.jsonl`` (flushed), TensorBoard scalars and W&B;
     ``alerts``/``histogram`` add health alerts and per-image histograms;
-    ``advance()`` moves the progress bar. ``close(report)`` closes them all,
+    ``advance()`` moves the progress bar (after the run's first step, with
+    ``hardware.compile`` on, it says what was compiled and how long that
+    took, and writes it as a ``compiled`` event). ``close(report)`` closes them all,
     handing the report to W&B as the run's summary.
 
     Args:
@@ -83,6 +86,23 @@ class RunLog:
                          disable=quiet or not log.progress or not lead)  # fmt: skip
         for row in history:  # a resumed run's metrics so far, then its own
             self._write_line(row)
+        self._step = step
+        self._compiling = cfg.hardware.compile is True
+        self._quiet = quiet
+
+    def compiled(self) -> dict:
+        """The ``compiled`` event of the graphs and seconds ``torch.compile``
+        spent so far (in a process that compiles, the first step's blocks:
+        one graph per block's crop sizes and drop-path rate, forward and
+        backward), printed and written to the sinks."""
+        graphs, seconds = compile_totals()
+        row = {"step": self._step, "event": "compiled", "graphs": graphs,
+               "seconds": round(seconds, 2)}  # fmt: skip
+        if self.lead and not self._quiet:
+            tqdm.write(f"torch.compile: {graphs} graphs of the ViT blocks (whole, static shapes "
+                       f"per crop size) in {seconds:.1f} s, during the first step")  # fmt: skip
+        self.event(row)
+        return row
 
     def _write_line(self, row: dict) -> None:
         if self._file is not None:
@@ -91,6 +111,10 @@ class RunLog:
     def advance(self) -> None:
         """One more batch on the progress bar."""
         self._bar.update()
+        self._step += 1
+        if self._compiling:
+            self._compiling = False
+            self.compiled()
 
     def write(self, row: dict[str, Any]) -> None:
         """One metrics row (``step`` and ``epoch`` keys, numbers and lists)."""

@@ -1,7 +1,8 @@
 """A run's process: device, precision, process group, collectives, a state sent between
-ranks, signals, watchdog, garbage collection."""
+ranks, signals, watchdog, garbage collection, what compilation cost."""
 
 from .collector import StepCollector
+from .compilation import compile_totals
 from .device import computes_bf16, cpu_computes_bf16, resolve_device, resolve_precision, with_index
 from .groups import StudentGroups, data_place, student_groups
 from .process import (
@@ -41,6 +42,7 @@ __all__ = [
     "all_reduce_metrics",
     "barrier",
     "broadcast_object",
+    "compile_totals",
     "computes_bf16",
     "cpu_computes_bf16",
     "data_place",

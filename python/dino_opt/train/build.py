@@ -83,7 +83,7 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
     with a separate iBOT head when ``recipe.ibot_separate_head``. The
     backbones carry ``cfg.hardware``'s block options
     (:func:`~dino_opt.models.apply_block_options`: the student's activation
-    checkpointing, each block of both compiled with ``hardware.compile``),
+    checkpointing, each block and head of both compiled with ``hardware.compile``),
     ready to be wrapped for several processes. A recipe with several
     students (:meth:`Recipe.student_configs`) gets each one built so, joined
     (:meth:`Recipe.join_students`)."""
@@ -122,7 +122,11 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     apply_block_options(student.backbone, h.activation_checkpointing, h.checkpoint_every,
                         compile=compile)  # fmt: skip
     apply_block_options(teacher.backbone, compile=compile)  # no backward: nothing to recompute
-    return recipe.wrap_models(cfg, student, teacher)
+    student, teacher = recipe.wrap_models(cfg, student, teacher)
+    for net in (student, teacher):
+        if compile and isinstance(net, MultiCropWrapper):
+            net.compile_heads()
+    return student, teacher
 
 
 def build_loss(cfg: Config) -> nn.Module:

@@ -167,6 +167,8 @@ class DINOv2Wrapper(MultiCropWrapper):
     which also hold the global crops' patch tokens. Going through ``forward`` keeps
     DistributedDataParallel's hooks."""
 
+    head_rows_fixed = False  # the masked patches' count changes from step to step
+
     def __init__(self, backbone: nn.Module, head: nn.Module, ibot_head: nn.Module | None = None):
         super().__init__(backbone, head)
         self.ibot_head = ibot_head
@@ -175,12 +177,17 @@ class DINOv2Wrapper(MultiCropWrapper):
     def forward(self, crops, masks=None, mask_indices=None):
         if mask_indices is None:
             return super().forward(crops)
-        out = self.backbone.forward_features(torch.cat(list(crops[:2])), masks=masks)
+        glob, local = torch.cat(list(crops[:2])), crops[2:]
+        if local and getattr(self.backbone, "packs_crops", False):  # one packed pass
+            out, local_out = self.backbone.forward_features_list(
+                [glob, torch.cat(list(local))], [masks, None]
+            )
+        else:
+            out = self.backbone.forward_features(glob, masks=masks)
+            local_out = self.backbone.forward_features(torch.cat(list(local))) if local else None
         cls = out["x_norm_clstoken"]
         patches = out["x_norm_patchtokens"].flatten(0, 1)[mask_indices]
-        local = crops[2:]
-        local_cls = (self.backbone.forward_features(torch.cat(list(local)))["x_norm_clstoken"]
-                     if local else cls[:0])  # fmt: skip
+        local_cls = cls[:0] if local_out is None else local_out["x_norm_clstoken"]
         rows = [local_cls, cls] if self.ibot_head is not None else [local_cls, cls, patches]
         logits = self.head(torch.cat(rows))
         n_local, n_glob = len(local_cls), len(cls)
