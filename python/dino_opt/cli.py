@@ -481,8 +481,12 @@ def _print_memory(rows, out: list[dict], usable: float | None) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     if args.format == "onnx":
-        options = dict(which=args.which, image_size=args.image_size, force=args.force,
-                       tolerance=args.onnx_tolerance)  # fmt: skip
+        options = dict(
+            which=args.which,
+            image_size=args.image_size,
+            force=args.force,
+            tolerance=args.onnx_tolerance,
+        )
         result = export_onnx(args.source, args.output, data=args.data, **options)
         print(json.dumps(result, indent=2))
         return 0

@@ -55,8 +55,13 @@ def _eval(args: argparse.Namespace) -> int:
         check_output(args.output, args.force, (args.source, args.data, args.head))
     if args.head and args.output and Path(args.head).resolve() == Path(args.output).resolve():
         raise ValueError(f"--head and --output are both {args.head!r}: give two files")
-    common = dict(which=args.which, image_size=args.image_size, device=args.device,
-                  head=args.head, force=args.force)  # fmt: skip
+    common = dict(
+        which=args.which,
+        image_size=args.image_size,
+        device=args.device,
+        head=args.head,
+        force=args.force,
+    )
     if args.probe == "linear":
         options = {"mode": args.mode, "epochs": args.epochs, "batch_size": args.batch_size}
         result = run_linear_probe(args.source, args.data, **common, **options)
@@ -89,20 +94,33 @@ def _knn(args: argparse.Namespace) -> int:
         if args.data is None:
             raise ValueError("--weights needs --data ROOT (a folder holding train/ and val/)")
         given = {key: value for key, value in options.items() if value is not None}
-        result = evaluate_weights(args.weights, args.data, device=args.device, which=args.which,
-                                  **given)  # fmt: skip
+        result = evaluate_weights(
+            args.weights, args.data, device=args.device, which=args.which, **given
+        )
     else:
-        result = evaluate_checkpoint(args.checkpoint, data=args.data, device=args.device,
-                                     which=args.which, trust_code=args.trust_code,
-                                     **options)  # fmt: skip
+        result = evaluate_checkpoint(
+            args.checkpoint,
+            data=args.data,
+            device=args.device,
+            which=args.which,
+            trust_code=args.trust_code,
+            **options,
+        )
     print(json.dumps(result, indent=2))
     return 0
 
 
 def _predict(args: argparse.Namespace) -> int:
-    done = predict(args.source, args.head, args.data, args.output, which=args.which,
-                   device=resolve_device(args.device), batch_size=args.batch_size,
-                   force=args.force)  # fmt: skip
+    done = predict(
+        args.source,
+        args.head,
+        args.data,
+        args.output,
+        which=args.which,
+        device=resolve_device(args.device),
+        batch_size=args.batch_size,
+        force=args.force,
+    )
     for line in done["failed"]:
         print(f"unreadable: {line}", file=sys.stderr)
     what = "classes and scores" if done["kind"] == "linear" else "masks"

@@ -36,8 +36,17 @@ from ..eval import DenseLinearHead, ProbeFeatures
 from ..eval.dense import patch_feature_map
 from ..eval.linear import input_columns
 
-__all__ = ["HEAD_KEY", "backbone_fingerprint", "check_head_output", "check_identity",
-           "head_model", "load_head", "save_head", "write_classes", "write_masks"]  # fmt: skip
+__all__ = [
+    "HEAD_KEY",
+    "backbone_fingerprint",
+    "check_head_output",
+    "check_identity",
+    "head_model",
+    "load_head",
+    "save_head",
+    "write_classes",
+    "write_masks",
+]
 
 #: The safetensors metadata key of a head file.
 HEAD_KEY = "dino_opt_head"

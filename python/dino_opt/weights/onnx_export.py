@@ -151,9 +151,16 @@ def _place(staged: Path, output: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def export_onnx(source: str | os.PathLike | nn.Module, output: str | os.PathLike, *,
-                which: str = "teacher", image_size: int | None = None, data=None,
-                force: bool = False, tolerance: float = ONNX_TOLERANCE) -> dict:  # fmt: skip
+def export_onnx(
+    source: str | os.PathLike | nn.Module,
+    output: str | os.PathLike,
+    *,
+    which: str = "teacher",
+    image_size: int | None = None,
+    data=None,
+    force: bool = False,
+    tolerance: float = ONNX_TOLERANCE,
+) -> dict:
     """Writes the ``which`` backbone of the weights at ``source`` (a run,
     a checkpoint or weights in any format the project reads; or a backbone
     module, normalised as ImageNet, 224 px by default) as an ONNX
@@ -217,7 +224,16 @@ def export_onnx(source: str | os.PathLike | nn.Module, output: str | os.PathLike
         del session
         _place(staged.parent, output)
     axes = ["batch", "height", "width"] if dynamic_size else ["batch"]
-    return {"path": str(output), "format": "onnx", "which": which, "backbone": opened.name,
-            "image_size": size, "dynamic": axes, "outputs": graph.output_names,
-            "max_abs_diff": diff, "tolerance": tolerance, "checked_on": str(images),
-            "checked_sizes": sizes}  # fmt: skip
+    return {
+        "path": str(output),
+        "format": "onnx",
+        "which": which,
+        "backbone": opened.name,
+        "image_size": size,
+        "dynamic": axes,
+        "outputs": graph.output_names,
+        "max_abs_diff": diff,
+        "tolerance": tolerance,
+        "checked_on": str(images),
+        "checked_sizes": sizes,
+    }

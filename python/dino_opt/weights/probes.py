@@ -115,10 +115,17 @@ def probe_data(opened: OpenedBackbone, data: str | os.PathLike | None) -> tuple[
     return found
 
 
-def run_linear_probe(path: str | os.PathLike, data: str | os.PathLike | None = None, *,
-                     which: str = "teacher", image_size: int | None = None,
-                     device: str = "auto", head: str | os.PathLike | None = None,
-                     force: bool = False, **options) -> dict:  # fmt: skip
+def run_linear_probe(
+    path: str | os.PathLike,
+    data: str | os.PathLike | None = None,
+    *,
+    which: str = "teacher",
+    image_size: int | None = None,
+    device: str = "auto",
+    head: str | os.PathLike | None = None,
+    force: bool = False,
+    **options,
+) -> dict:
     """:func:`~dino_opt.eval.linear_probe` of the weights at ``path``; with
     ``head``, its best classifier saved there (:mod:`~dino_opt.weights.heads`;
     checked before the probe: an existing file only with ``force``)."""
@@ -152,10 +159,17 @@ def _record(info: dict, opened: OpenedBackbone, path, which: str) -> dict:
     return {**info, "mean": list(opened.mean), "std": list(opened.std), "backbone": identity}
 
 
-def run_dense_probe(path: str | os.PathLike, data: str | os.PathLike | None = None, *,
-                    which: str = "teacher", image_size: int | None = None,
-                    device: str = "auto", head: str | os.PathLike | None = None,
-                    force: bool = False, **options) -> dict:  # fmt: skip
+def run_dense_probe(
+    path: str | os.PathLike,
+    data: str | os.PathLike | None = None,
+    *,
+    which: str = "teacher",
+    image_size: int | None = None,
+    device: str = "auto",
+    head: str | os.PathLike | None = None,
+    force: bool = False,
+    **options,
+) -> dict:
     """:func:`~dino_opt.eval.dense.dense_probe` of the weights at ``path`` on
     the segmentation splits of ``data`` (image/mask pairs; the built-in data
     set has them), else of the run's data; with ``head``, the trained head
@@ -199,10 +213,18 @@ def show_weights(path: str | os.PathLike, images, kind: str = "attention",
     return show(open_backbone(path, which).net, images, kind, output_dir, image_size, **options)
 
 
-def embed_weights(path: str | os.PathLike, data, output: str | os.PathLike, *,
-                  which: str = "teacher", image_size: int | None = None,
-                  device: str | torch.device = "cpu", progress: bool = False,
-                  force: bool = False, **options) -> dict:  # fmt: skip
+def embed_weights(
+    path: str | os.PathLike,
+    data,
+    output: str | os.PathLike,
+    *,
+    which: str = "teacher",
+    image_size: int | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    force: bool = False,
+    **options,
+) -> dict:
     """:func:`~dino_opt.eval.embed_images` of every image of ``data`` under
     the ``which`` backbone of the weights at ``path``, at the size and
     normalisation it was trained at (``image_size`` overrides the size),
@@ -227,10 +249,17 @@ def embed_weights(path: str | os.PathLike, data, output: str | os.PathLike, *,
             "dim": emb.cls.shape[1]}  # fmt: skip
 
 
-def predict(weights: str | os.PathLike, head: str | os.PathLike, data,
-            output: str | os.PathLike, *, which: str = "teacher",
-            device: str | torch.device = "cpu", batch_size: int = 64,
-            force: bool = False) -> dict:  # fmt: skip
+def predict(
+    weights: str | os.PathLike,
+    head: str | os.PathLike,
+    data,
+    output: str | os.PathLike,
+    *,
+    which: str = "teacher",
+    device: str | torch.device = "cpu",
+    batch_size: int = 64,
+    force: bool = False,
+) -> dict:
     """Applies the head file ``head`` over the ``which`` backbone of
     ``weights`` (refused unless they are the weights it was trained on) to
     every image of ``data``, at the size and normalisation it was trained

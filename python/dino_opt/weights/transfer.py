@@ -392,8 +392,9 @@ def export_weights(
         raise ValueError(f"--format {fmt} writes a convolutional student, not a {backbone}")
     if is_rope_vit(sd):
         arch = dinov3_arch(sd)
-        load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, meta, force,
-                                           (source,))  # fmt: skip
+        load, notes, size = _export_dinov3(
+            fmt, sd, arch, output, image_size, meta, force, (source,)
+        )
         return _recorded(ExportResult(output, fmt, which, backbone, size, load, notes), meta)
     _refuse_dinov3_format(fmt, f"{source}'s {backbone}")
     check_output(output, force, (source,))
