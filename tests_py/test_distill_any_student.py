@@ -16,12 +16,14 @@ import torchvision
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, apply_overrides, default_config, load_config
 from dino_opt.models import ExternalBackbone, backbone_tokens, build_backbone
+from dino_opt.models.external import unreached_parameters
 from dino_opt.models.vit import resize_pos_embed
 from dino_opt.train import build_models
 from dino_opt.weights import start_students
 from dino_opt.weights.cnn_export import export_cnn
 from dino_opt.weights.reading import TRAINING_KEY, training_sidecar
 from tiny import TINY, final_state
+from torch import nn
 
 OWN = "own_nets:small_cnn"
 STUDENTS = [*TINY, "recipe.name=distill", "model.drop_path_rate=0", "data.batch_size=4",
@@ -268,3 +270,34 @@ def test_a_students_key_is_its_name_without_dots():
                              "recipe.distill_students=[pkg.nets:small]"])  # fmt: skip
     assert cfg.student_names == ("vit_tiny", "pkg.nets:small")
     assert cfg.student_keys == ("vit_tiny", "pkg_nets:small")
+
+
+class _NoMetaKernel(nn.Module):
+    """A network with an operator that cannot run on the meta device (as a
+    custom kernel without a meta implementation) and a parameter its output
+    never reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 16, stride=16)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.device.type == "meta":
+            raise NotImplementedError("no meta kernel")
+        return self.conv(x)
+
+
+def test_the_unreached_parameters_are_found_where_meta_cannot_run():
+    net = _NoMetaKernel()
+    assert unreached_parameters(net, "forward") == ["unused.weight", "unused.bias"]
+    assert net.conv.weight.grad is None  # the probe's gradients touch nothing
+
+
+def test_a_network_that_runs_nowhere_is_refused_in_one_line():
+    class Broken(_NoMetaKernel):
+        def forward(self, x):
+            raise RuntimeError("shape mismatch")
+
+    with pytest.raises(ValueError, match=r"Broken: one forward and backward .* failed"):
+        unreached_parameters(Broken(), "forward")

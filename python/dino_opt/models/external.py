@@ -104,19 +104,38 @@ class _Reading(nn.Module):
 
 def unreached_parameters(net: nn.Module, reader: str) -> list[str]:
     """The trainable parameters of ``net`` that its reading as ``reader``
-    does not reach, from one forward and backward of a probe image on the
-    meta device (no compute, whatever device ``net`` is on); none when the
-    network cannot run there (an operator without a meta kernel)."""
-    params = {f"net.{k}": torch.empty_like(p, device="meta").requires_grad_()
-              for k, p in net.named_parameters() if p.requires_grad}  # fmt: skip
-    buffers = {f"net.{k}": torch.empty_like(b, device="meta") for k, b in net.named_buffers()}
-    probe = torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device="meta")
+    does not reach, from one forward and backward of a probe image: on the
+    meta device (no compute, whatever device ``net`` is on), or, where the
+    network has an operator without a meta kernel, on its own parameters'
+    device (one small image; autograd.grad leaves their ``.grad`` alone).
+    A network that runs neither way is refused in one line: nothing frozen
+    would make a distributed run fail later, far from the cause."""
+    trainable = {f"net.{k}": p for k, p in net.named_parameters() if p.requires_grad}
     try:
-        out = functional_call(_Reading(net, reader), {**params, **buffers}, (probe,))
-        grads = torch.autograd.grad(out.float().sum(), list(params.values()), allow_unused=True)
-    except Exception:  # the network's own operators: nothing is frozen then
-        return []
+        params = {
+            k: torch.empty_like(p, device="meta").requires_grad_() for k, p in trainable.items()
+        }
+        buffers = {f"net.{k}": torch.empty_like(b, device="meta") for k, b in net.named_buffers()}
+        grads = _probe_grads(net, reader, params, buffers, "meta")
+    except (RuntimeError, NotImplementedError):  # an operator without a meta kernel
+        device = next(iter(trainable.values())).device if trainable else torch.device("cpu")
+        try:
+            copies = {f"net.{k}": b.clone() for k, b in net.named_buffers()}  # stats untouched
+            grads = _probe_grads(net, reader, trainable, copies, device)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"{type(net).__name__}: one forward and backward of a {PROBE_SIZE} x "
+                f"{PROBE_SIZE} image through its {reader} failed, so the parameters "
+                f"it does not use cannot be found ({type(e).__name__}: {e})"
+            ) from None
+    params = trainable
     return [k.removeprefix("net.") for k, g in zip(params, grads, strict=True) if g is None]
+
+
+def _probe_grads(net: nn.Module, reader: str, params: dict, buffers: dict, device) -> tuple:
+    probe = torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device=device)
+    out = functional_call(_Reading(net, reader), {**params, **buffers}, (probe,))
+    return torch.autograd.grad(out.float().sum(), list(params.values()), allow_unused=True)
 
 
 def _close(name: str, known: list[str]) -> str:
