@@ -96,3 +96,19 @@ def gram_loss_reference(
         sim_t = sim_t.masked_fill(sim_t < 0, 0.0)
         sim_s = sim_s.masked_fill((sim_s < 0) & (sim_t < 0), 0.0)
     return ((sim_s - sim_t) ** 2).mean()
+
+
+def block_reference(block, x, draws, rope=None):
+    """A pre-norm ViT block with stochastic depth as published: each residual
+    branch times a 0/1 mask of the samples (here the given ``draws``, one
+    index tensor per branch) and the scale batch / kept."""
+    b = x.shape[0]
+
+    def masked(branch, index):
+        mask = torch.zeros(b, 1, 1, dtype=x.dtype)
+        mask[index] = 1.0
+        return branch * mask * (b / index.numel())
+
+    attn = block.attn(block.norm1(x)) if rope is None else block.attn(block.norm1(x), rope)
+    x = x + masked(block.ls1(attn), draws[0])
+    return x + masked(block.ls2(block.mlp(block.norm2(x))), draws[1])

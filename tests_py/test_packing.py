@@ -12,6 +12,7 @@ from dino_opt.models.layers import Block, kept_rows, kept_samples, pack, unpack
 from dino_opt.models.vit import vit_tiny
 from dino_opt.models.vit_dinov3 import DinoV3VisionTransformer, RopeBlock
 from dino_opt.train.dinov2 import DINOv2Wrapper
+from reference import block_reference
 
 
 def _randomized(module, seed=3):
@@ -152,21 +153,6 @@ def test_the_wrappers_take_the_packed_pass():
     )
 
 
-def _reference_block(block, x, draws, rope=None):
-    """The block of one crop size as published: each residual branch times
-    a 0/1 mask of the drawn samples and the scale batch / kept."""
-    b = x.shape[0]
-
-    def masked(branch, index):
-        mask = torch.zeros(b, 1, 1, dtype=x.dtype)
-        mask[index] = 1.0
-        return branch * mask * (b / index.numel())
-
-    attn = block.attn(block.norm1(x)) if rope is None else block.attn(block.norm1(x), rope)
-    x = x + masked(block.ls1(attn), draws[0])
-    return x + masked(block.ls2(block.mlp(block.norm2(x))), draws[1])
-
-
 @pytest.mark.parametrize("kind", ["dino", "dinov3"])
 def test_packed_subset_drop_path_equals_the_mask_form(kind):
     p = 0.3
@@ -193,7 +179,7 @@ def test_packed_subset_drop_path_equals_the_mask_form(kind):
     rows, layout = pack(xs)
     out = unpack(block(rows, ropes, layout), layout)
     refs = [
-        _reference_block(block, x, [draws[0][i], draws[1][i]], None if ropes is None else ropes[i])
+        block_reference(block, x, [draws[0][i], draws[1][i]], None if ropes is None else ropes[i])
         for i, x in enumerate(xs)
     ]
     params = list(block.parameters())

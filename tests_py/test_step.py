@@ -33,6 +33,7 @@ from dino_opt.train import (
     frozen_teacher_dtype,
 )
 from dino_opt.tune.hardware import resolve_hardware, resolve_preset
+from reference import block_reference
 from tiny import TINY
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -109,22 +110,6 @@ def test_kept_samples_is_dinov3s_count():
     assert kept_samples(64, 0.4) == 38
 
 
-def _reference_block(block, x, draws, rope=None):
-    """The pre-norm block with stochastic depth as published: each residual
-    branch times a 0/1 mask of the samples (here the given draws) and the
-    scale batch / kept."""
-    b = x.shape[0]
-
-    def masked(branch, index):
-        mask = torch.zeros(b, 1, 1, dtype=x.dtype)
-        mask[index] = 1.0
-        return branch * mask * (b / index.numel())
-
-    attn = block.attn(block.norm1(x)) if rope is None else block.attn(block.norm1(x), rope)
-    x = x + masked(block.ls1(attn), draws[0])
-    return x + masked(block.ls2(block.mlp(block.norm2(x))), draws[1])
-
-
 def _randomized(block):
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -163,7 +148,7 @@ def test_subset_drop_path_equals_the_mask_form_for_the_same_draw(kind, batch, p)
     assert rows == [9 * (kept if kept < batch else batch)]
     names, params = zip(*block.named_parameters(), strict=True)
     grads = torch.autograd.grad(ours.sin().sum(), [x, *params])
-    ref = _reference_block(block, x, draws, rope)
+    ref = block_reference(block, x, draws, rope)
     expect = torch.autograd.grad(ref.sin().sum(), [x, *params])
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     for n, g, e in zip(("x", *names), grads, expect, strict=True):
@@ -171,7 +156,7 @@ def test_subset_drop_path_equals_the_mask_form_for_the_same_draw(kind, batch, p)
     # in eval mode nothing is dropped
     block.eval()
     plain = block(x) if rope is None else block(x, rope)
-    torch.testing.assert_close(plain, _reference_block(block, x, [torch.arange(batch)] * 2, rope))
+    torch.testing.assert_close(plain, block_reference(block, x, [torch.arange(batch)] * 2, rope))
 
 
 def test_residual_subset_keeps_the_stream_dtype():
