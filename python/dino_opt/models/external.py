@@ -128,8 +128,7 @@ def unreached_parameters(net: nn.Module, reader: str) -> list[str]:
                 f"{PROBE_SIZE} image through its {reader} failed, so the parameters "
                 f"it does not use cannot be found ({type(e).__name__}: {e})"
             ) from None
-    params = trainable
-    return [k.removeprefix("net.") for k, g in zip(params, grads, strict=True) if g is None]
+    return [k.removeprefix("net.") for k, g in zip(trainable, grads, strict=True) if g is None]
 
 
 def _probe_grads(net: nn.Module, reader: str, params: dict, buffers: dict, device) -> tuple:
