@@ -263,6 +263,7 @@ lint: setup
 	clang-format --dry-run -Werror $(CXX_FILES)
 	$(VENV)/bin/ruff check $(PY_DIRS)
 	$(VENV)/bin/ruff format --check $(PY_DIRS)
+	$(PY) scripts/size_guide.py
 
 format: setup
 	clang-format -i $(CXX_FILES)

@@ -5,11 +5,14 @@ is no import circle), every import of the package is at the top of its module
 names."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "dino_opt"
+sys.path.insert(0, str(PACKAGE.parent.parent / "scripts"))
+import size_guide  # noqa: E402
 
 LAYERS = {
     # L0: the native core, and the old module paths kept importable
@@ -213,16 +216,20 @@ def test_the_folders_import_each_other_without_a_circle():
     assert circle is None, " -> ".join(circle)
 
 
-def test_the_house_stays_small():
-    """At most 8 modules at the top, 10 in a folder, 800 lines in a file."""
-    top = [p for p in PACKAGE.glob("*.py")]
-    assert len(top) <= 8, sorted(p.name for p in top)
-    for folder in [d for d in PACKAGE.iterdir() if (d / "__init__.py").exists()]:
-        modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-        assert len(modules) <= 10, f"{folder.name}/ holds {len(modules)} modules"
-    long = {str(p.relative_to(PACKAGE)): n for p in SOURCES
-            if (n := len(p.read_text().splitlines())) > 800}  # fmt: skip
-    assert not long, f"files over 800 lines: {long}"
+def test_the_size_guide_lists_long_files_and_functions(tmp_path):
+    # The size guide (scripts/size_guide.py, printed by `make lint`) is a list
+    # of places to look, never a failure: here, only that it finds them.
+    fake = tmp_path / "dino_opt"
+    fake.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(90))
+    (fake / "long.py").write_text(
+        f"class C:\n    def method(self):\n{body.replace('    ', '        ')}"
+        f"def short():\n    return 1\n" + "\n" * 1000
+    )
+    (fake / "small.py").write_text(f"def f():\n{body[: 40 * len(body) // 90]}")
+    files, functions = size_guide.places_to_look(fake)
+    assert files == [f"dino_opt/long.py: {len((fake / 'long.py').read_text().splitlines())} lines"]
+    assert functions == ["dino_opt/long.py:2: C.method, 91 lines"]
 
 
 def test_the_checker_sees_a_circle(tmp_path, monkeypatch):
