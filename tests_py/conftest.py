@@ -45,13 +45,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """What collecting imported (torch, the package, every test module:
-    565,000 objects, whose full collection took 0.59 s) out of the cyclic
-    collector's way, as the forked workers do: a full collection in a test
-    process (the throughput search's before each trial, the step
-    collector's, Python's own) walks only what the tests made
-    (test_throughput, test_collector and test_loss_buffers: 53 s -> 30 s).
-    Nothing collectable is kept: the garbage of collection goes first."""
+    """What collecting imported, out of the cyclic collector's way (as the
+    forked workers do), so a full collection walks only what the tests made
+    (docs/testing.md, "What keeps it short"); its garbage goes first."""
     gc.collect()
     gc.freeze()
 

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from dino_opt.checkpoint import check_output, write_file, write_files, write_folder
 from dino_opt.cli import main
+from dino_opt.eval.pictures import write_pictures
 from dino_opt.weights import onnx_export
+from PIL import Image
 
 
 def _one_line(capsys, argv: list[str]) -> str:
@@ -62,9 +64,10 @@ def test_predict_never_writes_over_its_head(run, tiny_data, tmp_path, capsys):
     assert head.read_bytes() == b"a head"
 
 
-def _killed_mid_write(path, *, folder: bool = False) -> None:
+def _killed_mid_write(path, *, folder: bool = False, sig=signal.SIGKILL) -> None:
     """Forks a writer of ``path`` that has written half of its new bytes
-    when it is SIGKILLed."""
+    when it is sent ``sig`` (SIGKILL: dies there; SIGINT: Python's
+    KeyboardInterrupt unwinds the writer, which then exits with 3)."""
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the writer
@@ -85,9 +88,12 @@ def _killed_mid_write(path, *, folder: bool = False) -> None:
             os._exit(3)
     os.close(ready_w)
     assert os.read(ready_r, 1) == b"1"
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    if sig == signal.SIGKILL:
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    else:
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3
     os.close(ready_r)
 
 
@@ -103,6 +109,18 @@ def test_a_writer_killed_mid_write_leaves_the_old_file(tmp_path):
     (folder / "a.png").write_bytes(b"old mask")
     _killed_mid_write(folder, folder=True)
     assert _tree(folder) == {"a.png": 8}
+
+
+def test_a_writer_sent_sigint_leaves_the_old_file_and_no_litter(tmp_path):
+    path = tmp_path / "e.npy"
+    path.write_bytes(b"old")
+    _killed_mid_write(path, sig=signal.SIGINT)
+    folder = tmp_path / "masks"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"old mask")
+    _killed_mid_write(folder, folder=True, sig=signal.SIGINT)
+    assert path.read_bytes() == b"old" and _tree(folder) == {"a.png": 8}
+    assert sorted(os.listdir(tmp_path)) == ["e.npy", "masks"]
 
 
 def test_an_interrupted_writer_leaves_the_old_file_and_no_litter(tmp_path):
@@ -153,6 +171,38 @@ def test_outputs_are_checked_before_the_work(run, tiny_data, tmp_path, capsys):
     for argv, says in cases:
         assert says in _one_line(capsys, argv)
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_export_refuses_an_existing_output_before_reading_its_source(tmp_path, capsys):
+    # the source is not even a checkpoint: the existing output is what is named
+    source = tmp_path / "not_a_checkpoint.pt"
+    source.write_bytes(b"garbage")
+    out = tmp_path / "w.pth"
+    out.write_bytes(b"mine")
+    line = _one_line(capsys, ["export", str(source), "--format", "dino", "--output", str(out)])
+    assert f"output {str(out)!r} exists" in line
+    assert out.read_bytes() == b"mine"
+
+
+def test_pictures_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    folder = tmp_path / "pictures"
+    images = [np.full((8, 8, 3), v, np.uint8) for v in (10, 200)]
+    first = write_pictures(images, ["a", "b"], folder, "pca")
+    assert [p.name for p in first] == ["a_pca.png", "b_pca.png"]
+    old = first[1].read_bytes()
+    saved = Image.Image.save
+
+    def fails_on_b(image, f, **kw):
+        if image.getpixel((0, 0))[0] == 99:
+            f.write(b"torn")
+            raise KeyboardInterrupt
+        saved(image, f, **kw)
+
+    monkeypatch.setattr(Image.Image, "save", fails_on_b)
+    with pytest.raises(KeyboardInterrupt):
+        write_pictures([images[0], np.full((8, 8, 3), 99, np.uint8)], ["a", "b"], folder, "pca")
+    assert first[1].read_bytes() == old  # the old picture, not a torn one
+    assert sorted(os.listdir(folder)) == ["a_pca.png", "b_pca.png"]  # and no litter
 
 
 def test_check_output_takes_a_link_for_itself(tmp_path, monkeypatch):

@@ -137,9 +137,8 @@ def enter_launch_env(env: dict[str, str], cwd: str) -> None:
     began), with the variables torch's agent set for this worker over it,
     its launch's working folder ``cwd`` and its intra-op thread count
     (``OMP_NUM_THREADS``, which torch reads only when it is imported). What
-    it inherited from the server (the imported modules, ~385,000 objects)
-    is kept out of the garbage collector's passes (``gc.freeze``): a full
-    collection of it took 0.35 s, paid at each run's start and epoch end."""
+    it inherited from the server is frozen out of the garbage collector's
+    passes, which would otherwise walk every imported module (docs/testing.md)."""
     gc.freeze()
     own = {
         k: v
@@ -343,11 +342,9 @@ def _failure(agent: _RecordingAgent, started: float) -> RuntimeError:
 
 def _method_name(depth: int = 2) -> str:
     """The name of the function ``depth`` frames up, as torch's
-    ``dynamic_rendezvous.get_method_name`` gives it for each rendezvous
-    event (several every half second, from the agent's monitoring loop):
-    that one calls ``inspect.stack()`` twice, which reads the source lines
-    of every frame on the stack: 13 ms a call 80 frames deep (a launch from
-    a notebook or a test runner), 2.9 % of the test suite's py-spy samples."""
+    ``dynamic_rendezvous.get_method_name`` gives it, without its
+    ``inspect.stack()``, which reads the source of every frame on the stack
+    at each rendezvous event (its cost: docs/testing.md)."""
     try:
         return sys._getframe(depth).f_code.co_name  # frame 0: this function's
     except ValueError:

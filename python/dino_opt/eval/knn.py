@@ -291,9 +291,8 @@ def tsne(
 
     ``threads`` sets torch's intra-op threads for the call (restored after);
     by default 1 up to 2,048 points: each iteration is some twenty operations
-    too small to gain from threads, and on a CPU shared with other work
-    threads lose badly (measured on 2 busy cores, 200 points: 0.25 s on one
-    thread, 5.7 s on two).
+    too small to gain from threads, and on a shared CPU threads lose badly
+    (docs/evaluation.md).
     """
     x = torch.as_tensor(features).detach().double().cpu()
     if x.dim() != 2 or len(x) < 2:

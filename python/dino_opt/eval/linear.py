@@ -300,10 +300,9 @@ def logistic_regression(
     ``val_top1``, ``val_top5``, (``test_top1``, ``test_top5``) and ``rows``
     (C, val top-1) of the Cs fitted.
 
-    ``threads``: torch's intra-op threads during the fits (restored after).
-    Each L-BFGS step is a few small operations that lose to threading:
-    measured on 2 shared cores, 2,000 x 192 features, 10 classes, the sweep
-    took 3.6 s on one thread and 68 s on two."""
+    ``threads``: torch's intra-op threads during the fits (restored after);
+    one by default, since each L-BFGS step is a few small operations that
+    lose to threading (docs/evaluation.md)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -35,6 +35,7 @@ from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
 from torch import nn
 
+from ..checkpoint import write_file
 from ..models import DinoV3VisionTransformer, MultiCropWrapper, VisionTransformer, eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 
@@ -57,6 +58,7 @@ __all__ = [
     "show",
     "split_cls_attention",
     "threshold_attention",
+    "write_pictures",
 ]
 
 #: The kinds of picture :func:`show` and :func:`picture_arrays` draw.
@@ -541,12 +543,15 @@ def pca_grid_arrays(
     return [_pca_row(img, maps, i, str(stems[i]), panel, mean, std) for i, img in enumerate(imgs)]
 
 
-def _write(arrays: list[np.ndarray], names, output_dir, kind: str) -> list[Path]:
+def write_pictures(arrays: list[np.ndarray], names, output_dir, kind: str) -> list[Path]:
+    """``arrays`` as ``<stem>_<kind>.png`` in ``output_dir`` (created), each
+    written atomically; the stems as :func:`save_attention_grid` makes them."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}_{kind}.png" for stem in _stems(names, len(arrays))]
     for array, path in zip(arrays, paths, strict=True):
-        Image.fromarray(array).save(path, format="PNG")
+        # each picture whole or not at all: a killed run leaves no torn PNG
+        write_file(path, lambda f, a=array: Image.fromarray(a).save(f, format="PNG"))
     return paths
 
 
@@ -557,7 +562,9 @@ def save_attention_grid(
     ``output_dir`` (created), the stems made from ``names`` (default
     ``image0``, ``image1``, ...) by :func:`safe_stem` (repeats get ``_1``,
     ``_2``, ...); returns the paths. ``kw``: ``panel``, ``mean``, ``std``."""
-    return _write(attention_grid_arrays(images, maps, names, **kw), names, output_dir, "attention")
+    return write_pictures(
+        attention_grid_arrays(images, maps, names, **kw), names, output_dir, "attention"
+    )
 
 
 def save_pca_grid(
@@ -565,7 +572,7 @@ def save_pca_grid(
 ) -> list[Path]:
     """Write :func:`pca_grid_arrays` as ``<stem>_pca.png`` in ``output_dir``,
     named as :func:`save_attention_grid`; returns the paths."""
-    return _write(pca_grid_arrays(images, maps, names, **kw), names, output_dir, "pca")
+    return write_pictures(pca_grid_arrays(images, maps, names, **kw), names, output_dir, "pca")
 
 
 # ------------------------------------------------------------------ files and the one call
@@ -680,4 +687,6 @@ def show(
     paths = [image_paths] if isinstance(image_paths, (str, os.PathLike)) else list(image_paths)
     images = load_images(paths, image_size, vit.patch_size)
     names = _stems([Path(p).stem for p in paths], len(paths))
-    return _write(picture_arrays(vit, images, kind, names, **options), names, output_dir, kind)
+    return write_pictures(
+        picture_arrays(vit, images, kind, names, **options), names, output_dir, kind
+    )

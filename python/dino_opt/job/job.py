@@ -107,38 +107,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
     builds the loader, student and teacher, loss, optimizer and
     :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` from a
     :class:`~dino_opt.config.Config` (or a YAML path, or a dict), trains, and
-    returns the report (also written as ``report.json``). A hardware preset
-    in the config is resolved when training starts, once, on the first
-    process (:func:`~dino_opt.tune.resolve_hardware`); the resolved
-    config is what every process trains with and what ``config.yaml`` holds.
-
-    Checkpoints go to ``<run>/checkpoints/`` (a
-    :class:`~dino_opt.checkpoint.CheckpointManager`, ``checkpoint_manager``;
-    written in the background by an
-    :class:`~dino_opt.checkpoint.AsyncCheckpointWriter` with
-    ``checkpoint.async``) every ``checkpoint.every_epochs`` epochs and
-    ``checkpoint.every_steps`` optimizer steps, on SIGTERM, SIGINT or
-    SIGUSR1 (at the next step boundary; the run then stops:
-    ``report["stopped_by"]``), when the run stops on non-finite steps, at
-    step 0 under a rollback policy, and at the end; periodic ones are held
-    back while the run is unhealthy. The teacher is evaluated every
-    ``eval.every_epochs`` epochs and at the end.
-
-    Health (``health.on_nonfinite``, ``health.on_collapse``): too many
-    non-finite steps in a row, or a sustained collapse, send every rank back
-    to the last good checkpoint, skipping the failed iterations and scaling
-    the learning rate (the rollbacks are part of the state), or stop the
-    run. A hang watchdog (``distributed.hang_timeout_s``,
-    :class:`~dino_opt.runtime.HangWatchdog`) ends a run whose rank stopped
-    making progress, naming it.
-
-    The state (:meth:`state_dict`): student, teacher, optimizer, grad scaler,
-    loss center, the teacher's step, epoch and step, every process's loader
-    position and RNGs, the metrics, the resolved config, versions and commit.
-    Resuming (``auto_resume`` / ``checkpoint.resume``) restores it all, so on
-    the CPU a resumed run ends bit for bit as one that never stopped. A
-    checkpoint of another config (but for logging, checkpoint, health, eval,
-    device and loader threads) is refused, naming the keys.
+    returns the report (also written as ``report.json``). Its checkpoints
+    (when, what the state holds, resuming bit for bit, what a resume refuses)
+    are docs/checkpoints.md; its health policies and rollbacks docs/health.md.
     """
 
     def __init__(

@@ -378,16 +378,10 @@ def apply_block_options(
     keep their names. A backbone other than a ViT takes no checkpointing and
     is compiled whole, in place. Returns ``backbone``.
 
-    A block compiles whole (``fullgraph``: a graph break is an error, not a
-    silent slow path) and with static shapes: one graph per crop size, whose
-    shapes never change from step to step (the subset drop path keeps a
-    fixed count of samples). All blocks share one code object, so
-    torch.compile keeps their graphs in one cache; a block's drop-path rate
-    is a constant of its graph, so blocks of different rates (DINO's linear
-    ramp) compile a graph each, and the cache's limit
-    (``torch._dynamo.config.recompile_limit``) is raised to hold them all,
-    for every crop size, in training and evaluation mode, beside the
-    teacher's."""
+    A block compiles whole (``fullgraph``) with static shapes; the blocks
+    share one code object and so one graph cache, whose limit is raised to
+    hold a graph per drop-path rate, crop size and mode (docs/training.md,
+    "The step")."""
     if not isinstance(backbone, VisionTransformer):
         if activation_checkpointing != "none":
             raise ValueError(f"activation checkpointing ({activation_checkpointing}) needs a "

@@ -278,8 +278,7 @@ class AllocationTrace:
 
     The native core installs a memory reporter on the calling thread in
     place of torch's profiler, so no operator is recorded: the traced code
-    runs at nearly its own speed (under torch's profiler a ConvNeXt-T step
-    on the CPU took 9.7 s against 3.7 s, and stopping the profiler 6.7 s more).
+    runs at nearly its own speed (docs/memory.md).
 
     Use as a context manager, on one thread; within it,
     ``torch.profiler.record_function(NAME)`` marks ranges. Afterwards

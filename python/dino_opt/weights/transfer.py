@@ -377,6 +377,9 @@ def export_weights(
     existing ``output`` unless ``force``, a backbone the format does not
     take, an unknown student and a checkpoint without weights, naming each."""
     _check_request(fmt, which, full)
+    # the output first, before a checkpoint of gigabytes is read (its side
+    # files, which depend on the format, are checked again where written)
+    check_output(output, force, (source,))
     ckpt = load_checkpoint(source, keys=(which, "config"))
     cfg = Config.from_dict(ckpt["config"])
     model = cfg.model
