@@ -6,13 +6,15 @@ subset drop path equals the mask form for the same draws."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dino_opt.models import MultiCropWrapper
 from dino_opt.models.head import DINOHead
-from dino_opt.models.layers import Block, kept_rows, kept_samples, pack, unpack
+from dino_opt.models.layers import Block, attend, kept_rows, kept_samples, pack, unpack
 from dino_opt.models.vit import vit_tiny
 from dino_opt.models.vit_dinov3 import DinoV3VisionTransformer, RopeBlock
 from dino_opt.train.dinov2 import DINOv2Wrapper
 from reference import block_reference
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _randomized(module, seed=3):
@@ -193,3 +195,36 @@ def test_packed_subset_drop_path_equals_the_mask_form(kind):
         strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [5, 37, 197])
+def test_half_attention_on_the_cpu_is_the_published_attention(n):
+    # attend: the math backend for bfloat16 on the CPU (its flash kernel is
+    # slower there); against softmax(q k^T / sqrt(d)) v in float64, values
+    # and gradients, within bfloat16's rounding
+    torch.manual_seed(n)
+    q, k, v = (torch.randn(3, 2, n, 16, dtype=torch.float64) for _ in range(3))
+    grad = torch.randn(3, 2, n, 16, dtype=torch.float64)
+
+    def run(fn, dtype):
+        x = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        out = fn(*x)
+        out.backward(grad.to(dtype))
+        return [out.double()] + [t.grad.double() for t in x]
+
+    def published(q, k, v):
+        return ((q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5).softmax(-1) @ v
+
+    expected = run(published, torch.float64)
+    got = run(attend, torch.bfloat16)
+    for g, e, name in zip(got, expected, ("out", "dq", "dk", "dv"), strict=True):
+        assert (g - e).abs().max() <= 0.03 * e.abs().max() + 1e-2, name
+
+    # which backend: bfloat16 as the math backend computes it; float64 as sdpa
+    def math(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    for dtype, same in ((torch.bfloat16, math), (torch.float64, F.scaled_dot_product_attention)):
+        for a, b in zip(run(attend, dtype), run(same, dtype), strict=True):
+            assert torch.equal(a, b), dtype

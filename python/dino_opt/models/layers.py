@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -274,6 +275,17 @@ class LayerScale(nn.Module):
         return f"init_values={self.init_values}"
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v)``; on the CPU in bfloat16 or
+    float16 through torch's math backend, whose matrix products run at the
+    CPU's bfloat16 rate where its flash kernel does not (docs/training.md,
+    "The step")."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection, through
     ``scaled_dot_product_attention`` (flash / memory-efficient kernels on GPUs)."""
@@ -320,7 +332,7 @@ class Attention(nn.Module):
             b, n, _ = part.shape
             q, k, v = self._qkv(part)
             q, k = self.rotate(q, k, r)
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = attend(q, k, v)
             outs.append(out.transpose(1, 2).reshape(b * n, -1))
         return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
