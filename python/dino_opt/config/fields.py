@@ -534,6 +534,21 @@ class LoggingConfig:
         "works without a network)",
     )
     wandb_project: str = _opt("dino_opt", "Weights & Biases project", check="nonempty")
+    mlflow: bool = _opt(
+        False,
+        "also log to MLflow: the config as parameters, metrics by step, figures, pictures and "
+        "the exported teacher as artifacts (pip install 'dino_opt[mlflow]')",
+    )
+    mlflow_tracking_uri: str | None = _opt(
+        None,
+        "MLflow tracking URI (a server, a database, a folder); null: MLFLOW_TRACKING_URI, else "
+        "the file store mlruns/ beside the run folder",
+        check="nonempty",
+    )
+    mlflow_experiment: str = _opt("dino_opt", "MLflow experiment", check="nonempty")
+    mlflow_weights: bool = _opt(
+        True, "log the trained teacher's backbone (exported: timm's safetensors for a ViT)"
+    )
 
 
 @dataclass

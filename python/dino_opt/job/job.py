@@ -96,6 +96,7 @@ from .sharding import (
     sharded_state,
     split_shards,
 )
+from .tracking import tracked_weights
 
 __all__ = ["CheckpointedDINOTrainer", "run_training"]
 
@@ -731,6 +732,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                                                   self.step))  # fmt: skip
             report.update(evaluate_group_students(cfg, p, teacher, self.device, self.folder,
                                                   self.step))  # fmt: skip
+        if self.log.tracks_artifacts and cfg.logging.mlflow_weights:
+            self.log.artifacts([tracked_weights(cfg, report["checkpoint"], self.folder)], "weights")
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:
