@@ -19,10 +19,12 @@ import torch
 from dino_opt.api import training_config
 from dino_opt.cli import main
 from dino_opt.models import VisionTransformer
+from dino_opt.train import build_models
 from dino_opt.weights import (
     RELEASED,
     WeightsNameError,
     export_backbone,
+    init_from,
     is_weights_name,
     read_weights,
     weights_location,
@@ -173,3 +175,32 @@ def test_adapt_by_name_sets_the_network_it_holds():
     assert (m.init_from, m.backbone, m.patch_size, m.num_register_tokens) == (
         "dinov2_vits14_reg", "vit_small", 14, 4)  # fmt: skip
     assert m.depth == 2 and cfg.optim.freeze_backbone_epochs == 1
+
+
+# name -> the layout its released file has (what export_backbone writes, tested against the
+# libraries' own loaders in test_weights*.py)
+LAYOUTS = {
+    "dino_vits8": "dino",
+    "dino_resnet50": "dino",
+    "dinov2_vits14": "dinov2",
+    "dinov2_vits14_reg": "dinov2",
+    "dinov3_vits16": "hf",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_names_keys_build_the_network_its_weights_load_into(name, caches):
+    checkpoints, hub = caches
+    cfg = training_config(
+        adapt=name, overrides=["model.out_dim=64", "model.hidden_dim=32", "model.bottleneck_dim=16"]
+    )
+    student, teacher = build_models(cfg)
+    released = RELEASED[name]
+    if released.url:
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        target = checkpoints / Path(released.url).name
+    else:
+        target = _hf_snapshot(hub, released.repo)
+    export_backbone(teacher.backbone, LAYOUTS[name], target, force=True)
+    notes = init_from(name, student, teacher)
+    assert notes[0].startswith(f"{read_weights(name).format} weights (")

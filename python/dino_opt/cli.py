@@ -447,6 +447,9 @@ def _export(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     if is_weights_name(args.source):  # released weights: their backbone, in another format
+        if args.full or args.student:
+            raise ValueError(f"--full and --student take a dino-opt run; {args.source} names "
+                             "released weights (their backbone is what is written)")  # fmt: skip
         net = open_backbone(args.source, args.which).net
         result = export_backbone(
             net, args.format, args.output, image_size=args.image_size, force=args.force
@@ -643,7 +646,8 @@ def _add_export(sub) -> None:
         "export", help="write a run's weights for timm, Hugging Face, DINO, DINOv2, DINOv3 or ONNX"
     )
     e.add_argument("source", help="a dino-opt train run folder or checkpoint file (onnx: any "
-                   "weights the project reads)")  # fmt: skip
+                   "weights the project reads), or released weights by name "
+                   "(dino-opt models)")  # fmt: skip
     e.add_argument(
         "--format", required=True, choices=(*FORMATS, "onnx"), help="the target's format"
     )
