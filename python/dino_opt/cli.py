@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from . import doctor, probing
 from .api import ADAPT_OVERRIDES, DEMO_PRESET, DEMO_PRESETS, training_config
+from .checkpoint import check_output
 from .config import (
     PRESETS,
     Config,
@@ -450,6 +451,7 @@ def _export(args: argparse.Namespace) -> int:
         if args.full or args.student:
             raise ValueError(f"--full and --student take a dino-opt run; {args.source} names "
                              "released weights (their backbone is what is written)")  # fmt: skip
+        check_output(args.output, args.force)  # before a download
         net = open_backbone(args.source, args.which).net
         result = export_backbone(
             net, args.format, args.output, image_size=args.image_size, force=args.force
