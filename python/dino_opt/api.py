@@ -103,11 +103,23 @@ def _override(key: str, value) -> str:
 def adapt_overrides(weights: str) -> list[str]:
     """The overrides of ``--adapt WEIGHTS``: :data:`ADAPT_OVERRIDES`, after
     the keys of the network a released name holds (``dinov2_vits14``:
-    ``model.backbone=vit_small``, ``model.patch_size=14``, LayerScale, ...)."""
+    ``model.backbone=vit_small``, ``model.patch_size=14``, LayerScale, ...,
+    and crops its patch divides)."""
     weights = str(weights)
     released = RELEASED.get(weights) if is_weights_name(weights) else None
-    model = [_override(f"model.{k}", v) for k, v in (released.model if released else {}).items()]
-    return model + [o.format(weights=json.dumps(weights)) for o in ADAPT_OVERRIDES]
+    held = (
+        [
+            _override(f"{section}.{k}", v)
+            for section, keys in (
+                ("model", released.model),
+                ("augmentation", released.augmentation),
+            )
+            for k, v in keys.items()
+        ]
+        if released
+        else []
+    )
+    return held + [o.format(weights=json.dumps(weights)) for o in ADAPT_OVERRIDES]
 
 
 def training_config(

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
+from huggingface_hub import constants as hf_constants
 from huggingface_hub import errors as hf_errors
 
 __all__ = [
@@ -58,8 +59,10 @@ class Released:
     """One released network: its torch.hub ``name``, ``family``, millions of
     parameters (``params_m``), where its weights are (``url``: a torch.hub
     checkpoint; ``repo``: a Hugging Face repository) and ``model``, the
-    config keys of the network its weights hold (what ``--adapt NAME`` and
-    ``dino_opt.train(model=NAME)`` set before your overrides)."""
+    config keys of the network its weights hold, and ``augmentation`` the
+    crop sizes it needs (patch 14: DINOv2's 224 and 98 pixels), which
+    ``--adapt NAME`` and ``dino_opt.train(model=NAME)`` set before your
+    overrides."""
 
     name: str
     family: str
@@ -68,6 +71,7 @@ class Released:
     repo: str | None = None
     model: dict = field(default_factory=dict)
     gated: bool = False
+    augmentation: dict = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -91,7 +95,10 @@ def _dinov2(size: str, params: float, backbone: str, registers: bool) -> Release
         if registers
         else {"interpolate_offset": 0.1}
     )
-    return Released(name, "DINOv2", params, f"{_DINOV2}/{stem}/{file}", model=model)
+    crops = {"global_crop_size": 224, "local_crop_size": 98}  # multiples of its patch
+    return Released(
+        name, "DINOv2", params, f"{_DINOV2}/{stem}/{file}", model=model, augmentation=crops
+    )
 
 
 def _dinov3(size: str, params: float, backbone: str) -> Released:
@@ -173,7 +180,7 @@ def weights_location(value: str | os.PathLike) -> Path:
 
 
 def _offline() -> bool:
-    return huggingface_hub.constants.HF_HUB_OFFLINE
+    return hf_constants.HF_HUB_OFFLINE
 
 
 def _torch_hub_file(name: str, url: str) -> Path:
@@ -324,7 +331,7 @@ def _hub_line(name: str, repo: str, revision: str | None, e: BaseException) -> s
     if isinstance(e, hf_errors.RevisionNotFoundError):
         return f"{name}: {repo} has no revision {revision!r}"
     if isinstance(e, (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled)):
-        cache = huggingface_hub.constants.HF_HUB_CACHE
+        cache = hf_constants.HF_HUB_CACHE
         why = "HF_HUB_OFFLINE=1" if _offline() else "the Hub could not be reached"
         return (
             f"{name}: {repo} is not in the Hugging Face cache ({cache}) and {why}: run once "
@@ -380,7 +387,7 @@ def format_models(rows: list[dict]) -> str:
     lines += [
         "",
         f"torch.hub cache: {Path(torch.hub.get_dir()) / 'checkpoints'} (TORCH_HOME)",
-        f"Hugging Face cache: {huggingface_hub.constants.HF_HUB_CACHE} (HF_HOME); "
+        f"Hugging Face cache: {hf_constants.HF_HUB_CACHE} (HF_HOME); "
         f"HF_HUB_OFFLINE {offline}",
         "Also: hf:ORG/NAME[@REVISION] (a Hugging Face repository) and timm:NAME[.TAG] (timm's "
         "pretrained weights). A name is fetched into its cache the first time it is used.",
