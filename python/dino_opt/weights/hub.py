@@ -387,8 +387,7 @@ def format_models(rows: list[dict]) -> str:
     lines += [
         "",
         f"torch.hub cache: {Path(torch.hub.get_dir()) / 'checkpoints'} (TORCH_HOME)",
-        f"Hugging Face cache: {hf_constants.HF_HUB_CACHE} (HF_HOME); "
-        f"HF_HUB_OFFLINE {offline}",
+        f"Hugging Face cache: {hf_constants.HF_HUB_CACHE} (HF_HOME); HF_HUB_OFFLINE {offline}",
         "Also: hf:ORG/NAME[@REVISION] (a Hugging Face repository) and timm:NAME[.TAG] (timm's "
         "pretrained weights). A name is fetched into its cache the first time it is used.",
     ]
