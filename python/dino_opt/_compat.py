@@ -9,8 +9,9 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 
-__all__ = ["MODULE_ALIASES", "install_module_aliases"]
+__all__ = ["MODULE_ALIASES", "install_module_aliases", "make_callable"]
 
 #: Old module path -> the module that holds its names now. Paths whose
 #: folder kept the module's name (``dino_opt.config``, ``dino_opt.data``,
@@ -69,3 +70,13 @@ def install_module_aliases() -> None:
     """Puts the alias finder on ``sys.meta_path`` once per process."""
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _AliasFinder())
+
+
+def make_callable(module: types.ModuleType, function) -> None:
+    """Makes ``module`` callable as ``function``: ``dino_opt.train`` is both
+    the package of the training engine (``dino_opt.train.build``, ...) and
+    the one-call :func:`dino_opt.api.train`, so that neither the modules'
+    paths nor the call shadow each other."""
+    kind = type(f"Callable{type(module).__name__}", (type(module),),
+                {"__call__": staticmethod(function), "__slots__": ()})  # fmt: skip
+    module.__class__ = kind

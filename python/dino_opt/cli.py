@@ -13,6 +13,9 @@ run, a checkpoint or weights in any format, prints a table and writes JSON;
 last block's attention maps or the PCA of patch features of each image.
 ``dino-opt export RUN --format timm|hf|dino --output PATH`` writes a run's
 teacher (or student) in a format other tools load.
+``dino-opt models`` lists the released networks a weights argument takes by
+name (``dinov2_vits14``, ``hf:ORG/NAME``, ``timm:NAME``), their sizes and
+where each is cached.
 ``dino-opt report RUN`` analyses a run folder (convergence, weight drift
 between checkpoints, throughput) and writes its reports and plots there.
 ``dino-opt presets [--memory GB] [--measure]`` prints the hardware presets
@@ -48,6 +51,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import doctor, probing
+from .api import ADAPT_OVERRIDES, DEMO_PRESET, DEMO_PRESETS, training_config
+from .checkpoint import check_output
 from .config import (
     PRESETS,
     Config,
@@ -63,7 +68,7 @@ from .models import CHECKPOINT_POLICIES
 from .observe import CollapseError, DINOTrainingAnalyzer, format_report
 from .ops.native import _C
 from .runtime import EXIT_HANG, TrainingHungError, launched_world
-from .train import RECIPES, recipe_of, resolve_recipe
+from .train import recipe_of, resolve_recipe
 from .tune import (
     MEMORY_ARCHS,
     STRATEGIES,
@@ -77,8 +82,13 @@ from .tune import (
 from .weights import (
     FORMATS,
     ONNX_TOLERANCE,
+    export_backbone,
     export_onnx,
     export_weights,
+    format_models,
+    is_weights_name,
+    model_rows,
+    open_backbone,
     weights_reader,
 )
 
@@ -183,61 +193,8 @@ def _prepare(args: argparse.Namespace) -> int:
     return _failed(r["failed"])
 
 
-# The demo: the built-in data set, a small ViT and a short schedule, so that
-# `dino-opt train` without a config finishes in minutes on a 2-core CPU.
-DEMO_PRESET = {
-    "data": {"batch_size": 64},
-    "augmentation": {
-        "global_crop_size": 64,
-        "local_crop_size": 32,
-        "num_local_views": 4,
-        "global_crops_scale": [0.3, 1.0],
-        "local_crops_scale": [0.05, 0.3],
-        # DINO's blur sigma (0.1, 2) is in pixels of 224-pixel crops; at 64
-        # pixels it wiped out the shapes of the always-blurred first view.
-        "blur_sigma": [0.05, 0.6],
-    },
-    "model": {
-        "backbone": "vit_tiny",
-        "patch_size": 16,
-        "drop_path_rate": 0.0,
-        "out_dim": 1024,
-        "hidden_dim": 512,
-        "bottleneck_dim": 128,
-    },
-    "optim": {"lr": 0.002, "weight_decay": 0.04, "weight_decay_end": 0.1},
-    # A short run needs a teacher that follows the student more closely
-    # than DINO's 0.996 (an average over ~250 of its 100k+ steps): with 0.99
-    # over 93-240 steps the teacher stayed mostly its random initialisation
-    # and ended 6-9 k-NN points below the student; 0.9 collapsed its output.
-    "schedule": {"epochs": 8, "warmup_epochs": 2, "momentum_teacher": 0.97},
-    "logging": {"log_every": 5},
-}
-
-
-def _merged(base: dict, changes: dict) -> dict:
-    return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
-
-
-# Each recipe's demo: the DINO demo with the recipe's changes (its module says them).
-DEMO_PRESETS = {name: _merged(DEMO_PRESET, r.demo_changes) for name, r in RECIPES.items()}
-
-
-#: What ``dino-opt train --adapt WEIGHTS`` sets: both networks from the
-#: weights, the backbone frozen for an epoch while the new heads warm up,
-#: then a fifth of the learning rate with a layer-wise decay of 0.9.
-ADAPT_OVERRIDES = ("model.init_from={weights}", "optim.freeze_backbone_epochs=1",
-                   "optim.backbone_lr_mult=0.2", "optim.layerwise_decay=0.9")  # fmt: skip
-
-
 def _train(args: argparse.Namespace) -> int:
-    if args.config is not None and args.demo is not None:
-        raise ValueError("give --config or --demo, not both")
-    # the path as a YAML string: never cut at a '#', never '~' read as null
-    weights = json.dumps(args.adapt)
-    adapt = [o.format(weights=weights) for o in ADAPT_OVERRIDES] if args.adapt else []
-    adapt += ["model.trust_code=true"] if args.trust_code else []
-    cfg = load_config(args.config or DEMO_PRESETS[args.demo or "dino"], adapt + args.overrides)
+    cfg = training_config(args.config, args.demo, args.adapt, args.trust_code, args.overrides)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1 or args.nnodes > 1:
@@ -490,11 +447,30 @@ def _export(args: argparse.Namespace) -> int:
         result = export_onnx(args.source, args.output, data=args.data, **options)
         print(json.dumps(result, indent=2))
         return 0
-    result = export_weights(
-        args.source, args.format, args.output, which=args.which, full=args.full,
-        image_size=args.image_size, force=args.force, student=args.student,
-    )  # fmt: skip
+    if is_weights_name(args.source):  # released weights: their backbone, in another format
+        if args.full or args.student:
+            raise ValueError(f"--full and --student take a dino-opt run; {args.source} names "
+                             "released weights (their backbone is what is written)")  # fmt: skip
+        check_output(args.output, args.force)  # before a download
+        net = open_backbone(args.source, args.which).net
+        result = export_backbone(
+            net, args.format, args.output, image_size=args.image_size, force=args.force
+        )
+    else:
+        result = export_weights(
+            args.source, args.format, args.output, which=args.which, full=args.full,
+            image_size=args.image_size, force=args.force, student=args.student,
+        )  # fmt: skip
     print(json.dumps(result.to_json(), indent=2))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    rows = model_rows()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(format_models(rows))
     return 0
 
 
@@ -569,8 +545,9 @@ def _add_train(sub) -> None:
         help="the demo of this recipe on the built-in data set (default without --config: dino)",
     )
     t.add_argument("--adapt", metavar="WEIGHTS", help="continued pretraining from released "
-                   "weights: " + " ".join(ADAPT_OVERRIDES).replace("{weights}", "WEIGHTS") +
-                   " (key=value overrides win)")  # fmt: skip
+                   "weights (a file, or a name: dino-opt models): " +
+                   " ".join(ADAPT_OVERRIDES).replace("{weights}", "WEIGHTS") +
+                   " (a name also sets the model it holds; key=value overrides win)")  # fmt: skip
     t.add_argument("--output-dir", help="run folder (default: logging.output_dir or runs/<time>)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument(
@@ -671,7 +648,8 @@ def _add_export(sub) -> None:
         "export", help="write a run's weights for timm, Hugging Face, DINO, DINOv2, DINOv3 or ONNX"
     )
     e.add_argument("source", help="a dino-opt train run folder or checkpoint file (onnx: any "
-                   "weights the project reads)")  # fmt: skip
+                   "weights the project reads), or released weights by name "
+                   "(dino-opt models)")  # fmt: skip
     e.add_argument(
         "--format", required=True, choices=(*FORMATS, "onnx"), help="the target's format"
     )
@@ -716,6 +694,14 @@ def _add_export(sub) -> None:
     e.set_defaults(run=_export)
 
 
+def _add_models(sub) -> None:
+    m = sub.add_parser(
+        "models", help="the released networks by name: sizes, sources, where each is cached"
+    )
+    m.add_argument("--json", action="store_true", help="print the rows as JSON")
+    m.set_defaults(run=_models)
+
+
 def _add_report(sub) -> None:
     r = sub.add_parser(
         "report", help="analyse a run folder: convergence, weight drift, throughput, phases"
@@ -750,7 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_prepare, _add_train, _add_config, _add_presets, probing.add_knn,
                 probing.add_eval, probing.add_show, probing.add_embed, probing.add_predict,
-                _add_export, _add_report, _add_doctor):  # fmt: skip
+                _add_export, _add_models, _add_report, _add_doctor):  # fmt: skip
         add(sub)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])

@@ -284,7 +284,12 @@ class OptimConfig:
 class ScheduleConfig:
     """Epochs, warm-ups, teacher momentum and the loss's temperatures."""
 
-    epochs: int = _opt(100, "training epochs", ge=1)
+    epochs: int | str = _opt(
+        100,
+        "training epochs, or auto: chosen from the number of images and the batch, the warm-ups "
+        "and optim.freeze_last_layer scaled with it (docs/training.md)",
+        ge=1,
+    )
     warmup_epochs: int = _opt(10, "linear learning rate warm-up epochs", ge=0)
     momentum_teacher: float = _opt(0.996, "teacher EMA momentum at the start", ge=0, le=1)
     teacher_temp: float = _opt(0.04, "teacher temperature after the warm-up", gt=0)
@@ -534,6 +539,21 @@ class LoggingConfig:
         "works without a network)",
     )
     wandb_project: str = _opt("dino_opt", "Weights & Biases project", check="nonempty")
+    mlflow: bool = _opt(
+        False,
+        "also log to MLflow: the config as parameters, metrics by step, figures, pictures and "
+        "the exported teacher as artifacts (pip install 'dino_opt[mlflow]')",
+    )
+    mlflow_tracking_uri: str | None = _opt(
+        None,
+        "MLflow tracking URI (a server, a database, a folder); null: MLFLOW_TRACKING_URI, else "
+        "the file store mlruns/ beside the run folder",
+        check="nonempty",
+    )
+    mlflow_experiment: str = _opt("dino_opt", "MLflow experiment", check="nonempty")
+    mlflow_weights: bool = _opt(
+        True, "log the trained teacher's backbone (exported: timm's safetensors for a ViT)"
+    )
 
 
 @dataclass

@@ -140,6 +140,7 @@ _KIND_NAMES = {
     "sizes": "an int or a non-empty list of ints",
     "floats": "a non-empty list of numbers",
     "names": "a list of strings",
+    "count": "an int or auto",
 }
 
 
@@ -225,7 +226,9 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         if not isinstance(value, str):
             raise bad_type
         out: Any = value
-    elif spec.kind == "int":
+    elif spec.kind in ("int", "count"):
+        if spec.kind == "count" and value == "auto":
+            return value  # resolved when the data is known (schedule.epochs: auto)
         # bool is an int subclass, but `batch_size: true` is a mistake.
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_type
@@ -419,11 +422,12 @@ def _check_relations(cfg: Config) -> None:
     """Checks between fields (each field alone is already valid)."""
     errors = []
     s, o, m, a = cfg.schedule, cfg.optim, cfg.model, cfg.augmentation
-    if s.warmup_epochs > s.epochs:
+    epochs = s.epochs if s.epochs != "auto" else float("inf")  # auto: scaled with the warm-ups
+    if s.warmup_epochs > epochs:
         errors.append(
             f"schedule.warmup_epochs ({s.warmup_epochs}) must be <= schedule.epochs ({s.epochs})"
         )
-    if s.warmup_teacher_temp_epochs > s.epochs:
+    if s.warmup_teacher_temp_epochs > epochs:
         errors.append(
             f"schedule.warmup_teacher_temp_epochs ({s.warmup_teacher_temp_epochs}) must be "
             f"<= schedule.epochs ({s.epochs})"
@@ -542,7 +546,9 @@ def _gram_conflicts(cfg: Config) -> list[str]:
     if isinstance(size, tuple):
         errors += _gram_sizes_conflicts(size, cfg.augmentation.crop_size_pairs, patch)
     cosine = r.gram_loss_weight_cosine_epochs or 0
-    if r.gram_loss_weight_warmup_epochs + cosine > cfg.schedule.epochs:
+    if cfg.schedule.epochs != "auto" and r.gram_loss_weight_warmup_epochs + cosine > (
+        cfg.schedule.epochs
+    ):
         errors.append(
             f"recipe.gram_loss_weight_warmup_epochs ({r.gram_loss_weight_warmup_epochs}) plus "
             f"recipe.gram_loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "

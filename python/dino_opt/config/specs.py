@@ -18,7 +18,8 @@ __all__: list[str] = []
 
 @dataclass(frozen=True)
 class _Spec:
-    kind: str  # "int", "float", "bool", "str", "pair", "sizes" (int or ints), "floats", "names"
+    kind: str  # "int", "float", "bool", "str", "pair", "sizes" (int or ints), "floats", "names",
+    # "count" (an int, or auto)
     attr: str  # the dataclass attribute (the key, unless that is a Python keyword)
     optional: bool
     meta: typing.Mapping[str, Any]
@@ -33,6 +34,8 @@ def _spec_of(tp: Any) -> tuple[str, bool]:
         optional = len(args) < len(typing.get_args(tp))
         if args == [int, tuple[int, ...]]:
             return "sizes", optional  # an int, or a list of them
+        if args == [int, str]:
+            return "count", optional  # an int, or auto
         (tp,) = args
     if typing.get_origin(tp) is tuple:
         if typing.get_args(tp) == (str, ...):

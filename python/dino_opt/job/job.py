@@ -56,7 +56,7 @@ from ..runtime import (
     gather_objects,
     init_distributed,
 )
-from ..train import resolve_recipe
+from ..train import resolve_epochs, resolve_recipe
 from ..tune import resolve_hardware
 from ..weights import init_from, start_students, weights_reader
 from .evaluation import (
@@ -96,6 +96,7 @@ from .sharding import (
     sharded_state,
     split_shards,
 )
+from .tracking import tracked_weights
 
 __all__ = ["CheckpointedDINOTrainer", "run_training"]
 
@@ -133,6 +134,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.config = cfg
         self.quiet = quiet
         self.hardware_preset: str | None = None  # how the preset was resolved, if any
+        self.epochs_choice: str | None = None  # what schedule.epochs=auto chose, and why
         self.init_notes: list[str] = []  # what model.init_from loaded, if anything
         out = output_dir or cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
         self._set_output_dir(Path(out))
@@ -177,6 +179,9 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         if self.lead:
             self.config, choice = resolve_hardware(self.config)
             self.hardware_preset = choice.reason if choice is not None else None
+            self.config, self.epochs_choice = resolve_epochs(self.config, self.world)
+            if self.epochs_choice is not None:
+                print(self.epochs_choice, file=sys.stderr)
             self.config = resolve_recipe(self.config, self.reader)  # e.g. a teacher's widths
         self.config = broadcast_object(self.config)
         if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
@@ -697,6 +702,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         }
         if self.hardware_preset is not None:
             report["hardware_preset"] = self.hardware_preset
+        if self.epochs_choice is not None:
+            report["epochs_auto"] = self.epochs_choice
         if resumed_from is not None:
             report["resumed_from"] = str(resumed_from)
         elif self.init_notes:
@@ -731,6 +738,8 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                                                   self.step))  # fmt: skip
             report.update(evaluate_group_students(cfg, p, teacher, self.device, self.folder,
                                                   self.step))  # fmt: skip
+        if self.log.tracks_artifacts and cfg.logging.mlflow_weights:
+            self.log.artifacts([tracked_weights(cfg, report["checkpoint"], self.folder)], "weights")
         return self._write_report(report, final=True)
 
     def _stop_watchdog(self) -> None:

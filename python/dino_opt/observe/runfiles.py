@@ -13,6 +13,8 @@
     <run>/progress/rank<R>.json    each rank's last completed step (several processes)
     <run>/tensorboard/             TensorBoard event files
     <run>/wandb_id.txt             the Weights & Biases run id (resumed with the folder)
+    <run>/mlflow_id.txt            the MLflow run id (resumed with the folder)
+    <run>/export/                  the trained teacher exported for MLflow (logging.mlflow_weights)
     <run>/training_curves.png      the metrics over the steps
     <run>/tsne_trained.png         t-SNE of held-out features, trained teacher
     <run>/tsne_random_init.png     ... and the same network at random initialisation
@@ -50,6 +52,8 @@ class RunFolder:
     CHECKPOINTS = "checkpoints"
     TENSORBOARD = "tensorboard"
     WANDB_ID = "wandb_id.txt"
+    MLFLOW_ID = "mlflow_id.txt"
+    EXPORT = "export"
     TRAINING_CURVES = "training_curves.png"
     CHECKPOINT_REPORT = "checkpoint_report.json"
     PERFORMANCE_REPORT = "performance_report.json"
@@ -69,6 +73,8 @@ class RunFolder:
     checkpoints = _entry(CHECKPOINTS)
     tensorboard = _entry(TENSORBOARD)
     wandb_id = _entry(WANDB_ID)
+    mlflow_id = _entry(MLFLOW_ID)
+    export = _entry(EXPORT)
     training_curves = _entry(TRAINING_CURVES)
     checkpoint_report = _entry(CHECKPOINT_REPORT)
     performance_report = _entry(PERFORMANCE_REPORT)

@@ -1,7 +1,8 @@
 """Where a training run reports to: ``metrics.jsonl``, TensorBoard, Weights &
-Biases and the progress bar, as one object (:class:`RunLog`) that the
-training job writes rows to. Only the first process of a run writes; the
-others get a :class:`RunLog` that writes nothing."""
+Biases, MLflow (:mod:`~dino_opt.observe.mlflow_run`) and the progress bar,
+as one object (:class:`RunLog`) that the training job writes rows to. Only
+the first process of a run writes; the others get a :class:`RunLog` that
+writes nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tqdm import tqdm
 
 from ..config import Config
 from ..runtime import compile_totals
+from .mlflow_run import MlflowRun
 from .runfiles import RunFolder
 
 __all__ = ["RunLog"]
@@ -82,6 +84,7 @@ class RunLog:
         if log.tensorboard and lead:
             self._tb = SummaryWriter(str(folder.tensorboard), purge_step=step + 1 if step else None)
         self._wandb = _start_wandb(cfg, folder, metadata) if log.wandb and lead else None
+        self._mlflow = MlflowRun(cfg, folder, metadata) if log.mlflow and lead else None
         self._bar = tqdm(total=total, initial=step, unit="batch", desc="train",
                          disable=quiet or not log.progress or not lead)  # fmt: skip
         for row in history:  # a resumed run's metrics so far, then its own
@@ -128,6 +131,8 @@ class RunLog:
                     self._tb.add_scalar(f"train/{k}", v, step)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        if self._mlflow is not None:
+            self._mlflow.row(row)
         # memory: the GPU allocator's peak on a GPU, else the process's RSS
         mem = row.get("gpu_memory_peak_gb", row.get("host_rss_gb", 0.0))
         self._bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
@@ -155,11 +160,25 @@ class RunLog:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None and numbers:
             self._wandb.log(numbers, step=step)
+        if self._mlflow is not None and numbers:
+            self._mlflow.metrics(numbers, step)
 
     def image(self, tag: str, picture, step: int) -> None:
-        """A picture (uint8 ``(height, width, 3)`` array) in TensorBoard."""
+        """A picture (uint8 ``(height, width, 3)`` array) in TensorBoard and MLflow."""
         if self._tb is not None:
             self._tb.add_image(tag, picture, step, dataformats="HWC")
+        if self._mlflow is not None:
+            self._mlflow.image(tag, picture, step)
+
+    @property
+    def tracks_artifacts(self) -> bool:
+        """Whether files handed to :meth:`artifacts` go anywhere (MLflow)."""
+        return self._mlflow is not None
+
+    def artifacts(self, paths, where: str | None = None) -> None:
+        """Files or folders kept with the run in MLflow, under ``where``."""
+        if self._mlflow is not None:
+            self._mlflow.artifacts(paths, where)
 
     def alerts(self, messages: Sequence[str], step: int) -> None:
         """Health alerts, as TensorBoard text."""
@@ -177,7 +196,9 @@ class RunLog:
             self._tb.add_histogram(name, values, step)
 
     def close(self, report: dict | None = None) -> None:
-        """Closes every sink; ``report`` (a finished run's) becomes the W&B summary."""
+        """Closes every sink; ``report`` (a finished run's) becomes the W&B
+        summary, and MLflow's run gets the run folder's figures and reports
+        and is marked finished (without one: killed, to be resumed)."""
         self._bar.close()
         if self._file is not None:
             self._file.close()
@@ -188,3 +209,7 @@ class RunLog:
             if report is not None:
                 self._wandb.summary.update({k: v for k, v in report.items() if k != "profile"})
             self._wandb.finish()
+            self._wandb = None
+        if self._mlflow is not None:
+            self._mlflow.close(report)
+            self._mlflow = None

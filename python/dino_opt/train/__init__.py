@@ -46,6 +46,7 @@ from .distill import (
     StudentBank,
     teacher_side,
 )
+from .epochs import EpochChoice, auto_epochs, resolve_epochs
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
 from .trainer import DINOModel, DINOTerms, MemoryOptimizedDINOTrainer, StepHooks, StepTerms
@@ -63,6 +64,7 @@ __all__ = [
     "GramTeacher",
     "GramTerm",
     "DataRoots",
+    "EpochChoice",
     "DistillOptions",
     "FeatureDistillLoss",
     "FeatureDistillTerms",
@@ -83,6 +85,7 @@ __all__ = [
     "TeacherTargets",
     "WeightsReader",
     "attach_frozen_copies",
+    "auto_epochs",
     "attach_teacher",
     "frozen_teacher_dtype",
     "parameters_in",
@@ -103,6 +106,7 @@ __all__ = [
     "param_groups",
     "recipe_of",
     "refresh_due",
+    "resolve_epochs",
     "resolve_recipe",
     "trainer_options",
     "teacher_side",

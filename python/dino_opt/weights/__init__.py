@@ -1,11 +1,21 @@
 """Weights in and out: timm, Hugging Face, DINO, DINOv2, DINOv3 and ONNX, exported and loaded."""
 
+from .hub import (
+    RELEASED,
+    Released,
+    WeightsNameError,
+    format_models,
+    is_weights_name,
+    model_rows,
+    weights_location,
+)
 from .layouts import ViTArch
 from .layouts_dinov3 import DinoV3Arch
 from .onnx_export import ONNX_TOLERANCE, export_onnx
 from .probes import (
     OpenedBackbone,
     embed_weights,
+    embeddings_of,
     open_backbone,
     predict,
     probe_data,
@@ -35,7 +45,15 @@ __all__ = [
     "OpenedBackbone",
     "OpenedTeacher",
     "ViTArch",
+    "RELEASED",
+    "Released",
+    "WeightsNameError",
     "embed_weights",
+    "format_models",
+    "embeddings_of",
+    "is_weights_name",
+    "model_rows",
+    "weights_location",
     "evaluate_weights",
     "export_backbone",
     "export_onnx",

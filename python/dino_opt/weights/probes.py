@@ -24,6 +24,7 @@ from ..checkpoint import check_output
 from ..config import Config
 from ..data import segmentation_splits, source_exists
 from ..eval import (
+    Embeddings,
     ProbeData,
     check_embeddings_output,
     dense_probe,
@@ -49,8 +50,8 @@ from .heads import (
 from .reading import read_weights
 from .transfer import evaluation_backbone, load_strict
 
-__all__ = ["OpenedBackbone", "embed_weights", "open_backbone", "predict", "probe_data",
-           "run_dense_probe", "run_linear_probe", "show_weights"]  # fmt: skip
+__all__ = ["OpenedBackbone", "embed_weights", "embeddings_of", "open_backbone", "predict",
+           "probe_data", "run_dense_probe", "run_linear_probe", "show_weights"]  # fmt: skip
 
 
 class OpenedBackbone(NamedTuple):
@@ -213,6 +214,49 @@ def show_weights(path: str | os.PathLike, images, kind: str = "attention",
     return show(open_backbone(path, which).net, images, kind, output_dir, image_size, **options)
 
 
+def embeddings_of(
+    path: str | os.PathLike,
+    data,
+    *,
+    which: str = "teacher",
+    image_size: int | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    **options,
+) -> tuple[Embeddings, dict]:
+    """:func:`~dino_opt.eval.embed_images` of every image of ``data`` under
+    the ``which`` backbone of the weights at ``path``, at the size and
+    normalisation it was trained at (``image_size`` overrides the size),
+    and the record written beside them (weights, format, size, mean, std,
+    data, counts). ``options``: ``batch_size``, ``patch_maps``, ``amp``,
+    ``num_threads``."""
+    opened = open_backbone(path, which)
+    size = image_size or opened.image_size
+    emb = embed_images(
+        opened.net.to(device),
+        data,
+        size,
+        device=device,
+        mean=opened.mean,
+        std=opened.std,
+        progress=progress,
+        **options,
+    )
+    meta = {
+        "weights": str(path),
+        "format": opened.format,
+        "backbone": opened.name,
+        "which": which,
+        "image_size": size,
+        "mean": list(opened.mean),
+        "std": list(opened.std),
+        "data": str(data),
+        "images": len(emb.names),
+        "failed": len(emb.failed),
+    }
+    return emb, meta
+
+
 def embed_weights(
     path: str | os.PathLike,
     data,
@@ -235,18 +279,12 @@ def embed_weights(
     The output is checked first (:func:`~dino_opt.eval.check_embeddings_output`:
     an existing one replaced only with ``force``)."""
     check_embeddings_output(output, options.get("patch_maps", False), force, (path, data))
-    opened = open_backbone(path, which)
-    size = image_size or opened.image_size
-    emb = embed_images(opened.net.to(device), data, size, device=device, mean=opened.mean,
-                       std=opened.std, progress=progress, **options)  # fmt: skip
-    meta = {"weights": str(path), "format": opened.format, "backbone": opened.name,
-            "which": which, "image_size": size, "mean": list(opened.mean),
-            "std": list(opened.std), "data": str(data), "images": len(emb.names),
-            "failed": len(emb.failed)}  # fmt: skip
+    emb, meta = embeddings_of(
+        path, data, which=which, image_size=image_size, device=device, progress=progress, **options
+    )
     first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     files = write_embeddings(emb, output, meta) if first else []
-    return {**meta, "failed": emb.failed, "files": [str(f) for f in files],
-            "dim": emb.cls.shape[1]}  # fmt: skip
+    return {**meta, "failed": emb.failed, "files": [str(f) for f in files], "dim": emb.cls.shape[1]}
 
 
 def predict(

@@ -49,6 +49,7 @@ from ..checkpoint import atomic_write
 from ..config import Config
 from ..eval import load_checkpoint
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
+from .hub import weights_location
 from .layouts import ViTArch, from_hf_dinov2, from_hf_vit, from_timm, is_chunked, unchunk, vit_arch
 from .layouts_dinov3 import (
     DinoV3Arch,
@@ -420,8 +421,10 @@ def read_weights(path: str | os.PathLike) -> ExternalWeights:
     """Weights from a timm file, a Hugging Face folder or file (ViT, Dinov2,
     Dinov2 with registers, DINOv3), an original DINO, DINOv2 or DINOv3
     backbone or training checkpoint, or a dino_opt checkpoint or run folder,
-    detected from the content (see the module docstring), in dino_opt's keys."""
-    path = Path(path)
+    detected from the content (see the module docstring), in dino_opt's keys;
+    or any of those by name (:mod:`~dino_opt.weights.hub`: ``dinov2_vits14``,
+    ``hf:ORG/NAME``, ``timm:NAME``), from its library's cache."""
+    path = weights_location(path)
     if not path.exists():
         raise FileNotFoundError(f"weights {str(path)!r} do not exist")
     try:

@@ -16,6 +16,7 @@ from ..config import Config, refuse_code
 from ..eval import load_checkpoint
 from ..models import feature_width
 from ..train import DINOv2Wrapper, WeightsReader, build_models
+from .hub import weights_location
 from .probes import open_backbone
 from .transfer import load_backbone
 
@@ -68,8 +69,9 @@ def open_teacher(
     or checkpoint only; ValueError naming the file otherwise). ``trust_code``:
     the user's leave to build a network the run's config names as
     ``package.module:function`` (heads only: a backbone is read from its
-    weights' keys, never from a config)."""
-    path = Path(path)
+    weights' keys, never from a config). ``path`` may name released weights
+    (:func:`~dino_opt.weights.hub.weights_location`)."""
+    path = weights_location(path)
     if not path.exists():
         raise FileNotFoundError(f"recipe.distill_teacher={str(path)!r} does not exist")
     if heads:
