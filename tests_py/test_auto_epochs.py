@@ -49,7 +49,7 @@ def test_the_rule_beyond_imagenet_and_with_ranks():
 
 
 def test_a_number_is_kept_and_other_words_refused(tmp_path):
-    cfg = load_config(None, ["schedule.epochs=7"])
+    cfg = load_config(None, ["schedule.epochs=17"])
     assert resolve_epochs(cfg) == (cfg, None)
     with pytest.raises(ConfigError, match="schedule.epochs must be an int or auto, got 'often'"):
         load_config(None, ["schedule.epochs=often"])
