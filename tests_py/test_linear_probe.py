@@ -152,6 +152,9 @@ def test_probe_features_of_a_vit_with_registers(gen):
     torch.testing.assert_close(out[:, 64:], layers[-1][:, 3:].mean(1))  # registers left out
     with pytest.raises(ValueError, match="n_blocks must be in"):
         ProbeFeatures(vit, n_blocks=9)
+    # a ViT shallower than the grid's 4 blocks: every block it has
+    shallow = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2)
+    assert ProbeFeatures(shallow).layout["n_blocks"] == 2
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,9 @@ def test_sections_and_dotted_keys_are_overrides(tmp_path):
         dino_opt.train(tmp_path, schedule={"epochs": 0})
     with pytest.raises(ValueError, match="no demo of recipe 'dinov9'"):
         dino_opt.train(tmp_path, recipe="dinov9")
+    # the model section given as model=: read as the other sections are
+    with pytest.raises(ValueError, match="model.depth must be >= 1"):
+        dino_opt.train(tmp_path, model={"backbone": "vit_tiny", "depth": 0})
 
 
 def test_embed_gives_what_the_command_writes(run, tiny_data, tmp_path, capsys):

@@ -161,7 +161,7 @@ def _keyword_overrides(options: Mapping) -> list[str]:
 def train(
     data: str | os.PathLike | None = None,
     *,
-    model: str | os.PathLike | None = None,
+    model: str | os.PathLike | Mapping | None = None,
     recipe: str | None = None,
     out: str | os.PathLike | None = None,
     config: str | os.PathLike | None = None,
@@ -178,10 +178,14 @@ def train(
     recipe's demo preset to start from (dino, dinov2, dinov3, distill;
     without ``config``), or with ``config`` (a YAML file or a packaged
     config's name) its ``recipe.name``. ``out``: the run folder.
-    ``overrides``: any other key, as ``section={"key": value}`` or
-    ``**{"section.key": value}``."""
+    ``model`` may also be the model section itself (``model={"backbone":
+    "vit_tiny", "depth": 4}``). ``overrides``: any other key, as
+    ``section={"key": value}`` or ``**{"section.key": value}`` (the data
+    section's keys only dotted: ``data`` is the images)."""
     keys = [_override("data.root", str(data))] if data is not None else []
     adapt = None
+    if isinstance(model, Mapping):  # the section, as the other sections are given
+        overrides, model = {**overrides, "model": model}, None
     if model is not None:
         if is_weights_name(model) or Path(model).exists():
             adapt = model

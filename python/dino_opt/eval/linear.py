@@ -83,13 +83,16 @@ class ProbeFeatures(nn.Module):
     mean of the last block's normalised patch tokens (register tokens left
     out), ``[B, (n_blocks + 1) * D]``. A backbone without tokens (a ResNet)
     gives its pooled features ``[B, D]`` and ``n_blocks`` is 1 with no patch
-    average. ``layout`` says which: ``dim``, ``n_blocks``, ``avgpool``."""
+    average. ``layout`` says which: ``dim``, ``n_blocks``, ``avgpool``.
+    ``n_blocks`` None: DINOv2's largest grid entry (4), or every block of a
+    shallower ViT."""
 
-    def __init__(self, backbone: nn.Module, n_blocks: int = max(N_LAST_BLOCKS)) -> None:
+    def __init__(self, backbone: nn.Module, n_blocks: int | None = None) -> None:
         super().__init__()
         self.backbone = backbone
         self.tokens = hasattr(backbone, "get_intermediate_layers")
         depth = len(backbone.blocks) if self.tokens else 1
+        n_blocks = min(max(N_LAST_BLOCKS), depth) if n_blocks is None else n_blocks
         if self.tokens and not 1 <= n_blocks <= depth:
             raise ValueError(f"n_blocks must be in [1, {depth}] for this ViT, got {n_blocks}")
         dim = getattr(backbone, "embed_dim", None) or getattr(backbone, "num_features", None)
