@@ -201,6 +201,6 @@ def test_compiled_checkpointed_blocks_compose_with_fsdp(tmp_path):
     """2 gloo processes (dist_compile_worker.py): the student's blocks
     checkpointed and compiled by build_models, then sharded by fully_shard;
     two steps give the losses of the same run in eager mode."""
-    for result in run_ranks(HERE / "dist_compile_worker.py", tmp_path):
+    for result in run_ranks(HERE / "workers" / "dist_compile_worker.py", tmp_path):
         assert result["compiled_blocks"] == 12
         assert result["compiled"] == pytest.approx(result["eager"], rel=1e-5)

@@ -384,7 +384,7 @@ def test_bad_inputs_name_the_argument(call, message):
 
 def run_ranks(tmp_path: Path, data: dict, world: int = 2) -> list[dict]:
     torch.save(data, tmp_path / "data.pt")
-    worker = Path(__file__).with_name("dist_dinov2_loss_worker.py")
+    worker = Path(__file__).parent / "workers" / "dist_dinov2_loss_worker.py"
     files = (tmp_path / "init", tmp_path / "data.pt")
     launch_ranks(worker, world, lambda rank: [*map(str, files), str(tmp_path / f"rank{rank}.pt")],
                  timeout=120)  # fmt: skip

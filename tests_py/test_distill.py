@@ -312,7 +312,7 @@ def test_the_whitener_averages_over_the_ranks(tmp_path, gen):
     of all the tokens, as one process fed them all."""
     tokens = _anisotropic(gen, 3, 2, 4, 6)  # [steps, ranks, N, D]
     torch.save(tokens, tmp_path / "tokens.pt")
-    worker = Path(__file__).with_name("dist_whiten_worker.py")
+    worker = Path(__file__).parent / "workers" / "dist_whiten_worker.py"
     ranks = run_ranks(worker, tmp_path, str(tmp_path / "tokens.pt"), timeout=300)
     whole = TokenWhitener(6, 1e-3)
     for step in tokens:

@@ -27,7 +27,7 @@ def test_the_teacher_runs_once_per_batch_split_over_the_students(tmp_path):
     images and gets the whole batch's tokens back (as one forward gives
     them); DDP averages a student's gradient over its own group only; the
     metrics' mean over all ranks is each student's mean and their sum."""
-    ranks = run_ranks(HERE / "dist_groups_worker.py", tmp_path, world=4)
+    ranks = run_ranks(HERE / "workers" / "dist_groups_worker.py", tmp_path, world=4)
     assert [(r["index"], r["data_rank"], r["lead"]) for r in ranks] == [
         (0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False)]  # fmt: skip
     for r in ranks:

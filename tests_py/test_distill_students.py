@@ -178,7 +178,7 @@ def test_fsdp_shards_the_frozen_teacher_over_the_ranks(distill_teacher, tmp_path
     parameters (its backbone sharded block by block, frozen), and the
     sharded teacher's tokens are the whole one's; each student is sharded
     on its own (its blocks, its projector, itself)."""
-    worker = Path(__file__).with_name("dist_distill_fsdp_worker.py")
+    worker = Path(__file__).parent / "workers" / "dist_distill_fsdp_worker.py"
     listed = f"recipe.distill_students=[{','.join(students)}]"
     ranks = run_ranks(worker, tmp_path, str(distill_teacher), *TINY, "recipe.name=distill",
                       "model.drop_path_rate=0", listed, timeout=600)  # fmt: skip

@@ -16,7 +16,7 @@ from gloo_ranks import launch_ranks
 from PIL import Image
 
 CLASSES = ("ant", "bee", "cat")
-WORKER = Path(__file__).with_name("dist_eval_features_worker.py")
+WORKER = Path(__file__).parent / "workers" / "dist_eval_features_worker.py"
 
 
 def random_images(root: Path, gen: torch.Generator, per_class: int, suffix: str) -> Path:

@@ -143,7 +143,7 @@ def test_the_gram_teacher_crosses_strategies(ddp, fsdp, train_root, tmp_path):
 
 
 def test_each_rank_holds_its_shards_of_the_gram_teacher(tmp_path):
-    worker = Path(__file__).with_name("dist_gram_fsdp_worker.py")
+    worker = Path(__file__).parent / "workers" / "dist_gram_fsdp_worker.py"
     ranks = run_ranks(worker, tmp_path, *DINOV3, timeout=600)
     numel = ranks[0]["numel"]
     assert sum(r["local_numel"] for r in ranks) == numel

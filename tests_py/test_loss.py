@@ -479,7 +479,7 @@ def test_distributed_two_ranks_equal_one_process_over_the_whole_batch(tmp_path, 
         ),
         data,
     )
-    worker = Path(__file__).with_name("dist_loss_worker.py")
+    worker = Path(__file__).parent / "workers" / "dist_loss_worker.py"
     procs = [
         subprocess.Popen(
             [

@@ -187,7 +187,7 @@ def test_two_ranks_measured_within_10_percent(tmp_path):
     processes (dist_memory_worker.py): each state part by its tensors'
     storages, the step above them by the allocation trace."""
     runs = ["ddp:none", "fsdp:none", "fsdp:selective"]
-    results = run_ranks(HERE / "dist_memory_worker.py", tmp_path, *runs)
+    results = run_ranks(HERE / "workers" / "dist_memory_worker.py", tmp_path, *runs)
     cfg = load_config(None, MEMORY_RUN)
     for rank, result in enumerate(results):
         for run, measured in result.items():
@@ -349,7 +349,7 @@ def test_a_sharded_distillation_on_two_ranks_within_10_percent(tmp_path):
     backbone sharded, its heads whole), from a sharded frozen teacher; every
     state part by its local shards, the step by the allocation trace."""
     runs = ["distill:", "distill:vit_small", "distillheads:"]
-    results = run_ranks(HERE / "dist_memory_worker.py", tmp_path, *runs)
+    results = run_ranks(HERE / "workers" / "dist_memory_worker.py", tmp_path, *runs)
     for rank, result in enumerate(results):
         for run, measured in result.items():
             kind, students = run.split(":")
@@ -367,7 +367,8 @@ def test_students_on_their_own_ranks_within_10_percent(tmp_path):
     batch; the model gives the fuller rank (the ViT-S's), which holds less
     than a rank of both students."""
     run = "distillgroups:vit_small"
-    measured = [r[run] for r in run_ranks(HERE / "dist_memory_worker.py", tmp_path, run)]
+    worker = HERE / "workers" / "dist_memory_worker.py"
+    measured = [r[run] for r in run_ranks(worker, tmp_path, run)]
     cfg, frozen = distill_config("vit_small", groups=True), distill_teacher()
     model = estimate_memory(cfg, strategy="ddp", world_size=2, frozen_teacher=frozen)
     held = [m["parameters"] + m["teacher"] + m["optimizer"] + m["step"] for m in measured]

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_workers import bad_input_then_abort, report_launch
 from dino_opt.cli import _resume_command, main
 from dino_opt.config import load_config
 from dino_opt.distributed.agent import (
@@ -45,6 +44,7 @@ from forked import CliProcess, run_cli
 from tiny import TINY as TINY_BASE
 from tiny import ranks_env, tiny_train_only
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+from workers.agent_workers import bad_input_then_abort, report_launch
 
 TINY = [
     *TINY_BASE,

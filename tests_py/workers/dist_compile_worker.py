@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from dino_opt.config import load_config
 from dino_opt.train import build_loss, build_models, build_optimizer
-from dist_memory_worker import MEMORY_RUN, _forward_backward, _optimizer_step, _shard
+
+from workers.dist_memory_worker import MEMORY_RUN, _forward_backward, _optimizer_step, _shard
 
 
 def losses(compiled: bool, rank: int) -> tuple[list[float], int]:
