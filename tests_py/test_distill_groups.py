@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 import torchvision
 from dino_opt.cli import main
@@ -16,7 +17,6 @@ from dino_opt.config import ConfigError, apply_overrides, default_config
 from dino_opt.runtime import student_groups
 from gloo_ranks import run_ranks
 from test_distill_students import STUDENTS, _tensors
-from tiny import train_on_ranks
 
 HERE = Path(__file__).parent
 GROUPS = "distributed.student_groups=true"
@@ -77,9 +77,15 @@ def test_bad_group_configs_are_one_line(extra, needle):
 def _train(out: Path, root: Path, teacher: Path, *extra: str, ranks: int = 2) -> dict:
     """A run of STUDENTS with a checkpoint every 2 steps (joining the
     students on rank 0 takes a while)."""
-    return train_on_ranks(out, f"data.root={root / 'train'}", *STUDENTS,
-                          f"recipe.distill_teacher={teacher}", "checkpoint.every_steps=2",
-                          *extra, ranks=ranks)  # fmt: skip
+    return tiny.train(
+        out,
+        root / "train",
+        *STUDENTS,
+        f"recipe.distill_teacher={teacher}",
+        "checkpoint.every_steps=2",
+        *extra,
+        ranks=ranks,
+    )
 
 
 @pytest.fixture(scope="module")

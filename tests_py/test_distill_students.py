@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 import torchvision
 from dino_opt.cli import main
@@ -17,7 +18,7 @@ from dino_opt.config import ConfigError, apply_overrides, load_config, save_conf
 from dino_opt.train import build_models
 from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
-from tiny import TINY, TINY_DEPTH, distill_teacher_net, train_on_ranks
+from tiny import TINY, TINY_DEPTH, distill_teacher_net
 
 STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
@@ -26,8 +27,9 @@ STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
 
 
 def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
-    return train_on_ranks(out, f"data.root={root / 'train'}", *STUDENTS,
-                          f"recipe.distill_teacher={teacher}", *extra)  # fmt: skip
+    return tiny.train(
+        out, root / "train", *STUDENTS, f"recipe.distill_teacher={teacher}", *extra, ranks=2
+    )
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,13 @@ import signal
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from dino_opt.distributed import launch_distributed_training
 from dino_opt.runtime import all_reduce_metrics, launched_world, with_index
 from gloo_ranks import launch_ranks, run_ranks
 from tiny import TINY as TINY_BASE
-from tiny import ranks_env, read_run, run_cli_ok, tiny_train_only, train_args
+from tiny import tiny_train_only
 
 HERE = Path(__file__).parent
 
@@ -32,8 +33,7 @@ def train_root(tmp_path_factory):
 
 
 def _train(out: Path, train_root: Path, *extra: str, nproc: int | None = None) -> dict:
-    run_cli_ok(train_args(out, train_root, *TINY, *extra, nproc=nproc), ranks_env())
-    return read_run(out)
+    return tiny.train(out, train_root, *TINY, *extra, ranks=nproc or 1)
 
 
 def test_two_processes_equal_one_with_the_doubled_batch(train_root, tmp_path):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from dino_opt.checkpoint import AsyncCheckpointWriter, CheckpointManager, CheckpointWriteError
 from dino_opt.cli import main
@@ -183,9 +184,7 @@ def test_watchdog_is_quiet_until_armed():
 
 
 def _train(out: Path, train_root: Path, *extra: str) -> dict:
-    assert main(["train", "--output-dir", str(out), "--quiet", f"data.root={train_root}",
-                 *TINY, *extra]) == 0  # fmt: skip
-    return json.loads((out / "report.json").read_text())
+    return tiny.train(out, train_root, *TINY, *extra)["report"]
 
 
 def _rows(out: Path) -> list[dict]:

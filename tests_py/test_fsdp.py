@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
@@ -19,7 +20,6 @@ from tiny import (
     kill_when,
     knn_json,
     ranks_env,
-    read_run,
     tiny_train_only,
     train_args,
 )
@@ -45,12 +45,13 @@ def _command(out: Path, train_root: Path, *extra: str, nproc: int = 2) -> list[s
     return train_args(out, train_root, *TINY, *extra, nproc=nproc)
 
 
-def _train(out: Path, train_root: Path, *extra: str, ok: bool = True):
-    done = run_cli(_command(out, train_root, *extra), ranks_env())
-    if not ok:
-        return done
-    assert done.returncode == 0, done.stderr[-4000:]
-    return read_run(out)
+def _train(out: Path, train_root: Path, *extra: str) -> dict:
+    return tiny.train(out, train_root, *TINY, *extra, ranks=2)
+
+
+def _failed(out: Path, train_root: Path, *extra: str):
+    """A launch expected to fail: its completed process."""
+    return run_cli(_command(out, train_root, *extra), ranks_env())
 
 
 def _losses(run: dict) -> list[float]:
@@ -196,7 +197,7 @@ def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
     out = tmp_path / "hang"
     hang = ("debug.inject_hang_at_step=4", "debug.inject_hang_rank=1", "distributed.max_restarts=0",
             "distributed.hang_timeout_s=15", "checkpoint.every_steps=1")  # fmt: skip
-    done = _train(out, train_root, FSDP, *hang, ok=False)
+    done = _failed(out, train_root, FSDP, *hang)
     assert done.returncode == 75, done.stderr[-3000:]
     # Whichever rank's watchdog fires first writes hang.json (the launcher then
     # stops the other); both name rank 1 and a checkpoint that verifies.
@@ -216,10 +217,10 @@ def test_unsupported_combinations_are_one_line(train_root, tmp_path):
         (("hardware.precision=fp16",), "not fp16"),
         (("model.backbone=resnet18",), "use distributed.strategy=ddp"),
     ):
-        done = _train(tmp_path / "x", train_root, FSDP, *extra, ok=False)
+        done = _failed(tmp_path / "x", train_root, FSDP, *extra)
         assert done.returncode != 0 and words in done.stderr
         assert "Traceback" not in done.stderr
-    done = _train(tmp_path / "y", train_root, FSDP, "checkpoint.resume=/nowhere.pth", ok=False)
+    done = _failed(tmp_path / "y", train_root, FSDP, "checkpoint.resume=/nowhere.pth")
     assert done.returncode != 0 and "checkpoint.resume='/nowhere.pth'" in done.stderr
     assert "restarting" not in done.stderr, done.stderr  # a restart would refuse it again
 

@@ -9,11 +9,12 @@ of the Gram teacher, sharded as the teacher's backbone."""
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from dino_opt.checkpoint import CheckpointManager
 from dino_opt.eval import load_checkpoint
 from gloo_ranks import run_ranks
-from tiny import TINY, tiny_train_only, train_on_ranks
+from tiny import TINY, tiny_train_only
 from torch.distributed.checkpoint import FileSystemReader
 
 DINOV3 = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
@@ -36,7 +37,7 @@ def train_root(tmp_path_factory):
 
 
 def _train(out: Path, root: Path, *extra: str) -> dict:
-    return train_on_ranks(out, f"data.root={root}", *RUN, *extra)
+    return tiny.train(out, root, *RUN, *extra, ranks=2)
 
 
 @pytest.fixture(scope="module")

@@ -177,11 +177,16 @@ def read_run(out: Path) -> dict:
             "state": state}  # fmt: skip
 
 
-def train_on_ranks(out: Path, *config: str, ranks: int = 2) -> dict:
-    """``dino-opt train --nproc RANKS`` into ``out`` with ``config`` (one
-    intra-op thread a rank), read back (:func:`read_run`)."""
-    argv = ["train", "--output-dir", str(out), "--quiet", "--nproc", str(ranks), *config]
-    run_cli_ok(argv, ranks_env())
+def train(out: Path, root: Path, *overrides: str, ranks: int = 1) -> dict:
+    """``dino-opt train`` into the run folder ``out`` on the images of
+    ``root`` with ``overrides``, read back (:func:`read_run`). One rank: in
+    this process (an exception the run raises reaches the test); more: the
+    launcher and its ranks, one intra-op thread each, which must exit 0."""
+    argv = train_args(out, root, *overrides, nproc=ranks if ranks > 1 else None)
+    if ranks > 1:
+        run_cli_ok(argv, ranks_env())
+    else:
+        assert main(argv) == 0
     return read_run(out)
 
 
