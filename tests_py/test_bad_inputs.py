@@ -14,16 +14,7 @@ from dino_opt.models import build_backbone
 from dino_opt.weights import load_student_start
 from dino_opt.weights.heads import HEAD_KEY, load_head
 from safetensors.torch import save_file
-
-
-def _one_line(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    return err.strip()
+from tiny import error_line
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +49,24 @@ RECORDS = [
 
 
 @pytest.mark.parametrize(("what", "change", "says"), RECORDS, ids=[r[0] for r in RECORDS])
-def test_a_malformed_head_record_is_one_line(
+def test_a_malformed_head_record_iserror_line(
     run, tiny_data, head, tmp_path, capsys, what, change, says
 ):
     tensors, record = head
     path = tmp_path / "bad.safetensors"
     save_file(tensors, str(path), metadata={HEAD_KEY: json.dumps(change(record))})
     argv = ["predict", str(run), str(path), str(tiny_data / "val"), "-o", str(tmp_path / "p.csv")]
-    line = _one_line(capsys, [*argv, "--device", "cpu"])
+    line = error_line(capsys, [*argv, "--device", "cpu"])
     assert str(path) in line and says in line, line
     assert not (tmp_path / "p.csv").exists()
 
 
-def test_a_head_without_its_tensors_is_one_line(run, tiny_data, head, tmp_path, capsys):
+def test_a_head_without_its_tensors_iserror_line(run, tiny_data, head, tmp_path, capsys):
     _, record = head
     path = tmp_path / "bad.safetensors"
     save_file({"weight": torch.zeros(2, 2)}, str(path), metadata={HEAD_KEY: json.dumps(record)})
     argv = ["predict", str(run), str(path), str(tiny_data / "val"), "-o", str(tmp_path / "p.csv")]
-    assert "says tensors" in _one_line(capsys, argv)
+    assert "says tensors" in error_line(capsys, argv)
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +86,14 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize(("what", "text", "says"), CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_a_bad_hugging_face_config_is_one_line(
+def test_a_bad_hugging_face_config_iserror_line(
     hf_folder, tiny_data, tmp_path, capsys, what, text, says
 ):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes((hf_folder / "model.safetensors").read_bytes())
     (folder / "config.json").write_text(text)
-    line = _one_line(capsys, ["knn", "--weights", str(folder), "--data", str(tiny_data)])
+    line = error_line(capsys, ["knn", "--weights", str(folder), "--data", str(tiny_data)])
     assert str(folder) in line and says in line, line
 
 
@@ -110,16 +101,16 @@ def test_a_bad_hugging_face_config_is_one_line(
     "index",
     ["{}", '{"weight_map": [1]}', '{"weight_map": {"a": "../elsewhere.safetensors"}}', "[]"],
 )
-def test_a_bad_hugging_face_index_is_one_line(hf_folder, tiny_data, tmp_path, capsys, index):
+def test_a_bad_hugging_face_index_iserror_line(hf_folder, tiny_data, tmp_path, capsys, index):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text((hf_folder / "config.json").read_text())
     (folder / "model.safetensors.index.json").write_text(index)
-    line = _one_line(capsys, ["knn", "--weights", str(folder), "--data", str(tiny_data)])
+    line = error_line(capsys, ["knn", "--weights", str(folder), "--data", str(tiny_data)])
     assert "model.safetensors.index.json" in line, line
 
 
-def test_student_weights_of_the_wrong_shapes_are_one_line(tmp_path):
+def test_student_weights_of_the_wrong_shapes_areerror_line(tmp_path):
     net, _ = build_backbone("torchvision:resnet18")
     state = {k: torch.zeros(1) for k in net.net.state_dict()}  # every key, wrong shapes
     path = tmp_path / "student.safetensors"
@@ -131,13 +122,13 @@ def test_student_weights_of_the_wrong_shapes_are_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_a_permission_error_is_one_line(run, tiny_data, tmp_path, capsys, monkeypatch):
+def test_a_permission_error_iserror_line(run, tiny_data, tmp_path, capsys, monkeypatch):
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path / "e.npy"))
 
     monkeypatch.setattr(probing, "embed_weights", refused)
     argv = ["embed", str(run), str(tiny_data / "val"), "-o", str(tmp_path / "e.npy")]
-    line = _one_line(capsys, argv)
+    line = error_line(capsys, argv)
     assert line.endswith(f"Permission denied: '{tmp_path / 'e.npy'}'")
 
 

@@ -15,17 +15,7 @@ from dino_opt.cli import main
 from dino_opt.eval.pictures import write_pictures
 from dino_opt.weights import onnx_export
 from PIL import Image
-
-
-def _one_line(capsys, argv: list[str]) -> str:
-    """``dino-opt ARGV`` exits 2 with one line on stderr; that line."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    return err.strip()
+from tiny import error_line
 
 
 def _tree(folder) -> dict:
@@ -46,11 +36,11 @@ def test_force_never_replaces_the_source_the_working_folder_or_a_parent(
     ]
     for output, says in cases:
         argv = ["export", str(run), "--format", "hf", "--output", str(output), "--force"]
-        line = _one_line(capsys, argv)
+        line = error_line(capsys, argv)
         assert says in line and "refused, nothing removed" in line, line
     assert _tree(run) == before
     # without --force any existing output is refused, naming it
-    line = _one_line(capsys, ["export", str(run), "--format", "hf", "--output", str(run)])
+    line = error_line(capsys, ["export", str(run), "--format", "hf", "--output", str(run)])
     assert f"output {str(run)!r} exists" in line and "--force" in line
     assert _tree(run) == before
 
@@ -59,8 +49,8 @@ def test_predict_never_writes_over_its_head(run, tiny_data, tmp_path, capsys):
     head = tmp_path / "head.safetensors"
     head.write_bytes(b"a head")
     argv = ["predict", str(run), str(head), str(tiny_data / "val"), "-o", str(head)]
-    assert "exists" in _one_line(capsys, argv)
-    assert "is the source" in _one_line(capsys, [*argv, "--force"])
+    assert "exists" in error_line(capsys, argv)
+    assert "is the source" in error_line(capsys, [*argv, "--force"])
     assert head.read_bytes() == b"a head"
 
 
@@ -144,7 +134,7 @@ def test_side_files_are_replaced_with_their_output(run, tiny_data, tmp_path, cap
     assert main([*embed, "--patch-maps"]) == 0
     assert (tmp_path / "e.patches.npy").is_file()
     (tmp_path / "e.paths.txt").write_text("an earlier version's names\n")
-    line = _one_line(capsys, embed)  # an existing output: refused
+    line = error_line(capsys, embed)  # an existing output: refused
     assert f"output {str(out)!r} exists" in line
     assert main([*embed, "--force"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -154,7 +144,7 @@ def test_side_files_are_replaced_with_their_output(run, tiny_data, tmp_path, cap
     assert len(json.loads((tmp_path / "e.paths.json").read_text())) == len(np.load(out))
     # a side file alone is an existing output too
     (tmp_path / "f.patches.npy").write_bytes(b"x")
-    assert "f.patches.npy' exists" in _one_line(
+    assert "f.patches.npy' exists" in error_line(
         capsys, [*embed[:-4], "-o", str(tmp_path / "f.npy")]
     )
 
@@ -169,7 +159,7 @@ def test_outputs_are_checked_before_the_work(run, tiny_data, tmp_path, capsys):
         (["export", str(run), *onnx, "--data", str(tmp_path / "typo")], "check data"),
     ]
     for argv, says in cases:
-        assert says in _one_line(capsys, argv)
+        assert says in error_line(capsys, argv)
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -179,7 +169,7 @@ def test_export_refuses_an_existing_output_before_reading_its_source(tmp_path, c
     source.write_bytes(b"garbage")
     out = tmp_path / "w.pth"
     out.write_bytes(b"mine")
-    line = _one_line(capsys, ["export", str(source), "--format", "dino", "--output", str(out)])
+    line = error_line(capsys, ["export", str(source), "--format", "dino", "--output", str(out)])
     assert f"output {str(out)!r} exists" in line
     assert out.read_bytes() == b"mine"
 
@@ -228,7 +218,7 @@ def test_an_onnx_export_above_its_tolerance_fails_and_writes_nothing(
     monkeypatch.setattr(onnx_export, "_largest_difference", lambda *a: 0.01)
     argv = ["export", str(run), "--format", "onnx", "--output", str(out), "--force"]
     argv += ["--data", str(tiny_data / "val")]
-    line = _one_line(capsys, argv)
+    line = error_line(capsys, argv)
     assert "differ from PyTorch's by up to 0.01, more than --onnx-tolerance 0.001" in line
     assert out.read_bytes() == b"the previous good export"
     assert sorted(os.listdir(tmp_path)) == ["m.onnx"]

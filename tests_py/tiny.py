@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from dino_opt.checkpoint import CheckpointManager, read_sharded
 from dino_opt.cli import main
@@ -107,6 +108,18 @@ def train_args(out: Path, root: Path, *config: str, nproc: int | None = None) ->
     ``root``, quietly, with ``config`` (on ``nproc`` ranks)."""
     ranks = ["--nproc", str(nproc)] if nproc else []
     return ["train", "--output-dir", str(out), "--quiet", *ranks, f"data.root={root}", *config]
+
+
+def error_line(capsys, argv: list[str]) -> str:
+    """``dino-opt ARGV`` in this process exits 2 with one line on stderr and
+    no traceback (bad input as the user sees it); that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
 
 
 def run_cli_ok(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
