@@ -13,7 +13,11 @@ include(${CMAKE_CURRENT_LIST_DIR}/system_libs.cmake)
 
 set(DINO_OPT_LOADER_DIR "${CMAKE_CURRENT_LIST_DIR}/../csrc/loader")
 add_library(dino_opt_loader_core STATIC
+    ${DINO_OPT_LOADER_DIR}/image.cpp
     ${DINO_OPT_LOADER_DIR}/image_decode.cpp
+    ${DINO_OPT_LOADER_DIR}/npy_format.cpp
+    ${DINO_OPT_LOADER_DIR}/resample_raw.cpp
+    ${DINO_OPT_LOADER_DIR}/channel_photometric.cpp
     ${DINO_OPT_LOADER_DIR}/photometric.cpp
     ${DINO_OPT_LOADER_DIR}/crop_sampling.cpp
     ${DINO_OPT_LOADER_DIR}/masking.cpp

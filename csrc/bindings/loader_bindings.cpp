@@ -14,6 +14,7 @@
 #include "loader/multicrop_loader.h"
 #include "loader/prepare.h"
 #include "loader/resample.h"
+#include "loader/resample_raw.h"
 
 namespace py = pybind11;
 
@@ -72,6 +73,10 @@ void apply_augment(AugmentConfig& c, const py::dict& overrides) {
       c.blur_p_local = py::cast<double>(value);
     else if (k == "solarize_p_global2")
       c.solarize_p_global2 = py::cast<double>(value);
+    else if (k == "noise_p")
+      c.noise_p = py::cast<double>(value);
+    else if (k == "noise_std")
+      pair(c.noise_std_lo, c.noise_std_hi);
     else if (k == "center_crop")
       c.center_crop = py::cast<bool>(value);
     else if (k == "resize_size")
@@ -151,6 +156,36 @@ ImageView view_of(const at::Tensor& t) {
           t.stride(0)};
 }
 
+SampleType sample_type_of(at::ScalarType t) {
+  if (t == at::kByte) return SampleType::kU8;
+  if (t == at::kUInt16) return SampleType::kU16;
+  if (t == at::kFloat) return SampleType::kF32;
+  throw std::invalid_argument(std::string("images are uint8, uint16 or float32, got ") +
+                              c10::toString(t));
+}
+
+at::ScalarType scalar_type_of(SampleType t) {
+  return t == SampleType::kU8 ? at::kByte : t == SampleType::kU16 ? at::kUInt16 : at::kFloat;
+}
+
+RawView raw_view_of(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 3 && t.device().is_cpu() && t.size(2) >= 1 && t.stride(2) == 1 &&
+                  t.stride(1) == t.size(2),
+              "expected a CPU [H, W, C] tensor with contiguous rows, got ", t.sizes());
+  const ImageLayout layout{static_cast<int>(t.size(2)), sample_type_of(t.scalar_type())};
+  return {static_cast<const uint8_t*>(t.data_ptr()), static_cast<int>(t.size(1)),
+          static_cast<int>(t.size(0)), layout, t.stride(0) * t.element_size()};
+}
+
+at::Tensor raw_tensor(const RawView& v) {
+  at::Tensor t = at::empty({v.height, v.width, v.layout.channels}, scalar_type_of(v.layout.type));
+  const int64_t row = int64_t{v.width} * v.layout.channels * sample_bytes(v.layout.type);
+  for (int y = 0; y < v.height; ++y) {
+    std::memcpy(static_cast<uint8_t*>(t.data_ptr()) + y * row, v.row(y), row);
+  }
+  return t;
+}
+
 }  // namespace
 
 void bind_loader(py::module_& m) {
@@ -166,10 +201,22 @@ void bind_loader(py::module_& m) {
                        std::vector<float> mean, std::vector<float> std, bool dct_scaling,
                        const py::dict& masks, int64_t shuffle_buffer, bool exact_shards,
                        const std::vector<std::pair<int, int>>& size_pairs,
-                       std::vector<double> size_probs) {
-             if (mean.size() != 3 || std.size() != 3)
-               throw std::invalid_argument("mean and std need 3 values");
+                       std::vector<double> size_probs, const std::string& image_mode) {
              LoaderOptions o;
+             if (image_mode == "native") {
+               o.pipeline.mode = ImageMode::kNative;
+             } else if (image_mode != "rgb") {
+               throw std::invalid_argument("image_mode must be 'rgb' or 'native', got '" +
+                                           image_mode + "'");
+             }
+             // kNative: one value per channel, checked against the data set's
+             // layout by the loader (3 for the 8-bit RGB stage).
+             if (o.pipeline.mode == ImageMode::kRgb && (mean.size() != 3 || std.size() != 3))
+               throw std::invalid_argument("mean and std need 3 values");
+             o.pipeline.channel_norm.mean = mean;
+             o.pipeline.channel_norm.std = std;
+             mean.resize(3, 0.0f);
+             std.resize(3, 1.0f);
              o.batch_size = batch_size;
              apply_augment(o.pipeline.augment, augment);
              o.pipeline.photometric = photometric;
@@ -207,8 +254,17 @@ void bind_loader(py::module_& m) {
            py::arg("dct_scaling"), py::arg("masks") = py::dict(), py::arg("shuffle_buffer") = 1024,
            py::arg("exact_shards") = false,
            py::arg("size_pairs") = std::vector<std::pair<int, int>>(),
-           py::arg("size_probs") = std::vector<double>())
+           py::arg("size_probs") = std::vector<double>(), py::arg("image_mode") = "rgb")
       .def_property_readonly("source", &MultiCropLoader::source)
+      .def_property_readonly(
+          "layout",
+          [](const MultiCropLoader& l) -> py::object {
+            const PipelineOptions& p = l.options().pipeline;
+            if (p.mode != ImageMode::kNative) return py::none();
+            return py::make_tuple(p.layout.channels, sample_type_name(p.layout.type),
+                                  p.layout_from);
+          },
+          "image_mode='native': (channels, sample type, the image that set them); else None")
       .def_property_readonly("num_samples", &MultiCropLoader::num_samples)
       .def_property_readonly("samples_per_rank", &MultiCropLoader::samples_per_rank)
       .def_property_readonly("num_batches", &MultiCropLoader::num_batches)
@@ -260,6 +316,62 @@ void bind_loader(py::module_& m) {
       py::arg("data"), py::arg("scale_denom") = 1,
       py::arg("max_pixels") = DecodeOptions{}.max_pixels,
       "Decodes image bytes to a uint8 [H, W, 3] RGB tensor");
+  m.def(
+      "data_set_layout",
+      [](const std::shared_ptr<SampleSource>& source, int64_t max_pixels, int64_t tries) {
+        const auto [layout, from] = without_gil(
+            [&] { return data_set_layout(*source, DecodeOptions{max_pixels}, tries); });
+        return py::make_tuple(layout.channels, sample_type_name(layout.type), from);
+      },
+      py::arg("source"), py::arg("max_pixels") = DecodeOptions{}.max_pixels,
+      py::arg("tries") = 1,
+      "(channels, sample type, described image) of a source's first image that decodes");
+  m.def(
+      "decode_raw",
+      [](const py::bytes& data, int scale_denom, int64_t max_pixels) {
+        const auto bytes = bytes_of(data);
+        py::gil_scoped_release release;
+        const RawImage raw =
+            decode_raw(bytes.data(), bytes.size(), ImageHeader{}, scale_denom, DecodeOptions{max_pixels});
+        return raw_tensor(raw.view());
+      },
+      py::arg("data"), py::arg("scale_denom") = 1,
+      py::arg("max_pixels") = DecodeOptions{}.max_pixels,
+      "Decodes image bytes at their stored depth: a [H, W, C] uint8, uint16 or float32 tensor");
+  m.def(
+      "encode_raw",
+      [](const at::Tensor& image, const std::string& format) {
+        const ImageFormat f = format == "png"    ? ImageFormat::kPng
+                              : format == "tiff" ? ImageFormat::kTiff
+                              : format == "npy"  ? ImageFormat::kNpy
+                                                 : ImageFormat::kUnknown;
+        if (f == ImageFormat::kUnknown)
+          throw std::invalid_argument("format must be png, tiff or npy, got '" + format + "'");
+        const auto bytes = encode_raw(raw_view_of(image), f);
+        return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      },
+      py::arg("image"), py::arg("format"),
+      "Encodes a [H, W, C] uint8, uint16 or float32 tensor losslessly as PNG, TIFF or .npy");
+  m.def(
+      "resize_crop_raw",
+      [](const at::Tensor& image, int top, int left, int height, int width, int out_width,
+         int out_height) {
+        const RawView src = raw_view_of(image);
+        TORCH_CHECK(top >= 0 && left >= 0 && height >= 1 && width >= 1 &&
+                        top + height <= src.height && left + width <= src.width,
+                    "crop (top ", top, ", left ", left, ", height ", height, ", width ", width,
+                    ") is outside the ", src.height, " x ", src.width, " image");
+        const CropBox box =
+            scaled_crop_box(left, top, width, height, 1.0, 1.0, src.width, src.height);
+        at::Tensor out = at::empty({out_height, out_width, src.layout.channels}, image.options());
+        RawResampleScratch scratch;
+        resize_crop_raw(src, box, out_width, out_height, static_cast<uint8_t*>(out.data_ptr()),
+                        out.stride(0) * out.element_size(), scratch);
+        return out;
+      },
+      py::arg("image"), py::arg("top"), py::arg("left"), py::arg("height"), py::arg("width"),
+      py::arg("out_width"), py::arg("out_height"),
+      "The loader's crop + bicubic resize at the stored depth of a [H, W, C] image");
   m.def(
       "encode_jpeg",
       [](const at::Tensor& image, int quality) {

@@ -136,6 +136,9 @@ void AugmentConfig::validate() const {
   if (!(hue >= 0 && hue <= 0.5)) fail("hue must be in [0, 0.5], got " + std::to_string(hue));
   if (!(blur_sigma_lo > 0 && blur_sigma_lo <= blur_sigma_hi && blur_sigma_hi <= 64))
     fail("blur sigma range must satisfy 0 < lo <= hi <= 64");
+  probability(noise_p, "noise_p");
+  if (!(noise_std_lo >= 0 && noise_std_lo <= noise_std_hi && noise_std_hi <= 10))
+    fail("noise_std range must satisfy 0 <= lo <= hi <= 10");
 }
 
 std::vector<double> size_pair_cumulative(const std::vector<double>& probs, double tolerance) {

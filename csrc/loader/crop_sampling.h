@@ -55,6 +55,11 @@ struct AugmentConfig {
   double blur_sigma_lo = 0.1, blur_sigma_hi = 2.0;
   double blur_p_global1 = 1.0, blur_p_global2 = 0.1, blur_p_local = 0.5;
   double solarize_p_global2 = 0.2;
+  // Images that are not 8-bit RGB (channel_photometric.h): additive Gaussian
+  // noise after normalisation, with this probability per crop and a sigma
+  // uniform in [noise_std_lo, noise_std_hi] (normalised units).
+  double noise_p = 0.5;
+  double noise_std_lo = 0.0, noise_std_hi = 0.1;
   // Evaluation: one crop per image, the centre crop of DINO's evaluation
   // transform (shorter side resized to `resize_size`, then the central
   // global_size square), with no flip and no photometric change; the local

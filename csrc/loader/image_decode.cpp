@@ -15,6 +15,8 @@
 #include <new>
 #include <system_error>
 
+#include "loader/npy_format.h"
+
 #ifndef DINO_OPT_WITH_IMGCODECS
 #define DINO_OPT_WITH_IMGCODECS 0
 #endif
@@ -65,6 +67,7 @@ ImageFormat sniff(const uint8_t* d, size_t n) {
     return ImageFormat::kWebp;
   }
   if (n >= 2 && d[0] == 'B' && d[1] == 'M') return ImageFormat::kBmp;
+  if (is_npy(d, n)) return ImageFormat::kNpy;
   // Classic TIFF (42) and BigTIFF (43), either byte order.
   if (n >= 4 && ((d[0] == 'I' && d[1] == 'I' && (d[2] == 42 || d[2] == 43) && d[3] == 0) ||
                  (d[0] == 'M' && d[1] == 'M' && d[2] == 0 && (d[3] == 42 || d[3] == 43)))) {
@@ -415,9 +418,11 @@ ImageHeader tiff_header(const uint8_t* d, size_t n) {
   if (count > (n - entries_at) / entry_size) corrupt_header(f, "IFD runs past the end of the file");
   uint64_t side[2] = {0, 0};  // ImageWidth (256), ImageLength (257)
   bool found[2] = {false, false};
+  uint64_t samples = 1;  // SamplesPerPixel (277), 1 when absent (TIFF 6.0)
   for (uint64_t i = 0; i < count; ++i) {
     const size_t e = entries_at + i * entry_size;
     const uint32_t tag = u16(e), type = u16(e + 2);
+    if (tag == 277 && type == 3) samples = u16(e + value_at);
     if (tag != 256 && tag != 257) continue;
     uint64_t v = 0;
     if (type == 3) {
@@ -436,7 +441,7 @@ ImageHeader tiff_header(const uint8_t* d, size_t n) {
     corrupt_header(f, "no ImageWidth or ImageLength tag in the first IFD");
   }
   if (side[0] > INT32_MAX || side[1] > INT32_MAX) corrupt_header(f, "side above 2^31 - 1");
-  return {f, static_cast<int>(side[0]), static_cast<int>(side[1])};
+  return {f, static_cast<int>(side[0]), static_cast<int>(side[1]), static_cast<int>(samples)};
 }
 
 void check_max_pixels(const DecodeOptions& options) {
@@ -469,7 +474,7 @@ ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options
   if (f == ImageFormat::kUnknown) {
     throw ImageError("unknown image format (first bytes: " + first_bytes_hex(data, size) + ")");
   }
-  if (f != ImageFormat::kJpeg && !other_formats_available()) {
+  if (f != ImageFormat::kJpeg && f != ImageFormat::kNpy && !other_formats_available()) {
     throw ImageError(std::string(format_name(f)) +
                      " image, but this build reads JPEG only (it was configured with "
                      "DINO_OPT_WITH_OPENCV=OFF; rebuild with OpenCV imgcodecs for PNG, WebP, BMP "
@@ -491,6 +496,11 @@ ImageHeader probe(const uint8_t* data, size_t size, const DecodeOptions& options
     case ImageFormat::kBmp:
       header = bmp_header(data, size);
       break;
+    case ImageFormat::kNpy: {
+      const NpyHeader npy = parse_npy_header(data, size);
+      header = {f, npy.width, npy.height, npy.layout.channels};
+      break;
+    }
     default:
       header = tiff_header(data, size);
       break;
@@ -565,7 +575,8 @@ const char* depth_name(int depth) {
   }
 }
 
-Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
+// The decoded Mat at its stored depth and channels (BGR(A) order for 3 and 4).
+cv::Mat imdecode_checked(const uint8_t* data, size_t size, ImageFormat f,
                          const DecodeOptions& options) {
   silence_opencv_logging();
   const std::string name = format_name(f);
@@ -582,8 +593,8 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
   }
   cv::Mat decoded;
   try {
-    // imdecode only reads the buffer; IMREAD_UNCHANGED keeps 16-bit samples and
-    // alpha (converted below) and, like PIL, ignores EXIF orientation.
+    // imdecode only reads the buffer; IMREAD_UNCHANGED keeps 16-bit samples,
+    // every channel and alpha and, like PIL, ignores EXIF orientation.
     const cv::Mat raw(1, static_cast<int>(size), CV_8UC1, const_cast<uint8_t*>(data));
     decoded = cv::imdecode(raw, cv::IMREAD_UNCHANGED);
   } catch (const cv::Exception& e) {
@@ -593,9 +604,18 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
     throw ImageError("truncated or corrupt " + name + " (OpenCV decoded nothing)");
   }
   check_size(f, decoded.cols, decoded.rows, options);
+  return decoded;
+}
+
+Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
+                         const DecodeOptions& options) {
+  const cv::Mat decoded = imdecode_checked(data, size, f, options);
+  const std::string name = format_name(f);
   const int channels = decoded.channels();
   if (channels < 1 || channels > 4) {
-    throw ImageError(name + " image with " + std::to_string(channels) + " channels");
+    throw ImageError(name + " image with " + std::to_string(channels) +
+                     " channels (8-bit RGB reads 1 to 4; read it at its stored depth: "
+                     "image_mode='native', data.image_mode: native)");
   }
   Image out(decoded.cols, decoded.rows);
   if (decoded.depth() == CV_8U) {
@@ -609,7 +629,155 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
   return out;
 }
 
+RawImage raw_with_opencv(const uint8_t* data, size_t size, const ImageHeader& header,
+                         const DecodeOptions& options) {
+  const ImageFormat f = header.format;
+  const cv::Mat decoded = imdecode_checked(data, size, f, options);
+  const std::string name = format_name(f);
+  ImageLayout layout;
+  layout.channels = decoded.channels();
+  switch (decoded.depth()) {
+    case CV_8U:
+      layout.type = SampleType::kU8;
+      break;
+    case CV_16U:
+      layout.type = SampleType::kU16;
+      break;
+    case CV_32F:
+      layout.type = SampleType::kF32;
+      break;
+    default:
+      throw ImageError(name + " image with " + depth_name(decoded.depth()) +
+                       " samples (uint8, uint16 and float32 are read)");
+  }
+  if (f == ImageFormat::kTiff && header.channels > 0 && header.channels != layout.channels) {
+    throw ImageError("TIFF with " + std::to_string(header.channels) +
+                     " samples per pixel, which OpenCV decodes as " +
+                     std::to_string(layout.channels) +
+                     " channels: save it as a .npy array (H, W, C) instead");
+  }
+  RawImage out(decoded.cols, decoded.rows, layout);
+  const size_t row = static_cast<size_t>(out.row_bytes());
+  const int c = layout.channels;
+  const int sb = sample_bytes(layout.type);
+  for (int y = 0; y < decoded.rows; ++y) {
+    const uint8_t* src = decoded.ptr<uint8_t>(y);
+    uint8_t* dst = out.bytes.data() + y * row;
+    std::memcpy(dst, src, row);
+    if (c == 3 || c == 4) {  // BGR(A) -> RGB(A): swap the first and third samples
+      for (int x = 0; x < decoded.cols; ++x) {
+        uint8_t* px = dst + static_cast<size_t>(x) * c * sb;
+        for (int b = 0; b < sb; ++b) std::swap(px[b], px[2 * sb + b]);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<uint8_t> encode_with_opencv(const RawView& view, ImageFormat f) {
+  silence_opencv_logging();
+  const int c = view.layout.channels;
+  const int depth = view.layout.type == SampleType::kU8    ? CV_8U
+                    : view.layout.type == SampleType::kU16 ? CV_16U
+                                                           : CV_32F;
+  if (f == ImageFormat::kPng && (c > 4 || view.layout.type == SampleType::kF32)) {
+    throw ImageError("PNG holds uint8 or uint16 samples with 1 to 4 channels, not " +
+                     view.layout.describe() + " (write TIFF or .npy)");
+  }
+  cv::Mat mat(view.height, view.width, CV_MAKETYPE(depth, c));
+  const size_t row = static_cast<size_t>(view.width) * c * sample_bytes(view.layout.type);
+  const int sb = sample_bytes(view.layout.type);
+  for (int y = 0; y < view.height; ++y) {
+    uint8_t* dst = mat.ptr<uint8_t>(y);
+    std::memcpy(dst, view.row(y), row);
+    if (c == 3 || c == 4) {
+      for (int x = 0; x < view.width; ++x) {
+        uint8_t* px = dst + static_cast<size_t>(x) * c * sb;
+        for (int b = 0; b < sb; ++b) std::swap(px[b], px[2 * sb + b]);
+      }
+    }
+  }
+  std::vector<uint8_t> out;
+  try {
+    if (!cv::imencode(f == ImageFormat::kPng ? ".png" : ".tiff", mat, out)) {
+      throw ImageError(std::string("OpenCV could not encode a ") + format_name(f) + " of " +
+                       view.layout.describe());
+    }
+  } catch (const cv::Exception& e) {
+    throw ImageError(std::string("OpenCV could not encode a ") + format_name(f) + " of " +
+                     view.layout.describe() + ": " + e.err);
+  }
+  return out;
+}
+
 #endif  // DINO_OPT_WITH_IMGCODECS
+
+// ------------------------------------------------------------------ .npy and raw JPEG
+
+RawImage decode_npy(const uint8_t* data, size_t size) {
+  const NpyHeader h = parse_npy_header(data, size);
+  RawImage out(h.width, h.height, h.layout);
+  std::memcpy(out.bytes.data(), data + h.data_offset, out.bytes.size());
+  return out;
+}
+
+// A .npy array as 8-bit RGB, the way decode_with_opencv converts other files
+// (channels in stored order: gray, gray + alpha, RGB, RGBA).
+template <typename T>
+void samples_to_rgb(const RawImage& raw, Image& out) {
+  const int c = raw.layout.channels;
+  const auto* src = reinterpret_cast<const T*>(raw.bytes.data());
+  auto to8 = [](T v) {
+    if constexpr (sizeof(T) == 1) {
+      return static_cast<uint8_t>(v);
+    } else {
+      return static_cast<uint8_t>((v + 128u) / 257u);
+    }
+  };
+  const size_t pixels = static_cast<size_t>(raw.width) * raw.height;
+  for (size_t i = 0; i < pixels; ++i, src += c) {
+    uint8_t* dst = out.pixels.data() + 3 * i;
+    if (c <= 2) {
+      dst[0] = dst[1] = dst[2] = to8(src[0]);
+    } else {
+      for (int k = 0; k < 3; ++k) dst[k] = to8(src[k]);
+    }
+  }
+}
+
+Image npy_to_rgb(const uint8_t* data, size_t size) {
+  RawImage raw = decode_npy(data, size);
+  const ImageLayout l = raw.layout;
+  if (l.channels > 4 || l.type == SampleType::kF32) {
+    throw ImageError(".npy array of " + l.describe() +
+                     ": 8-bit RGB reads uint8 or uint16 arrays with 1 to 4 channels (read it at "
+                     "its stored depth: image_mode='native', data.image_mode: native)");
+  }
+  Image out(raw.width, raw.height);
+  if (l.type == SampleType::kU8) {
+    samples_to_rgb<uint8_t>(raw, out);
+  } else {
+    samples_to_rgb<uint16_t>(raw, out);
+  }
+  return out;
+}
+
+// A JPEG at its stored channels: grayscale as 1 channel, anything else as RGB.
+RawImage decode_jpeg_raw(const uint8_t* data, size_t size, const JpegInfo& info, int denom) {
+  if (info.colorspace == TJCS_GRAY) {
+    const auto [w, h] = jpeg_scaled_size(info.width, info.height, denom);
+    RawImage out(w, h, ImageLayout{1, SampleType::kU8});
+    tj_decode(data, size, out.bytes.data(), w, w, h, TJPF_GRAY);
+    return out;
+  }
+  Image rgb = decode_jpeg(data, size, info, denom);
+  RawImage out;
+  out.width = rgb.width;
+  out.height = rgb.height;
+  out.layout = ImageLayout{3, SampleType::kU8};
+  out.bytes = std::move(rgb.pixels);
+  return out;
+}
 
 }  // namespace
 
@@ -627,6 +795,8 @@ const char* format_name(ImageFormat format) {
       return "BMP";
     case ImageFormat::kTiff:
       return "TIFF";
+    case ImageFormat::kNpy:
+      return ".npy";
     case ImageFormat::kUnknown:
       break;
   }
@@ -741,6 +911,7 @@ Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, 
   }
   try {
     if (actual.format == ImageFormat::kJpeg) return decode_jpeg(data, size, jpeg, scale_denom);
+    if (actual.format == ImageFormat::kNpy) return npy_to_rgb(data, size);
 #if DINO_OPT_WITH_IMGCODECS
     return decode_with_opencv(data, size, actual.format, options);
 #else
@@ -750,6 +921,52 @@ Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, 
     throw ImageError(std::string("out of memory decoding a ") + format_name(actual.format) + " " +
                      std::to_string(actual.width) + "x" + std::to_string(actual.height) + " image");
   }
+}
+
+RawImage decode_raw(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom,
+                    const DecodeOptions& options) {
+  scaling_factor(scale_denom);
+  JpegInfo jpeg;
+  const ImageHeader actual = probe(data, size, options, &jpeg);
+  if (header.format != ImageFormat::kUnknown &&
+      (header.format != actual.format || header.width != actual.width ||
+       header.height != actual.height)) {
+    throw ImageError(std::string("the header (") + format_name(header.format) + " " +
+                     std::to_string(header.width) + "x" + std::to_string(header.height) +
+                     ") does not match the data (" + format_name(actual.format) + " " +
+                     std::to_string(actual.width) + "x" + std::to_string(actual.height) + ")");
+  }
+  try {
+    if (actual.format == ImageFormat::kJpeg) {
+      return decode_jpeg_raw(data, size, jpeg, scale_denom);
+    }
+    if (actual.format == ImageFormat::kNpy) return decode_npy(data, size);
+#if DINO_OPT_WITH_IMGCODECS
+    return raw_with_opencv(data, size, actual, options);
+#else
+    throw ImageError("this build reads JPEG and .npy only");  // probe_image refused already
+#endif
+  } catch (const std::bad_alloc&) {
+    throw ImageError(std::string("out of memory decoding a ") + format_name(actual.format) + " " +
+                     std::to_string(actual.width) + "x" + std::to_string(actual.height) + " image");
+  }
+}
+
+std::vector<uint8_t> encode_raw(const RawView& view, ImageFormat format) {
+  if (view.data == nullptr || view.width < 1 || view.height < 1 || view.layout.channels < 1) {
+    throw ImageError("cannot encode an empty image (" + std::to_string(view.width) + "x" +
+                     std::to_string(view.height) + ")");
+  }
+  if (format == ImageFormat::kNpy) return encode_npy(view);
+  if (format != ImageFormat::kPng && format != ImageFormat::kTiff) {
+    throw ImageError(std::string("encode_raw writes PNG, TIFF or .npy, not ") +
+                     format_name(format));
+  }
+#if DINO_OPT_WITH_IMGCODECS
+  return encode_with_opencv(view, format);
+#else
+  throw ImageError("this build has no OpenCV imgcodecs: it writes .npy only");
+#endif
 }
 
 std::vector<uint8_t> encode_jpeg(const ImageView& image, int quality) {

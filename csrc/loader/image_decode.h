@@ -1,7 +1,9 @@
 #pragma once
 // Reading and decoding image files into RGB: JPEG through TurboJPEG (with
 // DCT-domain downscaling by 1/2, 1/4, 1/8), other formats through OpenCV
-// imgcodecs when the build found it. Grayscale, CMYK and alpha become RGB.
+// imgcodecs when the build found it, .npy arrays by npy_format.h. Grayscale,
+// CMYK and alpha become RGB. decode_raw instead keeps the stored depth and
+// channels (16-bit, 1 to N channels, float32 arrays).
 // Every failure is an ImageError whose message names the cause; callers add
 // the path. Free of torch headers (the fuzz target links it without torch).
 #include <cstddef>
@@ -20,7 +22,7 @@ class ImageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp, kBmp, kTiff };
+enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp, kBmp, kTiff, kNpy };
 const char* format_name(ImageFormat format);
 
 struct DecodeOptions {
@@ -35,6 +37,7 @@ struct ImageHeader {
   ImageFormat format = ImageFormat::kUnknown;
   int width = 0;
   int height = 0;
+  int channels = 0;  // TIFF's SamplesPerPixel, a .npy array's; 0 where not read
 };
 
 // The whole file. Throws ImageError for a missing, unreadable, non-regular or
@@ -61,6 +64,21 @@ std::pair<int, int> jpeg_scaled_size(int width, int height, int denom);
 // skips that comparison), so buffer sizes never rest on the caller's struct.
 Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom = 1,
                    const DecodeOptions& options = {});
+
+// Decodes at the stored depth and channel count (image.h's RawImage): 8- and
+// 16-bit PNG and TIFF with 1 to 4 channels (more where OpenCV reads them; a
+// TIFF whose decoded channels differ from its SamplesPerPixel is refused),
+// grayscale JPEG as 1 channel and colour JPEG as RGB (DCT-scaled by
+// `scale_denom` as decode_image), WebP and BMP as OpenCV reads them, .npy
+// arrays as stored. OpenCV's BGR(A) becomes RGB(A). Throws ImageError.
+RawImage decode_raw(const uint8_t* data, size_t size, const ImageHeader& header,
+                    int scale_denom = 1, const DecodeOptions& options = {});
+
+// Encodes `view` losslessly: kPng (uint8/uint16, 1 to 4 channels), kTiff
+// (uint8/uint16/float32, any channel count OpenCV writes) through OpenCV, or
+// kNpy. RGB(A) is written as such (OpenCV's BGR order handled here). Throws
+// ImageError for a layout the format cannot hold.
+std::vector<uint8_t> encode_raw(const RawView& view, ImageFormat format);
 
 // Baseline JPEG, 4:2:0 chroma, `quality` in [1, 100].
 std::vector<uint8_t> encode_jpeg(const ImageView& image, int quality);

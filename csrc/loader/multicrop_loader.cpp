@@ -4,6 +4,7 @@
 #include <chrono>
 #include <limits>
 #include <numeric>
+#include <tuple>
 
 namespace dino_opt::loader {
 namespace {
@@ -45,9 +46,10 @@ std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64
       target.out.stride_y = t.stride(2);
       target.out.stride_x = t.stride(3);
     } else {
-      target.raw = t.data_ptr<uint8_t>() + n * t.stride(0);
-      target.raw_stride = t.stride(1);
-      target.params = batch.params[group].data_ptr<float>() + n * kPhotometricParamCount;
+      target.raw = static_cast<uint8_t*>(t.data_ptr()) + n * t.stride(0) * t.element_size();
+      target.raw_stride = t.stride(1) * t.element_size();
+      const at::Tensor& p = batch.params[group];
+      target.params = p.data_ptr<float>() + n * p.size(1);
     }
   }
   return targets;
@@ -57,6 +59,63 @@ std::vector<CropTarget> targets_for(const LoaderBatch& batch, int64_t row, int64
 std::array<int, 2> row_mask_counts(const std::vector<int>& plan, int64_t row, int64_t b) {
   if (plan.empty()) return {0, 0};
   return {plan[row], plan[b + row]};
+}
+
+at::ScalarType raw_dtype(SampleType type) {
+  switch (type) {
+    case SampleType::kU8:
+      return at::kByte;
+    case SampleType::kU16:
+      return at::kUInt16;
+    case SampleType::kF32:
+      return at::kFloat;
+  }
+  return at::kByte;
+}
+
+}  // namespace
+
+std::pair<ImageLayout, std::string> data_set_layout(const SampleSource& source,
+                                                    const DecodeOptions& decode, int64_t tries) {
+  std::vector<uint8_t> bytes;
+  tries = std::max<int64_t>(1, std::min<int64_t>(tries, source.size()));
+  for (int64_t i = 0;; ++i) {
+    try {
+      source.read(i, -1, bytes);
+      const RawImage first = decode_raw(bytes.data(), bytes.size(), ImageHeader{}, 1, decode);
+      return {first.layout, source.describe(i)};
+    } catch (const std::exception& e) {
+      if (i + 1 >= tries) {
+        throw std::invalid_argument("the data set's first image sets its channels and depth: " +
+                                    source.describe(i) + ": " + e.what());
+      }
+    }
+  }
+}
+
+namespace {
+
+// kNative: the layout of the data set's first readable image (the next ones
+// when on_error="skip" and it is not), and the per-channel normalisation's
+// check. kRgb: the options unchanged.
+LoaderOptions resolve_layout(const SampleSource* source, LoaderOptions options) {
+  PipelineOptions& p = options.pipeline;
+  if (p.mode != ImageMode::kNative || source == nullptr || source->size() == 0) return options;
+  std::tie(p.layout, p.layout_from) =
+      data_set_layout(*source, p.decode, options.skip_errors ? options.max_skip_attempts : 1);
+  if (!p.rgb_stage()) {
+    const auto c = static_cast<size_t>(p.layout.channels);
+    if (p.channel_norm.mean.size() != c || p.channel_norm.std.size() != c) {
+      throw std::invalid_argument(
+          "the images are " + p.layout.describe() + " (" + p.layout_from + ") but mean and std " +
+          "have " + std::to_string(p.channel_norm.mean.size()) + " and " +
+          std::to_string(p.channel_norm.std.size()) + " values: give one per channel");
+    }
+    for (float sd : p.channel_norm.std) {
+      if (!(sd != 0.0f)) throw std::invalid_argument("std must be nonzero in every channel");
+    }
+  }
+  return options;
 }
 
 bool unshared(const at::Tensor& t) { return t.use_count() == 1 && t.storage().use_count() == 1; }
@@ -151,7 +210,7 @@ MultiCropLoader::MultiCropLoader(const std::vector<Sample>& samples, LoaderOptio
     : MultiCropLoader(file_source(samples), std::move(options)) {}
 
 MultiCropLoader::MultiCropLoader(std::shared_ptr<SampleSource> source, LoaderOptions options)
-    : source_(std::move(source)), options_(std::move(options)) {
+    : source_(std::move(source)), options_(resolve_layout(source_.get(), std::move(options))) {
   options_.validate();
   if (!source_) throw std::invalid_argument("no sample source");
   if (source_->size() == 0) throw std::invalid_argument("the data set is empty: no image files");
@@ -240,15 +299,19 @@ LoaderBatch MultiCropLoader::allocate_batch(int64_t b, int pair) {
   batch.size_pair = pair;
   const int64_t counts[2] = {int64_t{config.num_global()} * b, int64_t{config.num_local()} * b};
   const int64_t sizes[2] = {config.global_size, config.local_size};
+  const PipelineOptions& p = options_.pipeline;
+  const int64_t c = p.mode == ImageMode::kNative ? p.layout.channels : 3;
+  const auto raw = p.mode == ImageMode::kNative ? raw_dtype(p.layout.type) : at::kByte;
+  const int64_t param_count =
+      p.rgb_stage() ? kPhotometricParamCount : channel_param_count(p.layout.channels);
   for (int g = 0; g < (config.num_local() > 0 ? 2 : 1); ++g) {
-    if (options_.pipeline.photometric) {
+    if (p.photometric) {
       auto opts = host.dtype(options_.dtype);
       if (options_.channels_last) opts = opts.memory_format(at::MemoryFormat::ChannelsLast);
-      batch.groups.push_back(at::empty({counts[g], 3, sizes[g], sizes[g]}, opts));
+      batch.groups.push_back(at::empty({counts[g], c, sizes[g], sizes[g]}, opts));
     } else {
-      batch.groups.push_back(at::empty({counts[g], sizes[g], sizes[g], 3}, host.dtype(at::kByte)));
-      batch.params.push_back(
-          at::empty({counts[g], kPhotometricParamCount}, host.dtype(at::kFloat)));
+      batch.groups.push_back(at::empty({counts[g], sizes[g], sizes[g], c}, host.dtype(raw)));
+      batch.params.push_back(at::empty({counts[g], param_count}, host.dtype(at::kFloat)));
     }
   }
   if (options_.masks.enabled) {

@@ -69,12 +69,14 @@ struct LoaderOptions {
   void validate() const;
 };
 
-// One batch. With the photometric stage here: groups[0] is [2B, 3, G, G]
+// One batch. With the photometric stage here: groups[0] is [2B, C, G, G]
+// (C = 3, or the layout's channels in ImageMode::kNative)
 // (global crop 1 of every sample, then global crop 2), groups[1] is
 // [n_local * B, 3, L, L], in `dtype` (with augment.center_crop: groups[0]
 // alone, [B, 3, G, G]); G and L are the batch's pair's (size_pair) when the
-// loader has several. Deferred: groups are uint8
-// [N, H, W, 3] and params[g] the [N, 13] float32 parameters of each crop.
+// loader has several. Deferred: groups are [N, H, W, C] of the layout's
+// sample type (uint8 in kRgb mode) and params[g] the float32 parameters of
+// each crop, [N, 13] (the RGB stage) or [N, channel_param_count(C)].
 // With masks enabled, masks is bool [2B, g, g] (g = global_size /
 // patch_size), row n the mask of global crop n of groups[0].
 struct LoaderBatch {
@@ -100,6 +102,12 @@ struct LoaderStats {
   int num_threads = 0;
 };
 
+// The layout of a data set read at its stored depth: that of its first image
+// (of the first `tries` ones, the first that decodes), and that image's
+// describe(). Throws std::invalid_argument naming the image when none decodes.
+std::pair<ImageLayout, std::string> data_set_layout(const SampleSource& source,
+                                                    const DecodeOptions& decode, int64_t tries = 1);
+
 class MultiCropLoader {
  public:
   MultiCropLoader(std::shared_ptr<SampleSource> source, LoaderOptions options);
@@ -113,6 +121,8 @@ class MultiCropLoader {
   const std::shared_ptr<SampleSource>& source() const { return source_; }
   int64_t samples_per_rank() const { return per_rank_; }
   int64_t num_batches() const;
+  // options().pipeline.layout is the data set's in ImageMode::kNative (its
+  // first image's; layout_from names it).
   const LoaderOptions& options() const { return options_; }
 
   // This rank's data set indices for `epoch`, in order (shuffled, sharded).

@@ -9,6 +9,7 @@ namespace dino_opt::loader {
 namespace {
 
 constexpr int kPrecisionBits = 32 - 8 - 2;  // as Pillow: 8-bit pixels times weights fit int32
+static_assert(kPrecisionBits == kResampleFractionBits);
 constexpr double kSupport = 2.0;            // bicubic
 
 double bicubic(double x) {
@@ -19,8 +20,8 @@ double bicubic(double x) {
   return 0.0;
 }
 
-// Fixed-point filter taps of every output position along one axis: output i
-// reads count[i] inputs from start[i] with weights[i * taps ...]. Returns taps.
+}  // namespace
+
 int axis_coefficients(double in0, double in1, int clamp0, int clamp1, int out_size,
                       std::vector<int32_t>& weights, std::vector<int>& start,
                       std::vector<int>& count) {
@@ -57,6 +58,8 @@ int axis_coefficients(double in0, double in1, int clamp0, int clamp1, int out_si
   }
   return taps;
 }
+
+namespace {
 
 inline uint8_t clip8(int32_t acc) {
   const int32_t v = acc >> kPrecisionBits;

@@ -33,6 +33,16 @@ CropBox scaled_crop_box(int left, int top, int width, int height, double fx, dou
 CropBox scaled_box_in_image(double x0, double y0, double x1, double y1, double fx, double fy,
                             int src_width, int src_height);
 
+// Pillow's bicubic filter taps along one axis, in fixed point (22 fraction
+// bits): output i of `out_size` reads count[i] inputs from start[i] (absolute
+// positions, inside [clamp0, clamp1)) with weights[i * taps ...], the box
+// running from in0 to in1. Returns taps. The 8-bit resampler below and the
+// one at any depth (resample_raw.h) share these.
+int axis_coefficients(double in0, double in1, int clamp0, int clamp1, int out_size,
+                      std::vector<int32_t>& weights, std::vector<int>& start,
+                      std::vector<int>& count);
+constexpr int kResampleFractionBits = 22;
+
 // Reusable buffers, one per thread.
 struct ResampleScratch {
   std::vector<int32_t> weights_x, weights_y;
