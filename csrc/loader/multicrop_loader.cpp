@@ -103,8 +103,8 @@ LoaderOptions resolve_layout(const SampleSource* source, LoaderOptions options) 
   if (p.mode != ImageMode::kNative || source == nullptr || source->size() == 0) return options;
   std::tie(p.layout, p.layout_from) =
       data_set_layout(*source, p.decode, options.skip_errors ? options.max_skip_attempts : 1);
-  if (!p.rgb_stage()) {
-    const auto c = static_cast<size_t>(p.layout.channels);
+  {
+    const auto c = static_cast<size_t>(p.rgb_stage() ? 3 : p.layout.channels);
     if (p.channel_norm.mean.size() != c || p.channel_norm.std.size() != c) {
       throw std::invalid_argument(
           "the images are " + p.layout.describe() + " (" + p.layout_from + ") but mean and std " +

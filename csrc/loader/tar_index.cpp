@@ -119,7 +119,7 @@ void parse_pax(const std::string& data, std::optional<std::string>& path,
 }
 
 bool is_image_extension(const std::string& ext) {
-  static const char* const kImages[] = {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff"};
+  static const char* const kImages[] = {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "npy"};
   return std::any_of(std::begin(kImages), std::end(kImages),
                      [&](const char* e) { return ext == e; });
 }

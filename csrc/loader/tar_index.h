@@ -80,7 +80,7 @@ struct TarMember {
 std::vector<TarMember> scan_tar(const ByteSource& tar);
 
 // One image of a shard: the first image member of its key (`.jpg`, `.jpeg`,
-// `.png`, `.webp`, `.bmp`, `.tif`, `.tiff`, any case) and the key's `.cls`
+// `.png`, `.webp`, `.bmp`, `.tif`, `.tiff`, `.npy`, any case) and the key's `.cls`
 // label (-1 without one).
 struct IndexEntry {
   uint64_t offset = 0;  // of the image member's data

@@ -127,6 +127,20 @@ class DataConfig:
         "Hugging Face data: the label column; null: a ClassLabel or a column named label",
         check="nonempty",
     )
+    image_mode: str = _opt(
+        "rgb",
+        "how images are read: rgb (every image as 8-bit RGB), native (at their stored depth "
+        "and channels: 16-bit, 1 to N channels, .npy arrays; docs/loader.md)",
+        choices=("rgb", "native"),
+    )
+    mean: tuple[float, ...] | None = _opt(
+        None,
+        "per-channel normalisation mean, in units of value / 255 (value / 65535 for 16-bit); "
+        "null: ImageNet's for 8-bit RGB, else measured on the data when the run starts",
+    )
+    std: tuple[float, ...] | None = _opt(
+        None, "per-channel normalisation std (units as data.mean); null: as data.mean", gt=0
+    )
 
 
 @dataclass
@@ -170,6 +184,15 @@ class AugmentationConfig:
     blur_p_global2: float = _opt(0.1, "blur probability, global crop 2", ge=0, le=1)
     blur_p_local: float = _opt(0.5, "blur probability, local crops", ge=0, le=1)
     solarize_p_global2: float = _opt(0.2, "solarisation probability, global crop 2", ge=0, le=1)
+    noise_p: float = _opt(
+        0.5, "images not 8-bit RGB: Gaussian noise probability per crop", ge=0, le=1
+    )
+    noise_std: tuple[float, float] = _opt(
+        (0.0, 0.1),
+        "images not 8-bit RGB: noise sigma range, in units of the normalised values",
+        ge=0,
+        check="pair",
+    )
 
     @property
     def crop_size_pairs(self) -> list[tuple[int, int]]:
@@ -198,6 +221,12 @@ class ModelConfig:
         choices=BACKBONE_NAMES,
     )
     patch_size: int = _opt(16, "ViT patch size (ViT backbones only)", choices=(8, 14, 16))
+    in_channels: int | None = _opt(
+        None,
+        "channels of the images the backbone takes; null: the data's (3 for 8-bit RGB); "
+        "released RGB weights are adapted (docs/loader.md)",
+        ge=1,
+    )
     drop_path_rate: float = _opt(0.1, "stochastic depth rate of the ViT blocks", ge=0, lt=1)
     out_dim: int = _opt(65536, "dimension of the head's output (prototypes)", ge=1)
     norm_last_layer: bool = _opt(True, "fix the norm of the head's weight-normalised last layer")

@@ -13,6 +13,16 @@ from .builtin import (
     render_image,
     render_image_and_mask,
 )
+from .channels import (
+    RGB_ONLY_AUGMENT_KEYS,
+    STATS_FILE,
+    ImageLayout,
+    channel_stats,
+    data_set_layout,
+    normalisation,
+    read_stats_file,
+    write_stats_file,
+)
 from .loader import (
     AUGMENT_KEYS,
     IMAGENET_MEAN,
@@ -52,6 +62,14 @@ from .sources import (
 
 __all__ = [
     "AUGMENT_KEYS",
+    "RGB_ONLY_AUGMENT_KEYS",
+    "STATS_FILE",
+    "ImageLayout",
+    "channel_stats",
+    "data_set_layout",
+    "normalisation",
+    "read_stats_file",
+    "write_stats_file",
     "BUILTIN_CLASSES",
     "BUILTIN_DOMAINS",
     "BUILTIN_MASK_CLASSES",

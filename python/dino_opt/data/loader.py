@@ -20,8 +20,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..ops.channel_photometric_torch import channel_photometric_torch
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
 from ..ops.native import _C
+from .channels import RGB_ONLY_AUGMENT_KEYS, ImageLayout, data_set_layout, normalisation
 from .masking import mask_options, mask_targets
 from .sources import open_source
 
@@ -61,6 +63,8 @@ AUGMENT_KEYS = (
     "blur_p_global2",
     "blur_p_local",
     "solarize_p_global2",
+    "noise_p",
+    "noise_std",
 )
 _DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit
 # What must match for a loader state to resume this loader; and what must
@@ -198,10 +202,12 @@ def _native_loader(
     masks: dict | None,
     shuffle_buffer: int,
     crop_size_ratios: Sequence[float] | None = None,
+    image_mode: str = "rgb",
 ):
     """Checks the Python-side arguments, opens the source, then builds the
     native loader (which checks the ranges and raises ValueError naming the
-    argument). Returns the native loader and the :class:`DataSource`."""
+    argument). Returns the native loader, the :class:`DataSource` and the
+    mean and std it normalises with."""
     _check_choice("photometric", photometric, ("cpu", "gpu"))
     _check_choice("on_error", on_error, ("raise", "skip"))
     if dtype not in _DTYPES:
@@ -214,8 +220,9 @@ def _native_loader(
     unknown = sorted(set(options) - set(AUGMENT_KEYS))
     if unknown:
         raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(AUGMENT_KEYS)}")
-    if "blur_sigma" in options:
-        options["blur_sigma"] = _pair("augment['blur_sigma']", options["blur_sigma"])
+    for key in ("blur_sigma", "noise_std"):
+        if key in options:
+            options[key] = _pair(f"augment[{key!r}]", options[key])
     pairs, ratios = crop_size_pairs(global_size, local_size, crop_size_ratios)
     several = _sizes("global_size", global_size) is not None
     several = several or _sizes("local_size", local_size) is not None
@@ -226,11 +233,22 @@ def _native_loader(
         global_scale=_pair("global_scale", global_scale),
         local_scale=_pair("local_scale", local_scale),
     )
-    if len(mean) != 3 or len(std) != 3:
-        raise ValueError(f"mean and std need 3 values each, got {len(mean)} and {len(std)}")
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
         raise ValueError(f"shuffle_buffer must be a positive int, got {shuffle_buffer!r}")
+    _check_choice("image_mode", image_mode, ("rgb", "native"))
     data = open_source(source, labels=labels)
+    layout = None
+    if image_mode == "native":
+        layout = data_set_layout(data, max_pixels, tries=16 if on_error == "skip" else 1)
+    mean, std = normalisation(data, layout, mean, std)
+    if layout is not None and not layout.rgb8:
+        asked = [k for k in RGB_ONLY_AUGMENT_KEYS if options.get(k)]
+        if asked:
+            raise ValueError(
+                f"augment {asked} are RGB colour operations; {layout.describe()} images "
+                f"({layout.first}) take per-channel brightness and contrast, blur and noise "
+                "(docs/loader.md)"
+            )
     native = _C.MultiCropLoader(
         data.native,
         batch_size=batch_size,
@@ -256,8 +274,9 @@ def _native_loader(
         shuffle_buffer=shuffle_buffer,
         size_pairs=pairs if several else [],
         size_probs=ratios if several else [],
+        image_mode=image_mode,
     )
-    return native, data
+    return native, data, mean, std
 
 
 class NativeLoaderHandle:
@@ -388,13 +407,14 @@ class MultiCropLoader(NativeLoaderHandle):
         pad_shards: bool = True,
         group_by_resolution: bool = False,
         max_pixels: int = _DEFAULT_MAX_PIXELS,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         augment: dict | None = None,
         dct_scaling: bool = True,
         masks: dict | None = None,
         shuffle_buffer: int = 1024,
         crop_size_ratios: Sequence[float] | None = None,
+        image_mode: str = "rgb",
     ):
         self._native = None  # so that close() in __del__ works if a check below fails
         if photometric == "gpu":
@@ -408,7 +428,7 @@ class MultiCropLoader(NativeLoaderHandle):
         self.device = device
         if pin_memory is None:
             pin_memory = torch.cuda.is_available() and (device is None or device.type == "cuda")
-        self._native, self.source = _native_loader(
+        self._native, self.source, mean, std = _native_loader(
             source,
             labels,
             batch_size,
@@ -438,8 +458,13 @@ class MultiCropLoader(NativeLoaderHandle):
             masks=masks,
             shuffle_buffer=shuffle_buffer,
             crop_size_ratios=crop_size_ratios,
+            image_mode=image_mode,
         )
         self.classes = self.source.classes
+        self.image_mode = image_mode
+        layout = self._native.layout
+        #: image_mode="native": the data set's :class:`ImageLayout`; None for 8-bit RGB.
+        self.layout = ImageLayout(*layout) if layout is not None else None
         self.shuffle_buffer = shuffle_buffer
         native = self._native
         #: The (global, local) crop-size pairs the batches are drawn from (one without lists).
@@ -497,8 +522,10 @@ class MultiCropLoader(NativeLoaderHandle):
             non_blocking = self.pin_memory and self.device.type == "cuda"
             if masks is not None:
                 masks = masks.to(self.device, non_blocking=non_blocking)
+            channel_stage = self.layout is not None and not self.layout.rgb8
+            stage = channel_photometric_torch if channel_stage else multicrop_photometric
             groups = [
-                multicrop_photometric(
+                stage(
                     g.to(self.device, non_blocking=non_blocking),
                     p.to(self.device, non_blocking=non_blocking),
                     mean=self.mean,
@@ -621,11 +648,12 @@ class MultiCropDataset(torch.utils.data.Dataset):
         *,
         labels: Sequence[int] | None = None,
         max_pixels: int = _DEFAULT_MAX_PIXELS,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         augment: dict | None = None,
         dct_scaling: bool = True,
         masks: dict | None = None,
+        image_mode: str = "rgb",
     ):
         if _sizes("global_size", global_size) or _sizes("local_size", local_size):
             raise ValueError(
@@ -661,15 +689,18 @@ class MultiCropDataset(torch.utils.data.Dataset):
             dct_scaling=dct_scaling,
             masks=masks,
             shuffle_buffer=1024,
+            image_mode=image_mode,
         )
         self.epoch = 0
         self._build()
 
     def _build(self) -> None:
         args = dict(self._args)
-        self._native, self.source = _native_loader(
+        self._native, self.source, mean, std = _native_loader(
             args.pop("source"), args.pop("labels"), args.pop("batch_size"), **args
         )
+        # Measured statistics are kept, so that workers rebuilding it do not measure again.
+        self._args.update(mean=mean, std=std)
         self.classes = self.source.classes
 
     def __getstate__(self) -> dict:

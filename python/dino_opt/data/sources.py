@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 FORMATS = ("auto", "folder", "shards", "list", "hf")
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".npy")
 LIST_EXTENSIONS = (".txt", ".csv", ".lst", ".tsv")
 #: A data source that cannot be used (a corrupt or truncated shard, a changed
 #: shard, a file list or Parquet file that cannot be read); a ``ValueError``.

@@ -27,7 +27,7 @@ from ..data import segmentation_splits, source_exists
 from ..models import eval_mode
 from ..observe import RunFolder, RunLog
 from ..runtime import resolve_device
-from ..train import DataRoots, build_models, build_source, data_roots
+from ..train import DataRoots, build_models, build_source, data_roots, loader_input
 from .dense import dense_probe
 from .features import EvalImageFolder, extract_features
 from .knn import knn_classify, knn_evaluate_splits, tsne_plot
@@ -132,6 +132,7 @@ def evaluate_checkpoint(
         model.backbone.to(dev), train, splits, size, dev,
         k=k if k is not None else cfg.eval.knn_k,
         temperature=temperature if temperature is not None else cfg.eval.knn_temperature,
+        input=loader_input(cfg),
     )  # fmt: skip
     val = results["val"]
     out = {
@@ -218,7 +219,8 @@ def evaluate_backbone(cfg: Config, roots: DataRoots, net: nn.Module, device: tor
     probe = ProbeFeatures(net).to(device).eval()
     start = time.perf_counter()
     sources = ProbeData(**splits).opened()
-    feats = probe_features(probe, sources, size, device, amp=device.type == "cuda")
+    amp = device.type == "cuda"
+    feats = probe_features(probe, sources, size, device, amp=amp, input=loader_input(cfg))
     if probe.layout["dim"] is None:
         probe.layout["dim"] = feats["train"][0].shape[1]
     out: dict[str, Any] = {"knn": _knn(cfg, feats, probe.layout)}
@@ -271,7 +273,7 @@ def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
     (spread over the split) for each backbone of ``nets`` (name -> ViT), at
     twice the training crop size, each image's PCA its own, in ``folder.pictures``
     (``<image>_<kind>_<name>.png``) and in TensorBoard."""
-    count = cfg.eval.pictures
+    count = cfg.eval.pictures if cfg.data.image_mode == "rgb" else 0  # PIL reads 8-bit RGB
     if not count or not all(hasattr(n, "get_intermediate_layers") for n in nets.values()):
         return []
     val = EvalImageFolder(roots.val, 2 * _train_size(cfg))

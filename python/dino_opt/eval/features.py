@@ -179,6 +179,7 @@ class EvalLoader(NativeLoaderHandle):
         max_pixels: int = _DEFAULT_MAX_PIXELS,
         labelled: bool = True,
         on_error: str = "raise",
+        image_mode: str = "rgb",
     ) -> None:
         self._native = None
         _check_size(image_size)
@@ -194,7 +195,7 @@ class EvalLoader(NativeLoaderHandle):
             self.source.native, **_native_options(
                 image_size, batch_size, resize_size, rank, world_size, num_threads, prefetch,
                 dtype, pin_memory, mean, std, dct_scaling, max_pixels,
-            ), skip_errors=on_error == "skip",
+            ), skip_errors=on_error == "skip", image_mode=image_mode,
         )  # fmt: skip
         self.image_size, self.batch_size = image_size, batch_size
         self.rank, self.world_size = int(rank), int(world_size)
@@ -235,8 +236,8 @@ def _native_options(
         raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if len(mean) != 3 or len(std) != 3:
-        raise ValueError(f"mean and std need 3 values each, got {len(mean)} and {len(std)}")
+    if len(mean) != len(std):
+        raise ValueError(f"mean and std need one value per channel, got {len(mean)} and {len(std)}")
     augment = {"center_crop": True, "global_size": image_size, "n_local": 0}
     if resize_size is not None:
         augment["resize_size"] = int(resize_size)

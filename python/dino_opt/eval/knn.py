@@ -145,6 +145,7 @@ def knn_evaluate_splits(
     amp: bool | torch.dtype | None = None,
     return_features: bool = False,
     distributed: bool = False,
+    input: dict | None = None,
 ) -> dict[str, dict[str, Any]]:
     """k-NN of several held-out splits (``{"val": ..., "test": ...}``) on the
     features of one labelled training split, which are extracted once; each
@@ -153,7 +154,8 @@ def knn_evaluate_splits(
     source; ``num_workers``: its threads, 0 for all cores), under bf16
     autocast on a GPU unless ``amp`` says otherwise. ``distributed``: every
     rank of the initialised process group calls this and extracts its shard
-    (leave it False when only one rank evaluates).
+    (leave it False when only one rank evaluates). ``input``: the loader's
+    image mode and normalisation (``image_mode``, ``mean``, ``std``).
     Per split: ``top1``, ``top5`` (percent), ``k``, ``temperature``,
     ``n_train``, ``n_eval``, ``classes``; with ``return_features`` also
     ``train_features``/``train_labels`` and ``eval_features``/``eval_labels``
@@ -173,7 +175,7 @@ def knn_evaluate_splits(
     device = torch.device(device)
     common = dict(
         device=device, batch_size=batch_size, amp=amp, num_workers=num_workers,
-        image_size=image_size, distributed=distributed,
+        image_size=image_size, distributed=distributed, **(input or {}),
     )  # fmt: skip
     train_f, train_y = extract_features(backbone, train_set.source, **common)
     results = {}

@@ -509,14 +509,32 @@ def best_classifier(grid: LinearProbeGrid, name: str) -> dict:
     return {"weight": weight, "bias": bias, "n_blocks": spec.n_blocks, "avgpool": spec.avgpool}
 
 
-def probe_features(probe: ProbeFeatures, sources: dict[str, DataSource], image_size: int,
-                   device: torch.device, amp: bool, batch_size: int = 128) -> dict:  # fmt: skip
+def probe_features(
+    probe: ProbeFeatures,
+    sources: dict[str, DataSource],
+    image_size: int,
+    device: torch.device,
+    amp: bool,
+    batch_size: int = 128,
+    input: dict | None = None,
+) -> dict:
     """``{split: (features, labels)}``: each split's probe features, centre
-    crop, extracted once (on the CPU), by this process alone."""
-    return {name: extract_features(probe, src, device=device, batch_size=batch_size,
-                                   normalize=False, amp=amp, image_size=image_size,
-                                   distributed=False)
-            for name, src in sources.items()}  # fmt: skip
+    crop, extracted once (on the CPU), by this process alone; ``input``: the
+    loader's image mode and normalisation (``image_mode``, ``mean``, ``std``)."""
+    return {
+        name: extract_features(
+            probe,
+            src,
+            device=device,
+            batch_size=batch_size,
+            normalize=False,
+            amp=amp,
+            image_size=image_size,
+            distributed=False,
+            **(input or {}),
+        )
+        for name, src in sources.items()
+    }
 
 
 def _grid_result(grid: LinearProbeGrid, feats: dict) -> dict:

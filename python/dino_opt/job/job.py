@@ -56,7 +56,7 @@ from ..runtime import (
     gather_objects,
     init_distributed,
 )
-from ..train import resolve_epochs, resolve_recipe
+from ..train import resolve_epochs, resolve_input, resolve_recipe
 from ..tune import resolve_hardware
 from ..weights import init_from, start_students, weights_reader
 from .evaluation import (
@@ -183,6 +183,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             if self.epochs_choice is not None:
                 print(self.epochs_choice, file=sys.stderr)
             self.config = resolve_recipe(self.config, self.reader)  # e.g. a teacher's widths
+            self.config = resolve_input(self.config)  # the data's channels and normalisation
         self.config = broadcast_object(self.config)
         if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
             self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .channels import adapt_input_weight, input_channels, set_input_channels
 from .convnext import (
     CONVNEXT_SIZES,
     ConvNeXt,
@@ -69,6 +70,9 @@ __all__ = [
     "build_backbone",
     "build_dino_models",
     "build_external",
+    "adapt_input_weight",
+    "input_channels",
+    "set_input_channels",
     "convert_convnext_state_dict",
     "convert_dinov3_convnext_state_dict",
     "convert_dinov3_state_dict",
@@ -148,9 +152,13 @@ def build_backbone(
     img_size: int = 224,
     use_mask_token: bool = False,
     depth: int | None = None,
+    in_chans: int = 3,
     **kwargs,
 ) -> tuple[nn.Module, int]:
     """Build a backbone by name; returns ``(module, embed_dim)``.
+
+    ``in_chans``: the channels of its images (``model.in_channels``; see
+    :mod:`~dino_opt.models.channels`).
 
     ``name`` is one of ``BACKBONES``. ViTs take ``patch_size``,
     ``drop_path_rate``, the DINOv2 options (see :class:`VisionTransformer`;
@@ -174,20 +182,24 @@ def build_backbone(
                use_mask_token=use_mask_token, depth=depth)  # fmt: skip
     if name in _VITS:
         vit = {k: v for k, v in vit.items() if not (k in ("ffn_layer", "depth") and v is None)}
-        model = _VITS[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **vit, **kwargs)
+        model = _VITS[name](
+            patch_size=patch_size, drop_path_rate=drop_path_rate, in_chans=in_chans, **vit, **kwargs
+        )
         return model, model.embed_dim
     if name in _DINOV3:
-        model = _dinov3_backbone(name, patch_size, drop_path_rate, vit, kwargs)
+        model = _dinov3_backbone(
+            name, patch_size, drop_path_rate, vit, dict(kwargs, in_chans=in_chans)
+        )
         return model, model.embed_dim
     if name in _RESNETS:
-        return _resnet(name, vit, kwargs), _RESNETS[name]
+        return set_input_channels(_resnet(name, vit, kwargs), in_chans, name), _RESNETS[name]
     if ":" in name:  # a network of the user's own: timm:NAME, torchvision:NAME, module:function
         _no_vit_options(name, "a network of your own", vit)
-        model = build_external(name, **kwargs)
+        model = build_external(name, in_chans=in_chans, **kwargs)
         return model, model.embed_dim
     if name in _CONVNEXTS:
         _no_vit_options(name, "a ConvNeXt", vit)
-        model = _CONVNEXTS[name](drop_path_rate=drop_path_rate, **kwargs)
+        model = _CONVNEXTS[name](drop_path_rate=drop_path_rate, in_chans=in_chans, **kwargs)
         return model, model.embed_dim
     raise ValueError(f"unknown backbone {name!r}; allowed: {', '.join(BACKBONES)}")
 

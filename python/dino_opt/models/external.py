@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .channels import input_channels, set_input_channels
 from .modes import eval_mode
 from .tokens import resnet_map
 from .vit import resize_pos_embed
@@ -132,7 +133,7 @@ def unreached_parameters(net: nn.Module, reader: str) -> list[str]:
 
 
 def _probe_grads(net: nn.Module, reader: str, params: dict, buffers: dict, device) -> tuple:
-    probe = torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device=device)
+    probe = torch.zeros(1, input_channels(net), PROBE_SIZE, PROBE_SIZE, device=device)
     out = functional_call(_Reading(net, reader), {**params, **buffers}, (probe,))
     return torch.autograd.grad(out.float().sum(), list(params.values()), allow_unused=True)
 
@@ -142,7 +143,7 @@ def _close(name: str, known: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _timm(name: str) -> tuple[nn.Module, str]:
+def _timm(name: str, in_chans: int = 3) -> tuple[nn.Module, str]:
     try:
         import timm
     except ImportError:
@@ -153,9 +154,11 @@ def _timm(name: str) -> tuple[nn.Module, str]:
         raise ValueError(f"timm:{name}: timm {timm.__version__} has no model {name!r}"
                          f"{_close(name, timm.list_models())}")  # fmt: skip
     try:  # a ViT takes any image size with dynamic_img_size; a CNN has no such argument
-        net = timm.create_model(name, pretrained=False, num_classes=0, dynamic_img_size=True)
+        net = timm.create_model(
+            name, pretrained=False, num_classes=0, in_chans=in_chans, dynamic_img_size=True
+        )
     except TypeError:
-        net = timm.create_model(name, pretrained=False, num_classes=0)
+        net = timm.create_model(name, pretrained=False, num_classes=0, in_chans=in_chans)
     return net, "forward_features"
 
 
@@ -199,15 +202,15 @@ def _callable(name: str) -> tuple[nn.Module, str]:
     return net, "forward_features" if hasattr(net, "forward_features") else "forward"
 
 
-def _network(name: str) -> tuple[nn.Module, str]:
-    """The network ``name`` names and how its features are read (its
-    spelling is the config's to check)."""
+def _network(name: str, in_chans: int = 3) -> tuple[nn.Module, str]:
+    """The network ``name`` names, taking ``in_chans`` channels (timm's own
+    option; elsewhere its first 3-channel convolution replaced), and how its
+    features are read (its spelling is the config's to check)."""
     source, _, what = name.partition(":")
     if source == "timm":
-        return _timm(what)
-    if source == "torchvision":
-        return _torchvision(what)
-    return _callable(name)
+        return _timm(what, in_chans)
+    net, reader = _torchvision(what) if source == "torchvision" else _callable(name)
+    return set_input_channels(net, in_chans, name), reader
 
 
 def _describe(out) -> str:
@@ -246,6 +249,8 @@ class ExternalBackbone(nn.Module):
         self.name = name
         self.reader = reader
         self.prefix = 0
+        #: the channels of its images (its first convolution's)
+        self.in_chans = input_channels(net)
         self.embed_dim = self._probe()
         #: the parameters the reading does not reach, frozen (the module's docstring)
         self.unreached = self._freeze_unreached()
@@ -258,7 +263,8 @@ class ExternalBackbone(nn.Module):
         device = param.device if param is not None else torch.device("cpu")
         try:
             with eval_mode(self.net), torch.no_grad():
-                out = self._raw(torch.zeros(1, 3, PROBE_SIZE, PROBE_SIZE, device=device))
+                probe = torch.zeros(1, self.in_chans, PROBE_SIZE, PROBE_SIZE, device=device)
+                out = self._raw(probe)
         except Exception as e:  # the user's network: any failure is one line
             raise ValueError(f"{self.name}: its forward failed on a {PROBE_SIZE} x {PROBE_SIZE} "
                              f"image ({type(e).__name__}: {e})") from None  # fmt: skip
@@ -298,10 +304,11 @@ class ExternalBackbone(nn.Module):
         return self.forward_features(images)["x_norm_clstoken"]
 
 
-def build_external(name: str) -> ExternalBackbone:
+def build_external(name: str, in_chans: int = 3) -> ExternalBackbone:
     """The network ``name`` names (``timm:NAME``, ``torchvision:NAME`` or
-    ``package.module:function``), randomly initialised, as an
-    :class:`ExternalBackbone`; ValueError in one line naming it when it does
-    not exist, cannot be made or gives nothing a student can learn from."""
-    net, reader = _network(name)
+    ``package.module:function``), randomly initialised, for images of
+    ``in_chans`` channels, as an :class:`ExternalBackbone`; ValueError in one
+    line naming it when it does not exist, cannot be made or gives nothing a
+    student can learn from."""
+    net, reader = _network(name, in_chans)
     return ExternalBackbone(net, name, reader)

@@ -47,6 +47,7 @@ from .distill import (
     teacher_side,
 )
 from .epochs import EpochChoice, auto_epochs, resolve_epochs
+from .input import loader_input, resolve_input
 from .param_groups import dinov2_param_groups, layer_id, param_groups
 from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
 from .trainer import DINOModel, DINOTerms, MemoryOptimizedDINOTrainer, StepHooks, StepTerms
@@ -109,5 +110,7 @@ __all__ = [
     "resolve_epochs",
     "resolve_recipe",
     "trainer_options",
+    "loader_input",
+    "resolve_input",
     "teacher_side",
 ]

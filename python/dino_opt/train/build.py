@@ -22,6 +22,7 @@ from torch import nn
 from ..config import Config, effective_lr
 from ..data import (
     AUGMENT_KEYS,
+    RGB_ONLY_AUGMENT_KEYS,
     DataSource,
     MultiCropLoader,
     builtin_dataset,
@@ -109,6 +110,7 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     m, h = cfg.model, cfg.hardware
     compile = h.compile is True  # null (not resolved by a run): off
     vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
+    vit["in_chans"] = m.in_channels or 3
     recipe = recipe_of(cfg)
     if not recipe.builds_heads(cfg):  # the student's backbone alone
         net, _ = build_backbone(m.backbone, patch_size=m.patch_size,
@@ -290,11 +292,26 @@ def build_loader(
         photometric=cfg.data.photometric,
         device=device if gpu_photometric else None,
         on_error=cfg.data.on_error,
-        augment={k: getattr(aug, k) for k in AUGMENT_KEYS},
+        augment=_augment_options(aug),
+        image_mode=cfg.data.image_mode,
+        mean=cfg.data.mean,
+        std=cfg.data.std,
         pin_memory=cfg.data.pin_memory and device.type == "cuda",
         masks=loader_masks(cfg),
         shuffle_buffer=cfg.data.shuffle_buffer,
     )
+
+
+def _augment_options(aug) -> dict:
+    """The loader's photometric options of ``augmentation``: every key, but
+    the RGB-only ones only where set away from their defaults (asked for:
+    the loader refuses those for images that are not 8-bit RGB)."""
+    defaults = type(aug)()
+    return {
+        k: getattr(aug, k)
+        for k in AUGMENT_KEYS
+        if k not in RGB_ONLY_AUGMENT_KEYS or getattr(aug, k) != getattr(defaults, k)
+    }
 
 
 def loader_masks(cfg: Config) -> dict | None:

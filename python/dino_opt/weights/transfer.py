@@ -68,6 +68,7 @@ from ..checkpoint import check_output
 from ..config import Config, student_key
 from ..eval import knn_evaluate_splits, load_checkpoint
 from ..models import DinoV3VisionTransformer, VisionTransformer, build_backbone
+from ..models.channels import adapt_input_weights
 from ..models.vit import pos_embed_grid, resize_pos_embed
 from ..runtime import resolve_device
 from .cnn_export import CNN_FORMATS, export_cnn, save_safetensors, save_torch, write_hf_folder
@@ -671,6 +672,7 @@ def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
 
 
 def _load_backbone_state(module: nn.Module, sd: dict, path: Path, notes: list[str]) -> None:
+    sd = adapt_input_weights(sd, module, notes)  # RGB filters for a model of other channels
     sd = _fit_pos_embed(_adapt(sd, module, path, notes), module, notes)
     load_strict(module, sd, "backbone", path)
 

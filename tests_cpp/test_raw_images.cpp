@@ -1,0 +1,334 @@
+// Images that are not 8-bit RGB (csrc/loader: npy_format.h, decode_raw,
+// resample_raw.h, channel_photometric.h, the pipeline's native mode): the
+// .npy header parser on good and bad headers, lossless round trips at every
+// depth and channel count, the resampler at any depth against the 8-bit one,
+// the pipeline refusing a source that mixes layouts. Fresh random content per
+// run; the NumPy references of the crops are in tests_py/test_raw_images.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "loader/channel_photometric.h"
+#include "loader/image_decode.h"
+#include "loader/multicrop_pipeline.h"
+#include "loader/npy_format.h"
+#include "loader/resample.h"
+#include "loader/resample_raw.h"
+
+namespace dl = dino_opt::loader;
+
+namespace {
+
+void expect_image_error(const std::function<void()>& call, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "expected an ImageError containing: " << fragment;
+  } catch (const dl::ImageError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
+        << "message was: " << e.what() << "\nexpected: " << fragment;
+  }
+}
+
+dl::RawImage random_image(std::mt19937& rng, int w, int h, dl::ImageLayout layout) {
+  dl::RawImage im(w, h, layout);
+  if (layout.type == dl::SampleType::kF32) {
+    std::uniform_real_distribution<float> u(-2.0f, 3.0f);
+    auto* p = reinterpret_cast<float*>(im.bytes.data());
+    for (size_t i = 0; i < im.bytes.size() / 4; ++i) p[i] = u(rng);
+  } else {
+    for (auto& b : im.bytes) b = static_cast<uint8_t>(rng());
+  }
+  return im;
+}
+
+// A v1.0 .npy file with `header` as its dict text and `data_bytes` bytes after it.
+std::vector<uint8_t> npy_with_header(const std::string& header, size_t data_bytes) {
+  std::vector<uint8_t> out = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
+                              static_cast<uint8_t>(header.size() & 0xFF),
+                              static_cast<uint8_t>(header.size() >> 8)};
+  out.insert(out.end(), header.begin(), header.end());
+  out.resize(out.size() + data_bytes, 7);
+  return out;
+}
+
+const std::vector<dl::ImageLayout> kLayouts = {
+    {1, dl::SampleType::kU8},  {2, dl::SampleType::kU16}, {4, dl::SampleType::kU16},
+    {13, dl::SampleType::kU16}, {1, dl::SampleType::kF32}, {6, dl::SampleType::kF32}};
+
+}  // namespace
+
+TEST(RawImages, NpyRoundTripsEveryLayout) {
+  std::mt19937 rng(std::random_device{}());
+  for (const auto& layout : kLayouts) {
+    const dl::RawImage im = random_image(rng, 1 + rng() % 40, 1 + rng() % 30, layout);
+    const auto bytes = dl::encode_raw(im.view(), dl::ImageFormat::kNpy);
+    const dl::ImageHeader h = dl::probe_image(bytes.data(), bytes.size());
+    EXPECT_EQ(h.format, dl::ImageFormat::kNpy);
+    EXPECT_EQ(h.width, im.width);
+    EXPECT_EQ(h.height, im.height);
+    EXPECT_EQ(h.channels, layout.channels);
+    const dl::RawImage back = dl::decode_raw(bytes.data(), bytes.size(), h);
+    EXPECT_EQ(back.layout, layout) << back.layout.describe();
+    EXPECT_EQ(back.bytes, im.bytes) << layout.describe();
+    const auto header_end = dl::parse_npy_header(bytes.data(), bytes.size()).data_offset;
+    EXPECT_EQ(header_end % 64, 0u);
+  }
+}
+
+TEST(RawImages, NpyHeadersThatNumPyWritesAreRead) {
+  // 2-D, a trailing comma or none, double quotes, version 2.0, extra spaces.
+  const std::vector<std::pair<std::string, int>> good = {
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (3, 5), }", 1},
+      {"{'descr': '|u1', 'fortran_order': False, 'shape': (3, 5, 2)}", 2},
+      {"{\"shape\": (3, 5, 4), \"fortran_order\": False, \"descr\": \"<f4\"}   \n", 4},
+  };
+  for (const auto& [header, channels] : good) {
+    const int sb = header.find("<u2") != std::string::npos   ? 2
+                   : header.find("<f4") != std::string::npos ? 4
+                                                             : 1;
+    const auto bytes = npy_with_header(header, 15 * channels * sb);
+    const dl::NpyHeader h = dl::parse_npy_header(bytes.data(), bytes.size());
+    EXPECT_EQ(h.height, 3);
+    EXPECT_EQ(h.width, 5);
+    EXPECT_EQ(h.layout.channels, channels);
+  }
+  std::string header = "{'descr': '<u2', 'fortran_order': False, 'shape': (2, 2), }";
+  std::vector<uint8_t> v2 = {0x93, 'N', 'U', 'M', 'P', 'Y', 2, 0,
+                             static_cast<uint8_t>(header.size()), 0, 0, 0};
+  v2.insert(v2.end(), header.begin(), header.end());
+  v2.resize(v2.size() + 8);
+  EXPECT_EQ(dl::parse_npy_header(v2.data(), v2.size()).layout.type, dl::SampleType::kU16);
+}
+
+TEST(RawImages, BadNpyHeadersAreRefusedInOneLine) {
+  const std::string ok = "'fortran_order': False, 'shape': (4, 4, 2), }";
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"{'descr': '<i8', " + ok, "dtype '<i8'"},
+      {"{'descr': '>u2', " + ok, "big-endian"},
+      {"{'descr': '<u2', 'fortran_order': True, 'shape': (4, 4, 2), }", "Fortran order"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (16,), }", "1 dimensions"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (2, 2, 2, 2), }", "4 dimensions"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (4, 0, 2), }", "zero side"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (4, 4, 2000), }", "2000 channels"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (99999999999, 4), }", "2^31"},
+      {"{'descr': '<u2', 'fortran_order': False, }", "no 'shape' key"},
+      {"{'descr': '<u2', 'descr': '<u2', " + ok, "given twice"},
+      {"{'descr': '<u2', 'other': 1, " + ok, "unknown key 'other'"},
+      {"{'descr': '<u\\x32', " + ok, "escape"},
+      {"{'descr': '<u2', " + ok + " __import__('os')", "text after"},
+      {"{'descr': '<u2', 'fortran_order': Maybe, 'shape': (4, 4, 2), }", "True or False"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (4, x), }", "integer"},
+      {"['descr', '<u2']", "expected '{'"},
+      {"{'descr': '<u2', 'fortran_order': False, 'shape': (4, 4, 2)", "the header ends"},
+      {"{'descr': '<u2", "past the end"},
+  };
+  for (const auto& [header, fragment] : bad) {
+    const auto bytes = npy_with_header(header, 64);
+    expect_image_error([&] { dl::parse_npy_header(bytes.data(), bytes.size()); }, fragment);
+    expect_image_error([&] { dl::probe_image(bytes.data(), bytes.size()); }, fragment);
+  }
+  // The data shorter than the shape needs; a header longer than the file; a version 9.
+  auto cut = npy_with_header("{'descr': '<u2', " + ok, 63);
+  expect_image_error([&] { dl::parse_npy_header(cut.data(), cut.size()); }, "truncated .npy");
+  auto long_header = npy_with_header("{'descr': '<u2', " + ok, 0);
+  long_header[9] = 0x7F;
+  expect_image_error([&] { dl::parse_npy_header(long_header.data(), long_header.size()); },
+                     "the header claims");
+  auto version = npy_with_header("{'descr': '<u2', " + ok, 64);
+  version[6] = 9;
+  expect_image_error([&] { dl::parse_npy_header(version.data(), version.size()); },
+                     "format version 9");
+  // Every prefix of a valid file is refused, never read past its end.
+  const auto whole = npy_with_header("{'descr': '<u2', " + ok, 64);
+  for (size_t n = 0; n < whole.size(); ++n) {
+    EXPECT_THROW(dl::probe_image(whole.data(), n), dl::ImageError) << n;
+  }
+}
+
+TEST(RawImages, PixelLimitAppliesToNpy) {
+  const auto bytes =
+      npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (100, 100), }", 10000);
+  dl::DecodeOptions small;
+  small.max_pixels = 9999;
+  expect_image_error([&] { dl::probe_image(bytes.data(), bytes.size(), small); }, "above the limit");
+}
+
+TEST(RawImages, NpyInRgbModeBecomesRgbOrIsRefused) {
+  std::mt19937 rng(std::random_device{}());
+  const dl::RawImage gray = random_image(rng, 7, 5, {1, dl::SampleType::kU16});
+  const auto bytes = dl::encode_raw(gray.view(), dl::ImageFormat::kNpy);
+  const dl::Image rgb = dl::decode_image(bytes.data(), bytes.size(), dl::ImageHeader{});
+  const auto* g = reinterpret_cast<const uint16_t*>(gray.bytes.data());
+  for (int i = 0; i < 35; ++i) {
+    const auto v = static_cast<uint8_t>((g[i] + 128u) / 257u);
+    EXPECT_EQ(rgb.pixels[3 * i], v);
+    EXPECT_EQ(rgb.pixels[3 * i + 2], v);
+  }
+  const dl::RawImage many = random_image(rng, 4, 4, {13, dl::SampleType::kU16});
+  const auto many_bytes = dl::encode_raw(many.view(), dl::ImageFormat::kNpy);
+  expect_image_error(
+      [&] { dl::decode_image(many_bytes.data(), many_bytes.size(), dl::ImageHeader{}); },
+      "image_mode='native'");
+}
+
+TEST(RawImages, RawResizeOfRgb8EqualsTheHotPath) {
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 20; ++trial) {
+    const int w = 8 + rng() % 120, h = 8 + rng() % 120;
+    const dl::RawImage raw = random_image(rng, w, h, {3, dl::SampleType::kU8});
+    const dl::ImageView view{raw.bytes.data(), w, h, int64_t{3} * w};
+    const int cw = 1 + rng() % w, ch = 1 + rng() % h;
+    const int left = rng() % (w - cw + 1), top = rng() % (h - ch + 1);
+    const int out = 1 + rng() % 64;
+    const dl::CropBox box = dl::scaled_crop_box(left, top, cw, ch, 1.0, 1.0, w, h);
+    std::vector<uint8_t> a(out * out * 3), b(out * out * 3);
+    dl::ResampleScratch s8;
+    dl::RawResampleScratch sr;
+    dl::resize_crop_bicubic(view, box, out, out, a.data(), 3 * out, s8);
+    dl::resize_crop_raw(raw.view(), box, out, out, b.data(), 3 * out, sr);
+    EXPECT_EQ(a, b) << "crop " << left << "," << top << " " << cw << "x" << ch << " -> " << out;
+  }
+}
+
+TEST(RawImages, RawResizeKeepsAConstantImageAtEveryDepth) {
+  std::mt19937 rng(std::random_device{}());
+  for (const auto& layout : kLayouts) {
+    dl::RawImage im(37, 23, layout);
+    const uint16_t v16 = static_cast<uint16_t>(rng());
+    const float vf = 0.37f;
+    const int sb = dl::sample_bytes(layout.type);
+    for (size_t i = 0; i < im.bytes.size() / sb; ++i) {
+      if (layout.type == dl::SampleType::kU16) std::memcpy(&im.bytes[i * 2], &v16, 2);
+      if (layout.type == dl::SampleType::kU8) im.bytes[i] = 200;
+      if (layout.type == dl::SampleType::kF32) std::memcpy(&im.bytes[i * 4], &vf, 4);
+    }
+    const dl::CropBox box = dl::scaled_crop_box(3, 2, 30, 20, 1.0, 1.0, 37, 23);
+    const int out = 11;
+    std::vector<uint8_t> dst(out * out * layout.channels * sb);
+    dl::RawResampleScratch s;
+    dl::resize_crop_raw(im.view(), box, out, out, dst.data(), out * layout.channels * sb, s);
+    for (size_t i = 0; i < dst.size() / sb; ++i) {
+      if (layout.type == dl::SampleType::kU16) {
+        uint16_t got;
+        std::memcpy(&got, &dst[i * 2], 2);
+        ASSERT_EQ(got, v16) << layout.describe();
+      } else if (layout.type == dl::SampleType::kU8) {
+        ASSERT_EQ(dst[i], 200);
+      } else {
+        float got;
+        std::memcpy(&got, &dst[i * 4], 4);
+        ASSERT_NEAR(got, vf, 1e-6f);
+      }
+    }
+  }
+}
+
+TEST(RawImages, ChannelNoiseIsStandardNormal) {
+  double sum = 0, sq = 0, lag = 0, prev = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    const double z = dl::channel_noise(12345u, static_cast<uint64_t>(i));
+    sum += z;
+    sq += z * z;
+    lag += z * prev;
+    prev = z;
+  }
+  EXPECT_NEAR(sum / n, 0.0, 0.01);
+  EXPECT_NEAR(sq / n, 1.0, 0.015);
+  EXPECT_NEAR(lag / n, 0.0, 0.01);
+  EXPECT_NE(dl::channel_noise(1u, 0), dl::channel_noise(2u, 0));
+}
+
+TEST(RawImages, ChannelParamsTravelAsFloats) {
+  dl::ChannelParams p;
+  p.flip = true;
+  p.blur_sigma = 1.5f;
+  p.noise_std = 0.05f;
+  p.noise_key = 0xDEADBEEFu;
+  p.brightness = {0.9f, 1.1f, 1.2f};
+  p.contrast = {0.7f, 1.0f, 1.3f};
+  std::vector<float> row(dl::channel_param_count(3));
+  p.to_floats(row.data());
+  const dl::ChannelParams q = dl::ChannelParams::from_floats(row.data(), 3);
+  EXPECT_EQ(q.flip, p.flip);
+  EXPECT_EQ(q.blur_sigma, p.blur_sigma);
+  EXPECT_EQ(q.noise_std, p.noise_std);
+  EXPECT_EQ(q.noise_key, p.noise_key);
+  EXPECT_EQ(q.brightness, p.brightness);
+  EXPECT_EQ(q.contrast, p.contrast);
+}
+
+TEST(RawImages, IdentityChannelStageIsScaleAndNormalise) {
+  std::mt19937 rng(std::random_device{}());
+  const int h = 9, w = 7, c = 2;
+  const dl::RawImage im = random_image(rng, w, h, {c, dl::SampleType::kU16});
+  dl::ChannelParams p;
+  p.flip = true;
+  p.brightness.assign(c, 1.0f);
+  p.contrast.assign(c, 1.0f);
+  dl::ChannelNormalization norm{{0.25f, 0.5f}, {0.5f, 2.0f}};
+  std::vector<float> out(c * h * w);
+  dl::PlanarOutput po{out.data(), dl::OutputType::kFloat32, h * w, w, 1};
+  std::vector<float> scratch(dl::channel_scratch_floats(h, w, c));
+  dl::apply_channel_photometric(im.bytes.data(), im.layout, h, w, p, norm, po, scratch.data());
+  const auto* s = reinterpret_cast<const uint16_t*>(im.bytes.data());
+  for (int ch = 0; ch < c; ++ch) {
+    for (int y = 0; y < h; ++y) {
+      for (int x = 0; x < w; ++x) {
+        const float v = static_cast<float>(s[(y * w + x) * c + ch]) / 65535.0f;
+        EXPECT_EQ(out[ch * h * w + y * w + (w - 1 - x)], (v - norm.mean[ch]) / norm.std[ch]);
+      }
+    }
+  }
+}
+
+#if DINO_OPT_TEST_IMGCODECS
+TEST(RawImages, PngAndTiffRoundTripAtTheirDepth) {
+  std::mt19937 rng(std::random_device{}());
+  for (int channels : {1, 2, 3, 4}) {
+    for (auto type : {dl::SampleType::kU8, dl::SampleType::kU16}) {
+      for (auto format : {dl::ImageFormat::kPng, dl::ImageFormat::kTiff}) {
+        const dl::RawImage im = random_image(rng, 1 + rng() % 30, 1 + rng() % 30, {channels, type});
+        const auto bytes = dl::encode_raw(im.view(), format);
+        const dl::RawImage back = dl::decode_raw(bytes.data(), bytes.size(), dl::ImageHeader{});
+        EXPECT_EQ(back.layout, im.layout) << dl::format_name(format) << " " << back.layout.describe();
+        EXPECT_EQ(back.bytes, im.bytes) << dl::format_name(format) << " " << im.layout.describe();
+      }
+    }
+  }
+  // PNG holds no float and no more than 4 channels.
+  const dl::RawImage f = random_image(rng, 4, 4, {1, dl::SampleType::kF32});
+  expect_image_error([&] { dl::encode_raw(f.view(), dl::ImageFormat::kPng); }, "PNG holds");
+}
+
+TEST(RawImages, PipelineRefusesASourceMixingLayouts) {
+  std::mt19937 rng(std::random_device{}());
+  const dl::RawImage gray16 = random_image(rng, 40, 30, {1, dl::SampleType::kU16});
+  const auto bytes = dl::encode_raw(gray16.view(), dl::ImageFormat::kPng);
+  dl::PipelineOptions options;
+  options.mode = dl::ImageMode::kNative;
+  options.photometric = false;
+  options.augment.n_local = 0;
+  options.layout = {3, dl::SampleType::kU8};
+  options.layout_from = "first.png";
+  std::vector<uint8_t> raw(2 * 224 * 224 * 3 * 2);
+  std::vector<float> params(2 * 13);
+  std::vector<dl::CropTarget> targets(2);
+  for (int c = 0; c < 2; ++c) {
+    targets[c].raw = raw.data() + c * 224 * 224 * 3 * 2;
+    targets[c].raw_stride = 224 * 3 * 2;
+    targets[c].params = params.data() + c * 13;
+  }
+  dl::PipelineScratch scratch;
+  dl::Rng r(0, 0, 0);
+  expect_image_error(
+      [&] { dl::run_multicrop(bytes.data(), bytes.size(), r, options, targets, scratch); },
+      "a 1-channel uint16 image, but the data set's images are 3-channel uint8 (as its first, "
+      "first.png)");
+}
+#endif  // DINO_OPT_TEST_IMGCODECS
