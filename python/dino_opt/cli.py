@@ -62,6 +62,7 @@ from .config import (
     load_config,
 )
 from .data import find_images, verify_shards, write_shards
+from .data.dicom import parse_window, prepare_dicom
 from .distributed import WorkerFailedError, launch_distributed_training
 from .job import run_training
 from .models import CHECKPOINT_POLICIES
@@ -176,6 +177,8 @@ def _prepare(args: argparse.Namespace) -> int:
         return 1 if check["failed"] else 0
     if args.format == "shards":
         return _prepare_shards(args)
+    if args.format == "dicom":
+        return _prepare_dicom(args)
     r = prepare_dataset(
         args.src,
         args.dst,
@@ -498,6 +501,22 @@ def _prepare_shards(args: argparse.Namespace) -> int:
     return _failed(r["failed"])
 
 
+def _prepare_dicom(args: argparse.Namespace) -> int:
+    r = prepare_dicom(
+        args.src,
+        args.dst,
+        output=args.dicom_output,
+        window=parse_window(args.window),
+        num_threads=args.threads,
+        progress=not args.quiet,
+    )
+    print(
+        f"written {r['written']} images ({r['layout']}) from {r['files']} DICOM files, failed "
+        f"{len(r['failed'])}; train with data.image_mode=native"
+    )
+    return _failed(r["failed"])
+
+
 def _add_prepare(sub) -> None:
     p = sub.add_parser(
         "prepare", help="re-encode a data set at a bounded size, or write it as tar shards"
@@ -509,9 +528,23 @@ def _add_prepare(sub) -> None:
     )
     p.add_argument("dst", nargs="?", help="folder to write (created)")
     p.add_argument(
-        "--format", choices=("folder", "shards"), default="folder",
-        help="folder: the same layout, re-encoded (default); shards: tar shards with indexes",
-    )  # fmt: skip
+        "--format",
+        choices=("folder", "shards", "dicom"),
+        default="folder",
+        help="folder: the same layout, re-encoded (default); shards: tar shards with indexes; "
+        "dicom: DICOM files as .npy or 16-bit PNG (docs/loader.md)",
+    )
+    p.add_argument(
+        "--window",
+        default=None,
+        help="dicom: none (default), file (each file's WindowCenter/Width) or CENTER,WIDTH",
+    )
+    p.add_argument(
+        "--dicom-output",
+        choices=("npy", "png"),
+        default="npy",
+        help="dicom: float32 .npy (default) or 16-bit PNG (needs a window)",
+    )
     p.add_argument(
         "--max-side", type=int, default=None,
         help="longer side in pixels (default 512 for folders; shards keep the bytes unless given)",

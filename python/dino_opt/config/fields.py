@@ -127,6 +127,13 @@ class DataConfig:
         "Hugging Face data: the label column; null: a ClassLabel or a column named label",
         check="nonempty",
     )
+    builtin_variant: str = _opt(
+        "rgb",
+        "with data.root null: the built-in data set as JPEGs (rgb), 16-bit one-channel PNGs "
+        "(gray16) or 6-channel uint16 .npy arrays (multichannel; both need data.image_mode: "
+        "native)",
+        choices=("rgb", "gray16", "multichannel"),
+    )
     image_mode: str = _opt(
         "rgb",
         "how images are read: rgb (every image as 8-bit RGB), native (at their stored depth "

@@ -45,6 +45,16 @@ an instance (signed distance < 0, which is where the anti-aliased edge is
 more than half ink); a texture covers the whole frame, so every pixel of a
 texture image takes its class.
 
+Variants (``variant=``), the same scenes written otherwise, to show and test
+images that are not 8-bit RGB (``data.image_mode: native``):
+
+- ``gray16``: one channel, 16-bit PNG: the scene's luminance in a narrow band
+  of 600 levels around 30,000 (about 2.3 levels of an 8-bit image: cut to 8
+  bits, most of each picture is gone);
+- ``multichannel``: six channels, uint16 ``.npy`` arrays ``(H, W, 6)``: fixed
+  mixtures of the scene's red, green and blue (as spectral bands would be),
+  each with its own gain, offset and noise.
+
 Every image is a pure function of ``(seed, image stream, split, class,
 index)``; JPEGs (PIL, quality 90) are byte-identical for the same parameters,
 whatever the number of workers. The tree is written into a temporary
@@ -80,6 +90,8 @@ __all__ = [
     "default_root",
     "render_image",
     "render_image_and_mask",
+    "render_variant",
+    "BUILTIN_VARIANTS",
 ]
 
 #: Generator version: bump it whenever the tree would change, so caches regenerate
@@ -127,6 +139,21 @@ _SHAPES = ("circle", "ring", "triangle", "square", "star", "cross",
 _SPLITS = ("train", "val", "test")
 _JPEG_QUALITY = 90
 _GENERATOR = "dino_opt.builtin"
+#: The ways the scenes are written: name -> (file extension, channels).
+BUILTIN_VARIANTS = {"rgb": (".jpg", 3), "gray16": (".png", 1), "multichannel": (".npy", 6)}
+# gray16: the luminance's band (levels of 65535).
+_GRAY16_CENTER, _GRAY16_SPAN = 30000.0, 600.0
+# multichannel: each band's weights of R, G, B, its gain and offset (of 65535), its noise.
+_BANDS = np.array(
+    [
+        [0.9, 0.1, 0.0, 20000, 5000, 0.01],
+        [0.1, 0.8, 0.1, 30000, 8000, 0.01],
+        [0.0, 0.2, 0.8, 25000, 3000, 0.02],
+        [0.3, 0.4, 0.3, 12000, 20000, 0.01],
+        [0.6, 0.0, 0.4, 8000, 30000, 0.03],
+        [0.2, 0.5, 0.3, 40000, 1000, 0.02],
+    ]
+)
 _TASK_IMAGES = 50
 
 
@@ -386,6 +413,35 @@ def render_image_and_mask(
     ``1 +`` the class's index in its domain's classes where the class is: inside a
     shape's instances, everywhere for a texture). Drawing the mask takes
     nothing from ``rng``: the image is the same as :func:`render_image`'s."""
+    img, mask = _render_scene(class_name, rng, size)
+    return np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8), mask
+
+
+def render_variant(
+    class_name: str, rng: np.random.Generator, size: int, variant: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The image of ``class_name`` in ``variant`` (:data:`BUILTIN_VARIANTS`)
+    and its mask: ``rgb`` as :func:`render_image_and_mask`; ``gray16`` uint16
+    ``[size, size]``; ``multichannel`` uint16 ``[size, size, 6]``. The scene
+    is the one ``rgb`` draws from the same ``rng``; the bands' noise comes after."""
+    if variant == "rgb":
+        return render_image_and_mask(class_name, rng, size)
+    img, mask = _render_scene(class_name, rng, size)
+    img = np.clip(img, 0.0, 1.0).astype(np.float64)
+    if variant == "gray16":
+        lum = img @ np.array([0.299, 0.587, 0.114])
+        values = _GRAY16_CENTER + _GRAY16_SPAN * (lum - 0.5)
+    elif variant == "multichannel":
+        mixed = img @ _BANDS[:, :3].T
+        noise = rng.standard_normal(mixed.shape) * _BANDS[:, 5]
+        values = _BANDS[:, 4] + _BANDS[:, 3] * (mixed + noise)
+    else:
+        raise ValueError(f"variant must be one of {', '.join(BUILTIN_VARIANTS)}, got {variant!r}")
+    return np.clip(np.round(values), 0, 65535).astype(np.uint16), mask
+
+
+def _render_scene(class_name: str, rng: np.random.Generator, size: int):
+    """The scene of ``class_name`` as float RGB (before quantisation) and its mask."""
     second = class_name in SECOND_CLASSES
     if class_name not in BUILTIN_CLASSES and not second:
         raise ValueError(f"class_name must be one of {BUILTIN_CLASSES + SECOND_CLASSES}, got "
@@ -407,7 +463,7 @@ def render_image_and_mask(
         mask = np.full((size, size), label, dtype=np.uint8)
     sigma = rng.uniform(0.0, 0.04)
     img += rng.standard_normal(img.shape, dtype=np.float32) * np.float32(sigma)
-    return np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8), mask
+    return img, mask
 
 
 def render_image(class_name: str, rng: np.random.Generator, size: int) -> np.ndarray:
@@ -424,28 +480,42 @@ def _image_rng(seed: int, split: int, label: int, index: int) -> np.random.Gener
     return np.random.default_rng([_IMAGE_STREAM, seed, split, label, index])
 
 
-def _write_images(task: tuple[str, int, int, int, int, int, int, str]) -> int:
+def _save(pixels: np.ndarray, path: Path, variant: str) -> None:
+    if variant == "rgb":
+        Image.fromarray(pixels).save(path, "JPEG", quality=_JPEG_QUALITY)
+    elif variant == "gray16":
+        Image.fromarray(pixels).save(path, "PNG")  # uint16 [H, W]: mode I;16
+    else:
+        np.save(path, pixels)
+
+
+def _write_images(task: tuple[str, int, int, int, int, int, int, str, str]) -> int:
     """Render and save images ``start..stop-1`` of one class of one split
     and their masks; returns the number of images."""
-    out_dir, seed, split, label, start, stop, size, domain = task
+    out_dir, seed, split, label, start, stop, size, domain, variant = task
+    ext = BUILTIN_VARIANTS[variant][0]
     name = BUILTIN_DOMAINS[domain][label]
     folder = Path(out_dir) / _SPLITS[split] / name
     masks = Path(out_dir) / BUILTIN_MASKS / _SPLITS[split] / name
     folder.mkdir(parents=True, exist_ok=True)
     masks.mkdir(parents=True, exist_ok=True)
     for index in range(start, stop):
-        pixels, mask = render_image_and_mask(name, _image_rng(seed, split, label, index), size)
+        rng = _image_rng(seed, split, label, index)
+        pixels, mask = render_variant(name, rng, size, variant)
         stem = f"{name}_{index:05d}"
-        Image.fromarray(pixels).save(folder / f"{stem}.jpg", "JPEG", quality=_JPEG_QUALITY)
+        _save(pixels, folder / f"{stem}{ext}", variant)
         Image.fromarray(mask).save(masks / f"{stem}.png", "PNG")  # uint8 [H, W]: mode L
     return stop - start
 
 
-def _manifest(seed: int, image_size: int, per_class: dict[str, int], domain: str) -> dict:
+def _manifest(
+    seed: int, image_size: int, per_class: dict[str, int], domain: str, variant: str = "rgb"
+) -> dict:
     classes = BUILTIN_DOMAINS[domain]
     n = len(classes)
     return {
         **({"domain": domain} if domain != "default" else {}),
+        **({"variant": variant} if variant != "rgb" else {}),
         "generator": _GENERATOR,
         "version": BUILTIN_VERSION,
         "seed": seed,
@@ -479,7 +549,8 @@ def _is_complete(root: Path, manifest: dict) -> bool:
         if per_class == 0:
             continue
         for name in manifest["classes"]:
-            for folder, ext in ((root / split / name, ".jpg"),
+            image_ext = BUILTIN_VARIANTS[manifest.get("variant", "rgb")][0]
+            for folder, ext in ((root / split / name, image_ext),
                                 (root / BUILTIN_MASKS / split / name, ".png")):  # fmt: skip
                 if _count_files(folder, ext) != per_class:
                     return False
@@ -529,6 +600,7 @@ def builtin_dataset(
     seed: int = 0,
     num_workers: int | None = None,
     domain: str = "default",
+    variant: str = "rgb",
 ) -> Path:
     """The built-in data set's root, generated on first use (see the module
     docstring for what it holds).
@@ -547,10 +619,15 @@ def builtin_dataset(
     makes the second domain instead (:data:`BUILTIN_DOMAINS`): ten other
     classes (six silhouettes, four textures) in saturated colours on coloured
     backgrounds, drawn the same way: a data set to adapt a model trained on
-    the first one to.
+    the first one to. ``variant`` (:data:`BUILTIN_VARIANTS`): ``gray16`` or
+    ``multichannel`` writes the same scenes as 16-bit one-channel PNGs or
+    6-channel uint16 ``.npy`` arrays (the module docstring), by default
+    under ``default_root()`` with ``-<variant>`` added to its name.
     """
     if domain not in BUILTIN_DOMAINS:
         raise ValueError(f"domain must be one of {', '.join(BUILTIN_DOMAINS)}, got {domain!r}")
+    if variant not in BUILTIN_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(BUILTIN_VARIANTS)}, got {variant!r}")
     train_per_class = _check_count("train_per_class", train_per_class, 1)
     val_per_class = _check_count("val_per_class", val_per_class, 1)
     test_per_class = _check_count("test_per_class", test_per_class, 0)
@@ -559,9 +636,12 @@ def builtin_dataset(
     workers = (
         _default_workers() if num_workers is None else _check_count("num_workers", num_workers, 0)
     )
-    root = Path(root).expanduser() if root is not None else default_root()
+    if root is None:
+        root = default_root()
+        root = root if variant == "rgb" else root.with_name(f"{root.name}-{variant}")
+    root = Path(root).expanduser()
     per_class = {"train": train_per_class, "val": val_per_class, "test": test_per_class}
-    manifest = _manifest(seed, image_size, per_class, domain)
+    manifest = _manifest(seed, image_size, per_class, domain, variant)
 
     if _is_complete(root, manifest):
         return root
@@ -589,6 +669,7 @@ def builtin_dataset(
                 min(start + _TASK_IMAGES, count),
                 image_size,
                 domain,
+                variant,
             )
             for split, count in enumerate(per_class.values())
             for label in range(len(BUILTIN_DOMAINS[domain]))

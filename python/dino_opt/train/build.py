@@ -217,7 +217,7 @@ def data_roots(cfg: Config) -> DataRoots:
     name replaced); ``eval.train_root``, ``eval.val_root`` and
     ``eval.test_root`` name the k-NN's data explicitly."""
     if cfg.data.root is None:
-        builtin = builtin_dataset()
+        builtin = builtin_dataset(variant=cfg.data.builtin_variant)
         train, val, test = builtin / "train", builtin / "val", builtin / "test"
         val, test = (val if val.is_dir() else None), (test if test.is_dir() else None)
     else:
