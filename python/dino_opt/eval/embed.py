@@ -142,6 +142,7 @@ def embed_images(
     distributed: bool | None = None,
     progress: bool = False,
     resize_size: int | None = None,
+    image_mode: str = "rgb",
 ) -> Embeddings:
     """The :class:`Embeddings` of every image of ``source`` (anything
     :func:`~dino_opt.data.open_source` opens, labelled or not) under the
@@ -152,14 +153,16 @@ def embed_images(
     as :func:`~dino_opt.eval.extract_features`).
     With ``distributed`` (None: when a process group of several ranks is
     initialised) each rank embeds its shard and every rank gets the whole.
-    ``progress``: a progress bar of this rank's batches."""
+    ``progress``: a progress bar of this rank's batches. ``image_mode``:
+    ``native`` reads images at their stored depth and channels (``mean``
+    and ``std`` then one per channel)."""
     device = torch.device(device)
     rank, world = shard_of(distributed)
     with eval_mode(model):
         with EvalLoader(source, image_size, batch_size, rank=rank, world_size=world,
                         num_threads=num_threads, mean=mean, std=std, labelled=False,
                         on_error="skip", pin_memory=device.type == "cuda",
-                        resize_size=resize_size) as loader:  # fmt: skip
+                        resize_size=resize_size, image_mode=image_mode) as loader:  # fmt: skip
             parts, index = _embed_batches(model, loader, device, amp_dtype_of(amp, device),
                                           patch_maps, progress)  # fmt: skip
             names = [loader.source.describe(i) for i in range(loader.num_samples)]

@@ -443,6 +443,7 @@ def linear_probe(
     seed: int = 0,
     cached: dict | None = None,
     keep_head: bool = False,
+    input: dict | None = None,
 ) -> dict:
     """The linear probe of a frozen ``backbone`` on ``data``: every classifier
     of the grid trained for ``epochs`` (default: :data:`EPOCHS` of the mode)
@@ -454,7 +455,8 @@ def linear_probe(
     ``rows`` (every classifier), ``logreg``, ``seconds`` and the settings.
     ``cached`` (``{"train": (x, y), ...}``) reuses extracted probe features.
     ``keep_head``: ``head`` holds the best classifier (:func:`best_classifier`;
-    tensors, not JSON)."""
+    tensors, not JSON). ``input``: the loader's image mode and normalisation
+    (:func:`probe_features`)."""
     if mode not in ("fast", "augmented"):
         raise ValueError(f"mode must be 'fast' or 'augmented', got {mode!r}")
     epochs = EPOCHS[mode] if epochs is None and mode in EPOCHS else epochs
@@ -466,7 +468,7 @@ def linear_probe(
     num_classes, classes = _num_classes(sources)
     probe = ProbeFeatures(backbone).to(device).eval()
     start = time.perf_counter()
-    feats = cached or probe_features(probe, sources, image_size, device, amp, batch_size)
+    feats = cached or probe_features(probe, sources, image_size, device, amp, batch_size, input)
     extracted = time.perf_counter()
     if probe.layout["dim"] is None:
         probe.layout["dim"] = feats["train"][0].shape[1]

@@ -132,10 +132,14 @@ def _check_record(record, tensors: dict, path: Path) -> None:
         if type_ is int and value < 1:
             raise bad(f"has {key}={value}")
     norm = record["mean"] + record["std"]
-    if len(norm) != 6 or not all(map(_is_number, norm)) or min(record["std"]) <= 0:
+    same = len(record["mean"]) == len(record["std"]) >= 1
+    if not same or not all(map(_is_number, norm)) or min(record["std"]) <= 0:
         raise bad(
-            f"has mean {record['mean']!r} and std {record['std']!r}, not 3 finite numbers each"
+            f"has mean {record['mean']!r} and std {record['std']!r}, not one finite number "
+            "per channel each"
         )
+    if record.get("image_mode", "rgb") not in ("rgb", "native"):
+        raise bad(f"has image_mode={record['image_mode']!r}, not rgb or native")
     identity = record["backbone"]
     if not all(
         isinstance(identity.get(k), str) for k in ("fingerprint", "backbone", "which", "weights")

@@ -83,6 +83,7 @@ class ViTArch:
     num_heads: int | None = None
     interpolate_offset: float = 0.0
     interpolate_antialias: bool = False
+    in_chans: int = 3  # the images' channels (the patch embedding's input)
 
     @property
     def name(self) -> str | None:
@@ -151,7 +152,8 @@ class ViTArch:
                     ffn_layer=self.ffn_layer, layerscale_init=1e-5 if self.layerscale else None,
                     num_register_tokens=self.num_register_tokens, use_mask_token=self.mask_token,
                     interpolate_offset=self.interpolate_offset,
-                    interpolate_antialias=self.interpolate_antialias)  # fmt: skip
+                    interpolate_antialias=self.interpolate_antialias,
+                    in_chans=self.in_chans)  # fmt: skip
 
     def replace(self, **changes) -> ViTArch:
         return dataclasses.replace(self, **changes)
@@ -193,6 +195,7 @@ def vit_arch(sd: dict, num_heads: int | None = None) -> ViTArch:
         ffn_bias=_in_blocks(sd, ".mlp.w12.bias" if swiglu else ".mlp.fc1.bias"),
         mask_token="mask_token" in sd,
         num_heads=num_heads,
+        in_chans=sd["patch_embed.proj.weight"].shape[1],
     )
 
 
@@ -306,6 +309,8 @@ def _timm_v1(arch: ViTArch, image_size: int) -> tuple[str, dict]:
         kwargs["patch_size"] = arch.patch_size
     if image_size != 224:
         kwargs["img_size"] = image_size
+    if arch.in_chans != 3:
+        kwargs["in_chans"] = arch.in_chans
     return model, kwargs
 
 
@@ -329,6 +334,8 @@ def _timm_v2(arch: ViTArch, image_size: int) -> tuple[str, dict]:
         kwargs["qkv_bias"] = False
     if not (arch.proj_bias or arch.ffn_bias):
         kwargs["proj_bias"] = False
+    if arch.in_chans != 3:
+        kwargs["in_chans"] = arch.in_chans
     return f"vit_{size}_patch14_{reg}dinov2", kwargs
 
 
@@ -413,7 +420,7 @@ def hf_vit_config(arch: ViTArch, image_size: int) -> dict:
         "layer_norm_eps": 1e-6,
         "image_size": image_size,
         "patch_size": arch.patch_size,
-        "num_channels": 3,
+        "num_channels": arch.in_chans,
         "qkv_bias": True,
         "initializer_range": 0.02,
     }
@@ -525,7 +532,7 @@ def hf_dinov2_config(arch: ViTArch, image_size: int) -> dict:
         "layer_norm_eps": 1e-6,
         "image_size": image_size,
         "patch_size": arch.patch_size,
-        "num_channels": 3,
+        "num_channels": arch.in_chans,
         "qkv_bias": arch.qkv_bias,
         "layerscale_value": 1.0,
         "use_swiglu_ffn": arch.swiglu,

@@ -68,6 +68,7 @@ class OpenedBackbone(NamedTuple):
     config: Config | None
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
+    image_mode: str = "rgb"  # "native": images read at their stored depth and channels
 
 
 def _run_config(path: Path) -> Config | None:
@@ -93,6 +94,7 @@ def open_backbone(path: str | os.PathLike, which: str = "teacher") -> OpenedBack
     cfg = _run_config(Path(path)) if weights.format == "dino_opt" else None
     trained = weights.training or {"image_size": native}
     norm = {k: tuple(trained[k]) for k in ("mean", "std") if k in trained}
+    norm["image_mode"] = trained.get("image_mode", "rgb")
     return OpenedBackbone(net.eval(), trained["image_size"], weights.format, weights.backbone,
                           cfg, **norm)  # fmt: skip
 
@@ -137,7 +139,7 @@ def run_linear_probe(
     size = image_size or opened.image_size
     result = linear_probe(opened.net, ProbeData(train, val, test), size,
                           device=resolve_device(device), keep_head=head is not None,
-                          **options)  # fmt: skip
+                          input=_input(opened), **options)  # fmt: skip
     result.update(weights=str(path), format=opened.format, backbone=opened.name,
                   which=which, data={"train": str(train), "val": str(val),
                                      "test": str(test) if test else None})  # fmt: skip
@@ -153,11 +155,17 @@ def run_linear_probe(
     return result
 
 
+def _input(opened: OpenedBackbone) -> dict:
+    """The evaluation loader's image mode and normalisation of ``opened``."""
+    return {"image_mode": opened.image_mode, "mean": list(opened.mean), "std": list(opened.std)}
+
+
 def _record(info: dict, opened: OpenedBackbone, path, which: str) -> dict:
     """A head's record: ``info``, the normalisation and the backbone's identity."""
     identity = {"weights": str(path), "format": opened.format, "backbone": opened.name,
                 "which": which, "fingerprint": backbone_fingerprint(opened.net)}  # fmt: skip
-    return {**info, "mean": list(opened.mean), "std": list(opened.std), "backbone": identity}
+    norm = {"mean": list(opened.mean), "std": list(opened.std), "image_mode": opened.image_mode}
+    return {**info, **norm, "backbone": identity}
 
 
 def run_dense_probe(
@@ -240,6 +248,7 @@ def embeddings_of(
         mean=opened.mean,
         std=opened.std,
         progress=progress,
+        image_mode=opened.image_mode,
         **options,
     )
     meta = {
@@ -253,6 +262,7 @@ def embeddings_of(
         "data": str(data),
         "images": len(emb.names),
         "failed": len(emb.failed),
+        "image_mode": opened.image_mode,
     }
     return emb, meta
 
@@ -320,7 +330,8 @@ def predict(
     # the dense probe's images are resized whole to size x size (a square image: exactly so)
     resize = size if record["kind"] == "dense" else None
     out = embed_images(model, data, size, device=device, batch_size=batch_size,
-                       mean=record["mean"], std=record["std"], resize_size=resize)  # fmt: skip
+                       mean=record["mean"], std=record["std"], resize_size=resize,
+                       image_mode=record.get("image_mode", "rgb"))  # fmt: skip
     if record["kind"] == "linear":
         write_classes(Path(output), out.names, out.cls, record["classes"])
     else:

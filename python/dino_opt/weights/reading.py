@@ -118,10 +118,14 @@ def sub_dict(state: dict, prefix: str) -> dict:
 
 def training_input(cfg: Config) -> dict:
     """The input a run of ``cfg`` trains at: ``image_size``, the global
-    crops' side (with crop-size pairs: the first pair's), and the
-    normalisation's ``mean`` and ``std``."""
-    return {"image_size": int(cfg.augmentation.crop_size_pairs[0][0]),
-            "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}  # fmt: skip
+    crops' side (with crop-size pairs: the first pair's), the
+    normalisation's ``mean`` and ``std`` (one per channel), and for images
+    read at their stored depth the ``image_mode`` (``native``)."""
+    d = cfg.data
+    mean = list(d.mean) if d.mean is not None else list(IMAGENET_MEAN)
+    std = list(d.std) if d.std is not None else list(IMAGENET_STD)
+    out = {"image_size": int(cfg.augmentation.crop_size_pairs[0][0]), "mean": mean, "std": std}
+    return out | ({"image_mode": d.image_mode} if d.image_mode != "rgb" else {})
 
 
 def training_sidecar(path: Path) -> Path:
@@ -139,10 +143,12 @@ def _checked_training(value, where: str) -> dict | None:
     try:
         out = json.loads(value) if isinstance(value, str) else value
         size, mean, std = int(out["image_size"]), out["mean"], out["std"]
-        if size < 1 or len(mean) != 3 or len(std) != 3:
+        mode = out.get("image_mode", "rgb")
+        if size < 1 or not mean or len(mean) != len(std) or mode not in ("rgb", "native"):
             raise ValueError("out of range")
-        return {"image_size": size, "mean": [float(v) for v in mean],
-                "std": [float(v) for v in std]}  # fmt: skip
+        checked = {"image_size": size, "mean": [float(v) for v in mean]}
+        checked["std"] = [float(v) for v in std]
+        return checked | ({"image_mode": mode} if mode != "rgb" else {})
     except (TypeError, KeyError, ValueError) as e:
         raise ValueError(f"{where}: its {TRAINING_KEY} record is not valid ({e})") from None
 
