@@ -48,7 +48,14 @@ dl::RawImage random_image(std::mt19937& rng, int w, int h, dl::ImageLayout layou
 
 // A v1.0 .npy file with `header` as its dict text and `data_bytes` bytes after it.
 std::vector<uint8_t> npy_with_header(const std::string& header, size_t data_bytes) {
-  std::vector<uint8_t> out = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
+  std::vector<uint8_t> out = {0x93,
+                              'N',
+                              'U',
+                              'M',
+                              'P',
+                              'Y',
+                              1,
+                              0,
                               static_cast<uint8_t>(header.size() & 0xFF),
                               static_cast<uint8_t>(header.size() >> 8)};
   out.insert(out.end(), header.begin(), header.end());
@@ -57,7 +64,7 @@ std::vector<uint8_t> npy_with_header(const std::string& header, size_t data_byte
 }
 
 const std::vector<dl::ImageLayout> kLayouts = {
-    {1, dl::SampleType::kU8},  {2, dl::SampleType::kU16}, {4, dl::SampleType::kU16},
+    {1, dl::SampleType::kU8},   {2, dl::SampleType::kU16}, {4, dl::SampleType::kU16},
     {13, dl::SampleType::kU16}, {1, dl::SampleType::kF32}, {6, dl::SampleType::kF32}};
 
 }  // namespace
@@ -98,8 +105,8 @@ TEST(RawImages, NpyHeadersThatNumPyWritesAreRead) {
     EXPECT_EQ(h.layout.channels, channels);
   }
   std::string header = "{'descr': '<u2', 'fortran_order': False, 'shape': (2, 2), }";
-  std::vector<uint8_t> v2 = {0x93, 'N', 'U', 'M', 'P', 'Y', 2, 0,
-                             static_cast<uint8_t>(header.size()), 0, 0, 0};
+  std::vector<uint8_t> v2 = {
+      0x93, 'N', 'U', 'M', 'P', 'Y', 2, 0, static_cast<uint8_t>(header.size()), 0, 0, 0};
   v2.insert(v2.end(), header.begin(), header.end());
   v2.resize(v2.size() + 8);
   EXPECT_EQ(dl::parse_npy_header(v2.data(), v2.size()).layout.type, dl::SampleType::kU16);
@@ -155,7 +162,8 @@ TEST(RawImages, PixelLimitAppliesToNpy) {
       npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (100, 100), }", 10000);
   dl::DecodeOptions small;
   small.max_pixels = 9999;
-  expect_image_error([&] { dl::probe_image(bytes.data(), bytes.size(), small); }, "above the limit");
+  expect_image_error([&] { dl::probe_image(bytes.data(), bytes.size(), small); },
+                     "above the limit");
 }
 
 TEST(RawImages, NpyInRgbModeBecomesRgbOrIsRefused) {
@@ -296,7 +304,8 @@ TEST(RawImages, PngAndTiffRoundTripAtTheirDepth) {
         const dl::RawImage im = random_image(rng, 1 + rng() % 30, 1 + rng() % 30, {channels, type});
         const auto bytes = dl::encode_raw(im.view(), format);
         const dl::RawImage back = dl::decode_raw(bytes.data(), bytes.size(), dl::ImageHeader{});
-        EXPECT_EQ(back.layout, im.layout) << dl::format_name(format) << " " << back.layout.describe();
+        EXPECT_EQ(back.layout, im.layout)
+            << dl::format_name(format) << " " << back.layout.describe();
         EXPECT_EQ(back.bytes, im.bytes) << dl::format_name(format) << " " << im.layout.describe();
       }
     }

@@ -319,20 +319,19 @@ void bind_loader(py::module_& m) {
   m.def(
       "data_set_layout",
       [](const std::shared_ptr<SampleSource>& source, int64_t max_pixels, int64_t tries) {
-        const auto [layout, from] = without_gil(
-            [&] { return data_set_layout(*source, DecodeOptions{max_pixels}, tries); });
+        const auto [layout, from] =
+            without_gil([&] { return data_set_layout(*source, DecodeOptions{max_pixels}, tries); });
         return py::make_tuple(layout.channels, sample_type_name(layout.type), from);
       },
-      py::arg("source"), py::arg("max_pixels") = DecodeOptions{}.max_pixels,
-      py::arg("tries") = 1,
+      py::arg("source"), py::arg("max_pixels") = DecodeOptions{}.max_pixels, py::arg("tries") = 1,
       "(channels, sample type, described image) of a source's first image that decodes");
   m.def(
       "decode_raw",
       [](const py::bytes& data, int scale_denom, int64_t max_pixels) {
         const auto bytes = bytes_of(data);
         py::gil_scoped_release release;
-        const RawImage raw =
-            decode_raw(bytes.data(), bytes.size(), ImageHeader{}, scale_denom, DecodeOptions{max_pixels});
+        const RawImage raw = decode_raw(bytes.data(), bytes.size(), ImageHeader{}, scale_denom,
+                                        DecodeOptions{max_pixels});
         return raw_tensor(raw.view());
       },
       py::arg("data"), py::arg("scale_denom") = 1,

@@ -35,8 +35,7 @@ void load_planar(const uint8_t* src, int c_count, int64_t pixels, float scale, f
 }
 
 // Separable blur of one h x w plane in place (tmp: max(h, w) floats).
-void blur_plane(float* plane, int h, int w, float sigma, float* tmp, float* taps_y,
-                float* taps_x) {
+void blur_plane(float* plane, int h, int w, float sigma, float* tmp, float* taps_y, float* taps_x) {
   const int ry = pm::blur_radius(sigma, h), rx = pm::blur_radius(sigma, w);
   pm::gaussian_weights(sigma, ry, taps_y);
   pm::gaussian_weights(sigma, rx, taps_x);

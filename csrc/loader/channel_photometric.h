@@ -24,9 +24,9 @@ namespace dino_opt::loader {
 //    brightness_0 .. brightness_{C-1}, contrast_0 .. contrast_{C-1}]
 struct ChannelParams {
   bool flip = false;
-  float blur_sigma = 0.0f;  // 0: no blur
-  float noise_std = 0.0f;   // 0: no noise
-  uint32_t noise_key = 0;   // the noise field's key (channel_noise)
+  float blur_sigma = 0.0f;                  // 0: no blur
+  float noise_std = 0.0f;                   // 0: no noise
+  uint32_t noise_key = 0;                   // the noise field's key (channel_noise)
   std::vector<float> brightness, contrast;  // one factor per channel, 1: unchanged
 
   void to_floats(float* out) const;

@@ -915,7 +915,7 @@ Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, 
 #if DINO_OPT_WITH_IMGCODECS
     return decode_with_opencv(data, size, actual.format, options);
 #else
-    throw ImageError("this build reads JPEG only");  // probe_image refused already
+    throw ImageError("this build reads JPEG only");           // probe_image refused already
 #endif
   } catch (const std::bad_alloc&) {
     throw ImageError(std::string("out of memory decoding a ") + format_name(actual.format) + " " +

@@ -12,9 +12,8 @@
 // (resample_raw.h) and the per-channel stage (channel_photometric.h).
 #include <cstddef>
 #include <cstdint>
-#include <vector>
-
 #include <string>
+#include <vector>
 
 #include "loader/channel_photometric.h"
 #include "loader/crop_sampling.h"

@@ -25,8 +25,8 @@ class HeaderParser {
   HeaderParser(const char* text, size_t size) : s_(text), n_(size) {}
 
   void skip_space() {
-    while (pos_ < n_ && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' ||
-                         s_[pos_] == '\r')) {
+    while (pos_ < n_ &&
+           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) {
       ++pos_;
     }
   }
@@ -46,7 +46,8 @@ class HeaderParser {
   }
   std::string string_literal() {
     const char quote = peek();
-    if (quote != '\'' && quote != '"') corrupt("expected a string at character " + std::to_string(pos_));
+    if (quote != '\'' && quote != '"')
+      corrupt("expected a string at character " + std::to_string(pos_));
     ++pos_;
     std::string out;
     while (pos_ < n_ && s_[pos_] != quote) {
@@ -79,7 +80,8 @@ class HeaderParser {
         if (++digits > 10) corrupt("a shape entry above 2^31 - 1");
         v = v * 10 + (s_[pos_++] - '0');
       }
-      if (digits == 0) corrupt("expected an integer in the shape at character " + std::to_string(pos_));
+      if (digits == 0)
+        corrupt("expected an integer in the shape at character " + std::to_string(pos_));
       if (v > INT32_MAX) corrupt("a shape entry above 2^31 - 1");
       out.push_back(v);
       skip_space();
@@ -183,8 +185,7 @@ NpyHeader parse_npy_header(const uint8_t* data, size_t size) {
     corrupt("the header claims " + std::to_string(header_len) + " bytes, the file has " +
             std::to_string(size - header_at) + " after the length");
   }
-  const ParsedDict d =
-      parse_dict(reinterpret_cast<const char*>(data + header_at), header_len);
+  const ParsedDict d = parse_dict(reinterpret_cast<const char*>(data + header_at), header_len);
   NpyHeader h;
   h.layout.type = parse_descr(d.descr);
   if (d.fortran_order) {
@@ -201,9 +202,8 @@ NpyHeader parse_npy_header(const uint8_t* data, size_t size) {
   h.width = static_cast<int>(d.shape[1]);
   h.layout.channels = d.shape.size() == 3 ? static_cast<int>(d.shape[2]) : 1;
   if (h.layout.channels > kMaxChannels) {
-    throw ImageError(".npy array of " + std::to_string(h.layout.channels) +
-                     " channels (at most " + std::to_string(kMaxChannels) +
-                     "; images are (H, W, C), channels last)");
+    throw ImageError(".npy array of " + std::to_string(h.layout.channels) + " channels (at most " +
+                     std::to_string(kMaxChannels) + "; images are (H, W, C), channels last)");
   }
   h.data_offset = header_at + header_len;
   // Each side < 2^31 and channels <= 1024: the product fits in 64 bits.
@@ -222,7 +222,8 @@ std::vector<uint8_t> encode_npy(const RawView& view, bool squeeze) {
                       : view.layout.type == SampleType::kU16 ? "<u2"
                                                              : "<f4";
   std::string shape = "(" + std::to_string(view.height) + ", " + std::to_string(view.width);
-  shape += squeeze && view.layout.channels == 1 ? ")" : ", " + std::to_string(view.layout.channels) + ")";
+  shape += squeeze && view.layout.channels == 1 ? ")"
+                                                : ", " + std::to_string(view.layout.channels) + ")";
   std::string header =
       std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
   // Padded with spaces and a newline so that the data starts at a multiple of 64.
@@ -235,8 +236,8 @@ std::vector<uint8_t> encode_npy(const RawView& view, bool squeeze) {
   out.push_back(static_cast<uint8_t>(header.size() & 0xFF));
   out.push_back(static_cast<uint8_t>(header.size() >> 8));
   out.insert(out.end(), header.begin(), header.end());
-  const size_t row = static_cast<size_t>(view.width) * view.layout.channels *
-                     sample_bytes(view.layout.type);
+  const size_t row =
+      static_cast<size_t>(view.width) * view.layout.channels * sample_bytes(view.layout.type);
   for (int y = 0; y < view.height; ++y) out.insert(out.end(), view.row(y), view.row(y) + row);
   return out;
 }

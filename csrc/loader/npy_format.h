@@ -18,8 +18,8 @@ bool is_npy(const uint8_t* data, size_t size);
 struct NpyHeader {
   int height = 0;
   int width = 0;
-  ImageLayout layout;       // channels 1 for a 2-D array
-  size_t data_offset = 0;   // where the samples start
+  ImageLayout layout;      // channels 1 for a 2-D array
+  size_t data_offset = 0;  // where the samples start
 };
 
 // Parses and checks the header: a little-endian (or byte-order-free) uint8,

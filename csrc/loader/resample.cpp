@@ -10,7 +10,7 @@ namespace {
 
 constexpr int kPrecisionBits = 32 - 8 - 2;  // as Pillow: 8-bit pixels times weights fit int32
 static_assert(kPrecisionBits == kResampleFractionBits);
-constexpr double kSupport = 2.0;            // bicubic
+constexpr double kSupport = 2.0;  // bicubic
 
 double bicubic(double x) {
   constexpr double a = -0.5;
