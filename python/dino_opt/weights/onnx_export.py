@@ -1,7 +1,8 @@
 """ONNX export of any backbone the project reads (``dino-opt export --format
 onnx``), checked with onnxruntime against PyTorch on real images.
 
-The graph maps ``images`` ``[B, 3, H, W]`` (normalised as in training) to
+The graph maps ``images`` ``[B, C, H, W]`` (C: 3, or the model's channels;
+normalised as in training) to
 ``cls`` ``[B, D]`` and ``patch_tokens`` ``[B, n, D]`` (a ViT or ConvNeXt:
 the last layer's normalised tokens) or to ``features`` ``[B, D]`` (a
 ResNet). The batch is dynamic; so are the height and width where the
@@ -31,6 +32,7 @@ from torch import nn
 from ..checkpoint import check_output, replace_with
 from ..data import builtin_dataset, source_exists
 from ..eval import EvalLoader
+from ..models import input_channels
 from ..train import data_roots
 from .probes import OpenedBackbone, open_backbone
 from .reading import TRAINING_KEY
@@ -100,7 +102,7 @@ def _check_data(opened: OpenedBackbone, data, folder: Path) -> Path:
 
 def _images(opened: OpenedBackbone, data: Path, size: int) -> torch.Tensor:
     with EvalLoader(data, size, _CHECK_BATCH, labelled=False, mean=opened.mean, std=opened.std,
-                    pin_memory=False) as loader:  # fmt: skip
+                    pin_memory=False, image_mode=opened.image_mode) as loader:  # fmt: skip
         return next(iter(loader))[0]
 
 
@@ -114,7 +116,7 @@ def _largest_difference(session, graph: _Graph, images: torch.Tensor) -> float:
 def _trace(graph: _Graph, output: Path, size: int, dynamic_size: bool, big: bool) -> None:
     dim = torch.export.Dim.DYNAMIC
     axes = {0: dim, 2: dim, 3: dim} if dynamic_size else {0: dim}
-    example = torch.zeros(_EXAMPLE_BATCH, 3, size, size)
+    example = torch.zeros(_EXAMPLE_BATCH, input_channels(graph), size, size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on decompositions
         torch.onnx.export(graph, (example,), str(output), input_names=["images"],
@@ -205,6 +207,8 @@ def export_onnx(
             "mean": list(opened.mean),
             "std": list(opened.std),
         }
+        if opened.image_mode != "rgb":
+            training["image_mode"] = opened.image_mode
         meta = {
             TRAINING_KEY: json.dumps(training),
             "dino_opt_source": str(source),
