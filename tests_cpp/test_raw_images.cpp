@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -48,18 +49,12 @@ dl::RawImage random_image(std::mt19937& rng, int w, int h, dl::ImageLayout layou
 
 // A v1.0 .npy file with `header` as its dict text and `data_bytes` bytes after it.
 std::vector<uint8_t> npy_with_header(const std::string& header, size_t data_bytes) {
-  std::vector<uint8_t> out = {0x93,
-                              'N',
-                              'U',
-                              'M',
-                              'P',
-                              'Y',
-                              1,
-                              0,
-                              static_cast<uint8_t>(header.size() & 0xFF),
-                              static_cast<uint8_t>(header.size() >> 8)};
-  out.insert(out.end(), header.begin(), header.end());
-  out.resize(out.size() + data_bytes, 7);
+  std::vector<uint8_t> out(10 + header.size() + data_bytes, 7);
+  const uint8_t start[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
+  std::memcpy(out.data(), start, 8);
+  out[8] = static_cast<uint8_t>(header.size() & 0xFF);
+  out[9] = static_cast<uint8_t>(header.size() >> 8);
+  std::memcpy(out.data() + 10, header.data(), header.size());
   return out;
 }
 
@@ -105,10 +100,11 @@ TEST(RawImages, NpyHeadersThatNumPyWritesAreRead) {
     EXPECT_EQ(h.layout.channels, channels);
   }
   std::string header = "{'descr': '<u2', 'fortran_order': False, 'shape': (2, 2), }";
-  std::vector<uint8_t> v2 = {
-      0x93, 'N', 'U', 'M', 'P', 'Y', 2, 0, static_cast<uint8_t>(header.size()), 0, 0, 0};
-  v2.insert(v2.end(), header.begin(), header.end());
-  v2.resize(v2.size() + 8);
+  std::vector<uint8_t> v2 = npy_with_header("", 12 + header.size() + 8 - 10);
+  v2[6] = 2;  // version 2.0: a 4-byte header length
+  v2[8] = static_cast<uint8_t>(header.size());
+  v2[9] = v2[10] = v2[11] = 0;
+  std::memcpy(v2.data() + 12, header.data(), header.size());
   EXPECT_EQ(dl::parse_npy_header(v2.data(), v2.size()).layout.type, dl::SampleType::kU16);
 }
 
@@ -301,6 +297,7 @@ TEST(RawImages, PngAndTiffRoundTripAtTheirDepth) {
   for (int channels : {1, 2, 3, 4}) {
     for (auto type : {dl::SampleType::kU8, dl::SampleType::kU16}) {
       for (auto format : {dl::ImageFormat::kPng, dl::ImageFormat::kTiff}) {
+        if (channels == 2) continue;  // OpenCV writes 1, 3 or 4 channels
         const dl::RawImage im = random_image(rng, 1 + rng() % 30, 1 + rng() % 30, {channels, type});
         const auto bytes = dl::encode_raw(im.view(), format);
         const dl::RawImage back = dl::decode_raw(bytes.data(), bytes.size(), dl::ImageHeader{});
@@ -312,7 +309,78 @@ TEST(RawImages, PngAndTiffRoundTripAtTheirDepth) {
   }
   // PNG holds no float and no more than 4 channels.
   const dl::RawImage f = random_image(rng, 4, 4, {1, dl::SampleType::kF32});
-  expect_image_error([&] { dl::encode_raw(f.view(), dl::ImageFormat::kPng); }, "PNG holds");
+  expect_image_error([&] { dl::encode_raw(f.view(), dl::ImageFormat::kPng); }, "PNG is written");
+  const dl::RawImage two = random_image(rng, 4, 4, {2, dl::SampleType::kU16});
+  expect_image_error([&] { dl::encode_raw(two.view(), dl::ImageFormat::kTiff); },
+                     "TIFF is written with 1, 3 or 4 channels");
+}
+
+// An uncompressed little-endian TIFF of `im` (chunky, one strip), written here
+// because OpenCV writes no TIFF of 2 or more than 4 channels.
+std::vector<uint8_t> plain_tiff(const dl::RawImage& im) {
+  const int c = im.layout.channels, sb = dl::sample_bytes(im.layout.type);
+  constexpr int kTags = 10;
+  const uint32_t ifd = 8, bits_at = ifd + 2 + 12 * kTags + 4, data_at = bits_at + 2 * c;
+  std::vector<uint8_t> out(data_at + im.bytes.size());
+  auto u16 = [&](size_t at, uint32_t v) {
+    out[at] = v & 0xFF;
+    out[at + 1] = (v >> 8) & 0xFF;
+  };
+  auto u32 = [&](size_t at, uint32_t v) {
+    u16(at, v & 0xFFFF);
+    u16(at + 2, v >> 16);
+  };
+  out[0] = out[1] = 'I';
+  u16(2, 42);
+  u32(4, ifd);
+  u16(ifd, kTags);
+  const auto w = static_cast<uint32_t>(im.width), h = static_cast<uint32_t>(im.height);
+  const auto cc = static_cast<uint32_t>(c), bits = static_cast<uint32_t>(8 * sb);
+  const uint32_t tags[kTags][4] = {// tag, type (3 SHORT, 4 LONG), count, value
+                                   {256, 4, 1, w},
+                                   {257, 4, 1, h},
+                                   {258, 3, cc, c == 1 ? bits : bits_at},
+                                   {259, 3, 1, 1},  // no compression
+                                   {262, 3, 1, 1},  // BlackIsZero
+                                   {273, 4, 1, data_at},
+                                   {277, 3, 1, cc},
+                                   {278, 4, 1, h},
+                                   {279, 4, 1, static_cast<uint32_t>(im.bytes.size())},
+                                   {284, 3, 1, 1}};  // chunky
+  for (int i = 0; i < kTags; ++i) {
+    const size_t e = ifd + 2 + 12 * i;
+    u16(e, tags[i][0]);
+    u16(e + 2, tags[i][1]);
+    u32(e + 4, tags[i][2]);
+    if (tags[i][1] == 3 && tags[i][2] == 1) {
+      u16(e + 8, tags[i][3]);
+    } else {
+      u32(e + 8, tags[i][3]);
+    }
+  }
+  for (int k = 0; k < c; ++k) u16(bits_at + 2 * k, bits);
+  std::memcpy(out.data() + data_at, im.bytes.data(), im.bytes.size());
+  return out;
+}
+
+TEST(RawImages, TiffsOfOtherChannelCountsAreReadOrRefusedNeverMisread) {
+  std::mt19937 rng(std::random_device{}());
+  for (int channels : {1, 2, 4, 6}) {
+    const dl::RawImage im = random_image(rng, 9, 7, {channels, dl::SampleType::kU16});
+    const auto bytes = plain_tiff(im);
+    EXPECT_EQ(dl::probe_image(bytes.data(), bytes.size()).channels, channels);
+    try {
+      const dl::RawImage back = dl::decode_raw(bytes.data(), bytes.size(), dl::ImageHeader{});
+      EXPECT_EQ(back.layout, im.layout) << channels;
+      EXPECT_EQ(back.bytes, im.bytes) << channels;
+      std::printf("a %d-channel uint16 TIFF: read as stored\n", channels);
+    } catch (const dl::ImageError& e) {
+      // What OpenCV cannot read as stored is refused, naming the way out.
+      EXPECT_NE(std::string(e.what()).find(".npy"), std::string::npos) << e.what();
+      EXPECT_NE(channels, 1) << e.what();
+      std::printf("a %d-channel uint16 TIFF: refused (%s)\n", channels, e.what());
+    }
+  }
 }
 
 TEST(RawImages, PipelineRefusesASourceMixingLayouts) {

@@ -293,7 +293,10 @@ ImageHeader png_header(const uint8_t* d, size_t n) {
   }
   const uint32_t w = be32(d + 16), h = be32(d + 20);
   if (w > INT32_MAX || h > INT32_MAX) corrupt_header(ImageFormat::kPng, "side above 2^31 - 1");
-  return {ImageFormat::kPng, static_cast<int>(w), static_cast<int>(h)};
+  // The colour type's channels: gray, RGB, (palette: as decoded), gray + alpha, RGBA.
+  static const int kChannels[7] = {1, 0, 3, 0, 2, 0, 4};
+  const int channels = n >= 26 && d[25] <= 6 ? kChannels[d[25]] : 0;
+  return {ImageFormat::kPng, static_cast<int>(w), static_cast<int>(h), channels};
 }
 
 // A file cut short is refused here rather than handed to OpenCV, for the same
@@ -632,6 +635,12 @@ Image decode_with_opencv(const uint8_t* data, size_t size, ImageFormat f,
 RawImage raw_with_opencv(const uint8_t* data, size_t size, const ImageHeader& header,
                          const DecodeOptions& options) {
   const ImageFormat f = header.format;
+  const int samples = header.channels;
+  if (f == ImageFormat::kTiff && samples != 1 && samples != 3 && samples != 4) {
+    throw ImageError("TIFF with " + std::to_string(samples) +
+                     " samples per pixel: OpenCV reads 1, 3 or 4; save it as a .npy array (H, W, "
+                     "C) instead");
+  }
   const cv::Mat decoded = imdecode_checked(data, size, f, options);
   const std::string name = format_name(f);
   ImageLayout layout;
@@ -650,13 +659,29 @@ RawImage raw_with_opencv(const uint8_t* data, size_t size, const ImageHeader& he
       throw ImageError(name + " image with " + depth_name(decoded.depth()) +
                        " samples (uint8, uint16 and float32 are read)");
   }
-  if (f == ImageFormat::kTiff && header.channels > 0 && header.channels != layout.channels) {
-    throw ImageError("TIFF with " + std::to_string(header.channels) +
+  // OpenCV's PNG decoder turns gray + alpha into BGRA: back to (gray, alpha).
+  const bool gray_alpha = f == ImageFormat::kPng && header.channels == 2 && layout.channels == 4;
+  if (gray_alpha) layout.channels = 2;
+  if ((f == ImageFormat::kTiff || f == ImageFormat::kPng) && header.channels > 0 &&
+      header.channels != layout.channels) {
+    throw ImageError(name + " with " + std::to_string(header.channels) +
                      " samples per pixel, which OpenCV decodes as " +
                      std::to_string(layout.channels) +
                      " channels: save it as a .npy array (H, W, C) instead");
   }
   RawImage out(decoded.cols, decoded.rows, layout);
+  if (gray_alpha) {
+    const int sb = sample_bytes(layout.type);
+    for (int y = 0; y < decoded.rows; ++y) {
+      const uint8_t* src = decoded.ptr<uint8_t>(y);
+      uint8_t* dst = out.bytes.data() + static_cast<size_t>(y) * out.row_bytes();
+      for (int x = 0; x < decoded.cols; ++x) {
+        std::memcpy(dst + 2 * x * sb, src + 4 * x * sb, sb);              // gray (B)
+        std::memcpy(dst + (2 * x + 1) * sb, src + (4 * x + 3) * sb, sb);  // alpha
+      }
+    }
+    return out;
+  }
   const size_t row = static_cast<size_t>(out.row_bytes());
   const int c = layout.channels;
   const int sb = sample_bytes(layout.type);
@@ -680,9 +705,11 @@ std::vector<uint8_t> encode_with_opencv(const RawView& view, ImageFormat f) {
   const int depth = view.layout.type == SampleType::kU8    ? CV_8U
                     : view.layout.type == SampleType::kU16 ? CV_16U
                                                            : CV_32F;
-  if (f == ImageFormat::kPng && (c > 4 || view.layout.type == SampleType::kF32)) {
-    throw ImageError("PNG holds uint8 or uint16 samples with 1 to 4 channels, not " +
-                     view.layout.describe() + " (write TIFF or .npy)");
+  if (c == 2 || c > 4 || (f == ImageFormat::kPng && view.layout.type == SampleType::kF32)) {
+    throw ImageError(std::string(format_name(f)) +
+                     " is written with 1, 3 or 4 channels (OpenCV's encoder; PNG: uint8 or "
+                     "uint16), not " +
+                     view.layout.describe() + " (write .npy)");
   }
   cv::Mat mat(view.height, view.width, CV_MAKETYPE(depth, c));
   const size_t row = static_cast<size_t>(view.width) * c * sample_bytes(view.layout.type);

@@ -37,7 +37,7 @@ struct ImageHeader {
   ImageFormat format = ImageFormat::kUnknown;
   int width = 0;
   int height = 0;
-  int channels = 0;  // TIFF's SamplesPerPixel, a .npy array's; 0 where not read
+  int channels = 0;  // PNG's colour type's, TIFF's SamplesPerPixel, a .npy array's; else 0
 };
 
 // The whole file. Throws ImageError for a missing, unreadable, non-regular or
@@ -66,18 +66,17 @@ Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, 
                    const DecodeOptions& options = {});
 
 // Decodes at the stored depth and channel count (image.h's RawImage): 8- and
-// 16-bit PNG and TIFF with 1 to 4 channels (more where OpenCV reads them; a
-// TIFF whose decoded channels differ from its SamplesPerPixel is refused),
+// 16-bit PNG and TIFF with 1 to 4 channels (gray + alpha PNG as 2; a PNG or
+// TIFF whose decoded channels differ from its header's is refused),
 // grayscale JPEG as 1 channel and colour JPEG as RGB (DCT-scaled by
 // `scale_denom` as decode_image), WebP and BMP as OpenCV reads them, .npy
 // arrays as stored. OpenCV's BGR(A) becomes RGB(A). Throws ImageError.
 RawImage decode_raw(const uint8_t* data, size_t size, const ImageHeader& header,
                     int scale_denom = 1, const DecodeOptions& options = {});
 
-// Encodes `view` losslessly: kPng (uint8/uint16, 1 to 4 channels), kTiff
-// (uint8/uint16/float32, any channel count OpenCV writes) through OpenCV, or
-// kNpy. RGB(A) is written as such (OpenCV's BGR order handled here). Throws
-// ImageError for a layout the format cannot hold.
+// Encodes `view` losslessly: kPng (uint8/uint16) and kTiff (uint8, uint16,
+// float32) of 1, 3 or 4 channels through OpenCV, or kNpy (any). RGB(A) is written as such (OpenCV's
+// BGR order handled here). Throws ImageError for a layout the format cannot hold.
 std::vector<uint8_t> encode_raw(const RawView& view, ImageFormat format);
 
 // Baseline JPEG, 4:2:0 chroma, `quality` in [1, 100].

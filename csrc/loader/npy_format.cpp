@@ -5,6 +5,7 @@
 
 #include <climits>
 #include <cstring>
+#include <sstream>
 #include <string>
 
 #include "loader/image_decode.h"
@@ -221,24 +222,26 @@ std::vector<uint8_t> encode_npy(const RawView& view, bool squeeze) {
   const char* descr = view.layout.type == SampleType::kU8    ? "|u1"
                       : view.layout.type == SampleType::kU16 ? "<u2"
                                                              : "<f4";
-  std::string shape = "(" + std::to_string(view.height) + ", " + std::to_string(view.width);
-  shape += squeeze && view.layout.channels == 1 ? ")"
-                                                : ", " + std::to_string(view.layout.channels) + ")";
-  std::string header =
-      std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
+  std::ostringstream text;
+  text << "{'descr': '" << descr << "', 'fortran_order': False, 'shape': (" << view.height << ", "
+       << view.width;
+  if (!(squeeze && view.layout.channels == 1)) text << ", " << view.layout.channels;
+  text << "), }";
+  std::string header = text.str();
   // Padded with spaces and a newline so that the data starts at a multiple of 64.
   const size_t total = (10 + header.size() + 1 + 63) / 64 * 64;
-  header.append(total - 10 - header.size() - 1, ' ');
-  header += '\n';
-  std::vector<uint8_t> out(kMagic, kMagic + sizeof(kMagic));
-  out.push_back(1);
-  out.push_back(0);
-  out.push_back(static_cast<uint8_t>(header.size() & 0xFF));
-  out.push_back(static_cast<uint8_t>(header.size() >> 8));
-  out.insert(out.end(), header.begin(), header.end());
+  header.resize(total - 10 - 1, ' ');
+  header.push_back('\n');
   const size_t row =
       static_cast<size_t>(view.width) * view.layout.channels * sample_bytes(view.layout.type);
-  for (int y = 0; y < view.height; ++y) out.insert(out.end(), view.row(y), view.row(y) + row);
+  std::vector<uint8_t> out(total + row * static_cast<size_t>(view.height));
+  std::memcpy(out.data(), kMagic, sizeof(kMagic));
+  out[6] = 1;
+  out[7] = 0;
+  out[8] = static_cast<uint8_t>(header.size() & 0xFF);
+  out[9] = static_cast<uint8_t>(header.size() >> 8);
+  std::memcpy(out.data() + 10, header.data(), header.size());
+  for (int y = 0; y < view.height; ++y) std::memcpy(out.data() + total + y * row, view.row(y), row);
   return out;
 }
 
