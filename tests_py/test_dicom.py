@@ -1,7 +1,7 @@
 """``dino-opt prepare --format dicom`` (dino_opt.data.dicom) on a folder the
 test writes with pydicom: rescale slope and intercept applied, a MONOCHROME1
-image inverted, a multi-frame file split, a broken file and a file that is
-not DICOM named and counted; the values equal pydicom's pixel_array after
+image inverted, a multi-frame file split, a broken file, compressed pixels
+no decoder reads and a file that is not DICOM named and counted; the values equal pydicom's pixel_array after
 its rescale; a window maps onto a 16-bit PNG; the result reads natively."""
 
 import json
@@ -16,7 +16,8 @@ from dino_opt.cli import main
 from dino_opt.data import MultiCropLoader, open_source
 from dino_opt.data.dicom import parse_window, prepare_dicom
 from pydicom.dataset import FileDataset, FileMetaDataset
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.encaps import encapsulate
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
 
 
 def write_dicom(
@@ -55,6 +56,13 @@ def dicom_folder(tmp_path):
     broken = (root / "a" / "ct.dcm").read_bytes()
     (root / "a" / "broken.dcm").write_bytes(broken[: len(broken) // 2])
     (root / "b" / "notes.txt").write_text("not an image")
+    # Compressed pixel data no decoder reads (JPEG 2000 of garbage).
+    j2k = write_dicom(root / "b" / "j2k.dcm", ct)
+    ds = pydicom.dcmread(j2k)
+    ds.file_meta.TransferSyntaxUID = JPEG2000Lossless
+    ds.PixelData = encapsulate([b"\xff\x4f\xff\x51garbage"])
+    ds["PixelData"].VR = "OB"
+    ds.save_as(j2k)
     return root, ct, mono1, frames
 
 
@@ -63,22 +71,23 @@ def test_prepared_values_are_pydicoms_after_rescale(dicom_folder, tmp_path):
     out = tmp_path / "out"
     r = prepare_dicom(root, out, progress=False, num_threads=2)
     assert r["files"] == 3 and r["written"] == 5
-    assert len(r["failed"]) == 2
-    assert any("broken.dcm" in f for f in r["failed"])
-    assert any("notes.txt" in f for f in r["failed"])
+    assert len(r["failed"]) == 3
+    for name in ("broken.dcm", "notes.txt", "j2k.dcm"):
+        (line,) = [f for f in r["failed"] if name in f]
+        assert "\n" not in line
     ds = pydicom.dcmread(root / "a" / "ct.dcm")
     want = pydicom.pixels.apply_rescale(ds.pixel_array, ds).astype(np.float32)
-    assert np.array_equal(np.load(out / "a" / "ct.npy")[..., 0], want)
+    assert np.array_equal(np.load(out / "a" / "ct.npy"), want)
     np.testing.assert_array_equal(want, ct.astype(np.float32) * 2 - 1024)
     # MONOCHROME1: inverted within its 12 stored bits, so that higher is brighter.
-    got = np.load(out / "b" / "1.2.840.5.npy")[..., 0]
+    got = np.load(out / "b" / "1.2.840.5.npy")
     assert np.array_equal(got, (4095 - mono1).astype(np.float32))
     for i in range(3):
-        got = np.load(out / "b" / f"multi_f{i:04d}.npy")[..., 0]
+        got = np.load(out / "b" / f"multi_f{i:04d}.npy")
         assert np.array_equal(got, (frames[i] * 0.5 + 3).astype(np.float32))
     stats = json.loads((out / "channel_stats.json").read_text())
     assert stats["channels"] == 1 and stats["dtype"] == "float32"
-    assert stats["failed"] == 2 and stats["window"] is None
+    assert stats["failed"] == 3 and stats["window"] is None
     # The loader reads what was written, with the recorded statistics.
     sizes = dict(global_size=16, local_size=8, n_local=1)
     with MultiCropLoader(out, 5, image_mode="native", **sizes) as loader:
@@ -109,5 +118,8 @@ def test_bad_arguments_are_one_line(dicom_folder, tmp_path, capsys):
     with pytest.raises(ValueError, match="16-bit PNG holds"):
         prepare_dicom(root, tmp_path / "x", output="png")
     missing = tmp_path / "nowhere"
-    assert main(["prepare", str(missing), str(tmp_path / "y"), "--format", "dicom"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["prepare", str(missing), str(tmp_path / "y"), "--format", "dicom"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and len(err.strip().splitlines()) == 1
