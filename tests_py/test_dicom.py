@@ -1,8 +1,9 @@
 """``dino-opt prepare --format dicom`` (dino_opt.data.dicom) on a folder the
 test writes with pydicom: rescale slope and intercept applied, a MONOCHROME1
 image inverted, a multi-frame file split, a broken file, compressed pixels
-no decoder reads and a file that is not DICOM named and counted; the values equal pydicom's pixel_array after
-its rescale; a window maps onto a 16-bit PNG; the result reads natively."""
+no decoder reads and a file that is not DICOM named and counted; the values
+equal pydicom's pixel_array after its rescale; a window maps onto a 16-bit
+PNG; the result reads natively."""
 
 import json
 
