@@ -1,9 +1,10 @@
 """Images that are not 8-bit RGB: the native loader's images/s at 1, 3 and
 13 channels (uint16 ``.npy`` arrays, ``image_mode="native"``, DINO's 2 x
-224^2 + 8 x 96^2 crops, the per-channel photometric stage) against a NumPy
-Dataset through torch's DataLoader with the same workers (np.load, then
-torchvision's RandomResizedCrop, flip and per-channel normalisation on
-float32 tensors: the DataLoader route such data takes without dino_opt).
+224^2 + 8 x 96^2 crops; the crops alone, and with the per-channel
+photometric recipe) against a NumPy Dataset through torch's DataLoader with
+the same workers (np.load, then torchvision's RandomResizedCrop, flip and
+per-channel normalisation on float32 tensors, no photometric change: the
+DataLoader route such data takes without dino_opt).
 
     python bench/bench_channels.py [--workers 2] [--count 256] [--side 256]
         [--images 256] [--channels 1,3,13] [--json PATH]
@@ -105,6 +106,40 @@ def rate(batches, batch: int, images: int, channels: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+# Ours twice: the crops alone (the work the DataLoader route does here: crop,
+# resize, flip, normalise), and with DINO's per-channel photometric recipe.
+RECIPES = (
+    (
+        "crops",
+        dict(jitter_p=0.0, blur_p_global1=0.0, blur_p_global2=0.0, blur_p_local=0.0, noise_p=0.0),
+    ),
+    ("recipe", {}),
+)
+
+
+def ours_rate(root: Path, args, channels: int, kw: dict, augment: dict) -> float:
+    loader = MultiCropLoader(
+        root,
+        args.batch_size,
+        num_threads=args.workers,
+        pin_memory=False,
+        image_mode="native",
+        augment=augment,
+        **kw,
+    )
+
+    def epochs():
+        for epoch in range(1000):
+            loader.set_epoch(epoch)
+            yield from loader
+
+    try:
+        return rate(epochs(), args.batch_size, args.images, channels)
+    finally:
+        loader.close()
+        gc.collect()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
@@ -120,21 +155,7 @@ def main() -> None:
         root = make_set(channels, args.count, args.side)
         mean, std = [0.5] * channels, [0.25] * channels
         kw = dict(global_size=GLOBAL, local_size=LOCAL, n_local=N_LOCAL, mean=mean, std=std)
-        with MultiCropLoader(
-            root,
-            args.batch_size,
-            num_threads=args.workers,
-            pin_memory=False,
-            image_mode="native",
-            **kw,
-        ) as loader:
-
-            def epochs(loader=loader):
-                for epoch in range(1000):
-                    loader.set_epoch(epoch)
-                    yield from loader
-
-            ours = rate(epochs(), args.batch_size, args.images, channels)
+        ours = {name: ours_rate(root, args, channels, kw, augment) for name, augment in RECIPES}
         gc.collect()
         loader_dl = torch.utils.data.DataLoader(
             NumpyMultiCrop(root, mean, std),
@@ -153,16 +174,18 @@ def main() -> None:
         theirs = rate(dl_epochs(), args.batch_size, args.images, channels)
         del loader_dl
         gc.collect()
-        rows.append((channels, ours, theirs, ours / theirs))
+        rows.append((channels, ours["crops"], ours["recipe"], theirs, ours["crops"] / theirs))
         results.append(
             {
                 "channels": channels,
-                "ours_images_per_s": ours,
+                "ours_crops_images_per_s": ours["crops"],
+                "ours_recipe_images_per_s": ours["recipe"],
                 "numpy_dataloader_images_per_s": theirs,
             }
         )
     title = f"images/s, {args.workers} workers, batch {args.batch_size}, uint16 {args.side}^2"
-    print_table(title, ["channels", "ours", "NumPy + DataLoader", "x"], rows)
+    columns = ["channels", "ours, crops", "ours, recipe", "NumPy + DataLoader", "crops x"]
+    print_table(title, columns, rows)
     write_json(
         args.json,
         {
