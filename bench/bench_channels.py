@@ -190,7 +190,7 @@ def main() -> None:
         args.json,
         {
             "machine": machine(),
-            "args": {k: str(v) for k, v in vars(args).items()},
+            "args": {k: str(v) for k, v in vars(args).items() if k != "json"},
             "results": results,
         },
     )
