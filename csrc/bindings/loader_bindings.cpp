@@ -186,6 +186,15 @@ at::Tensor raw_tensor(const RawView& v) {
   return t;
 }
 
+// The box of crop (top, left, height, width) of a `w` x `h` image, which it must fit.
+CropBox checked_crop(int w, int h, int top, int left, int height, int width) {
+  TORCH_CHECK(
+      top >= 0 && left >= 0 && height >= 1 && width >= 1 && top + height <= h && left + width <= w,
+      "crop (top ", top, ", left ", left, ", height ", height, ", width ", width,
+      ") is outside the ", h, " x ", w, " image");
+  return scaled_crop_box(left, top, width, height, 1.0, 1.0, w, h);
+}
+
 }  // namespace
 
 void bind_loader(py::module_& m) {
@@ -356,12 +365,7 @@ void bind_loader(py::module_& m) {
       [](const at::Tensor& image, int top, int left, int height, int width, int out_width,
          int out_height) {
         const RawView src = raw_view_of(image);
-        TORCH_CHECK(top >= 0 && left >= 0 && height >= 1 && width >= 1 &&
-                        top + height <= src.height && left + width <= src.width,
-                    "crop (top ", top, ", left ", left, ", height ", height, ", width ", width,
-                    ") is outside the ", src.height, " x ", src.width, " image");
-        const CropBox box =
-            scaled_crop_box(left, top, width, height, 1.0, 1.0, src.width, src.height);
+        const CropBox box = checked_crop(src.width, src.height, top, left, height, width);
         at::Tensor out = at::empty({out_height, out_width, src.layout.channels}, image.options());
         RawResampleScratch scratch;
         resize_crop_raw(src, box, out_width, out_height, static_cast<uint8_t*>(out.data_ptr()),
@@ -383,12 +387,7 @@ void bind_loader(py::module_& m) {
       [](const at::Tensor& image, int top, int left, int height, int width, int out_width,
          int out_height) {
         const ImageView src = view_of(image);
-        TORCH_CHECK(top >= 0 && left >= 0 && height >= 1 && width >= 1 &&
-                        top + height <= src.height && left + width <= src.width,
-                    "crop (top ", top, ", left ", left, ", height ", height, ", width ", width,
-                    ") is outside the ", src.height, " x ", src.width, " image");
-        const CropBox box =
-            scaled_crop_box(left, top, width, height, 1.0, 1.0, src.width, src.height);
+        const CropBox box = checked_crop(src.width, src.height, top, left, height, width);
         at::Tensor out = at::empty({out_height, out_width, 3}, at::kByte);
         ResampleScratch scratch;
         resize_crop_bicubic(src, box, out_width, out_height, out.data_ptr<uint8_t>(), out.stride(0),

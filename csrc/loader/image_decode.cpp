@@ -920,14 +920,15 @@ std::pair<int, int> jpeg_scaled_size(int width, int height, int denom) {
   return {static_cast<int>(TJSCALED(w, factor)), static_cast<int>(TJSCALED(h, factor))};
 }
 
-Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom,
-                   const DecodeOptions& options) {
-  scaling_factor(scale_denom);  // validates it for every format
-  // The header is re-read from the bytes (cheap next to the decode): buffer
-  // sizes never rest on a caller's struct, and a header that belongs to other
-  // bytes is caught.
-  JpegInfo jpeg;
-  const ImageHeader actual = probe(data, size, options, &jpeg);
+namespace {
+
+// The header read again from the bytes (cheap next to the decode), so that
+// buffer sizes never rest on a caller's struct and a header that belongs to
+// other bytes is caught; the scale denominator checked for every format.
+ImageHeader probe_again(const uint8_t* data, size_t size, const ImageHeader& header,
+                        int scale_denom, const DecodeOptions& options, JpegInfo* jpeg) {
+  scaling_factor(scale_denom);
+  const ImageHeader actual = probe(data, size, options, jpeg);
   if (header.format != ImageFormat::kUnknown &&
       (header.format != actual.format || header.width != actual.width ||
        header.height != actual.height)) {
@@ -936,6 +937,15 @@ Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, 
                      ") does not match the data (" + format_name(actual.format) + " " +
                      std::to_string(actual.width) + "x" + std::to_string(actual.height) + ")");
   }
+  return actual;
+}
+
+}  // namespace
+
+Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom,
+                   const DecodeOptions& options) {
+  JpegInfo jpeg;
+  const ImageHeader actual = probe_again(data, size, header, scale_denom, options, &jpeg);
   try {
     if (actual.format == ImageFormat::kJpeg) return decode_jpeg(data, size, jpeg, scale_denom);
     if (actual.format == ImageFormat::kNpy) return npy_to_rgb(data, size);
@@ -952,17 +962,8 @@ Image decode_image(const uint8_t* data, size_t size, const ImageHeader& header, 
 
 RawImage decode_raw(const uint8_t* data, size_t size, const ImageHeader& header, int scale_denom,
                     const DecodeOptions& options) {
-  scaling_factor(scale_denom);
   JpegInfo jpeg;
-  const ImageHeader actual = probe(data, size, options, &jpeg);
-  if (header.format != ImageFormat::kUnknown &&
-      (header.format != actual.format || header.width != actual.width ||
-       header.height != actual.height)) {
-    throw ImageError(std::string("the header (") + format_name(header.format) + " " +
-                     std::to_string(header.width) + "x" + std::to_string(header.height) +
-                     ") does not match the data (" + format_name(actual.format) + " " +
-                     std::to_string(actual.width) + "x" + std::to_string(actual.height) + ")");
-  }
+  const ImageHeader actual = probe_again(data, size, header, scale_denom, options, &jpeg);
   try {
     if (actual.format == ImageFormat::kJpeg) {
       return decode_jpeg_raw(data, size, jpeg, scale_denom);
