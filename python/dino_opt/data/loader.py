@@ -240,15 +240,8 @@ def _native_loader(
     layout = None
     if image_mode == "native":
         layout = data_set_layout(data, max_pixels, tries=16 if on_error == "skip" else 1)
+        _refuse_rgb_only(options, layout)
     mean, std = normalisation(data, layout, mean, std)
-    if layout is not None and not layout.rgb8:
-        asked = [k for k in RGB_ONLY_AUGMENT_KEYS if options.get(k)]
-        if asked:
-            raise ValueError(
-                f"augment {asked} are RGB colour operations; {layout.describe()} images "
-                f"({layout.first}) take per-channel brightness and contrast, blur and noise "
-                "(docs/loader.md)"
-            )
     native = _C.MultiCropLoader(
         data.native,
         batch_size=batch_size,
@@ -277,6 +270,18 @@ def _native_loader(
         image_mode=image_mode,
     )
     return native, data, mean, std
+
+
+def _refuse_rgb_only(options: dict, layout: ImageLayout) -> None:
+    """ValueError naming the RGB-only photometric options asked for (nonzero)
+    for images that are not 8-bit RGB."""
+    asked = [k for k in RGB_ONLY_AUGMENT_KEYS if options.get(k)]
+    if asked and not layout.rgb8:
+        raise ValueError(
+            f"augment {asked} are RGB colour operations; {layout.describe()} images "
+            f"({layout.first}) take per-channel brightness and contrast, blur and noise "
+            "(docs/loader.md)"
+        )
 
 
 class NativeLoaderHandle:
