@@ -126,6 +126,7 @@ class DinoV3Arch:
     num_heads: int | None = None
     rope: RopeSpec | None = None
     img_size: int = 224
+    in_chans: int = 3  # the images' channels (the patch embedding's input)
 
     @property
     def name(self) -> str | None:
@@ -181,7 +182,8 @@ class DinoV3Arch:
                     use_mask_token=self.mask_token, pos_embed_rope_base=rope.base,
                     pos_embed_rope_min_period=rope.min_period,
                     pos_embed_rope_max_period=rope.max_period,
-                    pos_embed_rope_normalize_coords=rope.normalize_coords)  # fmt: skip
+                    pos_embed_rope_normalize_coords=rope.normalize_coords,
+                    in_chans=self.in_chans)  # fmt: skip
 
     def options(self) -> dict:
         """The keywords of :meth:`model_kwargs` that differ from the named
@@ -245,6 +247,7 @@ def dinov3_arch(sd: dict, num_heads: int | None = None, rope: RopeSpec | None = 
         num_heads=num_heads,
         rope=rope,
         img_size=img_size,
+        in_chans=sd["patch_embed.proj.weight"].shape[1],
     )
 
 
@@ -460,7 +463,8 @@ def timm_dinov3_model(arch: DinoV3Arch, image_size: int) -> tuple[str, dict]:
                "num_reg_tokens": (arch.n_storage_tokens != 4, arch.n_storage_tokens),
                "patch_size": (arch.patch_size != 16, arch.patch_size),
                "img_size": (image_size != 224, image_size),
-               "rope_temperature": (arch.rope_spec.base != 100, arch.rope_spec.base)}  # fmt: skip
+               "rope_temperature": (arch.rope_spec.base != 100, arch.rope_spec.base),
+               "in_chans": (arch.in_chans != 3, arch.in_chans)}  # fmt: skip
     kwargs |= {k: v for k, (changed, v) in changes.items() if changed}
     return f"vit_{size}_patch16_dinov3{qkvb}", kwargs
 
@@ -577,7 +581,7 @@ def hf_dinov3_config(arch: DinoV3Arch, image_size: int) -> dict:
         "rope_theta": arch.rope_spec.base,
         "image_size": image_size,
         "patch_size": arch.patch_size,
-        "num_channels": 3,
+        "num_channels": arch.in_chans,
         "query_bias": arch.qkv_bias,
         "key_bias": arch.qkv_bias and not arch.mask_k_bias,
         "value_bias": arch.qkv_bias,
