@@ -22,6 +22,8 @@ from dino_opt.models import (
 )
 from dino_opt.train import resolve_input
 from dino_opt.weights import init_from
+from dino_opt.weights.layouts import hf_vit_config, timm_model, vit_arch
+from dino_opt.weights.layouts_dinov3 import dinov3_arch, timm_dinov3_model
 from tiny import (
     RESUMABLE,
     TINY,
@@ -115,3 +117,16 @@ def test_a_model_of_other_channels_than_the_data_is_refused(tmp_path_factory):
     with pytest.raises(ConfigError, match="model.in_channels=4, but data.image_mode: rgb"):
         resolve_input(apply_overrides(Config(), ["model.in_channels=4"]))
     assert input_channels(VisionTransformer(in_chans=1, patch_size=8, img_size=32, depth=1)) == 1
+
+
+def test_architectures_read_from_weights_carry_the_channels():
+    vit, _ = build_backbone("vit_tiny", patch_size=8, img_size=32, depth=1, in_chans=6)
+    arch = vit_arch(vit.state_dict())
+    assert arch.in_chans == 6 and arch.model_kwargs()["in_chans"] == 6
+    assert timm_model(arch, 32)[1]["in_chans"] == 6
+    assert hf_vit_config(arch, 32)["num_channels"] == 6
+    v3, _ = build_backbone("vit_small_dinov3", drop_path_rate=0.0, in_chans=2, depth=1)
+    arch3 = dinov3_arch(v3.state_dict())
+    assert arch3.in_chans == 2 and timm_dinov3_model(arch3, 224)[1]["in_chans"] == 2
+    rgb, _ = build_backbone("vit_tiny", patch_size=8, img_size=32, depth=1)
+    assert vit_arch(rgb.state_dict()).in_chans == 3
