@@ -6,9 +6,11 @@ of a checkpoint, :meth:`CheckpointedDINOTrainer.load_state_dict`), epochs of
 steps of :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`, logging
 (:class:`~dino_opt.observe.RunLog`, health, profile), checkpoints
 (:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
-(the final checkpoint, profile, curves, evaluation, ``report.json``); and
-what keeps a long run alive: asynchronous checkpoints, rollback, the hang
-watchdog.
+(the final checkpoint, profile, curves, evaluation, ``report.json``). The
+job holds a component per concern that it calls at its boundaries: its
+checkpoints (:mod:`~dino_opt.job.checkpoints`), the rollbacks
+(:mod:`~dino_opt.job.rollback`), the hang report (:mod:`~dino_opt.job.hang`)
+and the evaluations (:mod:`~dino_opt.job.evaluation`).
 """
 
 from __future__ import annotations
