@@ -391,9 +391,10 @@ class CheckpointedDINOTrainer:
         self._start_logging()
         self._log_restarts(resumed_from)
         self.checkpoints.start_writer()
+        # from now on: an older hang.json is another attempt's
         self.hang = HangReporter(
             self.folder.hang, self.checkpoint_manager, self.checkpoints.writer, self.world
-        )  # an older hang.json is another attempt's
+        )
         self.watchdog = start_watchdog(
             self.config.distributed.hang_timeout_s, self.rank, self.world, self.hang.report
         )
