@@ -15,7 +15,7 @@ import tiny
 import torch
 from dino_opt.checkpoint import AsyncCheckpointWriter, CheckpointManager, CheckpointWriteError
 from dino_opt.cli import main
-from dino_opt.job import report_hang
+from dino_opt.job import HangReporter
 from dino_opt.observe import CollapseError, NonFiniteError
 from dino_opt.runtime import EXIT_HANG, HangWatchdog, describe_hang
 from forked import run_cli
@@ -341,10 +341,11 @@ def test_the_first_hang_diagnosis_stands_while_its_checkpoint_write_finishes(tmp
 
         def wait(self, timeout):
             # the other rank's watchdog fires meanwhile
-            report_hang("rank 1's view", [0], None, manager, hang_file, 2, since=0.0)
+            HangReporter(hang_file, manager, None, 2, since=0.0).report("rank 1's view", [0])
             return "checkpoint-x.pth"
 
-    notes = report_hang("rank 0's view", [1], SlowWriter(), manager, hang_file, 2, since=0.0)
+    reporter = HangReporter(hang_file, manager, SlowWriter(), 2, since=0.0)
+    notes = reporter.report("rank 0's view", [1])
     hang = json.loads(hang_file.read_text())
     assert hang["stuck_ranks"] == [1] and hang["message"] == "rank 0's view"
     assert "the checkpoint write in flight finished: checkpoint-x.pth" in notes

@@ -1,6 +1,6 @@
 """The training job of dino-opt train: set-up, resume, steps, health, hangs, restarts, finish."""
 
-from .hang import injected_hang, report_hang, start_watchdog
+from .hang import HangReporter, injected_hang, start_watchdog
 from .job import CheckpointedDINOTrainer, run_training
 from .parts import PROFILE_PHASES, ResumeError
 from .restarts import (
@@ -15,6 +15,7 @@ from .restarts import (
 
 __all__ = [
     "CheckpointedDINOTrainer",
+    "HangReporter",
     "PROFILE_PHASES",
     "ResumeError",
     "describe_exit",
@@ -24,7 +25,6 @@ __all__ = [
     "read_progress",
     "read_restarts",
     "record_failure",
-    "report_hang",
     "run_training",
     "start_watchdog",
     "stuck_ranks",

@@ -1,7 +1,8 @@
-"""The teacher's evaluation while a run trains (``eval.every_epochs``), and
-that of a distillation's other students, then and at the end of the run;
-the weights a run (or each student of a distillation) started from,
-evaluated beside the result."""
+"""The evaluations of a run (:class:`Evaluator`, held by the job): the
+teacher's while it trains (``eval.every_epochs``) and at its end, and those
+of a distillation's other students, then and at the end; the weights a run
+(or each student of a distillation) started from, evaluated beside the
+result."""
 
 from __future__ import annotations
 
@@ -18,13 +19,7 @@ from ..train import StudentBank, recipe_of
 from ..weights import load_student_start, student_starts
 from .sharding import full_teacher
 
-__all__ = [
-    "evaluate_between_epochs",
-    "start_backbone",
-    "evaluate_group_students",
-    "evaluate_other_students",
-    "whole_teacher",
-]
+__all__ = ["Evaluator"]
 
 
 def start_backbone(cfg: Config, parts, index: int = 0) -> torch.nn.Module | None:
@@ -113,9 +108,15 @@ def evaluate_group_students(cfg: Config, parts, teacher: torch.nn.Module | None,
     return {"students": dict(found)} if found else {}
 
 
-def _evaluate_group_students_between(cfg: Config, parts, teacher: torch.nn.Module | None,
-                                     device: torch.device, log: RunLog, step: int,
-                                     done: int) -> None:  # fmt: skip
+def _evaluate_group_students_between(
+    cfg: Config,
+    parts,
+    teacher: torch.nn.Module | None,
+    device: torch.device,
+    log: RunLog,
+    step: int,
+    done: int,
+) -> None:
     """Collective for students on their own groups of ranks: the lead of
     each group but the first evaluates its student's EMA (k-NN, linear
     probe); rank 0 logs each one's row (keys named ``student_<name>``)."""
@@ -123,38 +124,86 @@ def _evaluate_group_students_between(cfg: Config, parts, teacher: torch.nn.Modul
     own = _group_student(cfg, parts)
     if own is not None:
         name, config = own
-        row = evaluate_teacher(config, parts.roots, teacher.backbone, device, log, step, done,
-                               f"student_{name}")  # fmt: skip
+        row = evaluate_teacher(
+            config, parts.roots, teacher.backbone, device, log, step, done, f"student_{name}"
+        )
         row = (f"student_{name}", row)
     for name, found in (r for r in gather_objects(row) if r is not None):
         log.event(found)
-        log.scalars(f"eval_{name}", {k: v for k, v in found.items()
-                                     if k not in ("step", "epoch", "event")}, step)  # fmt: skip
+        scalars = {k: v for k, v in found.items() if k not in ("step", "epoch", "event")}
+        log.scalars(f"eval_{name}", scalars, step)
 
 
-def evaluate_between_epochs(cfg: Config, parts, done: int, device: torch.device,
-                            log: RunLog, step: int, world: int, lead: bool,
-                            watchdog: HangWatchdog | None) -> None:  # fmt: skip
-    """``parts``: the run's built objects (``teacher``, ``random_teacher``,
-    ``roots``). After ``done`` epochs, every ``eval.every_epochs`` (not after the
-    last: the end of the run evaluates), where there is a val split: the
-    teacher's k-NN and linear probe on rank 0, as an ``evaluation`` row of
-    the metrics (a distillation's other students too, keys named
-    ``student_<name>``). Collective: every rank gathers a sharded teacher,
-    then waits for rank 0 in a barrier with its hang watchdog disarmed."""
-    every = cfg.eval.every_epochs
-    if not every or done % every or done >= cfg.schedule.epochs or parts.roots.val is None:
-        return
-    if watchdog is not None:
-        watchdog.disarm()
-    teacher = whole_teacher(parts, lead)
-    if lead:
-        evaluate_teacher(cfg, parts.roots, teacher.backbone, device, log, step, done)
-        for name, own, trained in _other_students(cfg, teacher):
-            evaluate_teacher(own, parts.roots, trained, device, log, step, done, f"student_{name}")
-    if parts.groups is not None:
-        _evaluate_group_students_between(cfg, parts, teacher, device, log, step, done)
-    if world > 1:
-        dist.barrier()
-    if watchdog is not None:
-        watchdog.arm()
+class Evaluator:
+    """The evaluations of one run, held by the job. Built once the run is
+    set up, with its config, its objects (``parts``: ``teacher``,
+    ``random_teacher``, ``roots``, ``groups``), this process's ``device``,
+    the ``world`` size, whether this process leads (rank 0), the run
+    ``folder`` and the hang ``watchdog`` (disarmed while rank 0 evaluates).
+    The job calls :meth:`between_epochs` after each epoch and
+    :meth:`at_end` when the run has finished; both are collective."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        parts,
+        device: torch.device,
+        *,
+        world: int,
+        lead: bool,
+        folder: RunFolder,
+        watchdog: HangWatchdog | None,
+    ):
+        self.cfg, self.parts, self.device = cfg, parts, device
+        self.world, self.lead, self.folder, self.watchdog = world, lead, folder, watchdog
+
+    def between_epochs(self, done: int, step: int, log: RunLog) -> None:
+        """After ``done`` epochs, every ``eval.every_epochs`` (not after the
+        last: the end of the run evaluates), where there is a val split: the
+        teacher's k-NN and linear probe on rank 0, as an ``evaluation`` row
+        of the metrics (a distillation's other students too, keys named
+        ``student_<name>``). Collective: every rank gathers a sharded
+        teacher, then waits for rank 0 in a barrier with its hang watchdog
+        disarmed."""
+        cfg, parts = self.cfg, self.parts
+        every = cfg.eval.every_epochs
+        if not every or done % every or done >= cfg.schedule.epochs or parts.roots.val is None:
+            return
+        if self.watchdog is not None:
+            self.watchdog.disarm()
+        teacher = whole_teacher(parts, self.lead)
+        if self.lead:
+            evaluate_teacher(cfg, parts.roots, teacher.backbone, self.device, log, step, done)
+            for name, own, trained in _other_students(cfg, teacher):
+                evaluate_teacher(
+                    own, parts.roots, trained, self.device, log, step, done, f"student_{name}"
+                )
+        if parts.groups is not None:
+            _evaluate_group_students_between(cfg, parts, teacher, self.device, log, step, done)
+        if self.world > 1:
+            dist.barrier()
+        if self.watchdog is not None:
+            self.watchdog.arm()
+
+    def at_end(self, step: int, log: RunLog) -> dict:
+        """Collective where there is a val split (a sharded teacher is
+        gathered whole): the trained teacher beside the same network at
+        random initialisation and at the weights it started from
+        (:func:`~dino_opt.eval.evaluate_run`, on rank 0), and a
+        distillation's other students (into ``students/<name>/``; students on
+        their own groups of ranks, each by its group's lead). The report's
+        keys on rank 0; ``{}`` elsewhere and without a val split."""
+        cfg, p = self.cfg, self.parts
+        if p.roots.val is None:
+            return {}
+        teacher = whole_teacher(p, self.lead)
+        if not self.lead:  # the leads of students on their own groups of ranks evaluate theirs
+            evaluate_group_students(cfg, p, teacher, self.device, self.folder, step)
+            return {}
+        nets = (teacher.backbone, p.random_teacher.backbone)
+        report = evaluate_run(
+            cfg, p.roots, *nets, self.device, self.folder, log, step, start_backbone(cfg, p)
+        )
+        report.update(evaluate_other_students(cfg, p, teacher, self.device, self.folder, step))
+        report.update(evaluate_group_students(cfg, p, teacher, self.device, self.folder, step))
+        return report

@@ -1,6 +1,7 @@
 """What the job does about hangs: the watchdog started with its heartbeat
-store, the report written when a rank stops making progress, and the hang
-injected for tests (``debug.inject_hang_at_step``)."""
+store, the report written when a rank stops making progress
+(:class:`HangReporter`), and the hang injected for tests
+(``debug.inject_hang_at_step``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..checkpoint import AsyncCheckpointWriter, CheckpointManager, atomic_write
 from ..config import DebugConfig
 from ..runtime import HangWatchdog, broadcast_object, host_store, join_store
 
-__all__ = ["injected_hang", "read_hang", "report_hang", "start_watchdog"]
+__all__ = ["HangReporter", "injected_hang", "read_hang", "start_watchdog"]
 
 
 def start_watchdog(
@@ -45,64 +46,74 @@ def read_hang(hang_file: Path, after: float) -> dict | None:
     return None
 
 
-def report_hang(
-    message: str,
-    stuck: list[int],
-    writer: AsyncCheckpointWriter | None,
-    manager: CheckpointManager,
-    hang_file: Path | None,
-    world: int,
-    since: float = 0.0,
-) -> str:
-    """Before a hung process ends: the checkpoint write in flight finishes;
-    ``hang_file`` (the run's ``hang.json``) names the stuck ranks and the last
-    checkpoint on disk. The first rank to write it since ``since`` (this
-    attempt's start) wins: that rank fired while every rank was there, while
-    a later one may find the first one's heartbeat already gone. So the
-    diagnosis is written at once, before the wait for the checkpoint write
-    (which can take seconds, while another rank's watchdog fires), and
-    written again by the same rank with the checkpoint on disk after it.
-    Returns the notes for the watchdog's message."""
-    first = hang_file is not None and read_hang(hang_file, since) is None
-    if first:
-        _write_hang(hang_file, message, stuck, world, manager)
-    notes = []
-    if writer is not None and writer.in_flight:
-        try:
-            notes.append(f"the checkpoint write in flight finished: {writer.wait(300)}")
-        except Exception as e:
-            notes.append(f"the checkpoint write in flight did not finish: {e}")
-    last = _write_hang(hang_file, message, stuck, world, manager) if first else _last(manager)
-    notes.append(
-        f"last checkpoint on disk: {last.path} (step {last.step}); run the same command "
-        "again to resume from it"
-        if last
-        else "no checkpoint on disk yet"
-    )
-    return "\n".join(notes)
+class HangReporter:
+    """What a hung process leaves before it ends: the watchdog's ``on_hang``
+    (:meth:`report`), held by the job. Built once the job has its checkpoint
+    ``writer`` (None when it writes synchronously), with the run's
+    ``manager`` of its checkpoints, ``hang_file`` (the run's ``hang.json``;
+    None: none written), its ``world`` size, and ``since``, this attempt's
+    start (``time.time()``; now by default): an older ``hang.json`` is
+    another attempt's. Any rank's may report (the first to exit makes the
+    launcher stop the others); the first written stands."""
 
+    def __init__(
+        self,
+        hang_file: Path | None,
+        manager: CheckpointManager,
+        writer: AsyncCheckpointWriter | None,
+        world: int,
+        since: float | None = None,
+    ):
+        self.hang_file, self.manager, self.writer, self.world = hang_file, manager, writer, world
+        self.since = time.time() if since is None else since
 
-def _last(manager: CheckpointManager):
-    records = manager.checkpoints()
-    return records[-1] if records else None
+    def report(self, message: str, stuck: list[int]) -> str:
+        """In the watchdog's thread, before the process ends: the checkpoint
+        write in flight finishes; ``hang.json`` names the ``stuck`` ranks and
+        the last checkpoint on disk. The first rank to write it since
+        ``since`` wins: that rank fired while every rank was there, while a
+        later one may find the first one's heartbeat already gone. So the
+        diagnosis is written at once, before the wait for the checkpoint
+        write (which can take seconds, while another rank's watchdog fires),
+        and written again by the same rank with the checkpoint on disk after
+        it. Returns the notes for the watchdog's message."""
+        first = self.hang_file is not None and read_hang(self.hang_file, self.since) is None
+        if first:
+            self._write(message, stuck)
+        notes = []
+        if self.writer is not None and self.writer.in_flight:
+            try:
+                notes.append(f"the checkpoint write in flight finished: {self.writer.wait(300)}")
+            except Exception as e:
+                notes.append(f"the checkpoint write in flight did not finish: {e}")
+        last = self._write(message, stuck) if first else self._last()
+        notes.append(
+            f"last checkpoint on disk: {last.path} (step {last.step}); run the same command "
+            "again to resume from it"
+            if last
+            else "no checkpoint on disk yet"
+        )
+        return "\n".join(notes)
 
+    def _last(self):
+        records = self.manager.checkpoints()
+        return records[-1] if records else None
 
-def _write_hang(hang_file: Path, message: str, stuck: list[int], world: int,
-                manager: CheckpointManager):  # fmt: skip
-    """Writes ``hang.json`` with the newest checkpoint on disk; returns that checkpoint."""
-    last = _last(manager)
-    hang = {
-        "message": message,
-        "stuck_ranks": stuck,
-        "world_size": world,
-        "checkpoint": str(last.path) if last else None,
-        "checkpoint_step": last.step if last else None,
-        "time": time.time(),
-    }
-    with contextlib.suppress(OSError):
-        text = json.dumps(hang, indent=2) + "\n"
-        atomic_write(hang_file, lambda w: w.write(text.encode()))
-    return last
+    def _write(self, message: str, stuck: list[int]):
+        """Writes ``hang.json`` with the newest checkpoint on disk; returns that checkpoint."""
+        last = self._last()
+        hang = {
+            "message": message,
+            "stuck_ranks": stuck,
+            "world_size": self.world,
+            "checkpoint": str(last.path) if last else None,
+            "checkpoint_step": last.step if last else None,
+            "time": time.time(),
+        }
+        with contextlib.suppress(OSError):
+            text = json.dumps(hang, indent=2) + "\n"
+            atomic_write(self.hang_file, lambda w: w.write(text.encode()))
+        return last
 
 
 def injected_hang(debug: DebugConfig, step: int, rank: int, attempt: int = 0) -> None:

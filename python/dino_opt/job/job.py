@@ -6,9 +6,11 @@ of a checkpoint, :meth:`CheckpointedDINOTrainer.load_state_dict`), epochs of
 steps of :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`, logging
 (:class:`~dino_opt.observe.RunLog`, health, profile), checkpoints
 (:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
-(the final checkpoint, profile, curves, evaluation, ``report.json``); and
-what keeps a long run alive: asynchronous checkpoints, rollback, the hang
-watchdog.
+(the final checkpoint, profile, curves, evaluation, ``report.json``). The
+job holds a component per concern that it calls at its boundaries: its
+checkpoints (:mod:`~dino_opt.job.checkpoints`), the rollbacks
+(:mod:`~dino_opt.job.rollback`), the hang report (:mod:`~dino_opt.job.hang`)
+and the evaluations (:mod:`~dino_opt.job.evaluation`).
 """
 
 from __future__ import annotations
@@ -24,16 +26,12 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import (
-    AsyncCheckpointWriter,
     CheckpointManager,
-    ShardedCheckpointWriter,
     capture_rng_state,
-    is_sharded_checkpoint,
     restore_rng_state,
     run_metadata,
 )
 from ..config import apply_overrides, save_config
-from ..eval import evaluate_run
 from ..observe import (
     HealthThresholds,
     MemoryTracker,
@@ -59,15 +57,10 @@ from ..runtime import (
 from ..train import resolve_epochs, resolve_input, resolve_recipe
 from ..tune import resolve_hardware
 from ..weights import init_from, start_students, weights_reader
-from .evaluation import (
-    evaluate_between_epochs,
-    evaluate_group_students,
-    evaluate_other_students,
-    start_backbone,
-    whole_teacher,
-)
+from .checkpoints import RunCheckpoints
+from .evaluation import Evaluator
 from .groups import group_state, load_group_state
-from .hang import injected_hang, report_hang, start_watchdog
+from .hang import HangReporter, injected_hang, start_watchdog
 from .parts import (
     _NEVER_HELD_BACK,
     PROFILE_PHASES,
@@ -86,7 +79,7 @@ from .restarts import (
     read_restarts,
     rows_to_log,
 )
-from .rollback import RollbackPolicy
+from .rollback import Rollback
 from .sharding import (
     SHARDED_KEYS,
     load_loss_state,
@@ -94,14 +87,13 @@ from .sharding import (
     load_whole_state,
     resharded_loader_state,
     sharded_state,
-    split_shards,
 )
 from .tracking import tracked_weights
 
 __all__ = ["CheckpointedDINOTrainer", "run_training"]
 
 
-class CheckpointedDINOTrainer(RollbackPolicy):
+class CheckpointedDINOTrainer:
     """The training job of ``dino-opt train``, restartable at any step.
 
     ``CheckpointedDINOTrainer(config, output_dir=..., auto_resume=True).train()``
@@ -111,6 +103,13 @@ class CheckpointedDINOTrainer(RollbackPolicy):
     returns the report (also written as ``report.json``). Its checkpoints
     (when, what the state holds, resuming bit for bit, what a resume refuses)
     are docs/checkpoints.md; its health policies and rollbacks docs/health.md.
+
+    It holds the components it calls at its boundaries, each built once with
+    what it needs: its checkpoints (:class:`~dino_opt.job.checkpoints.RunCheckpoints`,
+    at set-up), its rollbacks (:class:`~dino_opt.job.rollback.Rollback`,
+    at set-up), the hang report (:class:`~dino_opt.job.hang.HangReporter`)
+    and the evaluations (:class:`~dino_opt.job.evaluation.Evaluator`), once
+    it trains.
     """
 
     def __init__(
@@ -140,9 +139,6 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self._set_output_dir(Path(out))
         self.epoch = self.step = 0
         self.history: list[dict] = []
-        self.rollbacks: list[dict] = []  # one record per rollback, in the state
-        self._collapse_streak = 0  # logging intervals in a row with a collapse alert
-        self.writer: AsyncCheckpointWriter | None = None  # rank 0, checkpoint.async
         self.watchdog: HangWatchdog | None = None
         self.collector = StepCollector(0)  # train() sets the configured one
         self.restarts: list[dict] = []  # by the launcher, from the run folder (restarts.json)
@@ -191,12 +187,26 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             if self.lead:
                 found = (read_restarts(self.folder), pending_failures(self.folder))
             self.restarts, self._pending = broadcast_object(found)
+        self.checkpoints = RunCheckpoints(
+            self.checkpoint_manager,
+            lead=self.lead,
+            sharded=self.sharded,
+            asynchronous=self.config.checkpoint.async_,
+        )
+        self.rollback = Rollback(
+            self.config.health,
+            self.config.optim.accumulation_steps,
+            self.checkpoints,
+            self._collective,
+        )
         torch.manual_seed(self.config.hardware.seed)
         if self.lead:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             # what saves killed mid-write left (no other process saves yet)
             self.checkpoint_manager.remove_stale_temp_files()
-        resumed = self._checkpoint_to_resume()
+        resumed = self.checkpoints.to_resume(
+            self.config.checkpoint.resume, restarted=bool(self._pending), output_dir=self.output_dir
+        )
         if resumed is not None:
             differences = _config_differences(resumed[0].get("config", {}), self.config.to_dict())
             if differences:
@@ -214,37 +224,6 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         return build_parts(self.config, self.device, self.rank, self.world, self.reader)
 
     # ------------------------------------------------------------ resume
-
-    def _checkpoint_to_resume(self) -> tuple[dict, Path] | None:
-        resume = self.config.checkpoint.resume
-        manager = self.checkpoint_manager
-        if self._pending and manager.checkpoints():  # restarted: the newest complete one
-            return self._for_this_run(manager.load_latest(tensors=not self.sharded))
-        if resume is None:
-            if manager.checkpoints():
-                raise ResumeError(
-                    f"run folder {str(self.output_dir)!r} already holds checkpoints; continue "
-                    "it with checkpoint.resume=auto, or choose another output folder"
-                )
-            return None
-        if resume == "auto":
-            return self._for_this_run(manager.load_latest(tensors=not self.sharded))
-        path = Path(resume)
-        verify = manager.sidecar_path(path).exists() or path.parent == manager.directory
-        try:
-            state = manager.load(path, verify=verify, tensors=not self.sharded)
-        except (ValueError, OSError) as e:
-            raise ResumeError(f"checkpoint.resume={resume!r}: {e}") from e
-        return self._for_this_run((state, path))
-
-    def _for_this_run(self, resumed: tuple[dict, Path] | None) -> tuple[dict, Path] | None:
-        """A checkpoint read for this run. A sharded run of a sharded folder
-        gets its small state only (``shards`` names the folder the networks
-        load from); of the other strategy, the whole state (a ddp file is
-        read whole, so is a sharded folder by a ddp run)."""
-        if resumed is not None and self.sharded and is_sharded_checkpoint(resumed[1]):
-            resumed[0]["shards"] = resumed[1]
-        return resumed
 
     def state_dict(self) -> dict:
         """The complete state of the run at the current step. Collective when
@@ -278,7 +257,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             "rng": gather_objects(capture_rng_state()),  # per rank
             "world_size": self.world,
             "history": self.history,
-            "rollbacks": self.rollbacks,
+            **self.rollback.state_dict(),
             "train_seconds": self._seconds_before + time.perf_counter() - self._started,
             "config": self.config.to_dict(),
             "metadata": self.metadata,
@@ -319,7 +298,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             p.model.teacher_step = self.step // self.config.optim.accumulation_steps
         self.history = list(state.get("history", []))
         self.history += rows_to_log(self.restarts, self.history, self.step)  # made after it
-        self.rollbacks = list(state.get("rollbacks", []))
+        self.rollback.load_state_dict(state)
         self._seconds_before = float(state.get("train_seconds", 0.0))
 
     def _resume(self, resumed: tuple[dict, Path] | None) -> Path | None:
@@ -369,7 +348,14 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         path, error = None, None
         if self.lead or self.sharded:  # a sharded run's ranks each write their shards
             try:
-                path = self._write(state, reason, end_of_epoch, wait)
+                path = self.checkpoints.write(
+                    state,
+                    reason,
+                    epoch=self.epoch,
+                    step=self.step,
+                    end_of_epoch=end_of_epoch,
+                    wait=wait,
+                )
             except BaseException as e:  # reported to every rank first
                 error = e
         del state
@@ -381,31 +367,13 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             raise RuntimeError(f"rank 0 could not write a checkpoint (at step {self.step})")
         return path
 
-    def _write(self, state: dict, reason: str, end_of_epoch: bool, wait: bool) -> Path:
-        """Rank 0: one checkpoint, synchronously or through the writer (whose
-        save first raises the error of the write before, if any)."""
-        kwargs = dict(epoch=self.epoch, step=self.step, end_of_epoch=end_of_epoch,
-                      milestone=True if reason == "final" else None)  # fmt: skip
-        if self.sharded:
-            shards = split_shards(state)
-            path = self.writer.save(shards, state, **kwargs)
-            if wait:
-                self.writer.wait()
-            return path if self.lead else None
-        if self.writer is None:
-            return self.checkpoint_manager.save(state, **kwargs)
-        path = self.writer.save(state, **kwargs)
-        if wait:
-            self.writer.wait()
-        return path
-
     def _unhealthy(self) -> bool:
         """Collective: whether any rank is in a non-finite streak or (with
         ``health.on_collapse=rollback``) a collapse, so saves wait."""
         if self.monitor is None:
             return False
         local = self.monitor.current_streak() > 0
-        local |= self.config.health.on_collapse == "rollback" and self._collapse_streak > 0
+        local |= self.rollback.collapse_pending
         with self._collective("health"):
             return all_reduce_metrics({"unhealthy": float(local)})["unhealthy"] > 0
 
@@ -423,17 +391,27 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         del resumed  # the tensors now live in the models and the optimizer
         self._start_logging()
         self._log_restarts(resumed_from)
-        if self.sharded:  # every rank writes its shards
-            self.writer = ShardedCheckpointWriter(
-                self.checkpoint_manager, lead=self.lead, asynchronous=self.config.checkpoint.async_
-            )
-        elif self.lead and self.config.checkpoint.async_:
-            self.writer = AsyncCheckpointWriter(self.checkpoint_manager)
-        self.watchdog = self._start_watchdog()
+        self.checkpoints.start_writer()
+        # from now on: an older hang.json is another attempt's
+        self.hang = HangReporter(
+            self.folder.hang, self.checkpoint_manager, self.checkpoints.writer, self.world
+        )
+        self.watchdog = start_watchdog(
+            self.config.distributed.hang_timeout_s, self.rank, self.world, self.hang.report
+        )
+        self.evaluator = Evaluator(
+            self.config,
+            self.parts,
+            self.device,
+            world=self.world,
+            lead=self.lead,
+            folder=self.folder,
+            watchdog=self.watchdog,
+        )
         self.collector = StepCollector(self.config.hardware.gc_every_steps)
         try:
             with GracefulStop() as stop, self.collector:
-                if self.step == 0 and self._may_roll_back():
+                if self.step == 0 and self.rollback.enabled:
                     self._save("start")  # a checkpoint to go back to
                 stopped_by = self._train_epochs(stop)
         except BaseException:
@@ -449,10 +427,10 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.parts.loader.close()
         if self.progress_file is not None:
             self.progress_file.close()
-        if self.writer is not None:
+        if self.checkpoints.writer is not None:
             try:
                 with GracefulStop():  # a launcher's SIGTERM waits for the write (SIGKILL won't)
-                    self.writer.wait()
+                    self.checkpoints.wait()
             except Exception as e:
                 print(f"the checkpoint write in flight failed too: {e}", file=sys.stderr)
 
@@ -468,7 +446,22 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                         return stopped_by
                 return None
             except _Rollback as r:
-                self._rollback(r)
+                self._roll_back(r)
+
+    def _roll_back(self, r: _Rollback) -> None:
+        """Back to the last good checkpoint (:meth:`Rollback.roll_back
+        <dino_opt.job.rollback.Rollback.roll_back>`), every rank at once: the
+        events after it again in the history, the accumulation discarded,
+        the metrics and TensorBoard rewound to it, as on resume."""
+        record, earlier = self.rollback.roll_back(r, self.step, self.load_state_dict)
+        self.history += earlier
+        self.trainer.discard_accumulation()
+        self.log.close()
+        self._start_logging()
+        self.history.append(record)
+        self.log.event(record)
+        if self.lead:
+            print(self.rollback.describe(record, self.step), file=sys.stderr)
 
     def _log_restarts(self, resumed_from: Path | None) -> None:
         """Several processes: a restart by the launcher becomes a row of
@@ -488,22 +481,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             self.log.event(row)
         self.progress_file = ProgressFile(self.folder, self.rank, self.step)
 
-    # ------------------------------------------------------------ hangs
-
-    def _start_watchdog(self) -> HangWatchdog | None:
-        """The hang watchdog (``distributed.hang_timeout_s``), or None."""
-        self._hang_since = time.time()  # an older hang.json is another attempt's
-        return start_watchdog(
-            self.config.distributed.hang_timeout_s, self.rank, self.world, self._on_hang
-        )
-
-    def _on_hang(self, message: str, stuck: list[int]) -> str:
-        """In the watchdog's thread, before the process ends: the write in
-        flight finishes, ``hang.json`` names what hung and what is on disk.
-        Any rank's may (the first to exit makes the launcher stop the others);
-        the first written stands."""
-        return report_hang(message, stuck, self.writer, self.checkpoint_manager,
-                           self.folder.hang, self.world, self._hang_since)  # fmt: skip
+    # ------------------------------------------------------------ steps
 
     def _start_logging(self) -> None:
         cfg = self.config
@@ -540,7 +518,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                 batch = next(batches, None)
             if batch is None:
                 break
-            if self._skipped(self.step):
+            if self.rollback.skipped(self.step):
                 self._skip_batch(epoch)
             else:
                 self._train_step(batch, epoch, stop)
@@ -561,11 +539,17 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             loader.set_epoch(epoch + 1)  # the position to resume from
             self.epoch = epoch + 1
             self._save("epoch", end_of_epoch=True)
-        evaluate_between_epochs(self.config, self.parts, epoch + 1, self.device, self.log,
-                                self.step, self.world, self.lead, self.watchdog)  # fmt: skip
+        self.evaluator.between_epochs(epoch + 1, self.step, self.log)
         return None
 
-    # ------------------------------------------------------------ rollback
+    def _skip_batch(self, epoch: int) -> None:
+        """A micro-batch a rollback skips: read, not trained on; the step
+        count and the teacher's momentum schedule move on as if it had been."""
+        self.epoch = epoch
+        self.step += 1
+        self.log.advance()
+        if self.step % self.config.optim.accumulation_steps == 0:
+            self.parts.model.teacher_step += 1
 
     def _train_step(self, batch, epoch: int, stop: GracefulStop) -> None:
         """One micro-batch: schedules, forward and backward, the optimizer
@@ -573,7 +557,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         cfg, p = self.config, self.parts
         self.epoch = epoch
         it = min(self.step // cfg.optim.accumulation_steps, len(p.schedules.lr) - 1)
-        self.trainer.set_schedules(p.schedules, it, self.lr_scale)
+        self.trainer.set_schedules(p.schedules, it, self.rollback.lr_scale)
         total = cfg.schedule.epochs * len(p.loader)
         logging_step = (self.step + 1) % cfg.logging.log_every == 0 or self.step + 1 == total
         self.trainer.capture_outputs = logging_step and self.monitor is not None
@@ -636,10 +620,16 @@ class CheckpointedDINOTrainer(RollbackPolicy):
                                           "collapsed": float(collapsed), **parts})  # fmt: skip
         if reduced["stop"] > 0 and self._pending_stop is None:
             self._pending_stop = stop.signal_name or "SIGTERM"
-        row = {"step": self.step, "epoch": epoch, "loss": reduced["loss"],
-               "lr": float(s.lr[it]) * self.lr_scale, "weight_decay": float(s.weight_decay[it]),
-               "momentum": float(s.momentum[it]), "images_per_second": ips,
-               **{k: reduced[k] for k in parts}}  # fmt: skip
+        row = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": reduced["loss"],
+            "lr": float(s.lr[it]) * self.rollback.lr_scale,
+            "weight_decay": float(s.weight_decay[it]),
+            "momentum": float(s.momentum[it]),
+            "images_per_second": ips,
+            **{k: reduced[k] for k in parts},
+        }
         if len(cfg.augmentation.crop_size_pairs) > 1:
             row["global_crop_size"], row["local_crop_size"] = self._crop_sides
         row.update(self.tracker.get_memory_stats())
@@ -651,6 +641,19 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.log.write(row)
         self.log.alerts([a.message for a in alerts], self.step)
         self._act_on_health(reduced, diverged)
+
+    def _act_on_health(self, reduced: dict, diverged: NonFiniteError | None) -> None:
+        """What the ranks saw together (``reduced``) at a logging step:
+        ``health.on_nonfinite`` when any rank diverged (``diverged``: this
+        rank's error), ``health.on_collapse`` when the ranks saw a collapse
+        (:class:`~dino_opt.job.rollback.Rollback` raises the signal to go back)."""
+        if reduced.get("diverged", 0) > 0:
+            error = self.rollback.on_nonfinite(diverged, self.step)
+            if error is not None:
+                self._save("nonfinite", wait=True)
+                raise error
+        alerts = self.monitor.last_alerts if self.monitor is not None else []
+        self.rollback.on_collapse(bool(reduced.get("collapsed")), alerts)
 
     def _check_health(self, loss: torch.Tensor, ips: float):
         """This rank's health diagnostics of the window, the alerts they
@@ -698,7 +701,7 @@ class CheckpointedDINOTrainer(RollbackPolicy):
             "final_loss": losses[-1] if losses else None,
             "device": str(self.device),
             "run_folder": str(self.output_dir),
-            "rollbacks": self.rollbacks,
+            "rollbacks": self.rollback.rollbacks,
             "restarts": self.restarts,
         }
         if self.hardware_preset is not None:
@@ -718,27 +721,14 @@ class CheckpointedDINOTrainer(RollbackPolicy):
         self.epoch = cfg.schedule.epochs
         report["checkpoint"] = str(self._save("final", end_of_epoch=True, wait=True))
         self._stop_watchdog()  # not during the evaluation
-        p = self.parts
-        evaluate = p.roots.val is not None
-        teacher = None  # collective when sharded: the whole teacher, on rank 0
-        if evaluate:
-            teacher = whole_teacher(p, self.lead)
         if not self.lead:  # rank 0 evaluates and writes the report (group leads their students)
-            if evaluate:
-                evaluate_group_students(cfg, p, teacher, self.device, self.folder, self.step)
+            self.evaluator.at_end(self.step, self.log)
             self.log.close()
             return report
         report.update(self._profile_report())
         if cfg.logging.curves:
             plot_training_curves(self.history, self.folder.training_curves)
-        if evaluate:
-            nets = (teacher.backbone, p.random_teacher.backbone)
-            report.update(evaluate_run(cfg, p.roots, *nets, self.device, self.folder, self.log,
-                                       self.step, start_backbone(cfg, p)))  # fmt: skip
-            report.update(evaluate_other_students(cfg, p, teacher, self.device, self.folder,
-                                                  self.step))  # fmt: skip
-            report.update(evaluate_group_students(cfg, p, teacher, self.device, self.folder,
-                                                  self.step))  # fmt: skip
+        report.update(self.evaluator.at_end(self.step, self.log))
         if self.log.tracks_artifacts and cfg.logging.mlflow_weights:
             self.log.artifacts([tracked_weights(cfg, report["checkpoint"], self.folder)], "weights")
         return self._write_report(report, final=True)
