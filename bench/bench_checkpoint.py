@@ -37,8 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, machine, print_table, write_json  # noqa: E402
 from dino_opt.checkpoint import AsyncCheckpointWriter, CheckpointManager  # noqa: E402
-from dino_opt.cli import DEMO_PRESET  # noqa: E402
-from dino_opt.config import Config, apply_overrides  # noqa: E402
+from dino_opt.config import DEMO_PRESET, Config, apply_overrides  # noqa: E402
 from dino_opt.train import (  # noqa: E402  # noqa: E402
     DINOModel,
     MemoryOptimizedDINOTrainer,

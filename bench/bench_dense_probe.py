@@ -30,8 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_json  # noqa: E402
-from dino_opt.cli import DEMO_PRESET  # noqa: E402
-from dino_opt.config import Config  # noqa: E402
+from dino_opt.config import DEMO_PRESET, Config  # noqa: E402
 from dino_opt.data import builtin_dataset  # noqa: E402
 from dino_opt.data.segmentation import segmentation_splits  # noqa: E402
 from dino_opt.eval import load_checkpoint  # noqa: E402

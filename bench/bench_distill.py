@@ -32,10 +32,10 @@ from common import (  # noqa: E402
     time_ms,
     write_json,
 )
-from dino_opt.cli import DEMO_PRESETS  # noqa: E402
 from dino_opt.config import Config, apply_overrides  # noqa: E402
 from dino_opt.models import VisionTransformer  # noqa: E402
 from dino_opt.train import (  # noqa: E402
+    DEMO_PRESETS,
     DINOModel,
     build_loss,
     build_models,

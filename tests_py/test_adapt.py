@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
+from dino_opt.api import ADAPT_OVERRIDES
 from dino_opt.checkpoint import CheckpointManager
-from dino_opt.cli import ADAPT_OVERRIDES
 from dino_opt.config import apply_overrides, default_config
 from dino_opt.data import builtin_dataset
 from dino_opt.train import build_models, build_optimizer

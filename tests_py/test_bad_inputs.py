@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from dino_opt import probing
 from dino_opt.cli import main
+from dino_opt.distributed import embed as distributed_embed
 from dino_opt.models import build_backbone
 from dino_opt.weights import load_student_start
 from dino_opt.weights.heads import HEAD_KEY, load_head
@@ -126,7 +126,7 @@ def test_a_permission_error_iserror_line(run, tiny_data, tmp_path, capsys, monke
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path / "e.npy"))
 
-    monkeypatch.setattr(probing, "embed_weights", refused)
+    monkeypatch.setattr(distributed_embed, "embed_weights", refused)
     argv = ["embed", str(run), str(tiny_data / "val"), "-o", str(tmp_path / "e.npy")]
     line = error_line(capsys, argv)
     assert line.endswith(f"Permission denied: '{tmp_path / 'e.npy'}'")
@@ -136,7 +136,7 @@ def test_a_bug_is_a_traceback_and_a_line_saying_so(run, tiny_data, tmp_path, cap
     def broken(*args, **kwargs):
         raise TypeError("an internal mistake")
 
-    monkeypatch.setattr(probing, "embed_weights", broken)
+    monkeypatch.setattr(distributed_embed, "embed_weights", broken)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["embed", str(run), str(tiny_data / "val"), "-o", str(tmp_path / "e.npy")])

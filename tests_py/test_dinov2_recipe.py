@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from dino_opt.cli import DEMO_PRESETS
 from dino_opt.config import ConfigError, effective_lr, load_config, recipe_names
 from dino_opt.data import mask_targets
 from dino_opt.ops import Schedules
 from dino_opt.train import (
+    DEMO_PRESETS,
     DINOModel,
     DINOv2Loss,
     DINOv2Trainer,

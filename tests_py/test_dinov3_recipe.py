@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dino_opt.cli import DEMO_PRESETS, main
+from dino_opt.cli import main
 from dino_opt.config import ConfigError, load_config, recipe_names
 from dino_opt.data import mask_targets
 from dino_opt.ops import warmup_cosine_constant
 from dino_opt.train import (
+    DEMO_PRESETS,
     DINOModel,
     DINOv2Loss,
     DINOv3Loss,

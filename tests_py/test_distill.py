@@ -13,11 +13,12 @@ import pytest
 import torch
 import torchvision
 import yaml
-from dino_opt.cli import DEMO_PRESETS, main
+from dino_opt.cli import main
 from dino_opt.config import Config, ConfigError, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
 from dino_opt.runtime import device as device_module
 from dino_opt.train import (
+    DEMO_PRESETS,
     DINOModel,
     DINOv2Loss,
     DINOv2Trainer,

@@ -37,13 +37,11 @@ LAYERS = {
     "dino_opt.weights": 6,
     # L7: the training job
     "dino_opt.job": 7,
-    # L8: starting several processes of it; the install's self-check
+    # L8: starting several processes of it (training, embedding); the install's self-check
     "dino_opt.distributed": 8,
     "dino_opt.doctor": 8,
-    # L9: the probe, picture and embedding commands (embedding starts processes)
-    "dino_opt.probing": 9,
-    # faces: the one-call API, the course's names; the command line, the package;
-    # the torchrun entry
+    # faces: the one-call API, the course's names; the command line (cli/, one module
+    # per command), the package; the torchrun entry
     "dino_opt.api": 10,
     "dino_opt.lessons": 10,
     "dino_opt.dinov2": 10,

@@ -8,8 +8,9 @@ import json
 
 import pytest
 import torch
-from dino_opt.cli import DEMO_PRESET, main
+from dino_opt.cli import main
 from dino_opt.config import (
+    DEMO_PRESET,
     PRESET_KEYS,
     PRESETS,
     Config,

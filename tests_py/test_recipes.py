@@ -6,9 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-from dino_opt.cli import DEMO_PRESETS
 from dino_opt.config import RECIPE_NEEDS, apply_overrides, default_config, load_config
-from dino_opt.train import RECIPES, build_loss, build_models, recipe_of
+from dino_opt.train import DEMO_PRESETS, RECIPES, build_loss, build_models, recipe_of
 from dino_opt.train.recipes import DINORecipe, register
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "dino_opt"

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dino_opt.cli import _resume_command, main
+from dino_opt.cli import main
+from dino_opt.cli.train import resume_command
 from dino_opt.config import load_config
 from dino_opt.distributed.agent import (
     WORKER_PRELOAD,
@@ -153,10 +154,10 @@ def test_rendezvous_events_are_named_as_torch_names_them():
 def test_the_resume_command_names_the_run_folder_it_made():
     args = argparse.Namespace(argv=["train", "--nproc", "2", "x=1"], output_dir=None)
     cfg = load_config(None)
-    command = _resume_command(args, "runs/20250101-000000", cfg)
+    command = resume_command(args, "runs/20250101-000000", cfg)
     assert command == "dino-opt train --output-dir runs/20250101-000000 --nproc 2 x=1"
     args.output_dir = "mine"
-    assert _resume_command(args, "mine", cfg) == "dino-opt train --nproc 2 x=1"
+    assert resume_command(args, "mine", cfg) == "dino-opt train --nproc 2 x=1"
 
 
 def _free_port() -> int:

@@ -9,8 +9,9 @@
 :func:`train` builds its configuration the way ``dino-opt train`` does
 (:func:`training_config`: the demo preset or a config file, ``--adapt``'s
 keys, then ``section.key=value`` overrides), so a call and a command with
-the same options run the same training. The demo presets and ``--adapt``'s
-keys live here, and the command line takes them from here.
+the same options run the same training. ``--adapt``'s keys live here, and
+the command line takes them from here; the demo presets are
+:data:`dino_opt.config.DEMO_PRESET` and :data:`dino_opt.train.DEMO_PRESETS`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ from .config import Config, load_config
 from .eval import Embeddings, check_embeddings_output, write_embeddings
 from .job import run_training
 from .runtime import resolve_device
-from .train import RECIPES
+from .train import DEMO_PRESETS
 from .weights import RELEASED, embeddings_of, is_weights_name, open_backbone
 
 __all__ = [
     "ADAPT_OVERRIDES",
-    "DEMO_PRESET",
-    "DEMO_PRESETS",
     "ImageTransform",
     "adapt_overrides",
     "embed",
@@ -43,46 +42,6 @@ __all__ = [
     "train",
     "training_config",
 ]
-
-# The demo: the built-in data set, a small ViT and a short schedule, so that
-# `dino-opt train` without a config finishes in minutes on a 2-core CPU.
-DEMO_PRESET = {
-    "data": {"batch_size": 64},
-    "augmentation": {
-        "global_crop_size": 64,
-        "local_crop_size": 32,
-        "num_local_views": 4,
-        "global_crops_scale": [0.3, 1.0],
-        "local_crops_scale": [0.05, 0.3],
-        # DINO's blur sigma (0.1, 2) is in pixels of 224-pixel crops; at 64
-        # pixels it wiped out the shapes of the always-blurred first view.
-        "blur_sigma": [0.05, 0.6],
-    },
-    "model": {
-        "backbone": "vit_tiny",
-        "patch_size": 16,
-        "drop_path_rate": 0.0,
-        "out_dim": 1024,
-        "hidden_dim": 512,
-        "bottleneck_dim": 128,
-    },
-    "optim": {"lr": 0.002, "weight_decay": 0.04, "weight_decay_end": 0.1},
-    # A short run needs a teacher that follows the student more closely
-    # than DINO's 0.996 (an average over ~250 of its 100k+ steps): with 0.99
-    # over 93-240 steps the teacher stayed mostly its random initialisation
-    # and ended 6-9 k-NN points below the student; 0.9 collapsed its output.
-    "schedule": {"epochs": 8, "warmup_epochs": 2, "momentum_teacher": 0.97},
-    "logging": {"log_every": 5},
-}
-
-
-def _merged(base: dict, changes: dict) -> dict:
-    return {s: {**base.get(s, {}), **changes.get(s, {})} for s in {*base, *changes}}
-
-
-# Each recipe's demo: the DINO demo with the recipe's changes (its module says them).
-DEMO_PRESETS = {name: _merged(DEMO_PRESET, r.demo_changes) for name, r in RECIPES.items()}
-
 
 #: What ``dino-opt train --adapt WEIGHTS`` sets: both networks from the
 #: weights, the backbone frozen for an epoch while the new heads warm up,

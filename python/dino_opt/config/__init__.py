@@ -1,4 +1,5 @@
-"""The configuration: fields, the checked Config, YAML and overrides, the presets table."""
+"""The configuration: fields, the checked Config, YAML and overrides, the presets table
+and the demo preset."""
 
 from .fields import (
     RECIPE_NEEDS,
@@ -36,11 +37,19 @@ from .names import (
     refuse_code,
     student_key,
 )
-from .presets import PRESET_KEYS, PRESET_NAMES, PRESETS, HardwarePreset, preset_for_memory
+from .presets import (
+    DEMO_PRESET,
+    PRESET_KEYS,
+    PRESET_NAMES,
+    PRESETS,
+    HardwarePreset,
+    preset_for_memory,
+)
 from .schema import Config, default_config, validate
 
 __all__ = [
     "BACKBONE_NAMES",
+    "DEMO_PRESET",
     "EXTERNAL_FORMS",
     "RECIPE_NEEDS",
     "RECIPES_DIR",

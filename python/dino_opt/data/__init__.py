@@ -1,7 +1,7 @@
 """Images in: the data sources (folders, file lists, tar shards, Hugging Face
 data sets), the native multi-crop loader, DINOv2's block masks, the
-built-in data set (with per-pixel masks) and segmentation data (image/mask
-pairs)."""
+built-in data set (with per-pixel masks), segmentation data (image/mask
+pairs), and a data set re-encoded at a bounded size."""
 
 from .builtin import (
     BUILTIN_CLASSES,
@@ -46,6 +46,7 @@ from .masking import (
     mask_targets,
     mask_upperbound,
 )
+from .prepare import prepare_dataset
 from .segmentation import IGNORE_INDEX, SegmentationSource, segmentation_splits
 from .shards import verify_shards, write_shards
 from .sources import (
@@ -106,6 +107,7 @@ __all__ = [
     "mask_upperbound",
     "multicrop_collate",
     "open_source",
+    "prepare_dataset",
     "render_image",
     "render_image_and_mask",
     "render_variant",

@@ -49,7 +49,7 @@ from .distill import (
 from .epochs import EpochChoice, auto_epochs, resolve_epochs
 from .input import loader_input, resolve_input
 from .param_groups import dinov2_param_groups, layer_id, param_groups
-from .recipes import RECIPES, Recipe, WeightsReader, recipe_of
+from .recipes import DEMO_PRESETS, RECIPES, Recipe, WeightsReader, recipe_of
 from .trainer import DINOModel, DINOTerms, MemoryOptimizedDINOTrainer, StepHooks, StepTerms
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "HeadsDistillTrainer",
     "MemoryOptimizedDINOTrainer",
     "PatchStudentOutputs",
+    "DEMO_PRESETS",
     "RECIPES",
     "Recipe",
     "StepHooks",
