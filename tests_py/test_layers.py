@@ -42,13 +42,13 @@ LAYERS = {
     "dino_opt.doctor": 8,
     # faces: the one-call API, the course's names; the command line (cli/, one module
     # per command), the package; the torchrun entry
-    "dino_opt.api": 10,
-    "dino_opt.lessons": 10,
-    "dino_opt.dinov2": 10,
-    "dino_opt.dinov3": 10,
-    "dino_opt.cli": 11,
-    "dino_opt": 11,
-    "dino_opt.train.__main__": 12,
+    "dino_opt.api": 9,
+    "dino_opt.lessons": 9,
+    "dino_opt.dinov2": 9,
+    "dino_opt.dinov3": 9,
+    "dino_opt.cli": 10,
+    "dino_opt": 10,
+    "dino_opt.train.__main__": 11,
 }
 
 
