@@ -1,4 +1,5 @@
-"""The configuration: fields, the checked Config, YAML and overrides, the presets table."""
+"""The configuration: fields, the checked Config, YAML and overrides, the presets table, what
+a resume may change, the docs' key tables."""
 
 from .fields import (
     RECIPE_NEEDS,
@@ -37,7 +38,10 @@ from .names import (
     student_key,
 )
 from .presets import PRESET_KEYS, PRESET_NAMES, PRESETS, HardwarePreset, preset_for_memory
+from .recipe import DINOConfig, DistillConfig, GramConfig, IBOTConfig, KoLeoConfig
+from .resume import may_change_on_resume, resume_differences
 from .schema import Config, default_config, validate
+from .tables import key_table
 
 __all__ = [
     "BACKBONE_NAMES",
@@ -48,6 +52,11 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "ConfigError",
+    "DINOConfig",
+    "DistillConfig",
+    "GramConfig",
+    "IBOTConfig",
+    "KoLeoConfig",
     "DataConfig",
     "DebugConfig",
     "DistributedConfig",
@@ -67,9 +76,12 @@ __all__ = [
     "config_to_yaml",
     "default_config",
     "effective_lr",
+    "key_table",
     "load_config",
+    "may_change_on_resume",
     "recipe_names",
     "resolve_config_path",
+    "resume_differences",
     "preset_for_memory",
     "save_config",
     "validate",
