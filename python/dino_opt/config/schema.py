@@ -113,6 +113,15 @@ class Config:
         a nested section (``recipe.gram``) a dict in its section's."""
         return {name: _nest(values) for name, values in _flat_dict(self).items()}
 
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``section.key`` -> plain value, a nested section's keys dotted
+        (``recipe.gram.loss_weight``): every key of the config on one level."""
+        return {
+            f"{name}.{key}": value
+            for name, values in _flat_dict(self).items()
+            for key, value in values.items()
+        }
+
     @classmethod
     def from_dict(cls, d: typing.Mapping[str, Any] | None) -> Config:
         """Builds and validates a Config; missing sections and keys take their defaults.
