@@ -163,8 +163,8 @@ def test_old_flat_keys_are_read_with_one_deprecation_line(tmp_path):
     assert "recipe.dino_loss_weight -> recipe.dino.loss_weight" in line and "\n" not in line
     assert (cfg.recipe.ibot.out_dim, cfg.recipe.ibot.loss_weight) == (40, 0.5)
     assert cfg.recipe.ibot.separate_head and cfg.recipe.centering == "sinkhorn_knopp"
-    nested = {"recipe": {"name": "dinov2", "centering": "sinkhorn_knopp", "ibot": {
-        "loss_weight": 0.5, "separate_head": True, "out_dim": 40}}}  # fmt: skip
+    ibot = {"loss_weight": 0.5, "separate_head": True, "out_dim": 40}
+    nested = {"recipe": {"name": "dinov2", "centering": "sinkhorn_knopp", "ibot": ibot}}
     assert cfg == load_config(nested)
     # an old key as an override, with the same line; it wins over the file's new key
     with warnings.catch_warnings(record=True) as record:
@@ -188,12 +188,12 @@ def test_an_old_key_and_its_new_key_must_agree():
 
 
 def test_a_checkpoint_with_an_old_flat_config_opens_and_resumes(tmp_path):
-    new = load_config(
-        None,
-        [*TINY, "recipe.name=dinov2", "recipe.centering=sinkhorn_knopp",
-         "recipe.ibot.loss_weight=0.5", "recipe.ibot.separate_head=true",
-         "recipe.ibot.out_dim=40"],
-    )  # fmt: skip
+    ibot = [
+        "recipe.ibot.loss_weight=0.5",
+        "recipe.ibot.separate_head=true",
+        "recipe.ibot.out_dim=40",
+    ]
+    new = load_config(None, [*TINY, "recipe.name=dinov2", "recipe.centering=sinkhorn_knopp", *ibot])
     old = {**new.to_dict(), "recipe": OLD_FLAT_RECIPE}
     _, teacher = build_models(new)
     path = tmp_path / "checkpoint.pth"
