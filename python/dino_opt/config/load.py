@@ -77,7 +77,7 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
         if key in _GROUPS[sname]:
             raise ConfigError(
                 f"override {dotted}: {dotted} is a section; give one of its keys, e.g. "
-                f"{next(k for k in _SPECS[sname] if k.startswith(key + '.'))}"
+                f"{sname}.{next(k for k in _SPECS[sname] if k.startswith(key + '.'))}"
             )
         raise ConfigError(_unknown_key(sname, key))
     try:

@@ -61,7 +61,7 @@ def _resolve_aliases(sname: str, values: typing.Mapping, renamed: list[str]) -> 
         if _ALIASES[sname][old][1] is None:
             renamed.append(f"{sname}.{old} -> {sname}.{_ALIASES[sname][old][0]}")
         new, value = alias_value(sname, old, out.pop(old))
-        if new in out and out[new] != value:
+        if new in out and _plain(out[new]) != _plain(value):
             raise ConfigError(
                 f"{sname}.{old} (the old name of {sname}.{new}) says {value!r} but "
                 f"{sname}.{new} says {out[new]!r}; give only {sname}.{new}"
