@@ -65,6 +65,12 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     sname, key = parts[0], ".".join(parts[1:])
     if sname not in _SECTIONS:
         raise ConfigError(_unknown_section(sname))
+    if len(parts) > 2 and ".".join(parts[1:-1]) not in _GROUPS[sname]:
+        nested = ", ".join(f"{sname}.{g}" for g in _GROUPS[sname])
+        raise ConfigError(
+            f"override key {dotted!r} must be section.key, e.g. data.batch_size"
+            + (f", or a key of a nested section ({nested})" if nested else "")
+        )
     current, mapping = _ALIASES.get(sname, {}).get(key, (key, None))
     if mapping is not None:  # an old key with values of its own: its current key and value
         try:
