@@ -4,6 +4,7 @@ the published formula, the Gram teacher's schedule (loaded from the EMA
 teacher, refreshed, at most max_updates times) and its file, the demo, and
 `dino-opt train` end to end (the gram loss logged, resume bit for bit)."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -231,8 +232,8 @@ def test_refresh_rule_and_the_gram_teachers_schedule():
     # (it + 1) % 4 == 0, twice at most: after iterations 7 and 11
     assert loads == [3] and refreshes == [7, 11] and gram.updates == 2
     assert torch.all(gram.backbone.weight == 11.5)
-    assert not refresh_due(options._replace(rep_update=False), 7, 0)
-    assert refresh_due(options._replace(max_updates=None), 19, 9)
+    assert not refresh_due(dataclasses.replace(options, rep_update=False), 7, 0)
+    assert refresh_due(dataclasses.replace(options, max_updates=None), 19, 9)
 
 
 def test_the_trainer_follows_the_schedule_over_optimizer_steps():
