@@ -29,8 +29,10 @@ RECIPE_NEEDS: dict[str, dict[str, str]] = {
 
 @dataclass
 class RecipeConfig:
-    """Which self-supervised recipe trains: DINO, DINOv2 (DINO + iBOT + KoLeo),
-    DINOv3 (DINOv2's losses plus Gram anchoring), or a distillation from a frozen teacher."""
+    """Which self-supervised recipe trains, and its losses' sections (nested below).
+
+    DINO, DINOv2 (DINO + iBOT + KoLeo), DINOv3 (DINOv2's losses plus Gram
+    anchoring), or a distillation from a frozen teacher."""
 
     name: str = option(
         "dino",
