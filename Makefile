@@ -242,7 +242,7 @@ demo-distill: setup
 	$(VENV)/bin/dino-opt train --output-dir $(DEMO_DISTILL_DIR)/teacher_vits \
 		model.backbone=vit_small eval.every_epochs=20 $(DEMO_TEACHER_ARGS) $(DEMO_ARGS)
 	$(VENV)/bin/dino-opt train --demo distill --output-dir $(DEMO_DISTILL_DIR)/students \
-		recipe.distill_teacher=$(DEMO_DISTILL_DIR)/teacher_vits 'recipe.distill_students=[resnet18]' \
+		recipe.distill.teacher=$(DEMO_DISTILL_DIR)/teacher_vits 'recipe.distill.students=[resnet18]' \
 		$(DEMO_ARGS)
 
 bench: setup

@@ -1,6 +1,6 @@
 """The cost of distilling into several students at once: one training step
 (forward, backward, optimizer, EMA) of 1, 2 and 3 students trained together
-from one frozen teacher forward (``recipe.distill_students``) against the
+from one frozen teacher forward (``recipe.distill.students``) against the
 same students trained in separate runs, each with its own teacher forward,
 in one process, beside the teacher's forward alone.
 
@@ -51,9 +51,10 @@ def _config(students: tuple[str, ...], batch: int, device: torch.device) -> Conf
     first, *others = students
     names = ",".join(others)
     preset = {**DEMO_PRESETS["distill"]}
-    preset["recipe"] = {**preset["recipe"], "distill_teacher": "random", "distill_teacher_dim": 384}
+    distill = {**preset["recipe"]["distill"], "teacher": "random", "teacher_dim": 384}
+    preset["recipe"] = {**preset["recipe"], "distill": distill}
     return apply_overrides(Config.from_dict(preset), [
-        f"model.backbone={first}", f"recipe.distill_students=[{names}]",
+        f"model.backbone={first}", f"recipe.distill.students=[{names}]",
         f"data.batch_size={batch}", f"hardware.device={device.type}",
     ])  # fmt: skip
 

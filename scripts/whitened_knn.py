@@ -1,7 +1,7 @@
 """The weighted k-NN top-1 of embedded features as they are, standardised
 per channel, and whitened (ZCA) with eigenvalue floors: whether a network's
 features hold more than their cosine neighbours show, and so whether a
-distillation from it should whiten its tokens (``recipe.distill_whiten``).
+distillation from it should whiten its tokens (``recipe.distill.whiten``).
 
     dino-opt embed RUN DATA/train -o train.npz   # and val.npz, test.npz
     python scripts/whitened_knn.py train.npz val.npz [test.npz ...]

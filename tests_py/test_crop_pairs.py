@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from dino_opt.cli import main
-from dino_opt.config import ConfigError, load_config
+from dino_opt.config import ConfigError, GramConfig, load_config
 from dino_opt.data import MultiCropDataset, MultiCropLoader, builtin_dataset
-from dino_opt.train import GramOptions, GramTeacher, build_models
-from dino_opt.train.recipes.dinov3 import gram_options
+from dino_opt.train import GramTeacher, build_models
 from dino_opt.tune.memory_model import estimate_memory
 from tiny import (
     RESUMABLE,
@@ -73,10 +72,10 @@ def test_one_size_is_one_pair_and_lists_parse_and_round_trip(tmp_path):
      "every entry of augmentation.global_crop_size must be >= 1"),
     (["augmentation.local_crop_size=[16,true]"],
      "augmentation.local_crop_size must be an int or a non-empty list of ints"),
-    ([*PAIRS, "recipe.name=dinov3", "recipe.gram_teacher_crop_size=[48,64,96]"],
-     "recipe.gram_teacher_crop_size has 3 sizes for 2 crop-size pair(s)"),
+    ([*PAIRS, "recipe.name=dinov3", "recipe.gram.teacher_crop_size=[48,64,96]"],
+     "recipe.gram.teacher_crop_size has 3 sizes for 2 crop-size pair(s)"),
     (["augmentation.global_crop_size=[48,48]", "augmentation.local_crop_size=[16,24]",
-      "recipe.name=dinov3", "recipe.gram_teacher_crop_size=[64,96]"],
+      "recipe.name=dinov3", "recipe.gram.teacher_crop_size=[64,96]"],
      "gives the global crop size 48 two sides (64 and 96)"),
 ])  # fmt: skip
 def test_bad_crop_pairs_are_one_line_naming_the_key(overrides, needle):
@@ -98,11 +97,11 @@ def test_train_with_bad_ratios_says_so_in_one_line(tmp_path, capsys):
 
 def test_the_gram_teacher_resizes_each_pair_to_its_side():
     cfg = load_config(None, [*TINY, *PAIRS, "recipe.name=dinov3",
-                             "recipe.gram_teacher_crop_size=[48,64]"])  # fmt: skip
-    options = gram_options(cfg)
-    assert options.teacher_crop_size == {32: 48, 48: 64}
+                             "recipe.gram.teacher_crop_size=[48,64]"])  # fmt: skip
+    gram = GramTeacher(GramConfig(teacher_crop_size=(48, 64)), cfg.augmentation.crop_size_pairs)
+    assert gram.teacher_crop_size == {32: 48, 48: 64}
+    assert cfg.recipe.gram.teacher_sides(cfg.augmentation.crop_size_pairs) == {32: 48, 48: 64}
     _, teacher = build_models(cfg)
-    gram = GramTeacher(GramOptions(teacher_crop_size=options.teacher_crop_size))
     gram.attach(teacher.backbone)
     seen = []
     forward = gram.backbone.forward_features
@@ -253,9 +252,9 @@ def train_root(tmp_path_factory):
 # the dinov3 recipe (masks, a Gram teacher from iteration 2 at its own side
 # per pair) at two pairs of equal probability
 RUN = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp", "model.drop_path_rate=0",
-       "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64", *PAIRS,
-       "augmentation.crop_size_ratios=[0.5,0.5]", "recipe.gram_teacher_crop_size=[48,64]",
-       "recipe.gram_it_load_ema_teacher=2", "recipe.gram_rep_update=false"]  # fmt: skip
+       "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64", *PAIRS,
+       "augmentation.crop_size_ratios=[0.5,0.5]", "recipe.gram.teacher_crop_size=[48,64]",
+       "recipe.gram.it_load_ema_teacher=2", "recipe.gram.rep_update=false"]  # fmt: skip
 
 
 def _cmd(out: Path, root: Path) -> list[str]:

@@ -49,7 +49,7 @@ DINOV2_TINY = [*TINY, "recipe.name=dinov2", "model.layerscale_init=1e-5",
 
 def test_recipe_shorthand_and_packaged_configs_load():
     cfg = load_config({"recipe": "dinov2"})
-    assert cfg.recipe.name == "dinov2" and cfg.recipe.mask_ratio_min_max == (0.1, 0.5)
+    assert cfg.recipe.name == "dinov2" and cfg.recipe.ibot.mask_ratio_min_max == (0.1, 0.5)
     assert {"dinov2_vits14", "dinov2_vitl14", "dinov2_vitg14"} <= set(recipe_names())
     g = load_config("dinov2_vitg14", ["data.batch_size=4"])
     assert (g.model.backbone, g.model.patch_size, g.model.ffn_layer) == (
@@ -57,7 +57,7 @@ def test_recipe_shorthand_and_packaged_configs_load():
         14,
         "swiglufused",
     )
-    assert g.recipe.centering == "sinkhorn_knopp" and g.recipe.ibot_separate_head
+    assert g.recipe.centering == "sinkhorn_knopp" and g.recipe.ibot.separate_head
     assert g.data.batch_size == 4 and g.augmentation.local_crop_size == 98
 
 
@@ -66,8 +66,8 @@ def test_recipe_errors_name_the_key():
         load_config({"recipe": "ibot"})
     with pytest.raises(ConfigError, match="needs a ViT backbone"):
         load_config({"recipe": "dinov2", "model": {"backbone": "resnet18"}})
-    with pytest.raises(ConfigError, match="recipe.mask_sample_probability"):
-        load_config({"recipe": {"name": "dinov2", "mask_sample_probability": 0}})
+    with pytest.raises(ConfigError, match="recipe.ibot.mask_sample_probability"):
+        load_config({"recipe": {"name": "dinov2", "ibot": {"mask_sample_probability": 0}}})
 
 
 def test_sqrt_scaling_rule():
@@ -200,7 +200,7 @@ def _batch(cfg, b=8, seed=0):
 
 
 @pytest.mark.parametrize("extra", [[], ["recipe.centering=sinkhorn_knopp",
-                                        "recipe.ibot_separate_head=true"]])  # fmt: skip
+                                        "recipe.ibot.separate_head=true"]])  # fmt: skip
 def test_a_step_trains_the_student_and_the_mask_token(extra):
     torch.manual_seed(0)
     cfg = load_config(None, [*DINOV2_TINY, *extra])
@@ -252,6 +252,6 @@ def test_the_dinov2_demo_is_the_dino_demo_with_the_recipe():
     dino, dinov2 = load_config(DEMO_PRESETS["dino"]), load_config(DEMO_PRESETS["dinov2"])
     assert dinov2.recipe.name == "dinov2" and dinov2.model.img_size == 224
     assert dinov2.recipe.centering == "sinkhorn_knopp"
-    a, b = dino.to_dict(), dinov2.to_dict()
-    changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
+    a, b = dino.to_flat_dict(), dinov2.to_flat_dict()
+    changed = {k for k in a if a[k] != b[k]}
     assert changed == {"recipe.name", "recipe.centering", "model.img_size"}

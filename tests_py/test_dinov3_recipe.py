@@ -4,6 +4,7 @@ the published formula, the Gram teacher's schedule (loaded from the EMA
 teacher, refreshed, at most max_updates times) and its file, the demo, and
 `dino-opt train` end to end (the gram loss logged, resume bit for bit)."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from dino_opt.cli import main
-from dino_opt.config import ConfigError, load_config, recipe_names
+from dino_opt.config import ConfigError, GramConfig, load_config, recipe_names
 from dino_opt.data import mask_targets
 from dino_opt.ops import warmup_cosine_constant
 from dino_opt.train import (
@@ -21,7 +22,6 @@ from dino_opt.train import (
     DINOv2Loss,
     DINOv3Loss,
     DINOv3Trainer,
-    GramOptions,
     GramTeacher,
     PatchStudentOutputs,
     attach_frozen_copies,
@@ -48,7 +48,7 @@ from tiny import (
 )
 
 DINOV3_TINY = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
-               "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64",
+               "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64",
                "model.drop_path_rate=0"]  # fmt: skip
 
 
@@ -56,30 +56,29 @@ DINOV3_TINY = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
 
 
 def test_gram_keys_parse_with_their_defaults():
-    recipe = {"name": "dinov3", "gram_ckpt": "teacher.pt", "gram_it_load_ema_teacher": -1,
-              "gram_max_updates": 3}  # fmt: skip
-    cfg = load_config({"recipe": recipe})
-    r = cfg.recipe
-    assert (r.gram_ckpt, r.gram_it_load_ema_teacher, r.gram_max_updates) == ("teacher.pt", -1, 3)
-    assert (r.gram_loss_weight, r.gram_update_frequency, r.gram_tokens_used) == (1.0, 50000, "all")
-    assert r.gram_teacher_crop_size is None and r.gram_img_level and r.gram_normalized
+    gram = {"ckpt": "teacher.pt", "it_load_ema_teacher": -1, "max_updates": 3}
+    cfg = load_config({"recipe": {"name": "dinov3", "gram": gram}})
+    g = cfg.recipe.gram
+    assert (g.ckpt, g.it_load_ema_teacher, g.max_updates) == ("teacher.pt", -1, 3)
+    assert (g.loss_weight, g.update_frequency, g.tokens_used) == (1.0, 50000, "all")
+    assert g.teacher_crop_size is None and g.img_level and g.normalized
     # another recipe does not read them
-    load_config(None, ["recipe.name=dinov2", "recipe.gram_it_load_ema_teacher=-1"])
+    load_config(None, ["recipe.name=dinov2", "recipe.gram.it_load_ema_teacher=-1"])
 
 
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["recipe.gram_it_load_ema_teacher=-1"], "needs weights for its Gram teacher"),
-        (["recipe.gram_remove_neg=true", "recipe.gram_remove_only_teacher_neg=true"],
+        (["recipe.gram.it_load_ema_teacher=-1"], "needs weights for its Gram teacher"),
+        (["recipe.gram.remove_neg=true", "recipe.gram.remove_only_teacher_neg=true"],
          "exclude each other"),
-        (["recipe.gram_tokens_used=masked"], "needs recipe.gram_img_level=false"),
-        (["recipe.gram_teacher_crop_size=30"], "multiple of model.patch_size"),
-        (["recipe.gram_update_frequency=0"], "recipe.gram_update_frequency"),
-        (["recipe.gram_loss_weight_warmup_epochs=2", "recipe.gram_loss_weight_cosine_epochs=1",
+        (["recipe.gram.tokens_used=masked"], "needs recipe.gram.img_level=false"),
+        (["recipe.gram.teacher_crop_size=30"], "multiple of model.patch_size"),
+        (["recipe.gram.update_frequency=0"], "recipe.gram.update_frequency"),
+        (["recipe.gram.loss_weight_warmup_epochs=2", "recipe.gram.loss_weight_cosine_epochs=1",
           "schedule.epochs=2", "schedule.warmup_epochs=0"], "must be <= schedule.epochs"),
-        (["recipe.gram_loss_weight_end=-1"], "recipe.gram_loss_weight_end"),
-        (["recipe.gram_tokens_used=some"], "recipe.gram_tokens_used"),
+        (["recipe.gram.loss_weight_end=-1"], "recipe.gram.loss_weight_end"),
+        (["recipe.gram.tokens_used=some"], "recipe.gram.tokens_used"),
         (["model.backbone=resnet18", "model.patch_size=16"], "needs a ViT backbone"),
     ],
 )  # fmt: skip
@@ -94,28 +93,28 @@ def test_the_packaged_dinov3_configs_are_dinov3s_recipes():
             "dinov3_vitl16_high_res_adapt"} <= set(recipe_names())  # fmt: skip
     im1k = load_config("dinov3_vitl16")
     r, o, s = im1k.recipe, im1k.optim, im1k.schedule
-    assert (im1k.model.backbone, r.name, r.centering, r.gram_use_loss) == (
+    assert (im1k.model.backbone, r.name, r.centering, r.gram.use_loss) == (
         "vit_large_dinov3", "dinov3", "sinkhorn_knopp", False)  # fmt: skip
     assert (o.lr, o.layerwise_decay, o.scaling_rule, s.epochs, s.momentum_teacher) == (
         1e-3, 0.9, "sqrt_wrt_1024", 100, 0.992)  # fmt: skip
     pretrain = load_config("dinov3_vitl16_pretrain")
-    assert pretrain.augmentation.global_crop_size == 256 and not pretrain.recipe.gram_use_loss
+    assert pretrain.augmentation.global_crop_size == 256 and not pretrain.recipe.gram.use_loss
     assert pretrain.optim.min_lr == pretrain.optim.lr  # constant after the warm-up
     with pytest.raises(ConfigError, match="needs weights for its Gram teacher"):
         load_config("dinov3_vitl16_gram_anchor")  # the pretrained run must be named
-    gram = load_config("dinov3_vitl16_gram_anchor", ["recipe.gram_ckpt=pretrain.pt"]).recipe
-    assert (gram.gram_update_frequency, gram.gram_max_updates, gram.gram_img_level) == (
+    gram = load_config("dinov3_vitl16_gram_anchor", ["recipe.gram.ckpt=pretrain.pt"]).recipe.gram
+    assert (gram.update_frequency, gram.max_updates, gram.img_level) == (
         10000, 3, True)  # fmt: skip
     weights = gram_weight_schedule(load_config("dinov3_vitl16_gram_anchor",
-                                               ["recipe.gram_ckpt=pretrain.pt"]), 1000)  # fmt: skip
+                                               ["recipe.gram.ckpt=pretrain.pt"]), 1000)  # fmt: skip
     assert weights[0] == 0 and weights[999] == 2.0 and np.all(weights[999:] == 2.0)
     assert np.all(np.diff(weights[:1000]) >= 0)
-    hires = load_config("dinov3_vitl16_high_res_adapt", ["recipe.gram_ckpt=gram.pt"])
+    hires = load_config("dinov3_vitl16_high_res_adapt", ["recipe.gram.ckpt=gram.pt"])
     assert hires.augmentation.crop_size_pairs == [(512, 112), (768, 112), (768, 160),
                                                   (768, 224), (768, 336)]  # fmt: skip
     assert hires.augmentation.crop_size_ratios == (0.3, 0.3, 0.3, 0.05, 0.05)
-    assert hires.recipe.gram_teacher_crop_size == (768, 1152, 1152, 1152, 1152)
-    assert not hires.recipe.gram_rep_update and hires.recipe.gram_loss_weight == 1.5
+    assert hires.recipe.gram.teacher_crop_size == (768, 1152, 1152, 1152, 1152)
+    assert not hires.recipe.gram.rep_update and hires.recipe.gram.loss_weight == 1.5
 
 
 # ------------------------------------------------------------ the Gram term
@@ -144,7 +143,7 @@ def test_the_step_adds_the_weighted_gram_loss_to_dinov2s(options):
     student, info, gram_teacher = _outputs(gen)
     kw = dict(student_temp=0.1, centering="sinkhorn_knopp")
     dinov2 = DINOv2Loss(32, 32, 2, **kw).double()
-    dinov3 = DINOv3Loss(32, 32, 2, gram=GramOptions(loss_weight=0.7, **options), **kw).double()
+    dinov3 = DINOv3Loss(32, 32, 2, gram=GramConfig(loss_weight=0.7, **options), **kw).double()
     cls, patch = (torch.randn(6, 32, generator=gen), torch.randn(len(info["mask_indices_list"]),
                                                                    32, generator=gen))  # fmt: skip
     targets = dinov2.teacher_targets(cls, patch, 0.04, info["n_masked_patches"])
@@ -204,7 +203,7 @@ def test_the_trainers_gram_term_is_the_gram_loss_of_the_students_patch_tokens():
 
 
 def test_the_gram_teacher_on_larger_crops_is_resized_to_the_students_grid():
-    cfg, trainer = _trainer(["recipe.gram_teacher_crop_size=64"])
+    cfg, trainer = _trainer(["recipe.gram.teacher_crop_size=64"])
     crops, _ = _batch(cfg)
     tokens = trainer.gram_teacher.patch_tokens(crops[:2])
     side = cfg.augmentation.global_crop_size // cfg.model.patch_size
@@ -217,7 +216,7 @@ def test_the_gram_teacher_on_larger_crops_is_resized_to_the_students_grid():
 
 
 def test_refresh_rule_and_the_gram_teachers_schedule():
-    options = GramOptions(it_load_ema_teacher=3, update_frequency=4, it_first_update=6,
+    options = GramConfig(it_load_ema_teacher=3, update_frequency=4, it_first_update=6,
                           max_updates=2)  # fmt: skip
     gram, teacher = GramTeacher(options), torch.nn.Linear(2, 2)
     gram.attach(teacher)
@@ -234,13 +233,13 @@ def test_refresh_rule_and_the_gram_teachers_schedule():
     # (it + 1) % 4 == 0, twice at most: after iterations 7 and 11
     assert loads == [3] and refreshes == [7, 11] and gram.updates == 2
     assert torch.all(gram.backbone.weight == 11.5)
-    assert not refresh_due(options._replace(rep_update=False), 7, 0)
-    assert refresh_due(options._replace(max_updates=None), 19, 9)
+    assert not refresh_due(dataclasses.replace(options, rep_update=False), 7, 0)
+    assert refresh_due(dataclasses.replace(options, max_updates=None), 19, 9)
 
 
 def test_the_trainer_follows_the_schedule_over_optimizer_steps():
-    schedule = ["recipe.gram_it_load_ema_teacher=1", "recipe.gram_update_frequency=2",
-                "recipe.gram_it_first_update=2", "recipe.gram_max_updates=1"]  # fmt: skip
+    schedule = ["recipe.gram.it_load_ema_teacher=1", "recipe.gram.update_frequency=2",
+                "recipe.gram.it_first_update=2", "recipe.gram.max_updates=1"]  # fmt: skip
     cfg, trainer = _trainer(schedule)
     teacher, gram = trainer.model.teacher.backbone, trainer.gram_teacher
     seen, snapshot = [], None
@@ -257,7 +256,7 @@ def test_the_trainer_follows_the_schedule_over_optimizer_steps():
     assert any(not torch.equal(v, teacher.state_dict()[k]) for k, v in snapshot.items())
     state = trainer.loss_fn.state_dict()
     assert state["gram_teacher._extra_state"] == {"loaded": True, "updates": 1}
-    restored = _trainer(["recipe.gram_it_load_ema_teacher=1"], seed=1)[1]
+    restored = _trainer(["recipe.gram.it_load_ema_teacher=1"], seed=1)[1]
     restored.loss_fn.load_state_dict(state)
     assert (restored.gram_teacher.loaded, restored.gram_teacher.updates) == (True, 1)
     for k, v in restored.gram_teacher.backbone.state_dict().items():
@@ -296,8 +295,8 @@ def test_the_gram_weight_schedule_matches_the_formula(start, peak, end, warmup, 
 
 
 def test_the_trainer_takes_the_gram_weight_of_each_iteration():
-    keys = ["recipe.gram_loss_weight=2", "recipe.gram_loss_weight_start=0",
-            "recipe.gram_loss_weight_end=0.5", "recipe.gram_loss_weight_warmup_epochs=1",
+    keys = ["recipe.gram.loss_weight=2", "recipe.gram.loss_weight_start=0",
+            "recipe.gram.loss_weight_end=0.5", "recipe.gram.loss_weight_warmup_epochs=1",
             "schedule.epochs=3", "schedule.warmup_epochs=1"]  # fmt: skip
     cfg, trainer = _trainer(keys)
     schedules = build_schedules(cfg, 4)
@@ -307,12 +306,12 @@ def test_the_trainer_takes_the_gram_weight_of_each_iteration():
         trainer.set_schedules(schedules, it)
         assert trainer.loss_fn.gram_weight == weights[it]
     constant = build_schedules(load_config(None, DINOV3_TINY), 4).gram_weight
-    assert np.all(constant == 1.0)  # the defaults: gram_loss_weight throughout
+    assert np.all(constant == 1.0)  # the defaults: recipe.gram.loss_weight throughout
     assert build_schedules(load_config(None, TINY), 4).gram_weight is None  # no Gram term
 
 
 def test_without_gram_anchoring_the_step_is_dinov2s():
-    off = ["recipe.gram_use_loss=false", "recipe.gram_it_load_ema_teacher=-1"]
+    off = ["recipe.gram.use_loss=false", "recipe.gram.it_load_ema_teacher=-1"]
     cfg, trainer = _trainer(off)  # no weights are needed: no Gram teacher at all
     assert trainer.gram_teacher.backbone is None
     assert recipe_of(cfg).frozen_backbone_copies(cfg) == 0
@@ -332,25 +331,25 @@ def test_the_gram_teacher_from_a_file_and_a_file_that_does_not_fit(tmp_path):
     weights = {f"backbone.{k}": v + 1 for k, v in backbone.state_dict().items()}
     good = tmp_path / "good.pt"
     torch.save({"teacher": weights, "step": 3}, good)
-    _, loaded = _trainer([f"recipe.gram_ckpt={good}", "recipe.gram_it_load_ema_teacher=-1"])
+    _, loaded = _trainer([f"recipe.gram.ckpt={good}", "recipe.gram.it_load_ema_teacher=-1"])
     assert loaded.gram_teacher.loaded
     for k, v in loaded.gram_teacher.backbone.state_dict().items():
         assert torch.equal(v, weights[f"backbone.{k}"]), k
     bad = tmp_path / "bad.pt"
     torch.save({k: v[..., :1] for k, v in backbone.state_dict().items()}, bad)
     with pytest.raises(ValueError, match="bad.pt' does not fit the Gram teacher") as e:
-        _trainer([f"recipe.gram_ckpt={bad}"])
+        _trainer([f"recipe.gram.ckpt={bad}"])
     assert "\n" not in str(e.value)
 
 
 def test_the_dinov3_demo_is_the_dinov2_demo_with_a_gram_teacher():
     dinov2, dinov3 = load_config(DEMO_PRESETS["dinov2"]), load_config(DEMO_PRESETS["dinov3"])
-    a, b = dinov2.to_dict(), dinov3.to_dict()
-    changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
-    assert changed == {"recipe.name", "recipe.ibot_separate_head", "recipe.ibot_out_dim",
-                       "recipe.gram_it_load_ema_teacher", "recipe.gram_update_frequency",
-                       "recipe.gram_it_first_update", "recipe.gram_max_updates"}  # fmt: skip
-    assert b["recipe"]["ibot_out_dim"] == b["model"]["out_dim"]
+    a, b = dinov2.to_flat_dict(), dinov3.to_flat_dict()
+    changed = {k for k in a if a[k] != b[k]}
+    assert changed == {"recipe.name", "recipe.ibot.separate_head", "recipe.ibot.out_dim",
+                       "recipe.gram.it_load_ema_teacher", "recipe.gram.update_frequency",
+                       "recipe.gram.it_first_update", "recipe.gram.max_updates"}  # fmt: skip
+    assert b["recipe.ibot.out_dim"] == b["model.out_dim"]
 
 
 # ------------------------------------------------------------ end to end
@@ -363,8 +362,8 @@ def train_root(tmp_path_factory):
 
 # 10 optimizer steps: the Gram teacher loaded at the start of iteration 2,
 # refreshed after iterations 3 and 5 (then max_updates)
-GRAM_SCHEDULE = ["recipe.gram_it_load_ema_teacher=2", "recipe.gram_update_frequency=2",
-                 "recipe.gram_it_first_update=4", "recipe.gram_max_updates=2"]  # fmt: skip
+GRAM_SCHEDULE = ["recipe.gram.it_load_ema_teacher=2", "recipe.gram.update_frequency=2",
+                 "recipe.gram.it_first_update=4", "recipe.gram.max_updates=2"]  # fmt: skip
 
 
 def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
@@ -391,7 +390,7 @@ def test_a_gram_checkpoint_that_is_missing_is_one_line(train_root, tmp_path, cap
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["train", "--output-dir", str(tmp_path / "out"), "--quiet", f"data.root={train_root}",
-              *DINOV3_TINY, f"recipe.gram_ckpt={missing}"])  # fmt: skip
+              *DINOV3_TINY, f"recipe.gram.ckpt={missing}"])  # fmt: skip
     err = capsys.readouterr().err
     lines = [x for x in err.strip().splitlines() if "error" in x]
     assert e.value.code == 2 and len(lines) == 1 and str(missing) in lines[0], err

@@ -14,7 +14,7 @@ import torch
 import torchvision
 import yaml
 from dino_opt.cli import main
-from dino_opt.config import Config, ConfigError, load_config
+from dino_opt.config import Config, ConfigError, DistillConfig, load_config
 from dino_opt.models import DINOHead, Tokens, VisionTransformer, backbone_tokens, pool_to_grid
 from dino_opt.runtime import device as device_module
 from dino_opt.train import (
@@ -28,7 +28,6 @@ from dino_opt.train import (
     parameters_in,
 )
 from dino_opt.train.distill import (
-    DistillOptions,
     FeatureDistillLoss,
     FeatureDistillTrainer,
     FeatureDistillWrapper,
@@ -120,7 +119,7 @@ def test_teacher_side():
     assert teacher_side(64, 2.0, 16) == 128
     with pytest.raises(ValueError, match="not a multiple of its patch"):
         teacher_side(96, 1.0, 14)
-    with pytest.raises(ValueError, match="distill_teacher_scale"):
+    with pytest.raises(ValueError, match="distill.teacher_scale"):
         teacher_side(96, 0.3, 16)
 
 
@@ -158,10 +157,10 @@ def _loss_reference(s, t, o):
 
 @pytest.mark.parametrize(
     "o",
-    [DistillOptions(), DistillOptions(cls_weight=0.3, patch_weight=2.0),
-     DistillOptions(cosine_weight=0.0, smooth_l1_weight=1.5),
-     DistillOptions(cosine_weight=2.0, smooth_l1_weight=0.0),
-     DistillOptions(standardize=True, cls_weight=0.5)],
+    [DistillConfig(), DistillConfig(cls_weight=0.3, patch_weight=2.0),
+     DistillConfig(cosine_weight=0.0, smooth_l1_weight=1.5),
+     DistillConfig(cosine_weight=2.0, smooth_l1_weight=0.0),
+     DistillConfig(standardize=True, cls_weight=0.5)],
 )  # fmt: skip
 def test_feature_loss_matches_its_formula_with_gradients(o, gen):
     def r(*shape):
@@ -200,9 +199,9 @@ def _local_reference(local, t_cls, o):
     return o.local_weight * (o.cosine_weight * cos + o.smooth_l1_weight * l1) / pairs
 
 
-@pytest.mark.parametrize("o", [DistillOptions(local_weight=1.0),
-                               DistillOptions(local_weight=2.0, standardize=True),
-                               DistillOptions(local_weight=0.5, cosine_weight=2.0,
+@pytest.mark.parametrize("o", [DistillConfig(local_weight=1.0),
+                               DistillConfig(local_weight=2.0, standardize=True),
+                               DistillConfig(local_weight=0.5, cosine_weight=2.0,
                                               smooth_l1_weight=0.25)])  # fmt: skip
 def test_local_crop_terms_match_their_formula_with_gradients(o, gen):
     def r(*shape):
@@ -293,7 +292,7 @@ def test_the_teachers_tokens_are_whitened_before_they_are_pooled(gen):
     onto the student's; the running statistics are the loss's state."""
     teacher = _vit(patch=8, dim=48)
     images = torch.randn(3, 3, 32, 32, generator=gen)
-    loss = FeatureDistillLoss(DistillOptions(whiten=1e-3, teacher_dim=48))
+    loss = FeatureDistillLoss(DistillConfig(whiten=1e-3, teacher_dim=48))
     loss.attach_teacher(FrozenTeacher(teacher, 8))
     got = loss.teacher_tokens(images, (2, 2))
     raw = backbone_tokens(teacher, images)
@@ -305,7 +304,7 @@ def test_the_teachers_tokens_are_whitened_before_they_are_pooled(gen):
     assert {"whiteners.cls.mean", "whiteners.patch.cov", "whiteners.cls.batches"} <= set(state)
     assert torch.equal(state["whiteners.patch.mean"], patch.mean)
     with pytest.raises(ValueError, match="teacher_dim"):
-        FeatureDistillLoss(DistillOptions(whiten=1e-3))
+        FeatureDistillLoss(DistillConfig(whiten=1e-3))
 
 
 def test_the_whitener_averages_over_the_ranks(tmp_path, gen):
@@ -342,7 +341,7 @@ class Counting(torch.nn.Module):
 
 
 def _feature_trainer(student_backbone, teacher_backbone, width, scale=1.0, local_weight=0.0):
-    o = DistillOptions(teacher_scale=scale, local_weight=local_weight)
+    o = DistillConfig(teacher_scale=scale, local_weight=local_weight)
     student = FeatureDistillWrapper(student_backbone, FeatureProjector(width, 48))
     model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9)
     loss = FeatureDistillLoss(o)
@@ -399,7 +398,7 @@ def test_a_resnet_student_with_local_crops_learns_from_them(gen):
     assert torch.isfinite(metrics["distill_local_cosine"])
     # the local terms alone reach the backbone
     student.zero_grad()
-    only = FeatureDistillLoss(DistillOptions(cls_weight=0, patch_weight=0, local_weight=1.0))
+    only = FeatureDistillLoss(DistillConfig(cls_weight=0, patch_weight=0, local_weight=1.0))
     only.attach_teacher(trainer.loss_fn.frozen)
     views = student(torch.cat(crops[:2]), crops[2:])
     only(views, only.teacher_tokens(torch.cat(crops[:2]), views.tokens.grid))[0].backward()
@@ -456,7 +455,7 @@ def _trainer_of(student, teacher_backbone, clip=0.05, device="cpu", precision="f
     student, teacher_backbone = student.to(device), teacher_backbone.to(device)
     model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9,
                       copy_buffers=True)  # fmt: skip
-    loss = FeatureDistillLoss(DistillOptions())
+    loss = FeatureDistillLoss(DistillConfig())
     loss.attach_teacher(FrozenTeacher(teacher_backbone, teacher_backbone.patch_size))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
     config = {"precision": precision, "accumulation_steps": 1, "freeze_last_layer": 0,
@@ -517,7 +516,7 @@ def assert_bfloat16_teacher_close(vit, x):
     half = parameters_in(copy.deepcopy(vit), torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     assert half.periods.dtype == torch.float32
-    loss = FeatureDistillLoss(DistillOptions())
+    loss = FeatureDistillLoss(DistillConfig())
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss.attach_teacher(FrozenTeacher(vit, 8))
         want = loss.teacher_tokens(x, (4, 4))
@@ -624,8 +623,8 @@ def train_root(tmp_path_factory):
 def teacher_run(train_root, tmp_path_factory):
     """A tiny DINOv2 run (ViT-T/8, width 192, a separate iBOT head of 40): the teacher."""
     out = tmp_path_factory.mktemp("teacher") / "run"
-    teacher = [*TINY, "recipe.name=dinov2", "recipe.ibot_separate_head=true",
-               "recipe.ibot_out_dim=40", "schedule.epochs=1",
+    teacher = [*TINY, "recipe.name=dinov2", "recipe.ibot.separate_head=true",
+               "recipe.ibot.out_dim=40", "schedule.epochs=1",
                "schedule.warmup_epochs=0"]  # fmt: skip
     run_cli_ok(_cmd(out, train_root, *teacher))
     return out
@@ -636,17 +635,17 @@ def _cmd(out: Path, root: Path, *config: str) -> list[str]:
 
 
 def _student(teacher: Path, *extra: str) -> list[str]:
-    return [*TINY, "recipe.name=distill", f"recipe.distill_teacher={teacher}",
+    return [*TINY, "recipe.name=distill", f"recipe.distill.teacher={teacher}",
             "model.drop_path_rate=0", *extra]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "mode, extra", [("features", ()), ("heads", ()), ("features", ("recipe.distill_whiten=0.001",))]
+    "mode, extra", [("features", ()), ("heads", ()), ("features", ("recipe.distill.whiten=0.001",))]
 )
 def test_distillation_trains_and_resumes_bit_for_bit(mode, extra, train_root, teacher_run,
                                                      tmp_path):  # fmt: skip
     """(With whitening: its running statistics are in the checkpoint.)"""
-    config = _student(teacher_run, f"recipe.distill_mode={mode}", *extra)
+    config = _student(teacher_run, f"recipe.distill.mode={mode}", *extra)
     ref = tmp_path / "ref"
     run_cli_ok(_cmd(ref, train_root, *config))
     rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
@@ -654,9 +653,9 @@ def test_distillation_trains_and_resumes_bit_for_bit(mode, extra, train_root, te
     assert all(part in r for r in rows if "loss" in r)
     saved = yaml.safe_load((ref / "config.yaml").read_text())["recipe"]
     if mode == "features":  # the teacher's width, read when the run started
-        assert saved["distill_teacher_dim"] == 192
+        assert saved["distill"]["teacher_dim"] == 192
     else:  # the student's heads take the teacher's widths
-        assert saved["ibot_out_dim"] == 40 and saved["ibot_separate_head"]
+        assert saved["ibot"]["out_dim"] == 40 and saved["ibot"]["separate_head"]
     out = tmp_path / "run"
     run_killed_and_resumed(out, _cmd(out, train_root, *config))
     a, b = final_state(out), final_state(ref)
@@ -685,10 +684,10 @@ def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
         None,
         [
             "recipe.name=distill",
-            "recipe.distill_teacher=x.pt",
-            "recipe.distill_teacher_dim=48",
+            "recipe.distill.teacher=x.pt",
+            "recipe.distill.teacher_dim=48",
             "model.backbone=vit_tiny",
-            "recipe.distill_students=[resnet18]",
+            "recipe.distill.students=[resnet18]",
         ],
     )
     assert cfg.student_names == ("vit_tiny", "resnet18")
@@ -707,19 +706,19 @@ def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
 @pytest.mark.parametrize(
     "extra, needle",
     [([], "needs its teacher"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads", "model.backbone=resnet18",
+     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads", "model.backbone=resnet18",
        "model.patch_size=16"], "trains a ViT student"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
-       "recipe.distill_local_weight=1"], "recipe.distill_local_weight=1 is for"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_local_weight=0.5",
+     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads",
+       "recipe.distill.local_weight=1"], "recipe.distill.local_weight=1 is for"),
+     (["recipe.distill.teacher=x.pt", "recipe.distill.local_weight=0.5",
        "augmentation.num_local_views=0"], "augmentation.num_local_views is 0"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
-       "recipe.distill_standardize=true"], "recipe.distill_standardize is for"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_mode=heads",
-       "recipe.distill_whiten=0.001"], "recipe.distill_whiten is for"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_standardize=true",
-       "recipe.distill_whiten=0.001"], "choose one"),
-     (["recipe.distill_teacher=x.pt", "recipe.distill_whiten=2"], "recipe.distill_whiten")],
+     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads",
+       "recipe.distill.standardize=true"], "recipe.distill.standardize is for"),
+     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads",
+       "recipe.distill.whiten=0.001"], "recipe.distill.whiten is for"),
+     (["recipe.distill.teacher=x.pt", "recipe.distill.standardize=true",
+       "recipe.distill.whiten=0.001"], "choose one"),
+     (["recipe.distill.teacher=x.pt", "recipe.distill.whiten=2"], "recipe.distill.whiten")],
 )  # fmt: skip
 def test_config_errors_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
@@ -737,7 +736,7 @@ def test_bad_teachers_are_one_line(train_root, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["train", "--output-dir", str(tmp_path / f"out_{mode}"), "--quiet",
                   f"data.root={train_root}",
-                  *_student(path, f"recipe.distill_mode={mode}")])  # fmt: skip
+                  *_student(path, f"recipe.distill.mode={mode}")])  # fmt: skip
         err = capsys.readouterr().err
         lines = [x for x in err.strip().splitlines() if "error" in x]
         assert e.value.code == 2 and len(lines) == 1 and needle in lines[0], err
@@ -745,11 +744,11 @@ def test_bad_teachers_are_one_line(train_root, tmp_path, capsys):
 
 def test_the_distill_demo_is_the_dino_demo_with_the_measured_features_settings():
     dino = load_config(DEMO_PRESETS["dino"])
-    demo = load_config(DEMO_PRESETS["distill"], ["recipe.distill_teacher=t.pth"])
-    r = demo.recipe
-    assert (r.name, r.distill_mode, r.distill_local_weight) == ("distill", "features", 1.0)
-    assert r.distill_whiten == 1e-4 and r.distill_projector_hidden == 2048
-    a, b = dino.to_dict(), demo.to_dict()
-    changed = {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}
-    assert changed == {"recipe.name", "recipe.distill_teacher", "recipe.distill_local_weight",
-                       "recipe.distill_whiten", "recipe.distill_projector_hidden"}  # fmt: skip
+    demo = load_config(DEMO_PRESETS["distill"], ["recipe.distill.teacher=t.pth"])
+    r, d = demo.recipe, demo.recipe.distill
+    assert (r.name, d.mode, d.local_weight) == ("distill", "features", 1.0)
+    assert d.whiten == 1e-4 and d.projector_hidden == 2048
+    a, b = dino.to_flat_dict(), demo.to_flat_dict()
+    changed = {k for k in a if a[k] != b[k]}
+    assert changed == {"recipe.name", "recipe.distill.teacher", "recipe.distill.local_weight",
+                       "recipe.distill.whiten", "recipe.distill.projector_hidden"}  # fmt: skip

@@ -28,7 +28,7 @@ from torch import nn
 OWN = "own_nets:small_cnn"
 STUDENTS = [*TINY, "recipe.name=distill", "model.drop_path_rate=0", "data.batch_size=4",
             "schedule.epochs=1", "schedule.warmup_epochs=0", "logging.tensorboard=false",
-            "logging.profile=false", f"recipe.distill_students=[timm:resnet18,{OWN}]"]  # fmt: skip
+            "logging.profile=false", f"recipe.distill.students=[timm:resnet18,{OWN}]"]  # fmt: skip
 
 
 def test_a_torchvision_resnet_is_read_as_the_built_in_one(gen):
@@ -154,11 +154,11 @@ def test_what_cannot_be_a_student_is_one_line(name, needle):
      (["model.backbone=torchvision:"], "torchvision:NAME takes a model name"),
      (["model.backbone=resnet18:"], "is not timm:NAME, torchvision:NAME or package.module"),
      (["model.backbone=timm:resnet18"], "a network of your own is a student of recipe.name"),
-     (["recipe.name=distill", "recipe.distill_teacher=t.pth",
-       "recipe.distill_students=[timm:resnet18]", "recipe.distill_students_init_from=[a,b]"],
+     (["recipe.name=distill", "recipe.distill.teacher=t.pth",
+       "recipe.distill.students=[timm:resnet18]", "recipe.distill.students_init_from=[a,b]"],
       "names 2 start(s) for 1 student(s)"),
-     (["recipe.name=distill", "recipe.distill_teacher=t.pth", "model.backbone=vit_tiny",
-       "recipe.distill_students=[vit_small]", "recipe.distill_students_init_from=[a]",
+     (["recipe.name=distill", "recipe.distill.teacher=t.pth", "model.backbone=vit_tiny",
+       "recipe.distill.students=[vit_small]", "recipe.distill.students_init_from=[a]",
        "distributed.strategy=fsdp"], "use distributed.strategy=ddp")],
 )  # fmt: skip
 def test_bad_student_configs_are_one_line(overrides, needle):
@@ -174,8 +174,8 @@ def test_students_start_from_their_own_weights_and_so_do_their_emas(tmp_path):
         None,
         [
             *STUDENTS,
-            "recipe.distill_teacher=t.pth",
-            f"recipe.distill_students_init_from=[{tmp_path / 'r18.pth'},none]",
+            "recipe.distill.teacher=t.pth",
+            f"recipe.distill.students_init_from=[{tmp_path / 'r18.pth'},none]",
         ],
     )
     student, ema = build_models(cfg)
@@ -187,7 +187,7 @@ def test_students_start_from_their_own_weights_and_so_do_their_emas(tmp_path):
     assert torch.equal(member_ema.backbone.net.conv1.weight, start.conv1.weight)
     assert torch.equal(student.members[OWN].backbone.net[0].weight, before)  # 'none'
     torch.save({"conv1.weight": start.conv1.weight}, tmp_path / "part.pth")
-    part = f"recipe.distill_students_init_from=[{tmp_path / 'part.pth'},none]"
+    part = f"recipe.distill.students_init_from=[{tmp_path / 'part.pth'},none]"
     cfg = apply_overrides(cfg, [part])
     with pytest.raises(ValueError, match=r"part.pth does not fit timm:resnet18: missing"):
         start_students(cfg, student, ema)
@@ -200,11 +200,11 @@ def trained(distill_data, distill_teacher, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("any")
     start = timm.create_model("resnet18", num_classes=0)
     torch.save(start.state_dict(), tmp / "r18.pth")
-    out, starts = tmp / "run", f"recipe.distill_students_init_from=[{tmp / 'r18.pth'},none]"
+    out, starts = tmp / "run", f"recipe.distill.students_init_from=[{tmp / 'r18.pth'},none]"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(["train", "--output-dir", str(out), "--quiet",
                      f"data.root={distill_data / 'train'}", *STUDENTS,
-                     f"recipe.distill_teacher={distill_teacher}",
+                     f"recipe.distill.teacher={distill_teacher}",
                      starts]) == 0  # fmt: skip
     return out, start
 
@@ -266,8 +266,8 @@ def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
 
 
 def test_a_students_key_is_its_name_without_dots():
-    cfg = load_config(None, [*STUDENTS, "recipe.distill_teacher=t.pth",
-                             "recipe.distill_students=[pkg.nets:small]"])  # fmt: skip
+    cfg = load_config(None, [*STUDENTS, "recipe.distill.teacher=t.pth",
+                             "recipe.distill.students=[pkg.nets:small]"])  # fmt: skip
     assert cfg.student_names == ("vit_tiny", "pkg.nets:small")
     assert cfg.student_keys == ("vit_tiny", "pkg_nets:small")
 

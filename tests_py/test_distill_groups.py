@@ -58,15 +58,15 @@ def test_a_layout_the_ranks_cannot_hold_is_one_line(students, world, batch, need
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
-    [([], "name more students with recipe.distill_students"),
-     (["recipe.distill_students=[resnet18]", "distributed.strategy=fsdp"],
+    [([], "name more students with recipe.distill.students"),
+     (["recipe.distill.students=[resnet18]", "distributed.strategy=fsdp"],
       "shards a ViT block by block"),
-     (["recipe.distill_students=[resnet18]", "data.batch_size=5"],
+     (["recipe.distill.students=[resnet18]", "data.batch_size=5"],
       "data.batch_size (5) must be a multiple of 2"),
-     (["recipe.distill_students=[resnet18]", "model.init_from=x.pth"], "model.init_from")],
+     (["recipe.distill.students=[resnet18]", "model.init_from=x.pth"], "model.init_from")],
 )  # fmt: skip
 def test_bad_group_configs_are_one_line(extra, needle):
-    base = ["recipe.name=distill", "recipe.distill_teacher=t.pth", "model.backbone=vit_tiny"]
+    base = ["recipe.name=distill", "recipe.distill.teacher=t.pth", "model.backbone=vit_tiny"]
     with pytest.raises(ConfigError) as e:
         apply_overrides(default_config(), [*base, GROUPS, *extra])
     assert needle in str(e.value)
@@ -81,7 +81,7 @@ def _train(out: Path, root: Path, teacher: Path, *extra: str, ranks: int = 2) ->
         out,
         root / "train",
         *STUDENTS,
-        f"recipe.distill_teacher={teacher}",
+        f"recipe.distill.teacher={teacher}",
         "checkpoint.every_steps=2",
         *extra,
         ranks=ranks,
@@ -172,7 +172,7 @@ def test_fsdp_shards_each_student_over_its_group(distill_data, distill_teacher, 
     at step 3 and the run restarted from step 2: it ends as the same
     students trained with DDP over their pairs (within 1e-5: FSDP reduces
     the gradients in another order), and every student is evaluated."""
-    run = (GROUPS, "recipe.distill_students=[vit_small]", "schedule.epochs=1",
+    run = (GROUPS, "recipe.distill.students=[vit_small]", "schedule.epochs=1",
            "schedule.warmup_epochs=0", "eval.every_epochs=0",
            "checkpoint.every_steps=2")  # fmt: skip
     kill = ("distributed.strategy=fsdp", "debug.inject_kill_at_step=3", "debug.inject_kill_rank=3")

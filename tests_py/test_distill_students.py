@@ -1,4 +1,4 @@
-"""A distillation into several students (``recipe.distill_students``) as
+"""A distillation into several students (``recipe.distill.students``) as
 the job runs it, on 2 gloo processes: a ViT-T/8 and a ResNet-18 from one
 frozen ViT teacher (a bare DINO-format file); each student's loss in the
 metrics, each one evaluated between epochs and at the end and exported; a
@@ -20,7 +20,7 @@ from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
 from tiny import TINY, TINY_DEPTH, distill_teacher_net
 
-STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
+STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill.students=[resnet18]",
             "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
             "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=2",
             "checkpoint.keep=20", "eval.every_epochs=1"]  # fmt: skip
@@ -28,7 +28,7 @@ STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill_students=[resnet18]",
 
 def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
     return tiny.train(
-        out, root / "train", *STUDENTS, f"recipe.distill_teacher={teacher}", *extra, ranks=2
+        out, root / "train", *STUDENTS, f"recipe.distill.teacher={teacher}", *extra, ranks=2
     )
 
 
@@ -87,7 +87,7 @@ def test_fsdp_shards_every_student_and_resumes_bit_for_bit(distill_data, distill
     """distributed.strategy=fsdp with two ViT students: each sharded on its
     own (blocks, projector, the student), the teacher too; a killed rank
     restarted ends as the run never stopped, and both are evaluated."""
-    fsdp = ("recipe.distill_students=[vit_small]", "distributed.strategy=fsdp",
+    fsdp = ("recipe.distill.students=[vit_small]", "distributed.strategy=fsdp",
             "checkpoint.every_steps=2", "checkpoint.keep=2", "schedule.epochs=1",
             "schedule.warmup_epochs=0", "eval.every_epochs=0")  # fmt: skip
     ref = _train(tmp_path / "ref", distill_data, distill_teacher, *fsdp)
@@ -122,17 +122,17 @@ def _tensors(state, prefix=""):
 
 @pytest.mark.parametrize(
     "extra, needle",
-    [(["recipe.distill_students=[vit_tiny]"], "names a backbone twice"),
-     (["recipe.distill_students=[resnet18]", "recipe.distill_mode=heads"],
-      "with recipe.distill_mode=features"),
-     (["recipe.distill_students=[resnet18]", "distributed.strategy=fsdp"],
-      "recipe.distill_students names 'resnet18'"),
-     (["recipe.name=dino", "recipe.distill_students=[resnet18]"], "for recipe.name=distill"),
-     (["recipe.distill_students=[resnet19]"], "did you mean 'resnet18'")],
+    [(["recipe.distill.students=[vit_tiny]"], "names a backbone twice"),
+     (["recipe.distill.students=[resnet18]", "recipe.distill.mode=heads"],
+      "with recipe.distill.mode=features"),
+     (["recipe.distill.students=[resnet18]", "distributed.strategy=fsdp"],
+      "recipe.distill.students names 'resnet18'"),
+     (["recipe.name=dino", "recipe.distill.students=[resnet18]"], "for recipe.name=distill"),
+     (["recipe.distill.students=[resnet19]"], "did you mean 'resnet18'")],
 )  # fmt: skip
 def test_bad_student_lists_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [*TINY, "recipe.name=distill", "recipe.distill_teacher=t.pth", *extra])
+        load_config(None, [*TINY, "recipe.name=distill", "recipe.distill.teacher=t.pth", *extra])
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -140,8 +140,8 @@ def _memory_rows(distill_teacher, tmp_path, capsys, student):
     """``dino-opt presets --memory-model`` of a distillation's config with
     ``student`` beside the ViT, at 1 and 8 ranks: (the config, its rows)."""
     cfg = load_config(None, [*TINY, "recipe.name=distill",
-                             f"recipe.distill_teacher={distill_teacher}",
-                             f"recipe.distill_students=[{student}]"])  # fmt: skip
+                             f"recipe.distill.teacher={distill_teacher}",
+                             f"recipe.distill.students=[{student}]"])  # fmt: skip
     path = tmp_path / "distill.yaml"
     save_config(cfg, path)
     assert main(["presets", "--memory-model", "--config", str(path), "--world", "1", "8",
@@ -156,7 +156,7 @@ def test_the_memory_model_of_students_opens_their_teacher(distill_teacher, tmp_p
     assert [(r["strategy"], r["world_size"]) for r in rows] == [
         ("ddp", 1), ("ddp", 8), ("fsdp", 1), ("fsdp", 8)]  # fmt: skip
     assert rows[3]["teacher"] < rows[1]["teacher"]  # the frozen teacher and the EMAs sharded
-    resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])  # the teacher's width
+    resolved = apply_overrides(cfg, ["recipe.distill.teacher_dim=384"])  # the teacher's width
     teacher = sum(t.numel() for t in torch.load(distill_teacher).values())
     emas = sum(p.numel() for p in build_models(resolved)[1].parameters())  # both students'
     assert rows[0]["teacher_count"] == teacher + emas
@@ -169,7 +169,7 @@ def test_the_memory_model_of_a_resnet_student_has_ddp_rows(distill_teacher, tmp_
     # students only, so the table has the DDP rows
     cfg, rows = _memory_rows(distill_teacher, tmp_path, capsys, "resnet18")
     assert [(r["strategy"], r["world_size"]) for r in rows] == [("ddp", 1), ("ddp", 8)]
-    resolved = apply_overrides(cfg, ["recipe.distill_teacher_dim=384"])
+    resolved = apply_overrides(cfg, ["recipe.distill.teacher_dim=384"])
     students = sum(p.numel() for p in build_models(resolved)[0].parameters())
     assert rows[0]["parameter_count"] == students and rows[0]["activations"] > 0
 
@@ -181,7 +181,7 @@ def test_fsdp_shards_the_frozen_teacher_over_the_ranks(distill_teacher, tmp_path
     sharded teacher's tokens are the whole one's; each student is sharded
     on its own (its blocks, its projector, itself)."""
     worker = Path(__file__).parent / "workers" / "dist_distill_fsdp_worker.py"
-    listed = f"recipe.distill_students=[{','.join(students)}]"
+    listed = f"recipe.distill.students=[{','.join(students)}]"
     ranks = run_ranks(worker, tmp_path, str(distill_teacher), *TINY, "recipe.name=distill",
                       "model.drop_path_rate=0", listed, timeout=600)  # fmt: skip
     numel = ranks[0]["numel"]

@@ -155,7 +155,7 @@ def test_resume_at_another_world_size_reshards(train_root, tmp_path):
     the dinov2 recipe (its separate iBOT head sharded too)."""
     out = tmp_path / "run"
     extra = (FSDP, "schedule.epochs=3", "checkpoint.every_steps=1", "recipe.name=dinov2",
-             "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64")  # fmt: skip
+             "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64")  # fmt: skip
     assert _kill_after(out, train_root, 3, *extra)
     assert _kill_after(out, train_root, 12, *extra, nproc=1)  # 10 steps/epoch alone
     run = _train(out, train_root, *extra)

@@ -18,12 +18,12 @@ from tiny import TINY, tiny_train_only
 from torch.distributed.checkpoint import FileSystemReader
 
 DINOV3 = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
-          "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64",
+          "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64",
           "model.drop_path_rate=0"]  # fmt: skip
 # 10 optimizer steps (2 epochs of 5 at 2 ranks of 4 images): the Gram teacher
 # loaded at the start of iteration 2, refreshed after iterations 3 and 5
-GRAM = ["recipe.gram_it_load_ema_teacher=2", "recipe.gram_update_frequency=2",
-        "recipe.gram_it_first_update=4", "recipe.gram_max_updates=2"]  # fmt: skip
+GRAM = ["recipe.gram.it_load_ema_teacher=2", "recipe.gram.update_frequency=2",
+        "recipe.gram.it_first_update=4", "recipe.gram.max_updates=2"]  # fmt: skip
 RUN = [*DINOV3, *GRAM, "data.num_workers=1", "data.batch_size=4", "optim.freeze_last_layer=0",
        "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
        "checkpoint.keep=20"]  # fmt: skip

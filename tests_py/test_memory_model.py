@@ -55,8 +55,8 @@ def counts():
 
 def test_counts_are_the_real_modules():
     # DINOv2 with a separate iBOT head, small enough to build for real
-    small = ["model.backbone=vit_tiny", "recipe.ibot_separate_head=true",
-             "recipe.ibot_out_dim=512", "model.out_dim=256"]  # fmt: skip
+    small = ["model.backbone=vit_tiny", "recipe.ibot.separate_head=true",
+             "recipe.ibot.out_dim=512", "model.out_dim=256"]  # fmt: skip
     cfg = load_config("dinov2_vits14", small)
     c = count_model(cfg)
     student, teacher = build_models(cfg)
@@ -234,7 +234,7 @@ def test_one_process_step_within_10_percent(policy, every, one_thread):
 def test_the_dinov3_gram_teacher_is_counted():
     # The dinov3 recipe keeps a frozen copy of the teacher's backbone (its Gram
     # teacher) and that copy's float32 patch tokens of the global crops.
-    common = ["model.backbone=vit_small", "data.batch_size=8", "recipe.ibot_separate_head=true"]
+    common = ["model.backbone=vit_small", "data.batch_size=8", "recipe.ibot.separate_head=true"]
     v2 = load_config(None, [*common, "recipe.name=dinov2"])
     v3 = load_config(None, [*common, "recipe.name=dinov3"])
     c2, c3 = count_model(v2), count_model(v3)
@@ -252,7 +252,7 @@ def test_fsdp_shards_the_dinov3_gram_teacher_as_the_teachers_backbone():
     # Under fsdp the Gram teacher is sharded as the teacher's backbone: rank
     # 0 keeps its first-dimension chunk of each backbone parameter (float32);
     # nothing stays gathered after its forward (its root included).
-    common = ["model.backbone=vit_small", "data.batch_size=8", "recipe.ibot_separate_head=true"]
+    common = ["model.backbone=vit_small", "data.batch_size=8", "recipe.ibot.separate_head=true"]
     v2 = load_config(None, [*common, "recipe.name=dinov2"])
     v3 = load_config(None, [*common, "recipe.name=dinov3"])
     c2, c3 = count_model(v2), count_model(v3)
@@ -272,24 +272,24 @@ def test_fsdp_shards_the_dinov3_gram_teacher_as_the_teachers_backbone():
 
 # ---------------------------------------------------------------- distillation
 
-DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.pth",
+DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill.teacher=teacher.pth",
            "augmentation.global_crop_size=64", "augmentation.local_crop_size=32"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "extra, teacher_dim",
-    [(["recipe.distill_projector_hidden=256"], 768),
+    [(["recipe.distill.projector_hidden=256"], 768),
      (["hardware.activation_checkpointing=selective"], 96),
      (["hardware.activation_checkpointing=full"], 96),
-     (["recipe.distill_students=[vit_small]"], 96),
+     (["recipe.distill.students=[vit_small]"], 96),
      (["model.backbone=resnet18", "model.patch_size=16"], 96),
-     (["recipe.distill_students=[resnet18]"], 96),
-     (["recipe.distill_local_weight=1"], 96),
-     (["recipe.distill_whiten=0.001"], 768),
-     (["recipe.distill_local_weight=1", "recipe.distill_students=[resnet18]"], 96),
+     (["recipe.distill.students=[resnet18]"], 96),
+     (["recipe.distill.local_weight=1"], 96),
+     (["recipe.distill.whiten=0.001"], 768),
+     (["recipe.distill.local_weight=1", "recipe.distill.students=[resnet18]"], 96),
      (["model.backbone=convnext_tiny", "model.patch_size=16"], 96),
-     (["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
-       "recipe.ibot_out_dim=512"], 192)],
+     (["recipe.distill.mode=heads", "recipe.ibot.separate_head=true",
+       "recipe.ibot.out_dim=512"], 192)],
 )  # fmt: skip
 def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     """The step of a feature distillation (one student or two; a projector
@@ -297,8 +297,8 @@ def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     ConvNeXt-T student, alone or beside a ViT, traced on the meta device)
     and of one through heads, from a frozen ViT teacher, against the
     allocation trace."""
-    heads = "recipe.distill_mode=heads" in extra
-    dim = [] if heads else [f"recipe.distill_teacher_dim={teacher_dim}"]
+    heads = "recipe.distill.mode=heads" in extra
+    dim = [] if heads else [f"recipe.distill.teacher_dim={teacher_dim}"]
     cfg = load_config(None, [*DISTILL, *dim, *extra])
     torch.manual_seed(0)
     student, ema = build_models(cfg)
@@ -330,13 +330,13 @@ def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
 
 
 def test_the_whiteners_state_is_kept_with_the_teacher():
-    """recipe.distill_whiten: the loss's whitening statistics and matrices,
+    """recipe.distill.whiten: the loss's whitening statistics and matrices,
     as many bytes as the built loss holds, counted with the teacher (kept
     for the whole run, not the step)."""
     frozen = VisionTransformer(patch_size=8, embed_dim=384, depth=1, num_heads=6, img_size=64)
-    plain = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=384"])
-    whiten = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=384",
-                                "recipe.distill_whiten=0.001"])  # fmt: skip
+    plain = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=384"])
+    whiten = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=384",
+                                "recipe.distill.whiten=0.001"])  # fmt: skip
     held = sum(b.numel() * b.element_size() for b in build_loss(whiten).buffers())
     assert held == 2 * (12 * 384 * 384 + 8 * 384 + 8)
     a, b = (estimate_memory(c, frozen_teacher=frozen) for c in (plain, whiten))
@@ -402,10 +402,10 @@ def test_the_trace_counts_each_saved_storage_once_where_it_is_first_saved():
 
 
 def test_a_distillation_estimate_needs_its_teacher():
-    cfg = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=96"])
+    cfg = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=96"])
     teacher = VisionTransformer(patch_size=8, embed_dim=96, depth=1, num_heads=3, img_size=64)
-    resnet = load_config(None, [*DISTILL, "recipe.distill_teacher_dim=96",
-                                "recipe.distill_students=[resnet18]"])  # fmt: skip
+    resnet = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=96",
+                                "recipe.distill.students=[resnet18]"])  # fmt: skip
     for call, words in (
         (lambda: estimate_memory(cfg), "needs its teacher network"),
         (lambda: estimate_memory(resnet, strategy="fsdp", frozen_teacher=teacher),

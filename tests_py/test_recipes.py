@@ -20,7 +20,7 @@ def test_the_config_and_the_registry_name_the_same_recipes():
         assert recipe.name == name
         # a distillation's demo names its teacher on the command line
         teacher = RECIPE_NEEDS[name].get("external_teacher")
-        extra = ["recipe.distill_teacher=t.pt"] if teacher else []
+        extra = ["recipe.distill.teacher=t.pt"] if teacher else []
         assert load_config(DEMO_PRESETS[name], extra).recipe.name == name
 
 
@@ -37,7 +37,7 @@ def test_nothing_outside_the_recipes_tests_a_recipe_name():
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_recipe_builds_its_models_and_loss(name):
-    extra = ["recipe.distill_teacher=t.pt"] if RECIPE_NEEDS[name].get("external_teacher") else []
+    extra = ["recipe.distill.teacher=t.pt"] if RECIPE_NEEDS[name].get("external_teacher") else []
     cfg = apply_overrides(default_config(), [f"recipe.name={name}", "model.backbone=vit_tiny",
                                              "model.out_dim=64", *extra])  # fmt: skip
     student, teacher = build_models(cfg)

@@ -339,7 +339,7 @@ RECIPES = {
     "dino": [],
     "dinov2": ["recipe.name=dinov2", "model.layerscale_init=1e-5"],
     "dinov3": ["recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
-               "recipe.ibot_separate_head=true", "recipe.ibot_out_dim=64"],
+               "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64"],
 }  # fmt: skip
 
 

@@ -160,7 +160,7 @@ def test_every_reader_refuses_a_forged_run(sharded_run, forged, data, tmp_path, 
             "hardware.device=cpu",
             "data.batch_size=8",
             "recipe.name=distill",
-            f"recipe.distill_teacher={run}",
+            f"recipe.distill.teacher={run}",
         ],
     ]
     for argv in commands:
@@ -249,7 +249,7 @@ def own_net_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("OWN_NETS_NOTE", str(note))
     own = [
         "recipe.name=distill",
-        f"recipe.distill_teacher={tmp_path / 'teacher'}",
+        f"recipe.distill.teacher={tmp_path / 'teacher'}",
         "model.backbone=own_nets:noted_cnn",
         "model.patch_size=16",
         "model.trust_code=true",
@@ -286,7 +286,7 @@ def test_code_a_checkpoint_names_runs_only_with_trust_code(own_net_checkpoint, d
 def test_a_teacher_run_naming_code_needs_trust_code(own_net_checkpoint, data, tmp_path):
     """A distillation through heads opens its teacher's run by its config."""
     path, note = own_net_checkpoint
-    with pytest.raises(ValueError, match=r"recipe.distill_teacher=.*own_nets:noted_cnn.*--trust"):
+    with pytest.raises(ValueError, match=r"recipe.distill.teacher=.*own_nets:noted_cnn.*--trust"):
         open_teacher(path, heads=True)
     assert not note.exists()
 

@@ -4,7 +4,7 @@ read back (read_weights, load_backbone, init_from) to the same tensors;
 float64 features equal to timm's and Hugging Face's models loaded with the
 exported weights, and to ours loaded with theirs; a dino_opt run's DINOv3
 backbone through ``export_weights`` / ``dino-opt export`` and
-``model.init_from``; the Gram teacher's ``recipe.gram_ckpt`` from those
+``model.init_from``; the Gram teacher's ``recipe.gram.ckpt`` from those
 files; the adaptations that keep the function, and one-line errors. Tiny
 models (width 64, depth 2, 2 heads) so that it runs on a 2-core CPU."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from dino_opt import dinov3
 from dino_opt.cli import main
-from dino_opt.config import apply_overrides, default_config
+from dino_opt.config import GramConfig, apply_overrides, default_config
 from dino_opt.models import DinoV3VisionTransformer, VisionTransformer
-from dino_opt.train import GramOptions, GramTeacher, build_models
+from dino_opt.train import GramTeacher, build_models
 from dino_opt.weights import (
     DinoV3Arch,
     export_backbone,
@@ -418,7 +418,7 @@ def test_init_from_refuses_another_size_in_one_line(dinov3_run, tmp_path, gen):
 def test_gram_ckpt_reads_timm_and_dinov3_files(fmt, tmp_path, gen):
     source = ours(gen, ffn_layer="swiglu").float()
     path = export_backbone(source, fmt, tmp_path / FILES[fmt]).path
-    gram = GramTeacher(GramOptions(ckpt=str(path), it_load_ema_teacher=-1))
+    gram = GramTeacher(GramConfig(ckpt=str(path), it_load_ema_teacher=-1))
     gram.attach(
         DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=2, ffn_layer="swiglu"),
         load_backbone,
@@ -426,8 +426,8 @@ def test_gram_ckpt_reads_timm_and_dinov3_files(fmt, tmp_path, gen):
     assert gram.loaded
     for key, value in gram.backbone.state_dict().items():
         assert torch.equal(value, source.state_dict()[key]), key
-    wrong = GramTeacher(GramOptions(ckpt=str(path)))
-    with pytest.raises(ValueError, match=f"recipe.gram_ckpt='.*{FILES[fmt]}' does not fit the "
+    wrong = GramTeacher(GramConfig(ckpt=str(path)))
+    with pytest.raises(ValueError, match=f"recipe.gram.ckpt='.*{FILES[fmt]}' does not fit the "
                                          "Gram teacher") as e:  # fmt: skip
         wrong.attach(VisionTransformer(embed_dim=64, depth=2, num_heads=2), load_backbone)
     _one_line(e)

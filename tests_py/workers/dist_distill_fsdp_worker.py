@@ -31,8 +31,8 @@ DEVICE = torch.device("cpu")
 def main(rank: int, world: int, init_file: str, out: str, teacher_file: str, *overrides) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    cfg = load_config(None, [*overrides, f"recipe.distill_teacher={teacher_file}",
-                             "recipe.distill_teacher_dim=384", "hardware.precision=fp32",
+    cfg = load_config(None, [*overrides, f"recipe.distill.teacher={teacher_file}",
+                             "recipe.distill.teacher_dim=384", "hardware.precision=fp32",
                              "distributed.strategy=fsdp"])  # fmt: skip
     student, ema = build_models(cfg)
     loss_fn = build_loss(cfg)

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 DEVICE = torch.device("cpu")
 # iteration 0 loads the Gram teacher from the EMA teacher; it is refreshed
 # after iteration 1 only (max_updates 1)
-GRAM = ["recipe.gram_it_load_ema_teacher=0", "recipe.gram_update_frequency=2",
-        "recipe.gram_it_first_update=2", "recipe.gram_max_updates=1"]  # fmt: skip
+GRAM = ["recipe.gram.it_load_ema_teacher=0", "recipe.gram.update_frequency=2",
+        "recipe.gram.it_first_update=2", "recipe.gram.max_updates=1"]  # fmt: skip
 
 
 def _batch(cfg, b: int = 2, seed: int = 0):

@@ -120,10 +120,10 @@ def measure(strategy: str, policy: str) -> dict:
     }
 
 
-#: A feature distillation of MEMORY_RUN's student (and ``recipe.distill_students``)
+#: A feature distillation of MEMORY_RUN's student (and ``recipe.distill.students``)
 #: from a 3-block ViT teacher 96 wide, its networks sharded as the job shards them.
-DISTILL_RUN = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill_teacher=teacher.pth",
-               "recipe.distill_teacher_dim=96", "augmentation.global_crop_size=64",
+DISTILL_RUN = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill.teacher=teacher.pth",
+               "recipe.distill.teacher_dim=96", "augmentation.global_crop_size=64",
                "distributed.strategy=fsdp"]  # fmt: skip
 
 
@@ -134,8 +134,8 @@ def distill_teacher() -> torch.nn.Module:
 
 
 #: The heads mode of it: DINOv2's losses against a frozen teacher with heads.
-DISTILL_HEADS = ["recipe.distill_mode=heads", "recipe.ibot_separate_head=true",
-                 "recipe.ibot_out_dim=512"]  # fmt: skip
+DISTILL_HEADS = ["recipe.distill.mode=heads", "recipe.ibot.separate_head=true",
+                 "recipe.ibot.out_dim=512"]  # fmt: skip
 
 
 #: Students on their own ranks (one each): DDP, the teacher's forward split.
@@ -144,7 +144,7 @@ DISTILL_GROUPS = ["distributed.strategy=ddp", "distributed.student_groups=true"]
 
 def distill_config(students: str, heads: bool = False, groups: bool = False):
     extra = (DISTILL_HEADS if heads else []) + (DISTILL_GROUPS if groups else [])
-    return load_config(None, [*DISTILL_RUN, f"recipe.distill_students=[{students}]", *extra])
+    return load_config(None, [*DISTILL_RUN, f"recipe.distill.students=[{students}]", *extra])
 
 
 def heads_teacher(cfg) -> torch.nn.Module:

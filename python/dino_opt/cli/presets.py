@@ -105,9 +105,9 @@ def _memory_model(args: argparse.Namespace) -> int:
     if config is not None and recipe_of(config).external_teacher:  # a distillation's teacher
         reader = weights_reader()
         config = resolve_recipe(config, reader)  # e.g. the teacher's feature width
-        r = config.recipe
-        heads = r.distill_mode == "heads"
-        teacher = reader.open_teacher(r.distill_teacher, heads, config.model.trust_code).network
+        d = config.recipe.distill
+        heads = d.mode == "heads"
+        teacher = reader.open_teacher(d.teacher, heads, config.model.trust_code).network
     rows = memory_table(
         args.arch,
         tuple(args.world),

@@ -1,5 +1,5 @@
-"""The configuration: fields, the checked Config, YAML and overrides, the presets table
-and the demo preset."""
+"""The configuration: fields, the checked Config, YAML and overrides, the presets table,
+the demo preset, what a resume may change, the docs' key tables."""
 
 from .fields import (
     RECIPE_NEEDS,
@@ -45,7 +45,10 @@ from .presets import (
     HardwarePreset,
     preset_for_memory,
 )
+from .recipe import DINOConfig, DistillConfig, GramConfig, IBOTConfig, KoLeoConfig
+from .resume import may_change_on_resume, resume_differences
 from .schema import Config, default_config, validate
+from .tables import key_table
 
 __all__ = [
     "BACKBONE_NAMES",
@@ -57,6 +60,11 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "ConfigError",
+    "DINOConfig",
+    "DistillConfig",
+    "GramConfig",
+    "IBOTConfig",
+    "KoLeoConfig",
     "DataConfig",
     "DebugConfig",
     "DistributedConfig",
@@ -76,9 +84,12 @@ __all__ = [
     "config_to_yaml",
     "default_config",
     "effective_lr",
+    "key_table",
     "load_config",
+    "may_change_on_resume",
     "recipe_names",
     "resolve_config_path",
+    "resume_differences",
     "preset_for_memory",
     "save_config",
     "validate",

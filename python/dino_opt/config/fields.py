@@ -4,11 +4,13 @@ help, default and allowed values (the per-key specs derived from them are
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from .names import BACKBONE_NAMES
+from .option import option as _opt
 from .presets import PRESET_NAMES
+from .recipe import RECIPE_NEEDS, RecipeConfig
 
 __all__ = [
     "RECIPE_NEEDS",
@@ -38,31 +40,6 @@ class ConfigError(ValueError):
         super().__init__("\n".join(self.errors))
 
 
-def _opt(
-    default: Any,
-    help: str,
-    *,
-    choices: tuple | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    check: str | None = None,
-    key: str | None = None,
-) -> Any:
-    """A dataclass field with its documentation and its allowed values.
-
-    ``ge``/``gt``/``le``/``lt`` bound a number (or both ends of a pair);
-    ``check`` names a special rule: ``"scale"`` (0 < lo <= hi <= 1),
-    ``"pair"`` (lo <= hi), ``"device"``, ``"nonempty"``. ``key``: the name
-    in YAML and overrides when it cannot be the attribute's (a Python
-    keyword: ``checkpoint.async`` is the attribute ``async_``).
-    """
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    meta["check"], meta["key"] = check, key
-    return field(default=default, metadata=meta)
-
-
 # ---------------------------------------------------------------------------
 # The schema
 # ---------------------------------------------------------------------------
@@ -80,10 +57,15 @@ class DataConfig:
         check="nonempty",
     )
     batch_size: int = _opt(64, "images per batch per GPU (DINO: 64)", ge=1)
-    num_workers: int | None = _opt(None, "loader threads; null: the cores available", ge=1)
-    pin_memory: bool = _opt(True, "batches in pinned memory for faster copies to the GPU")
+    # the loader gives the same batches whatever its threads: these may change on resume
+    num_workers: int | None = _opt(
+        None, "loader threads; null: the cores available", ge=1, resume=True
+    )
+    pin_memory: bool = _opt(
+        True, "batches in pinned memory for faster copies to the GPU", resume=True
+    )
     persistent_workers: bool = _opt(True, "keep the loader's workers alive between epochs")
-    prefetch: int = _opt(4, "batches prepared ahead of the training step", ge=1)
+    prefetch: int = _opt(4, "batches prepared ahead of the training step", ge=1, resume=True)
     dtype: str = _opt("float32", "dtype of the crops the loader outputs",
                       choices=("float32", "bfloat16", "float16"))  # fmt: skip
     photometric: str = _opt(
@@ -274,12 +256,14 @@ class ModelConfig:
         "weights a fresh run starts from (continued pretraining): a timm or Hugging Face "
         "export, an original DINO file, a dino_opt checkpoint or run folder",
         check="nonempty",
+        resume=True,
     )
     trust_code: bool = _opt(
         False,
         "import and call a network named package.module:function in a file being read (a "
         "distillation teacher's run config; dino-opt knn --checkpoint's), as --trust-code "
         "does; never read from such a file itself",
+        resume=True,
     )
 
 
@@ -337,180 +321,11 @@ class ScheduleConfig:
     center_momentum: float = _opt(0.9, "momentum of the teacher output centre", ge=0, le=1)
 
 
-#: The recipes, and what each needs of the rest of a configuration, checked
-#: when it is parsed (each recipe's module in dino_opt.train.recipes builds
-#: everything else): ``patch_tokens``, a ViT backbone, with the reason.
-RECIPE_NEEDS: dict[str, dict[str, str]] = {
-    "dino": {},
-    "dinov2": {"patch_tokens": "its iBOT loss is over patch tokens"},
-    "dinov3": {
-        "patch_tokens": "its iBOT and Gram anchoring losses are over patch tokens",
-        "gram_teacher": "its Gram teacher is a whole copy of the teacher's backbone",
-    },
-    "distill": {"external_teacher": "it learns from the frozen teacher of recipe.distill_teacher"},
-}
-
-
-@dataclass
-class RecipeConfig:
-    """Which self-supervised recipe trains: DINO, DINOv2 (DINO + iBOT + KoLeo),
-    DINOv3 (DINOv2's losses plus Gram anchoring), or a distillation from a frozen teacher."""
-
-    name: str = _opt(
-        "dino",
-        "dino: the DINO loss over the class tokens; dinov2: DINO's loss plus iBOT's masked-patch "
-        "loss and the KoLeo regulariser; dinov3: dinov2's losses plus Gram anchoring of the "
-        "patch tokens to a Gram teacher; distill: learn from the frozen teacher of "
-        "recipe.distill_teacher",
-        choices=tuple(RECIPE_NEEDS),
-    )
-    centering: str = _opt(
-        "centering",
-        "dinov2: teacher targets by softmax centering or sinkhorn_knopp",
-        choices=("centering", "sinkhorn_knopp"),
-    )
-    dino_loss_weight: float = _opt(1.0, "dinov2: weight of the class-token DINO loss", ge=0)
-    ibot_loss_weight: float = _opt(1.0, "dinov2: weight of the iBOT masked-patch loss", ge=0)
-    koleo_loss_weight: float = _opt(
-        0.1, "dinov2: weight of the KoLeo loss on the student's class tokens", ge=0
-    )
-    mask_ratio_min_max: tuple[float, float] = _opt(
-        (0.1, 0.5),
-        "dinov2: masked fraction of a masked crop's patches, spread over the batch",
-        check="scale",
-    )
-    mask_sample_probability: float = _opt(
-        0.5, "dinov2: fraction of the global crops that are masked", gt=0, le=1
-    )
-    ibot_separate_head: bool = _opt(
-        False, "dinov2: a head of its own for the patch tokens (else DINO's head is shared)"
-    )
-    ibot_out_dim: int = _opt(65536, "dinov2: prototypes of the separate iBOT head", ge=1)
-    gram_use_loss: bool = _opt(
-        True,
-        "dinov3: Gram anchoring on; false: no Gram teacher and no Gram term (DINOv3's "
-        "pretraining and its ImageNet-1k recipe)",
-    )
-    gram_loss_weight: float = _opt(
-        1.0, "dinov3: weight of the Gram anchoring loss (DINOv3's 7B run: 2)", ge=0
-    )
-    gram_ckpt: str | None = _opt(
-        None,
-        "dinov3: the Gram teacher's first weights, in any format model.init_from reads (a "
-        "dino-opt checkpoint's teacher backbone, a backbone's state dict, DINOv3's, timm's or "
-        "Hugging Face's files); null: none, the EMA teacher's at gram_it_load_ema_teacher",
-    )
-    gram_it_load_ema_teacher: int = _opt(
-        0,
-        "dinov3: at the start of this iteration the Gram teacher becomes a copy of the EMA "
-        "teacher's backbone; -1: never (then gram_ckpt is needed)",
-        ge=-1,
-    )
-    gram_rep_update: bool = _opt(
-        True, "dinov3: refresh the Gram teacher from the EMA teacher every gram_update_frequency"
-    )
-    gram_update_frequency: int = _opt(
-        50000, "dinov3: iterations between refreshes of the Gram teacher", ge=1
-    )
-    gram_it_first_update: int = _opt(
-        0, "dinov3: no refresh before this many iterations are done", ge=0
-    )
-    gram_max_updates: int | None = _opt(
-        None, "dinov3: the most refreshes of the Gram teacher; null: no limit", ge=0
-    )
-    gram_img_level: bool = _opt(
-        True, "dinov3: one Gram matrix per image (false: one over the batch's patches)"
-    )
-    gram_normalized: bool = _opt(
-        True, "dinov3: L2-normalise the patch features before their Gram matrices"
-    )
-    gram_remove_neg: bool = _opt(
-        False, "dinov3: clamp the student's and the Gram teacher's similarities at 0"
-    )
-    gram_remove_only_teacher_neg: bool = _opt(
-        False,
-        "dinov3: clamp the Gram teacher's similarities at 0, the student's left as they are",
-    )
-    gram_tokens_used: str = _opt(
-        "all",
-        "dinov3: the patch tokens of the Gram loss: all, or those masked or unmasked for "
-        "the student (these two need gram_img_level: false)",
-        choices=("all", "masked", "unmasked"),
-    )
-    gram_teacher_crop_size: int | tuple[int, ...] | None = _opt(
-        None,
-        "dinov3: side in pixels the global crops are resized to for the Gram teacher (its "
-        "patch features are resized back to the student's grid, bicubic); a list: one per "
-        "crop-size pair (DINOv3's gram_teacher_crops_size); null: the student's crops as they are",
-        ge=1,
-    )
-    gram_loss_weight_start: float | None = _opt(
-        None,
-        "dinov3: the Gram weight's schedule: it starts here and rises linearly to "
-        "gram_loss_weight over gram_loss_weight_warmup_epochs; null: gram_loss_weight",
-        ge=0,
-    )
-    gram_loss_weight_end: float | None = _opt(
-        None,
-        "dinov3: after the warm-up the Gram weight follows a half cosine from "
-        "gram_loss_weight to this value, then stays there; null: gram_loss_weight",
-        ge=0,
-    )
-    gram_loss_weight_warmup_epochs: int = _opt(
-        0, "dinov3: epochs of the Gram weight's linear warm-up", ge=0
-    )
-    gram_loss_weight_cosine_epochs: int | None = _opt(
-        None,
-        "dinov3: epochs of the Gram weight's cosine (then constant); null: the rest of the run",
-        ge=0,
-    )
-    distill_teacher: str | None = _opt(None, "distill: the frozen teacher: a dino_opt run or "
-        "checkpoint, or weights in any format model.init_from reads (DINO, DINOv2, DINOv3, timm, "
-        "Hugging Face)", check="nonempty")  # fmt: skip
-    distill_mode: str = _opt("features", "distill: features (the student's projected class and "
-        "patch tokens matched to the teacher's; any teacher, any student) or heads (DINOv2's "
-        "losses against the teacher's head targets; a dino_opt teacher with heads, a ViT "
-        "student)", choices=("features", "heads"))  # fmt: skip
-    distill_teacher_scale: float = _opt(
-        1.0, "distill: the teacher's input side over the student's crop side", gt=0
-    )
-    distill_teacher_dim: int | None = _opt(
-        None, "distill: the teacher's feature width; null: read from the teacher's file", ge=1
-    )
-    distill_cls_weight: float = _opt(1.0, "distill: weight of the class-token terms", ge=0)
-    distill_patch_weight: float = _opt(1.0, "distill: weight of the patch-token terms", ge=0)
-    distill_cosine_weight: float = _opt(1.0, "distill: weight of the cosine terms", ge=0)
-    distill_smooth_l1_weight: float = _opt(1.0, "distill: weight of the smooth-L1 terms", ge=0)
-    distill_local_weight: float = _opt(0.0, "distill (features): weight of the local crops' "
-        "class tokens pulled to the teacher's of their image's global crops (DINO's "
-        "local-to-global view); 0: the local crops are not used", ge=0)  # fmt: skip
-    distill_standardize: bool = _opt(False, "distill (features): the teacher's tokens "
-        "standardised per channel over the batch (mean 0, variance 1) before they are "
-        "matched")  # fmt: skip
-    distill_whiten: float = _opt(0.0, "distill (features): the teacher's tokens whitened "
-        "(running mean and covariance, ZCA) with this floor on the eigenvalues, relative to "
-        "the largest, before they are matched; 0: not whitened", ge=0, le=1)  # fmt: skip
-    distill_projector_hidden: int = _opt(
-        0, "distill: hidden width of the student's projectors; 0: one linear layer", ge=0
-    )
-    distill_students: tuple[str, ...] = _opt(
-        (),
-        "distill (features): more students beside model.backbone, by backbone name (or "
-        "timm:NAME, torchvision:NAME, package.module:function), trained in the same run from "
-        "the same teacher forward (each its own projector, parameter groups, clipping, EMA, "
-        "evaluation and export)",
-        choices=BACKBONE_NAMES,
-    )
-    distill_students_init_from: tuple[str, ...] = _opt((), "distill: each of "
-        "recipe.distill_students' first weights, in order (any file model.init_from reads; a "
-        "network of your own: its state dict); none: random init; empty: all random")  # fmt: skip
-
-
 @dataclass
 class HardwareConfig:
     """Device, numerics and memory/speed trade-offs."""
 
-    device: str = _opt("auto", "auto, cpu, cuda or cuda:N", check="device")
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N", check="device", resume=True)
     precision: str = _opt(
         "auto",
         "autocast precision; auto: bf16 on a GPU that has it and on a CPU that computes it "
@@ -537,6 +352,7 @@ class HardwareConfig:
         "set batch size, local crops, backbone, precision and checkpointing from the device's "
         "memory (auto) or a named row (dino-opt presets); keys set in the config win",
         choices=PRESET_NAMES,
+        resume=True,
     )
     compile: bool | None = _opt(
         None,
@@ -558,6 +374,8 @@ class HardwareConfig:
 @dataclass
 class LoggingConfig:
     """Run folder and what goes into it."""
+
+    MAY_CHANGE_ON_RESUME: ClassVar[bool] = True  # where things go and how they are reported
 
     output_dir: str | None = _opt(None, "run folder; null: runs/<timestamp>", check="nonempty")
     log_every: int = _opt(10, "steps between logged metrics", ge=1)
@@ -596,6 +414,8 @@ class LoggingConfig:
 class CheckpointConfig:
     """When to save, how many to keep, what to resume from."""
 
+    MAY_CHANGE_ON_RESUME: ClassVar[bool] = True  # where things go and how they are reported
+
     every_epochs: int = _opt(1, "epochs between checkpoints; 0: only at the end", ge=0)
     every_steps: int = _opt(
         0, "optimizer steps between checkpoints inside an epoch (resume mid-epoch); 0: off", ge=0
@@ -623,6 +443,8 @@ class EvalConfig:
     """The evaluation of the teacher: DINO's k-NN, DINOv2's linear probe on
     cached features, DINOv3's dense probe where the data has masks, and the
     attention and PCA pictures."""
+
+    MAY_CHANGE_ON_RESUME: ClassVar[bool] = True  # where things go and how they are reported
 
     knn_k: int = _opt(20, "neighbours of the weighted k-NN vote", ge=1)
     knn_temperature: float = _opt(0.07, "temperature of the k-NN vote weights", gt=0)
@@ -656,6 +478,8 @@ class EvalConfig:
 @dataclass
 class HealthConfig:
     """Training health checks at each logging interval (dino_opt.observe.health)."""
+
+    MAY_CHANGE_ON_RESUME: ClassVar[bool] = True  # where things go and how they are reported
 
     enabled: bool = _opt(True, "check collapse, gradients, throughput and NaN steps while training")
     feature_std_min: float = _opt(
@@ -717,6 +541,8 @@ class HealthConfig:
 class DistributedConfig:
     """Several processes: how the model is spread, collective timeouts, hang detection."""
 
+    MAY_CHANGE_ON_RESUME: ClassVar[bool] = True  # where things go and how they are reported
+
     timeout_s: float = _opt(
         1800.0, "timeout of a collective of the process group (NCCL, gloo), seconds", gt=0
     )
@@ -735,7 +561,7 @@ class DistributedConfig:
     )
     student_groups: bool = _opt(
         False,
-        "a distillation into several students (recipe.distill_students): each of its S students "
+        "a distillation into several students (recipe.distill.students): each of its S students "
         "on its own group of world/S ranks (rank r trains student r // (world/S); ddp over the "
         "group, or fsdp sharding it over the group), the frozen teacher's forward of a batch "
         "split over the S ranks that read it and gathered; false: every rank trains every student",
@@ -758,6 +584,8 @@ class DistributedConfig:
 @dataclass
 class DebugConfig:
     """Fault injection, for testing the fault tolerance of a run."""
+
+    MAY_CHANGE_ON_RESUME: ClassVar[bool] = True  # where things go and how they are reported
 
     inject_nonfinite_at_step: int | None = _opt(
         None,
@@ -805,10 +633,66 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+# The recipe's keys before its nested sections (recipe.gram_loss_weight, now
+# recipe.gram.loss_weight): old flat key -> its key now.
+_FLAT_RECIPE_KEYS: dict[str, str] = {
+    "dino_loss_weight": "dino.loss_weight",
+    "ibot_loss_weight": "ibot.loss_weight",
+    "koleo_loss_weight": "koleo.loss_weight",
+    "mask_ratio_min_max": "ibot.mask_ratio_min_max",
+    "mask_sample_probability": "ibot.mask_sample_probability",
+    "ibot_separate_head": "ibot.separate_head",
+    "ibot_out_dim": "ibot.out_dim",
+    **{
+        f"gram_{k}": f"gram.{k}"
+        for k in (
+            "use_loss",
+            "loss_weight",
+            "ckpt",
+            "it_load_ema_teacher",
+            "rep_update",
+            "update_frequency",
+            "it_first_update",
+            "max_updates",
+            "img_level",
+            "normalized",
+            "remove_neg",
+            "remove_only_teacher_neg",
+            "tokens_used",
+            "teacher_crop_size",
+            "loss_weight_start",
+            "loss_weight_end",
+            "loss_weight_warmup_epochs",
+            "loss_weight_cosine_epochs",
+        )
+    },
+    **{
+        f"distill_{k}": f"distill.{k}"
+        for k in (
+            "teacher",
+            "mode",
+            "teacher_scale",
+            "teacher_dim",
+            "cls_weight",
+            "patch_weight",
+            "cosine_weight",
+            "smooth_l1_weight",
+            "local_weight",
+            "standardize",
+            "whiten",
+            "projector_hidden",
+            "students",
+            "students_init_from",
+        )
+    },
+}
+
 # Old keys that are still read, each as a value of a current key:
-# section -> old key -> (current key, {old value: current value}).
-_ALIASES: dict[str, dict[str, tuple[str, dict[Any, Any]]]] = {
+# section -> old key -> (current key, {old value: current value}, or None: a
+# key renamed, its values the same, read with a deprecation line).
+_ALIASES: dict[str, dict[str, tuple[str, dict[Any, Any] | None]]] = {
     "hardware": {
         "grad_checkpointing": ("activation_checkpointing", {True: "full", False: "none"}),
     },
+    "recipe": {old: (new, None) for old, new in _FLAT_RECIPE_KEYS.items()},
 }

@@ -16,6 +16,7 @@ from ..checkpoint import atomic_write, fsync_dir
 from .fields import _ALIASES, _SECTIONS, ConfigError
 from .schema import (
     Config,
+    _flat_dict,
     _from_dict,
     _plain,
     _suggest_section,
@@ -24,7 +25,7 @@ from .schema import (
     alias_value,
     validate,
 )
-from .specs import _SPECS
+from .specs import _GROUPS, _SPECS, _flatten
 
 __all__ = [
     "RECIPES_DIR",
@@ -44,7 +45,10 @@ __all__ = [
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value), the value read as YAML."""
+    """``section.key=value`` -> (section, key, value), the value read as YAML
+    (the key dotted within a nested section: ``recipe.gram.loss_weight``; an
+    old key renamed kept as it is, for the config to read with its
+    deprecation line)."""
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(
             f"override {item!r} must be key=value with a dotted key, e.g. data.batch_size=32"
@@ -52,23 +56,35 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     dotted, text = item.split("=", 1)
     dotted = dotted.strip()
     parts = dotted.split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) < 2 or not all(parts):
         hint = _suggest_section(dotted) if len(parts) == 1 else ""
         raise ConfigError(
             f"override key {dotted!r} must be section.key, e.g. data.batch_size "
             f"({hint}known sections: {', '.join(_SECTIONS)})"
         )
-    sname, key = parts
+    sname, key = parts[0], ".".join(parts[1:])
     if sname not in _SECTIONS:
         raise ConfigError(_unknown_section(sname))
-    if key in _ALIASES.get(sname, {}):  # an old key: its current key and value
+    if len(parts) > 2 and ".".join(parts[1:-1]) not in _GROUPS[sname]:
+        nested = ", ".join(f"{sname}.{g}" for g in _GROUPS[sname])
+        raise ConfigError(
+            f"override key {dotted!r} must be section.key, e.g. data.batch_size"
+            + (f", or a key of a nested section ({nested})" if nested else "")
+        )
+    current, mapping = _ALIASES.get(sname, {}).get(key, (key, None))
+    if mapping is not None:  # an old key with values of its own: its current key and value
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = text
         return (sname, *alias_value(sname, key, value))
-    spec = _SPECS[sname].get(key)
+    spec = _SPECS[sname].get(current)
     if spec is None:
+        if key in _GROUPS[sname]:
+            raise ConfigError(
+                f"override {dotted}: {dotted} is a section; give one of its keys, e.g. "
+                f"{sname}.{next(k for k in _SPECS[sname] if k.startswith(key + '.'))}"
+            )
         raise ConfigError(_unknown_key(sname, key))
     try:
         value = yaml.safe_load(text)
@@ -100,16 +116,17 @@ def _merge_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict
             errors.extend(e.errors)
             continue
         section = d.get(sname)
-        if not isinstance(section, dict):
+        if section is not None and not isinstance(section, typing.Mapping):
             # None (empty in the file) takes the override; anything else is
             # reported by from_dict, so keep it when it is not a mapping.
-            if section is not None and not isinstance(section, typing.Mapping):
-                continue
-            section = dict(section or {})
-            d[sname] = section
-        for old, (current, _) in _ALIASES.get(sname, {}).items():
-            if current == key:
+            continue
+        # nested sections as dotted keys, so that the override replaces the file's key
+        section = d[sname] = _flatten(sname, section or {})
+        current = _ALIASES.get(sname, {}).get(key, (key,))[0]
+        for old, (now, _) in _ALIASES.get(sname, {}).items():
+            if now == current:
                 section.pop(old, None)  # the override wins over the old key in the file
+        section.pop(current, None)
         section[key] = value
     if errors:
         raise ConfigError(errors)
@@ -119,7 +136,7 @@ def _merge_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict
 def _given_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """The values of ``cfg`` that count as set by it: its given keys and every
     key that differs from its default (a config changed in code)."""
-    d = cfg.to_dict()
+    d = _flat_dict(cfg)
     return {
         sname: {
             key: value
@@ -137,10 +154,7 @@ def apply_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     ``null``); a string field takes the text as written. The overrides join
     the keys the config sets itself (:attr:`Config.given_keys`).
     """
-    d = _given_dict(cfg)
-    for sname, values in _merge_overrides({}, overrides).items():  # parsed and checked alone
-        d[sname].update(values)
-    return _from_dict(d)
+    return _from_dict(_merge_overrides(_given_dict(cfg), overrides))
 
 
 # ---------------------------------------------------------------------------
@@ -266,22 +280,31 @@ def config_to_yaml(cfg: Config, comments: bool = True) -> str:
     text = yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False, width=1 << 30)
     if not comments:
         return text
-    lines, section = [], None
+    lines, section, path = [], None, []
     for line in text.splitlines():
         top = re.match(r"^(\w+):", line)
         if top:
             section = top.group(1)
             if lines:
                 lines.append("")
-            doc = (_SECTIONS[section].__doc__ or "").strip().splitlines()[0]
-            lines.append(f"# {doc}")
-        sub = re.match(r"^  (\w+):", line)
+            lines.append(f"# {_first_line(_SECTIONS[section])}")
+        sub = re.match(r"^((?:  )+)(\w+):", line)
         if sub and section is not None:
-            meta = _SPECS[section][sub.group(1)].meta
-            allowed = f" ({' | '.join(map(str, meta['choices']))})" if meta["choices"] else ""
-            line = f"{line}  # {meta['help']}{allowed}"
+            depth = len(sub.group(1)) // 2
+            path[depth - 1 :] = [sub.group(2)]
+            dotted = ".".join(path)
+            if dotted in _GROUPS[section]:  # a nested section: its doc above it
+                line = f"{sub.group(1)}# {_first_line(_GROUPS[section][dotted])}\n{line}"
+            else:
+                meta = _SPECS[section][dotted].meta
+                allowed = f" ({' | '.join(map(str, meta['choices']))})" if meta["choices"] else ""
+                line = f"{line}  # {meta['help']}{allowed}"
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _first_line(cls: type) -> str:
+    return (cls.__doc__ or "").strip().splitlines()[0]
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> Path:

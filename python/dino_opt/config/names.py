@@ -67,13 +67,13 @@ def names_code(name: str) -> bool:
 def refuse_code(cfg, where: str, trust_code: bool) -> None:
     """ValueError (one line, naming ``where``, the file the config ``cfg``
     was read from) when ``cfg`` names a network of code of its own
-    (``model.backbone``, ``recipe.distill_students``) and the user did not
+    (``model.backbone``, ``recipe.distill.students``) and the user did not
     allow it (``trust_code``: what they gave, never the file's own
     ``model.trust_code``)."""
     if trust_code:
         return
     named = [("model.backbone", cfg.model.backbone)]
-    named += [("recipe.distill_students", n) for n in cfg.recipe.distill_students]
+    named += [("recipe.distill.students", n) for n in cfg.recipe.distill.students]
     for key, name in named:
         if names_code(name):
             module, _, function = name.partition(":")

@@ -7,6 +7,7 @@ import difflib
 import math
 import re
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from .fields import (
     ScheduleConfig,
 )
 from .names import is_external, student_key
-from .specs import _SPECS, _Spec
+from .specs import _GROUPS, _SPECS, _flatten, _nest, _Spec
 
 __all__ = ["Config", "default_config", "validate"]
 
@@ -40,6 +41,8 @@ def alias_value(section: str, key: str, value: Any) -> tuple[str, Any]:
     ``_ALIASES``) with ``value`` stands for; raises :class:`ConfigError`
     naming the old key when ``value`` is not one of its values."""
     new, mapping = _ALIASES[section][key]
+    if mapping is None:  # renamed: the same values
+        return new, value
     if type(value) in {type(v) for v in mapping} and value in mapping:  # true is not 1
         return new, mapping[value]
     allowed = ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in mapping)
@@ -47,21 +50,37 @@ def alias_value(section: str, key: str, value: Any) -> tuple[str, Any]:
                       f"{allowed}, got {value!r}")  # fmt: skip
 
 
-def _resolve_aliases(sname: str, values: typing.Mapping) -> dict:
+def _resolve_aliases(sname: str, values: typing.Mapping, renamed: list[str]) -> dict:
     """``values`` with old keys replaced by their current keys; an old key and
-    its current key given together must agree."""
+    its current key given together must agree. The renamed keys found are
+    added to ``renamed`` (``old -> new``, for one deprecation line)."""
     out = dict(values)
     for old in _ALIASES.get(sname, {}):
         if old not in out:
             continue
+        if _ALIASES[sname][old][1] is None:
+            renamed.append(f"{sname}.{old} -> {sname}.{_ALIASES[sname][old][0]}")
         new, value = alias_value(sname, old, out.pop(old))
-        if new in out and out[new] != value:
+        if new in out and _plain(out[new]) != _plain(value):
             raise ConfigError(
                 f"{sname}.{old} (the old name of {sname}.{new}) says {value!r} but "
                 f"{sname}.{new} says {out[new]!r}; give only {sname}.{new}"
             )
         out[new] = value
     return out
+
+
+def _warn_renamed(renamed: list[str]) -> None:
+    """One deprecation line for the old keys a config used."""
+    if not renamed:
+        return
+    shown = ", ".join(renamed[:3]) + (f" and {len(renamed) - 3} more" if len(renamed) > 3 else "")
+    warnings.warn(
+        f"old config keys read under their new names ({shown}); write the new ones, which "
+        "nest the recipe's sections (recipe.dino, ibot, koleo, gram, distill; docs/training.md)",
+        FutureWarning,
+        stacklevel=2,
+    )
 
 
 @dataclass
@@ -90,14 +109,18 @@ class Config:
     given_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested dict of builtins (tuples as lists), safe for YAML and JSON."""
-        out: dict[str, dict[str, Any]] = {}
-        for name in _SECTIONS:
-            section = getattr(self, name)
-            out[name] = {
-                key: _plain(getattr(section, spec.attr)) for key, spec in _SPECS[name].items()
-            }
-        return out
+        """Plain nested dict of builtins (tuples as lists), safe for YAML and JSON;
+        a nested section (``recipe.gram``) a dict in its section's."""
+        return {name: _nest(values) for name, values in _flat_dict(self).items()}
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``section.key`` -> plain value, a nested section's keys dotted
+        (``recipe.gram.loss_weight``): every key of the config on one level."""
+        return {
+            f"{name}.{key}": value
+            for name, values in _flat_dict(self).items()
+            for key, value in values.items()
+        }
 
     @classmethod
     def from_dict(cls, d: typing.Mapping[str, Any] | None) -> Config:
@@ -114,8 +137,8 @@ class Config:
     @property
     def student_names(self) -> tuple[str, ...]:
         """The students a run trains, named by backbone: ``model.backbone``
-        (the first, the run's result) and ``recipe.distill_students``."""
-        return (self.model.backbone, *self.recipe.distill_students)
+        (the first, the run's result) and ``recipe.distill.students``."""
+        return (self.model.backbone, *self.recipe.distill.students)
 
     @property
     def student_keys(self) -> tuple[str, ...]:
@@ -127,6 +150,15 @@ class Config:
 
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def _flat_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Section -> key (dotted in a nested section: ``gram.loss_weight``) ->
+    its plain value."""
+    return {
+        name: {key: _plain(spec.get(getattr(cfg, name))) for key, spec in _SPECS[name].items()}
+        for name in _SECTIONS
+    }
 
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -346,6 +378,7 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
     errors: list[str] = []
     sections: dict[str, Any] = {}
     given_keys: list[str] = []
+    renamed: list[str] = []
     for sname, values in d.items():
         if sname not in _SECTIONS:
             errors.append(_unknown_section(sname))
@@ -363,28 +396,37 @@ def _from_dict(d: typing.Mapping[str, Any] | None) -> Config:
             )
             continue
         try:
-            values = _resolve_aliases(sname, values)
+            values = _resolve_aliases(sname, _flatten(sname, values), renamed)
         except ConfigError as e:
             errors.extend(e.errors)
             continue
-        kwargs = {}
+        section = sections[sname] = _SECTIONS[sname]()
         for key, value in values.items():
             spec = _SPECS[sname].get(key) if isinstance(key, str) else None
             if spec is None:
-                errors.append(_unknown_key(sname, key))
+                errors.append(_not_a_group(sname, key, value) or _unknown_key(sname, key))
                 continue
             try:
-                kwargs[spec.attr] = _convert(f"{sname}.{key}", spec, value)
+                spec.set(section, _convert(f"{sname}.{key}", spec, value))
                 given_keys.append(f"{sname}.{key}")
             except ConfigError as e:
                 errors.extend(e.errors)
-        sections[sname] = kwargs
     if errors:
         raise ConfigError(errors)
+    _warn_renamed(renamed)
     given = frozenset(given_keys)
-    cfg = Config(**{s: _SECTIONS[s](**sections.get(s, {})) for s in _SECTIONS}, given_keys=given)
+    cfg = Config(**{s: sections.get(s) or _SECTIONS[s]() for s in _SECTIONS}, given_keys=given)
     _check_relations(cfg)
     return cfg
+
+
+def _not_a_group(sname: str, key: Any, value: Any) -> str | None:
+    """The error of a nested section (``recipe.gram``) given as something
+    else than a mapping of its keys; None for any other key."""
+    if key not in _GROUPS[sname]:
+        return None
+    keys = [k.removeprefix(f"{key}.") for k in _SPECS[sname] if k.startswith(f"{key}.")]
+    return f"{sname}.{key} must be a mapping of keys ({', '.join(keys)}), got {value!r}"
 
 
 def validate(cfg: Config) -> Config:
@@ -404,18 +446,35 @@ def validate(cfg: Config) -> Config:
         if not isinstance(section, cls):
             errors.append(f"section {sname!r} must be a {cls.__name__}, got {section!r}")
             continue
+        wrong = _wrong_groups(sname, section)
+        if wrong:
+            errors += wrong
+            continue
         for key, spec in _SPECS[sname].items():
             try:
-                value = _convert(f"{sname}.{key}", spec, getattr(section, spec.attr))
-                converted.append((section, spec.attr, value))
+                value = _convert(f"{sname}.{key}", spec, spec.get(section))
+                converted.append((section, spec, value))
             except ConfigError as e:
                 errors.extend(e.errors)
     if errors:
         raise ConfigError(errors)
-    for section, key, value in converted:
-        setattr(section, key, value)
+    for section, spec, value in converted:
+        spec.set(section, value)
     _check_relations(cfg)
     return cfg
+
+
+def _wrong_groups(sname: str, section: Any) -> list[str]:
+    """The nested sections of ``section`` that are not their dataclass (a
+    config changed in code)."""
+    errors = []
+    for dotted, cls in _GROUPS[sname].items():
+        node = section
+        for name in dotted.split("."):
+            node = getattr(node, name, None)
+        if not isinstance(node, cls):
+            errors.append(f"{sname}.{dotted} must be a {cls.__name__}, got {node!r}")
+    return errors
 
 
 def _check_relations(cfg: Config) -> None:
@@ -497,7 +556,7 @@ def _gram_sizes_conflicts(sizes: tuple[int, ...], pairs: list, patch: int) -> li
     """A list of Gram teacher crop sides: one per crop-size pair, multiples of
     the patch size, one side per global crop size (the step knows its pair by
     its global crops' side)."""
-    key = "recipe.gram_teacher_crop_size"
+    key = "recipe.gram.teacher_crop_size"
     if len(sizes) != len(pairs):
         return [
             f"{key} has {len(sizes)} sizes for {len(pairs)} crop-size pair(s) "
@@ -517,114 +576,127 @@ def _gram_sizes_conflicts(sizes: tuple[int, ...], pairs: list, patch: int) -> li
 
 
 def _gram_conflicts(cfg: Config) -> list[str]:
-    """The ``recipe.gram_*`` keys of a recipe with a Gram teacher, checked together."""
-    r = cfg.recipe
-    needs = RECIPE_NEEDS[r.name].get("gram_teacher")
-    if not needs or not r.gram_use_loss:
+    """The ``recipe.gram`` keys of a recipe with a Gram teacher, checked together."""
+    name, g = cfg.recipe.name, cfg.recipe.gram
+    needs = RECIPE_NEEDS[name].get("gram_teacher")
+    if not needs or not g.use_loss:
         return []
     errors = []
-    if r.gram_ckpt is None and r.gram_it_load_ema_teacher < 0:
+    if g.ckpt is None and g.it_load_ema_teacher < 0:
         errors.append(
-            f"recipe.name={r.name} needs weights for its Gram teacher: set recipe.gram_ckpt, "
-            "or recipe.gram_it_load_ema_teacher >= 0 (it is -1)"
+            f"recipe.name={name} needs weights for its Gram teacher: set recipe.gram.ckpt, "
+            "or recipe.gram.it_load_ema_teacher >= 0 (it is -1)"
         )
-    if r.gram_remove_neg and r.gram_remove_only_teacher_neg:
+    if g.remove_neg and g.remove_only_teacher_neg:
         errors.append(
-            "recipe.gram_remove_neg and recipe.gram_remove_only_teacher_neg exclude each other"
+            "recipe.gram.remove_neg and recipe.gram.remove_only_teacher_neg exclude each other"
         )
-    if r.gram_tokens_used != "all" and r.gram_img_level:
+    if g.tokens_used != "all" and g.img_level:
         errors.append(
-            f"recipe.gram_tokens_used={r.gram_tokens_used} needs recipe.gram_img_level=false "
+            f"recipe.gram.tokens_used={g.tokens_used} needs recipe.gram.img_level=false "
             "(a crop's masked or unmasked tokens vary in number: one Gram matrix over the batch)"
         )
-    size, patch = r.gram_teacher_crop_size, cfg.model.patch_size
+    size, patch = g.teacher_crop_size, cfg.model.patch_size
     if isinstance(size, int) and size % patch:
         errors.append(
-            f"recipe.gram_teacher_crop_size ({size}) must be a multiple of model.patch_size "
+            f"recipe.gram.teacher_crop_size ({size}) must be a multiple of model.patch_size "
             f"({patch})"
         )
     if isinstance(size, tuple):
         errors += _gram_sizes_conflicts(size, cfg.augmentation.crop_size_pairs, patch)
-    cosine = r.gram_loss_weight_cosine_epochs or 0
-    if cfg.schedule.epochs != "auto" and r.gram_loss_weight_warmup_epochs + cosine > (
-        cfg.schedule.epochs
-    ):
+    cosine = g.loss_weight_cosine_epochs or 0
+    if cfg.schedule.epochs != "auto" and g.loss_weight_warmup_epochs + cosine > cfg.schedule.epochs:
         errors.append(
-            f"recipe.gram_loss_weight_warmup_epochs ({r.gram_loss_weight_warmup_epochs}) plus "
-            f"recipe.gram_loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "
+            f"recipe.gram.loss_weight_warmup_epochs ({g.loss_weight_warmup_epochs}) plus "
+            f"recipe.gram.loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "
             f"({cfg.schedule.epochs})"
         )
     return errors
 
 
 def _distill_conflicts(cfg: Config) -> list[str]:
-    """The ``recipe.distill_*`` keys of a recipe with an external teacher."""
-    r = cfg.recipe
-    if not RECIPE_NEEDS[r.name].get("external_teacher"):
+    """The ``recipe.distill`` keys of a recipe with an external teacher."""
+    name, d = cfg.recipe.name, cfg.recipe.distill
+    if not RECIPE_NEEDS[name].get("external_teacher"):
         if is_external(cfg.model.backbone):
-            return [f"model.backbone={cfg.model.backbone!r}: a network of your own is a student "
-                    f"of recipe.name=distill (features), not of {r.name}"]  # fmt: skip
-        if r.distill_students or r.distill_students_init_from:
-            return [f"recipe.distill_students is for recipe.name=distill, not {r.name}"]
+            return [
+                f"model.backbone={cfg.model.backbone!r}: a network of your own is a student "
+                f"of recipe.name=distill (features), not of {name}"
+            ]
+        if d.students or d.students_init_from:
+            return [f"recipe.distill.students is for recipe.name=distill, not {name}"]
         if cfg.distributed.student_groups:
-            return [f"distributed.student_groups is for recipe.name=distill, not {r.name}"]
+            return [f"distributed.student_groups is for recipe.name=distill, not {name}"]
         return []
     errors = _students_conflicts(cfg) + _groups_conflicts(cfg)
-    if r.distill_teacher is None:
-        errors.append(f"recipe.name={r.name} needs its teacher: set recipe.distill_teacher "
-                      "(a dino_opt run or checkpoint, or weights in any format model.init_from "
-                      "reads)")  # fmt: skip
-    starts = r.distill_students_init_from
-    if starts and len(starts) != len(r.distill_students):
-        errors.append(f"recipe.distill_students_init_from names {len(starts)} start(s) for "
-                      f"{len(r.distill_students)} student(s) of recipe.distill_students, one each "
-                      "in its order ('none': random initialisation)")  # fmt: skip
-    if r.distill_mode == "heads" and not cfg.model.backbone.startswith("vit"):
+    if d.teacher is None:
         errors.append(
-            f"recipe.distill_mode=heads trains a ViT student (its iBOT loss is over masked patch "
-            f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill_mode=features)"
+            f"recipe.name={name} needs its teacher: set recipe.distill.teacher (a dino_opt run "
+            "or checkpoint, or weights in any format model.init_from reads)"
+        )
+    starts = d.students_init_from
+    if starts and len(starts) != len(d.students):
+        errors.append(
+            f"recipe.distill.students_init_from names {len(starts)} start(s) for "
+            f"{len(d.students)} student(s) of recipe.distill.students, one each in its order "
+            "('none': random initialisation)"
+        )
+    if d.mode == "heads" and not cfg.model.backbone.startswith("vit"):
+        errors.append(
+            f"recipe.distill.mode=heads trains a ViT student (its iBOT loss is over masked patch "
+            f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill.mode=features)"
         )
     return errors + _features_conflicts(cfg)
 
 
 def _features_conflicts(cfg: Config) -> list[str]:
-    """``recipe.distill_standardize`` or ``distill_whiten`` (one of them): a
-    features distillation; ``recipe.distill_local_weight``: a features
-    distillation with local crops."""
-    r = cfg.recipe
-    for key, value in (("standardize", r.distill_standardize), ("whiten", r.distill_whiten)):
-        if value and r.distill_mode != "features":
-            return [f"recipe.distill_{key} is for recipe.distill_mode=features (heads matches "
-                    "the teacher's head outputs, not its tokens)"]  # fmt: skip
-    if r.distill_standardize and r.distill_whiten:
-        return [f"recipe.distill_standardize and recipe.distill_whiten={r.distill_whiten:g} both "
-                "rescale the teacher's tokens; choose one"]  # fmt: skip
-    if r.distill_local_weight == 0:
+    """``recipe.distill.standardize`` or ``whiten`` (one of them): a features
+    distillation; ``recipe.distill.local_weight``: a features distillation
+    with local crops."""
+    d = cfg.recipe.distill
+    for key, value in (("standardize", d.standardize), ("whiten", d.whiten)):
+        if value and d.mode != "features":
+            return [
+                f"recipe.distill.{key} is for recipe.distill.mode=features (heads matches the "
+                "teacher's head outputs, not its tokens)"
+            ]
+    if d.standardize and d.whiten:
+        return [
+            f"recipe.distill.standardize and recipe.distill.whiten={d.whiten:g} both rescale "
+            "the teacher's tokens; choose one"
+        ]
+    if d.local_weight == 0:
         return []
-    if r.distill_mode != "features":
-        return [f"recipe.distill_local_weight={r.distill_local_weight:g} is for "
-                "recipe.distill_mode=features (heads trains on the local crops with DINOv2's "
-                "losses already)"]  # fmt: skip
+    if d.mode != "features":
+        return [
+            f"recipe.distill.local_weight={d.local_weight:g} is for recipe.distill.mode=features "
+            "(heads trains on the local crops with DINOv2's losses already)"
+        ]
     if cfg.augmentation.num_local_views == 0:
-        return [f"recipe.distill_local_weight={r.distill_local_weight:g} needs local crops; "
-                "augmentation.num_local_views is 0"]  # fmt: skip
+        return [
+            f"recipe.distill.local_weight={d.local_weight:g} needs local crops; "
+            "augmentation.num_local_views is 0"
+        ]
     return []
 
 
 def _students_conflicts(cfg: Config) -> list[str]:
-    """``recipe.distill_students``: distinct backbones beside
+    """``recipe.distill.students``: distinct backbones beside
     ``model.backbone``, in a features distillation."""
-    students = cfg.recipe.distill_students
+    students = cfg.recipe.distill.students
     if not students:
         return []
     names = cfg.student_names
     if len(set(names)) < len(names):
-        return [f"recipe.distill_students {list(students)} with model.backbone="
-                f"{cfg.model.backbone} names a backbone twice; each student is named by its "
-                "backbone"]  # fmt: skip
-    if cfg.recipe.distill_mode != "features":
-        return ["recipe.distill_students trains several students with recipe.distill_mode="
-                f"features; got {cfg.recipe.distill_mode}"]  # fmt: skip
+        return [
+            f"recipe.distill.students {list(students)} with model.backbone={cfg.model.backbone} "
+            "names a backbone twice; each student is named by its backbone"
+        ]
+    if cfg.recipe.distill.mode != "features":
+        return [
+            "recipe.distill.students trains several students with recipe.distill.mode="
+            f"features; got {cfg.recipe.distill.mode}"
+        ]
     return []
 
 
@@ -636,16 +708,21 @@ def _groups_conflicts(cfg: Config) -> list[str]:
         return []
     n = len(cfg.student_names)
     if n < 2:
-        return ["distributed.student_groups puts each student on its own group of ranks; "
-                "name more students with recipe.distill_students"]  # fmt: skip
+        return [
+            "distributed.student_groups puts each student on its own group of ranks; name more "
+            "students with recipe.distill.students"
+        ]
     errors = []
     if cfg.data.batch_size % n:
-        errors.append(f"distributed.student_groups splits each batch's teacher forward over the "
-                      f"{n} students' ranks: data.batch_size ({cfg.data.batch_size}) must be a "
-                      f"multiple of {n}")  # fmt: skip
+        errors.append(
+            f"distributed.student_groups splits each batch's teacher forward over the {n} "
+            f"students' ranks: data.batch_size ({cfg.data.batch_size}) must be a multiple of {n}"
+        )
     if cfg.model.init_from is not None:
-        errors.append("model.init_from starts one network; with distributed.student_groups "
-                      "each rank trains one of several (set it to null)")  # fmt: skip
+        errors.append(
+            "model.init_from starts one network; with distributed.student_groups each rank "
+            "trains one of several (set it to null)"
+        )
     return errors
 
 
@@ -656,14 +733,16 @@ def _sharding_conflicts(cfg: Config) -> list[str]:
     errors = []
     others = [n for n in cfg.student_names if not n.startswith("vit")]
     if others:
-        key = "model.backbone" if others[0] == cfg.model.backbone else "recipe.distill_students"
+        key = "model.backbone" if others[0] == cfg.model.backbone else "recipe.distill.students"
         errors.append(
             f"distributed.strategy=fsdp shards a ViT block by block; {key} names "
             f"{others[0]!r} (use distributed.strategy=ddp)"
         )
-    if cfg.recipe.distill_students_init_from:
-        errors.append("recipe.distill_students_init_from starts students that are not "
-                      "sharded: use distributed.strategy=ddp")  # fmt: skip
+    if cfg.recipe.distill.students_init_from:
+        errors.append(
+            "recipe.distill.students_init_from starts students that are not sharded: use "
+            "distributed.strategy=ddp"
+        )
     if cfg.hardware.precision == "fp16":
         errors.append(
             "distributed.strategy=fsdp takes hardware.precision bf16, fp32 or auto, not fp16 "

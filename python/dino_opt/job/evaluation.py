@@ -25,7 +25,7 @@ __all__ = ["Evaluator"]
 def start_backbone(cfg: Config, parts, index: int = 0) -> torch.nn.Module | None:
     """Student ``index``'s backbone (the run's own network: 0) at the
     weights it started from, read again so that a resumed run has it too:
-    ``model.init_from`` for the first, ``recipe.distill_students_init_from``
+    ``model.init_from`` for the first, ``recipe.distill.students_init_from``
     for a distillation's others; None for one from random initialisation.
     ``parts.random_teacher``'s backbone is that student's (a process of a
     group of ranks holds one student) or the bank's, whose member it is."""

@@ -31,7 +31,7 @@ from ..checkpoint import (
     restore_rng_state,
     run_metadata,
 )
-from ..config import apply_overrides, save_config
+from ..config import apply_overrides, resume_differences, save_config
 from ..observe import (
     HealthThresholds,
     MemoryTracker,
@@ -65,7 +65,6 @@ from .parts import (
     _NEVER_HELD_BACK,
     PROFILE_PHASES,
     ResumeError,
-    _config_differences,
     _config_of,
     _Parts,
     _Rollback,
@@ -208,7 +207,7 @@ class CheckpointedDINOTrainer:
             self.config.checkpoint.resume, restarted=bool(self._pending), output_dir=self.output_dir
         )
         if resumed is not None:
-            differences = _config_differences(resumed[0].get("config", {}), self.config.to_dict())
+            differences = resume_differences(resumed[0].get("config", {}), self.config)
             if differences:
                 raise ResumeError(
                     f"checkpoint {str(resumed[1])!r} belongs to a run with another config: "
@@ -316,7 +315,7 @@ class CheckpointedDINOTrainer:
     def _init_from(self, path: str | None) -> None:
         """A fresh run's start from existing weights: ``model.init_from``
         (student, teacher and the loss's center where the file has one) and
-        a distillation's ``recipe.distill_students_init_from``."""
+        a distillation's ``recipe.distill.students_init_from``."""
         p = self.parts
         try:
             if path is not None:

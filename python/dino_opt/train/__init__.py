@@ -32,9 +32,8 @@ from .dinov2 import (
     StudentOutputs,
     TeacherTargets,
 )
-from .dinov3 import DINOv3Loss, DINOv3Trainer, GramOptions, GramTeacher, GramTerm, refresh_due
+from .dinov3 import DINOv3Loss, DINOv3Trainer, GramTeacher, GramTerm, refresh_due
 from .distill import (
-    DistillOptions,
     FeatureDistillLoss,
     FeatureDistillTerms,
     FeatureDistillTrainer,
@@ -61,12 +60,10 @@ __all__ = [
     "DINOv2Wrapper",
     "DINOv3Loss",
     "DINOv3Trainer",
-    "GramOptions",
     "GramTeacher",
     "GramTerm",
     "DataRoots",
     "EpochChoice",
-    "DistillOptions",
     "FeatureDistillLoss",
     "FeatureDistillTerms",
     "FeatureDistillTrainer",

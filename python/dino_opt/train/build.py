@@ -81,7 +81,7 @@ def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
     """Student and teacher of ``cfg.model`` (:func:`~dino_opt.models.build_dino_models`),
     on the CPU: what the training job trains and what ``dino-opt knn`` loads
     a checkpoint into. The dinov2 recipe: :class:`~dino_opt.train.DINOv2Wrapper`
-    with a separate iBOT head when ``recipe.ibot_separate_head``. The
+    with a separate iBOT head when ``recipe.ibot.separate_head``. The
     backbones carry ``cfg.hardware``'s block options
     (:func:`~dino_opt.models.apply_block_options`: the student's activation
     checkpointing, each block and head of both compiled with ``hardware.compile``),
@@ -142,7 +142,7 @@ def attach_frozen_copies(cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
                          reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
     """The frozen copies of ``teacher``'s backbone that ``cfg``'s recipe
     keeps in ``loss_fn`` (the dinov3 recipe's Gram teacher, its
-    ``gram_ckpt`` read through ``reader``; none for the others), made now
+    ``recipe.gram.ckpt`` read through ``reader``; none for the others), made now
     from the unsharded teacher and returned, for
     :func:`~dino_opt.job.sharding.spread` to spread as the teacher."""
     return recipe_of(cfg).frozen_copies(cfg, loss_fn, teacher, reader)

@@ -7,7 +7,7 @@ The step follows DINOv2's (``SSLMetaArch.forward_backward``):
 
 - teacher, on the global crops: class tokens through the DINO head, the
   masked patch tokens (the student's masks) through the iBOT head (DINO's,
-  shared, unless ``recipe.ibot_separate_head``); targets by softmax centering
+  shared, unless ``recipe.ibot.separate_head``); targets by softmax centering
   (then the centers' update) or Sinkhorn-Knopp, at the iteration's teacher
   temperature; the two global crops' class targets swapped, so that each
   student global crop learns from the other crop's teacher;

@@ -27,47 +27,32 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config import GramConfig
 from ..ops import Schedules
 from ..ops.gram_loss import GramLoss
 from .dinov2 import DINOv2Loss, DINOv2Trainer, TeacherTargets
 from .trainer import StepHooks
 
-__all__ = ["DINOv3Loss", "DINOv3Trainer", "GramOptions", "GramTeacher", "GramTerm", "refresh_due"]
+__all__ = ["DINOv3Loss", "DINOv3Trainer", "GramTeacher", "GramTerm", "refresh_due"]
 
 
-class GramOptions(NamedTuple):
-    """The Gram anchoring options (the config's ``recipe.gram_*`` keys)."""
-
-    use_loss: bool = True
-    loss_weight: float = 1.0
-    ckpt: str | None = None
-    it_load_ema_teacher: int = 0
-    rep_update: bool = True
-    update_frequency: int = 50000
-    it_first_update: int = 0
-    max_updates: int | None = None
-    img_level: bool = True
-    normalized: bool = True
-    remove_neg: bool = False
-    remove_only_teacher_neg: bool = False
-    tokens_used: str = "all"
-    teacher_crop_size: int | dict[int, int] | None = None  # a dict: by the global crops' side
-
-
-def refresh_due(options: GramOptions, iteration: int, updates: int) -> bool:
+def refresh_due(options: GramConfig, iteration: int, updates: int) -> bool:
     """Whether the Gram teacher is refreshed from the EMA teacher after the
     optimizer step of ``iteration`` (from 0), ``updates`` refreshes done."""
     o, done = options, iteration + 1
-    return (o.use_loss and o.rep_update and done >= o.it_first_update
-            and done % o.update_frequency == 0
-            and (o.max_updates is None or updates < o.max_updates))  # fmt: skip
+    return (
+        o.use_loss
+        and o.rep_update
+        and done >= o.it_first_update
+        and done % o.update_frequency == 0
+        and (o.max_updates is None or updates < o.max_updates)
+    )
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -103,12 +88,15 @@ class GramTeacher(nn.Module):
     """A frozen copy of the teacher's backbone (:meth:`attach`) and its
     schedule: ``loaded`` (it has weights) and ``updates`` (refreshes done),
     kept in the state dict. :meth:`before_step` and :meth:`after_step` apply
-    the schedule of :class:`GramOptions`; :meth:`patch_tokens` gives its
-    patch features of the global crops on the student's grid."""
+    the schedule of ``options`` (the config's ``recipe.gram``,
+    :class:`~dino_opt.config.GramConfig`); :meth:`patch_tokens` gives its
+    patch features of the global crops on the student's grid, at the side
+    ``options.teacher_crop_size`` gives each of ``crop_size_pairs``."""
 
-    def __init__(self, options: GramOptions):
+    def __init__(self, options: GramConfig, crop_size_pairs: list[tuple[int, int]] = ()):
         super().__init__()
         self.options = options
+        self.teacher_crop_size = options.teacher_sides(list(crop_size_pairs))
         self.backbone: nn.Module | None = None
         self.loaded = False
         self.updates = 0
@@ -149,15 +137,17 @@ class GramTeacher(nn.Module):
         a one-line ValueError naming the file when they do not fit."""
         if load_backbone is None:
             raise ValueError(
-                f"recipe.gram_ckpt={path!r}: reading it needs dino_opt.weights' load_backbone "
+                f"recipe.gram.ckpt={path!r}: reading it needs dino_opt.weights' load_backbone "
                 "(attach_frozen_copies(..., reader=weights_reader()))"
             )
         try:
             load_backbone(path, self.backbone)
         except ValueError as e:
             reason = str(e).removeprefix(f"{path}: ")
-            raise ValueError(f"recipe.gram_ckpt={path!r} does not fit the Gram teacher "
-                             f"(the teacher's backbone): {reason}") from None  # fmt: skip
+            raise ValueError(
+                f"recipe.gram.ckpt={path!r} does not fit the Gram teacher (the teacher's "
+                f"backbone): {reason}"
+            ) from None
         self.loaded = True
 
     @torch.no_grad()
@@ -197,7 +187,7 @@ class GramTeacher(nn.Module):
         the crops' side, one per crop-size pair), features resized back
         (bicubic) when their grid differs."""
         images = torch.cat(list(glob))
-        size = self.options.teacher_crop_size
+        size = self.teacher_crop_size
         if isinstance(size, dict):
             size = size.get(images.shape[-1])
         student_grid = [s // self.backbone.patch_size for s in images.shape[-2:]]
@@ -215,18 +205,30 @@ class GramTeacher(nn.Module):
 class DINOv3Loss(DINOv2Loss):
     """:class:`DINOv2Loss` plus Gram anchoring: ``gram``
     (:class:`~dino_opt.ops.gram_loss.GramLoss`) weighted by
-    ``options.loss_weight``, and the Gram teacher ``gram_teacher``
-    (:class:`GramTeacher`, in the state dict). The other arguments are
-    :class:`DINOv2Loss`'s."""
+    ``gram.loss_weight``, and the Gram teacher ``gram_teacher``
+    (:class:`GramTeacher`, in the state dict), ``gram`` the config's
+    ``recipe.gram`` and ``crop_size_pairs`` the augmentation's. The other
+    arguments are :class:`DINOv2Loss`'s."""
 
-    def __init__(self, out_dim: int, ibot_out_dim: int, n_local: int, *,
-                 gram: GramOptions | None = None, **dinov2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out_dim: int,
+        ibot_out_dim: int,
+        n_local: int,
+        *,
+        gram: GramConfig | None = None,
+        crop_size_pairs: list[tuple[int, int]] = (),
+        **dinov2,
+    ) -> None:
         super().__init__(out_dim, ibot_out_dim, n_local, **dinov2)
-        gram = gram or GramOptions()
-        self.gram = GramLoss(apply_norm=gram.normalized, img_level=gram.img_level,
-                             remove_neg=gram.remove_neg,
-                             remove_only_teacher_neg=gram.remove_only_teacher_neg)  # fmt: skip
-        self.gram_teacher = GramTeacher(gram)
+        gram = gram or GramConfig()
+        self.gram = GramLoss(
+            apply_norm=gram.normalized,
+            img_level=gram.img_level,
+            remove_neg=gram.remove_neg,
+            remove_only_teacher_neg=gram.remove_only_teacher_neg,
+        )
+        self.gram_teacher = GramTeacher(gram, crop_size_pairs)
         self.gram_weight = gram.loss_weight
 
     def gram_term(self, student: torch.Tensor, teacher: torch.Tensor, masks: torch.Tensor):

@@ -3,7 +3,8 @@ DINO, DINOv2 or DINOv3 backbone, or a dino_opt run) instead of from its own
 EMA; the EMA of the student is kept and is the run's result, as DINOv3
 distils its small models.
 
-Two ways to learn (``DistillOptions.mode``):
+Two ways to learn (``mode`` of the config's ``recipe.distill``,
+:class:`~dino_opt.config.DistillConfig`, which the losses read as it is):
 
 - ``features`` (any teacher, any student): the student's class token and
   patch tokens, through a projector of its own (:class:`FeatureProjector`,
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import DistillConfig
 from ..models import Tokens, backbone_tokens, pool_to_grid, running_stats_kept
 from ..ops import unwrap
 from ..runtime import StudentGroups, is_distributed
@@ -47,7 +49,6 @@ from .dinov2 import DINOv2Loss, DINOv2Terms, DINOv2Trainer
 from .trainer import MemoryOptimizedDINOTrainer, StepTerms
 
 __all__ = [
-    "DistillOptions",
     "FeatureDistillLoss",
     "FeatureDistillTerms",
     "FeatureDistillTrainer",
@@ -64,23 +65,6 @@ __all__ = [
 ]
 
 
-class DistillOptions(NamedTuple):
-    """The distillation options (the config's ``recipe.distill_*`` keys)."""
-
-    mode: str = "features"
-    teacher: str | None = None
-    teacher_scale: float = 1.0
-    teacher_dim: int | None = None
-    cls_weight: float = 1.0
-    patch_weight: float = 1.0
-    cosine_weight: float = 1.0
-    smooth_l1_weight: float = 1.0
-    projector_hidden: int = 0
-    local_weight: float = 0.0
-    standardize: bool = False
-    whiten: float = 0.0
-
-
 def teacher_side(side: int, scale: float, patch: int) -> int:
     """The teacher's input side for a student crop of ``side`` pixels:
     ``side * scale``, which must be a whole number of the teacher's
@@ -88,7 +72,7 @@ def teacher_side(side: int, scale: float, patch: int) -> int:
     out = round(side * scale)
     if abs(out - side * scale) > 1e-6 or out % patch or out < patch:
         raise ValueError(
-            f"recipe.distill_teacher_scale={scale:g} makes the teacher's input {side * scale:g} px "
+            f"recipe.distill.teacher_scale={scale:g} makes the teacher's input {side * scale:g} px "
             f"from {side} px crops, not a multiple of its patch ({patch}); choose a scale with "
             f"{side} * scale a multiple of {patch}"
         )
@@ -293,19 +277,26 @@ class FeatureDistillLoss(nn.Module):
     add the same two terms between each local crop's class token and the
     teacher's class token of each global crop of its image, averaged over
     those pairs, weighted by ``local_weight``. The teacher
-    (:class:`FrozenTeacher`) is attached with :meth:`attach_teacher`."""
+    (:class:`FrozenTeacher`) is attached with :meth:`attach_teacher`;
+    ``options``: the config's ``recipe.distill``."""
 
-    def __init__(self, options: DistillOptions):
+    def __init__(self, options: DistillConfig):
         super().__init__()
         self.options = options
         self.frozen: FrozenTeacher | None = None
         self.whiteners = None
         if options.whiten > 0:
             if options.teacher_dim is None:
-                raise ValueError("FeatureDistillLoss: whiten needs the teacher's width "
-                                 "(DistillOptions.teacher_dim)")  # fmt: skip
-            self.whiteners = nn.ModuleDict({part: TokenWhitener(options.teacher_dim, options.whiten)
-                                            for part in ("cls", "patch")})  # fmt: skip
+                raise ValueError(
+                    "FeatureDistillLoss: whiten needs the teacher's width "
+                    "(recipe.distill.teacher_dim)"
+                )
+            self.whiteners = nn.ModuleDict(
+                {
+                    part: TokenWhitener(options.teacher_dim, options.whiten)
+                    for part in ("cls", "patch")
+                }
+            )
 
     def attach_teacher(self, teacher: FrozenTeacher) -> None:
         self.frozen = teacher
@@ -440,12 +431,20 @@ class FeatureDistillTrainer(MemoryOptimizedDINOTrainer):
 class HeadsDistillLoss(DINOv2Loss):
     """:class:`~dino_opt.train.DINOv2Loss` whose targets come from a frozen
     teacher with DINO heads (:meth:`attach_teacher`, a
-    :class:`~dino_opt.train.DINOv2Wrapper`), not from the EMA teacher."""
+    :class:`~dino_opt.train.DINOv2Wrapper`), not from the EMA teacher;
+    ``distill``: the config's ``recipe.distill``."""
 
-    def __init__(self, out_dim: int, ibot_out_dim: int, n_local: int, *,
-                 distill: DistillOptions | None = None, **dinov2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out_dim: int,
+        ibot_out_dim: int,
+        n_local: int,
+        *,
+        distill: DistillConfig | None = None,
+        **dinov2,
+    ) -> None:
         super().__init__(out_dim, ibot_out_dim, n_local, **dinov2)
-        self.options = distill or DistillOptions(mode="heads")
+        self.options = distill or DistillConfig(mode="heads")
         self.frozen: FrozenTeacher | None = None
 
     def attach_teacher(self, teacher: FrozenTeacher) -> None:
@@ -467,10 +466,10 @@ class HeadsDistillTerms(DINOv2Terms):
         teacher_grid = images[0].shape[-1] // frozen.patch_size
         if student_grid != teacher_grid:
             raise ValueError(
-                f"recipe.distill_mode=heads needs the teacher's patch grid ({teacher_grid} x "
+                f"recipe.distill.mode=heads needs the teacher's patch grid ({teacher_grid} x "
                 f"{teacher_grid}) equal to the student's ({student_grid} x {student_grid}): its "
                 "iBOT targets are the teacher's tokens at the student's masked patches; set "
-                "recipe.distill_teacher_scale (or use recipe.distill_mode=features)"
+                "recipe.distill.teacher_scale (or use recipe.distill.mode=features)"
             )
         with trainer.autocast():
             return frozen.network(images, mask_indices=info["mask_indices_list"])

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import Config
+from ..config import Config, DistillConfig
 from ..models import Tokens, feature_width
-from ..train import DistillOptions, FeatureDistillLoss, LocalViews, build_models, teacher_side
+from ..train import FeatureDistillLoss, LocalViews, build_models, teacher_side
 
 __all__ = [
     "SavedTrace",
@@ -115,7 +115,7 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
     config), in bytes: its states (float32 parameters, gradients, AdamW's two
     moments, DDP's buckets, the EMA; the projector's gradients, the first the
     backward makes), what its forward over the global crops (and the local
-    ones, with ``recipe.distill_local_weight``) and its loss keep
+    ones, with ``recipe.distill.local_weight``) and its loss keep
     (``activations``; with 16-bit autocast also its weights' cached casts),
     the backward's working set at its start (``working``: the gradient of the
     largest kept value and the one it makes) and, less all its gradients, the
@@ -123,14 +123,14 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
     :meth:`SavedTrace.backward_peak`; a convolutional network's largest
     values are its first, its largest gradients its last)."""
     a_, batch = cfg.augmentation, cfg.data.batch_size
-    local_weight = cfg.recipe.distill_local_weight
+    local_weight = cfg.recipe.distill.local_weight
     with torch.device("meta"):
         student, ema = build_models(cfg)
         side, local_side = a_.largest_crop_sizes
         images = torch.empty(2 * batch, 3, side, side)
         n_local = a_.num_local_views if local_weight > 0 else 0
         local = [torch.empty(batch, 3, local_side, local_side) for _ in range(n_local)]
-    loss = FeatureDistillLoss(DistillOptions(local_weight=local_weight))
+    loss = FeatureDistillLoss(DistillConfig(local_weight=local_weight))
 
     def step() -> None:
         out = student(images, local)
@@ -175,12 +175,12 @@ def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
     side = cfg.augmentation.largest_crop_sizes[0]
     patch = int(getattr(teacher, "patch_size", 1))
     width = feature_width(teacher)
-    grid = teacher_side(side, cfg.recipe.distill_teacher_scale, patch) // patch
+    grid = teacher_side(side, cfg.recipe.distill.teacher_scale, patch) // patch
     tokens = (
         2 * cfg.data.batch_size * (grid * grid + 1 + getattr(teacher, "num_register_tokens", 0))
     )
-    # after it, whitening (recipe.distill_whiten): its tokens, a centred and a whitened copy, eigh
-    out = 3 * tokens * width + 3 * width * width if cfg.recipe.distill_whiten else tokens * width
+    # after it, whitening (recipe.distill.whiten): its tokens, a centred and a whitened copy, eigh
+    out = 3 * tokens * width + 3 * width * width if cfg.recipe.distill.whiten else tokens * width
     blocks = getattr(teacher, "blocks", None)
     if not blocks:
         return out * _FP32
@@ -190,10 +190,10 @@ def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
 
 
 def whitening_state_bytes(cfg: Config, teacher: nn.Module) -> int:
-    """The whiteners of ``recipe.distill_whiten`` (class and patch tokens):
+    """The whiteners of ``recipe.distill.whiten`` (class and patch tokens):
     each a float64 mean and covariance, a float32 matrix and a count, kept
     all run."""
-    if not cfg.recipe.distill_whiten:
+    if not cfg.recipe.distill.whiten:
         return 0
     width = feature_width(getattr(teacher, "backbone", teacher))
     return 2 * (12 * width * width + 8 * width + 8)

@@ -93,13 +93,13 @@ MEMORY_ARCHS: dict[str, ArchRow] = {
         ArchRow("dinov2_vitg14", "DINOv2 ViT-g/14", "dinov2_vitg14", (),
                 "DINOv2's ViT-g/14 config: 12 per GPU, SwiGLU, heads of 131072"),
         ArchRow("dinov3_vitl16", "DINOv3 ViT-L/16, Gram", "dinov3_vitl16_gram_anchor",
-                ("recipe.gram_ckpt=gram.pt",),
+                ("recipe.gram.ckpt=gram.pt",),
                 "DINOv3's Gram anchoring stage on ViT-L/16: 16 per GPU, 2 x 256 + 8 x 112, "
                 "Gram teacher at 512, heads of 65536"),
         ArchRow("dinov3_vit7b16", "DINOv3 ViT-7B/16, Gram", "dinov3_vitl16_gram_anchor",
-                ("recipe.gram_ckpt=gram.pt", "model.backbone=vit_7b_dinov3",
+                ("recipe.gram.ckpt=gram.pt", "model.backbone=vit_7b_dinov3",
                  "model.out_dim=262144", "model.hidden_dim=8192", "model.bottleneck_dim=512",
-                 "recipe.ibot_out_dim=98304"),
+                 "recipe.ibot.out_dim=98304"),
                 "DINOv3's ViT-7B Gram anchoring config: 16 per GPU, 2 x 256 + 8 x 112, "
                 "Gram teacher at 512, heads of 262144 and 98304"),
     )
@@ -421,7 +421,7 @@ def estimate_memory(
     the teacher per unit (each block, each head, the root) with mixed
     precision: 16-bit gathered parameters, float32 reduction. A
     distillation needs its ``frozen_teacher`` (the network
-    ``recipe.distill_teacher`` opens; :func:`estimate_distillation`)."""
+    ``recipe.distill.teacher`` opens; :func:`estimate_distillation`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -598,7 +598,7 @@ def estimate_distillation(
     arch: str | None = None,
 ) -> MemoryEstimate:
     """Rank 0's memory for a distillation (``recipe.name=distill``) from
-    ``frozen_teacher`` (the network ``recipe.distill_teacher`` opens): the
+    ``frozen_teacher`` (the network ``recipe.distill.teacher`` opens): the
     teacher's parameters (in bfloat16 where the run stores them so: 16-bit
     autocast but fp16; with FSDP its backbone's local shards and its heads
     whole, and its backbone's root and two blocks gathered in its forward)
@@ -618,8 +618,8 @@ def estimate_distillation(
     its 1/S of the batch: the rank that holds the most is given."""
     if frozen_teacher is None:
         raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
-                         "what recipe.distill_teacher opens)")  # fmt: skip
-    heads = cfg.recipe.distill_mode == "heads"
+                         "what recipe.distill.teacher opens)")  # fmt: skip
+    heads = cfg.recipe.distill.mode == "heads"
     policy, every, a = _setting(cfg, checkpointing, every)
     frozen = parameter_numel(frozen_teacher)
     sharded = strategy == "fsdp"
@@ -717,12 +717,12 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     s = _step(cfg, counts)
     residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
     per_token = _blocks_per_token(counts, a, policy, every, residual)
-    local = int(cfg.recipe.distill_local_weight > 0)  # the local crops' pass, their class rows
+    local = int(cfg.recipe.distill.local_weight > 0)  # the local crops' pass, their class rows
     rows = 2 * s.batch * (1 + s.global_tokens - counts.extra_tokens) + local * s.n_local * s.batch
     tokens = s.tokens if local else 2 * s.batch * s.global_tokens
     largest, pairs = (s.largest_group if local else tokens), 2 * local * s.n_local * s.batch
-    hidden = cfg.recipe.distill_projector_hidden
-    width, out = counts.embed_dim, cfg.recipe.distill_teacher_dim
+    hidden = cfg.recipe.distill.projector_hidden
+    width, out = counts.embed_dim, cfg.recipe.distill.teacher_dim
     cast = a * width if a != _FP32 else 0  # the projector's 16-bit input
     projector = cast + (2 * a * hidden if hidden > 0 else 0)
     loss = 2 * (a + (_FP32 if a != _FP32 else 0)) * out  # student's and teacher's, and float32

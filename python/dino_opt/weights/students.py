@@ -1,6 +1,6 @@
 """The first weights of a distillation's students
-(``recipe.distill_students_init_from``, one file or ``none`` per student of
-``recipe.distill_students``; the first student, ``model.backbone``, starts
+(``recipe.distill.students_init_from``, one file or ``none`` per student of
+``recipe.distill.students``; the first student, ``model.backbone``, starts
 from ``model.init_from``).
 
 A built-in backbone reads any format ``model.init_from`` reads
@@ -66,9 +66,9 @@ def load_student_start(path: str | os.PathLike, backbone: nn.Module) -> list[str
 def student_starts(cfg: Config) -> list[str | None]:
     """The weights each student of ``cfg`` starts from, in the order of
     ``cfg.student_names``: ``model.init_from`` for the first,
-    ``recipe.distill_students_init_from`` for the others; None for one
+    ``recipe.distill.students_init_from`` for the others; None for one
     from random initialisation (``none``, or no starts given)."""
-    others = cfg.recipe.distill_students_init_from or [None] * (len(cfg.student_names) - 1)
+    others = cfg.recipe.distill.students_init_from or [None] * (len(cfg.student_names) - 1)
     return [cfg.model.init_from,
             *(None if s is None or str(s).lower() == "none" else s for s in others)]  # fmt: skip
 
@@ -92,16 +92,16 @@ def _members(cfg: Config, student: nn.Module, ema: nn.Module, index: int | None)
 def start_students(cfg: Config, student: nn.Module, ema: nn.Module,
                    index: int | None = None) -> list[str]:  # fmt: skip
     """A fresh distillation's students (and their EMAs) from
-    ``recipe.distill_students_init_from`` (``index``: the student of this
+    ``recipe.distill.students_init_from`` (``index``: the student of this
     process on a group of ranks, None with all of them in one process);
     returns notes on what was loaded."""
     notes = []
-    if not cfg.recipe.distill_students_init_from:
+    if not cfg.recipe.distill.students_init_from:
         return notes
     for path, member, member_ema in _members(cfg, student, ema, index):
         try:
             notes += load_student_start(path, member.backbone)
         except (OSError, ValueError) as e:
-            raise ValueError(f"recipe.distill_students_init_from: {e}") from e
+            raise ValueError(f"recipe.distill.students_init_from: {e}") from e
         member_ema.backbone.load_state_dict(member.backbone.state_dict())
     return notes

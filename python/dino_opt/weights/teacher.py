@@ -45,11 +45,11 @@ def _with_heads(path: Path, trust_code: bool) -> OpenedTeacher:
         ckpt = load_checkpoint(path, keys=("teacher", "config"))
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(
-            f"recipe.distill_mode=heads needs a dino_opt run or checkpoint (a teacher with its "
-            f"DINO head); {str(path)!r} is not one ({e}); use recipe.distill_mode=features"
+            f"recipe.distill.mode=heads needs a dino_opt run or checkpoint (a teacher with its "
+            f"DINO head); {str(path)!r} is not one ({e}); use recipe.distill.mode=features"
         ) from None
     cfg = Config.from_dict(ckpt["config"])
-    refuse_code(cfg, f"recipe.distill_teacher={str(path)!r}", trust_code)
+    refuse_code(cfg, f"recipe.distill.teacher={str(path)!r}", trust_code)
     teacher = build_models(cfg)[1]
     teacher.load_state_dict(ckpt["teacher"])
     if not isinstance(teacher, DINOv2Wrapper):  # a DINO run: its head serves the patches too
@@ -73,7 +73,7 @@ def open_teacher(
     (:func:`~dino_opt.weights.hub.weights_location`)."""
     path = weights_location(path)
     if not path.exists():
-        raise FileNotFoundError(f"recipe.distill_teacher={str(path)!r} does not exist")
+        raise FileNotFoundError(f"recipe.distill.teacher={str(path)!r} does not exist")
     if heads:
         opened = _with_heads(path, trust_code)
     else:

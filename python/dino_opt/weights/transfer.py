@@ -344,7 +344,7 @@ def _refuse_dinov3_format(fmt: str, what: str) -> None:
 def _student_prefix(cfg: Config, student: str | None, source, full: bool) -> tuple[str, str]:
     """(backbone name, state-dict prefix of its backbone) of ``student`` in
     a run of ``cfg`` (its students: ``model.backbone`` and
-    ``recipe.distill_students``; ValueError naming them for another)."""
+    ``recipe.distill.students``; ValueError naming them for another)."""
     names = cfg.student_names
     name = student or names[0]
     if name not in names:

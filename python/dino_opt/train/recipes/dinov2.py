@@ -41,12 +41,17 @@ class DINOv2Recipe(DINORecipe):
         return {"img_size": cfg.augmentation.crop_size_pairs[0][0], "use_mask_token": True}
 
     def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module):
-        m, r = cfg.model, cfg.recipe
+        m, ibot_cfg = cfg.model, cfg.recipe.ibot
         ibot = None
-        if r.ibot_separate_head:
-            ibot = DINOHead(student.backbone.embed_dim, r.ibot_out_dim, use_bn=m.use_bn_in_head,
-                            norm_last_layer=m.norm_last_layer, hidden_dim=m.hidden_dim,
-                            bottleneck_dim=m.bottleneck_dim)  # fmt: skip
+        if ibot_cfg.separate_head:
+            ibot = DINOHead(
+                student.backbone.embed_dim,
+                ibot_cfg.out_dim,
+                use_bn=m.use_bn_in_head,
+                norm_last_layer=m.norm_last_layer,
+                hidden_dim=m.hidden_dim,
+                bottleneck_dim=m.bottleneck_dim,
+            )
         student = DINOv2Wrapper(student.backbone, student.head, ibot)
         teacher = DINOv2Wrapper(teacher.backbone, teacher.head, copy.deepcopy(ibot))
         teacher.requires_grad_(False)
@@ -57,21 +62,27 @@ class DINOv2Recipe(DINORecipe):
     def build_loss(self, cfg: Config) -> nn.Module:
         s, r = cfg.schedule, cfg.recipe
         return self.loss_class(
-            cfg.model.out_dim, self.patch_head_dim(cfg), cfg.augmentation.num_local_views,
-            student_temp=s.student_temp, center_momentum=s.center_momentum,
+            cfg.model.out_dim,
+            self.patch_head_dim(cfg),
+            cfg.augmentation.num_local_views,
+            student_temp=s.student_temp,
+            center_momentum=s.center_momentum,
             centering=r.centering,
-            weights=(r.dino_loss_weight, r.ibot_loss_weight, r.koleo_loss_weight),
+            weights=(r.dino.loss_weight, r.ibot.loss_weight, r.koleo.loss_weight),
             **self.more_loss_options(cfg),
-        )  # fmt: skip
+        )
 
     def more_loss_options(self, cfg: Config) -> dict:
         """Keywords a derived recipe's loss class takes besides DINOv2's."""
         return {}
 
     def loader_masks(self, cfg: Config) -> dict | None:
-        r = cfg.recipe
-        return {"patch_size": cfg.model.patch_size, "ratio": tuple(r.mask_ratio_min_max),
-                "probability": r.mask_sample_probability}  # fmt: skip
+        ibot = cfg.recipe.ibot
+        return {
+            "patch_size": cfg.model.patch_size,
+            "ratio": tuple(ibot.mask_ratio_min_max),
+            "probability": ibot.mask_sample_probability,
+        }
 
     def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
         o = cfg.optim
@@ -96,15 +107,20 @@ class DINOv2Recipe(DINORecipe):
         return DINOv2Trainer
 
     def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
-        r = cfg.recipe
-        return mask_upperbound(2 * cfg.data.batch_size, global_tokens,
-                               tuple(r.mask_ratio_min_max), r.mask_sample_probability)  # fmt: skip
+        ibot = cfg.recipe.ibot
+        return mask_upperbound(
+            2 * cfg.data.batch_size,
+            global_tokens,
+            tuple(ibot.mask_ratio_min_max),
+            ibot.mask_sample_probability,
+        )
 
     def head_rows(self, rows: int, masked: int, separate_patch_head: bool) -> tuple[int, int]:
         return (rows, masked) if separate_patch_head else (rows + masked, 0)
 
     def patch_head_dim(self, cfg: Config) -> int:
-        return cfg.recipe.ibot_out_dim if cfg.recipe.ibot_separate_head else cfg.model.out_dim
+        ibot = cfg.recipe.ibot
+        return ibot.out_dim if ibot.separate_head else cfg.model.out_dim
 
     def loss_bytes_per_logit(self, a: int) -> int:
         return a + 2 * FP32  # DINOv2's loss also keeps its float32 log-probabilities

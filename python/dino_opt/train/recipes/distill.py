@@ -1,7 +1,8 @@
 """Distillation (``recipe.name: distill``): the student learns from a frozen
-teacher opened from ``recipe.distill_teacher`` (any weights dino_opt reads)
+teacher opened from ``recipe.distill.teacher`` (any weights dino_opt reads)
 instead of from its own EMA, which is kept and is the run's result. Two
-modes (``recipe.distill_mode``, :mod:`dino_opt.train.distill`):
+modes (``recipe.distill.mode``, :mod:`dino_opt.train.distill`; the losses
+read ``recipe.distill`` as it is):
 ``features`` (the student's tokens, through a projector, matched to the
 teacher's; any student backbone) and ``heads`` (DINOv2's losses against the
 targets of the teacher's DINO and iBOT heads; a ViT student)."""
@@ -15,7 +16,6 @@ from torch import nn
 from ...config import Config, apply_overrides, default_config
 from ...models import feature_width
 from ..distill import (
-    DistillOptions,
     FeatureDistillLoss,
     FeatureDistillTrainer,
     FeatureDistillWrapper,
@@ -28,21 +28,7 @@ from ..distill import (
 from .base import WeightsReader, register
 from .dinov2 import DINOv2Recipe
 
-__all__ = ["DistillRecipe", "distill_options"]
-
-
-def distill_options(cfg: Config) -> DistillOptions:
-    """The :class:`~dino_opt.train.distill.DistillOptions` of the
-    ``recipe.distill_*`` keys."""
-    r = cfg.recipe
-    return DistillOptions(
-        mode=r.distill_mode, teacher=r.distill_teacher, teacher_scale=r.distill_teacher_scale,
-        teacher_dim=r.distill_teacher_dim, cls_weight=r.distill_cls_weight,
-        patch_weight=r.distill_patch_weight, cosine_weight=r.distill_cosine_weight,
-        smooth_l1_weight=r.distill_smooth_l1_weight, projector_hidden=r.distill_projector_hidden,
-        local_weight=r.distill_local_weight, standardize=r.distill_standardize,
-        whiten=r.distill_whiten,
-    )  # fmt: skip
+__all__ = ["DistillRecipe"]
 
 
 def _student_config(cfg: Config, backbone: str) -> Config:
@@ -50,26 +36,40 @@ def _student_config(cfg: Config, backbone: str) -> Config:
     ``model.patch_size``, a network without patches the default)."""
     vit = backbone.startswith("vit")
     patch = cfg.model.patch_size if vit else default_config().model.patch_size
-    return apply_overrides(cfg, [f"model.backbone={backbone}", f"model.patch_size={patch}",
-                                 "recipe.distill_students=[]",
-                                 "recipe.distill_students_init_from=[]",
-                                 "distributed.student_groups=false"])  # fmt: skip
+    return apply_overrides(
+        cfg,
+        [
+            f"model.backbone={backbone}",
+            f"model.patch_size={patch}",
+            "recipe.distill.students=[]",
+            "recipe.distill.students_init_from=[]",
+            "distributed.student_groups=false",
+        ],
+    )
 
 
 def _heads(cfg: Config) -> bool:
-    return cfg.recipe.distill_mode == "heads"
+    return cfg.recipe.distill.mode == "heads"
 
 
 class DistillRecipe(DINOv2Recipe):
     name = "distill"
     # The demo: a ViT-T/16 student (the DINO demo's network, data, crops and
-    # schedule) distilled from the teacher given with recipe.distill_teacher,
+    # schedule) distilled from the teacher given with recipe.distill.teacher,
     # with the local crops, whitened teacher tokens and MLP projectors (a
     # ResNet-18 from the demo's ViT-S/16 teacher, seed 0, test k-NN / linear:
     # 42.4 / 50.6 without the last two, 66.4 / 74.2 with them; alone 46.6 / 55.0).
-    demo_changes = {"recipe": {"name": "distill", "distill_mode": "features",
-                               "distill_local_weight": 1.0, "distill_whiten": 1e-4,
-                               "distill_projector_hidden": 2048}}  # fmt: skip
+    demo_changes = {
+        "recipe": {
+            "name": "distill",
+            "distill": {
+                "mode": "features",
+                "local_weight": 1.0,
+                "whiten": 1e-4,
+                "projector_hidden": 2048,
+            },
+        }
+    }
     # The EMA student is never run in training mode: its BatchNorm statistics
     # are the student's, or a ResNet's EMA would be evaluated with its
     # initial ones.
@@ -89,17 +89,15 @@ class DistillRecipe(DINOv2Recipe):
     def wrap_models(self, cfg: Config, student: nn.Module, teacher: nn.Module | None):
         if _heads(cfg):
             return super().wrap_models(cfg, student, teacher)
-        r = cfg.recipe
+        d = cfg.recipe.distill
         width = feature_width(student.backbone)
-        projector = FeatureProjector(
-            width, r.distill_teacher_dim or width, r.distill_projector_hidden
-        )
+        projector = FeatureProjector(width, d.teacher_dim or width, d.projector_hidden)
         wrapped = FeatureDistillWrapper(student.backbone, projector)
         return wrapped, copy.deepcopy(wrapped).requires_grad_(False)
 
     def student_configs(self, cfg: Config) -> list[Config]:
         """``cfg`` (the student ``model.backbone``) and one config per
-        backbone of ``recipe.distill_students``."""
+        backbone of ``recipe.distill.students``."""
         return [cfg, *(_student_config(cfg, name) for name in cfg.student_names[1:])]
 
     def student_alone(self, cfg: Config, index: int) -> Config:
@@ -125,10 +123,10 @@ class DistillRecipe(DINOv2Recipe):
     def build_loss(self, cfg: Config) -> nn.Module:
         if _heads(cfg):
             return super().build_loss(cfg)
-        return FeatureDistillLoss(distill_options(cfg))
+        return FeatureDistillLoss(cfg.recipe.distill)
 
     def more_loss_options(self, cfg: Config) -> dict:
-        return {"distill": distill_options(cfg)}
+        return {"distill": cfg.recipe.distill}
 
     def loader_masks(self, cfg: Config) -> dict | None:
         return super().loader_masks(cfg) if _heads(cfg) else None
@@ -137,29 +135,34 @@ class DistillRecipe(DINOv2Recipe):
         return HeadsDistillTrainer if _heads(cfg) else FeatureDistillTrainer
 
     def resolve(self, cfg: Config, reader: WeightsReader) -> Config:
-        """The teacher's widths written into the config: ``distill_teacher_dim``
-        (features), or the student heads' widths (heads: the teacher's
-        prototypes), read by opening the teacher."""
-        r = cfg.recipe
-        info = reader.open_teacher(r.distill_teacher, _heads(cfg), cfg.model.trust_code)._asdict()
+        """The teacher's widths written into the config:
+        ``recipe.distill.teacher_dim`` (features), or the student heads'
+        widths (heads: the teacher's prototypes), read by opening the teacher."""
+        d = cfg.recipe.distill
+        info = reader.open_teacher(d.teacher, _heads(cfg), cfg.model.trust_code)._asdict()
         if not _heads(cfg):
-            if r.distill_teacher_dim not in (None, info["embed_dim"]):
+            if d.teacher_dim not in (None, info["embed_dim"]):
                 raise ValueError(
-                    f"recipe.distill_teacher_dim={r.distill_teacher_dim} but the teacher "
-                    f"{r.distill_teacher!r} gives {info['embed_dim']}-wide features"
+                    f"recipe.distill.teacher_dim={d.teacher_dim} but the teacher "
+                    f"{d.teacher!r} gives {info['embed_dim']}-wide features"
                 )
-            return apply_overrides(cfg, [f"recipe.distill_teacher_dim={info['embed_dim']}"])
+            return apply_overrides(cfg, [f"recipe.distill.teacher_dim={info['embed_dim']}"])
         separate = info["ibot_out_dim"] != info["out_dim"]
-        return apply_overrides(cfg, [f"model.out_dim={info['out_dim']}",
-                                     f"recipe.ibot_separate_head={str(separate).lower()}",
-                                     f"recipe.ibot_out_dim={info['ibot_out_dim']}"])  # fmt: skip
+        return apply_overrides(
+            cfg,
+            [
+                f"model.out_dim={info['out_dim']}",
+                f"recipe.ibot.separate_head={str(separate).lower()}",
+                f"recipe.ibot.out_dim={info['ibot_out_dim']}",
+            ],
+        )
 
     def attach_teacher(self, cfg: Config, loss_fn: nn.Module, reader: WeightsReader) -> nn.Module:
         """Opens the teacher (an :class:`~dino_opt.weights.OpenedTeacher`)
         and hands it to the loss; returns its network, for the job to place."""
-        r = cfg.recipe
-        opened = reader.open_teacher(r.distill_teacher, _heads(cfg), cfg.model.trust_code)
-        frozen = FrozenTeacher(opened.network, opened.patch_size, r.distill_teacher_scale)
+        d = cfg.recipe.distill
+        opened = reader.open_teacher(d.teacher, _heads(cfg), cfg.model.trust_code)
+        frozen = FrozenTeacher(opened.network, opened.patch_size, d.teacher_scale)
         loss_fn.attach_teacher(frozen)
         return opened.network
 
