@@ -86,12 +86,12 @@ PIECES = {
             "32",
         ),
         _loader_ratios,
-    ),  # fmt: skip
+    ),
     "photometric": Piece(
         "bench_photometric.py",
         ("--images", "4", "--repeats", "5", "--threads", "1"),
         _photometric_ratios,
-    ),  # fmt: skip
+    ),
     "checkpoint": Piece(
         "bench_checkpoint.py",
         ("--quick", "--models", "demo", "--repeats", "5"),
@@ -134,14 +134,27 @@ def check(names: list[str], floors: dict[str, float], tmp: Path) -> tuple[list[d
         for k, vs in tries.items():
             best = max(vs)
             ok = k not in floors or best >= floors[k]
-            rows.append({"piece": name, "ratio": k, "tries": vs, "best": best,
-                         "floor": floors.get(k), "ok": ok, "seconds": seconds})  # fmt: skip
+            rows.append(
+                {
+                    "piece": name,
+                    "ratio": k,
+                    "tries": vs,
+                    "best": best,
+                    "floor": floors.get(k),
+                    "ok": ok,
+                    "seconds": seconds,
+                }
+            )
             if not ok:
                 failed.append(f"{name} ({k} {best:.2f} < floor {floors[k]:.2f})")
             if k not in floors:
                 failed.append(f"{name} ({k} has no floor in {FLOORS.name})")
-        print(f"{name}: " + ", ".join(f"{k} {max(v):.2f}" for k, v in tries.items())
-              + f" ({seconds:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"{name}: "
+            + ", ".join(f"{k} {max(v):.2f}" for k, v in tries.items())
+            + f" ({seconds:.0f} s)",
+            flush=True,
+        )
     return rows, failed
 
 
@@ -169,8 +182,11 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     if args.print_floors:
-        print(json.dumps({r["ratio"]: math.floor(r["best"] / MARGIN * 10) / 10 for r in rows},
-                         indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {r["ratio"]: math.floor(r["best"] / MARGIN * 10) / 10 for r in rows}, indent=2
+            )
+        )
     if failed:
         sys.exit("bench-check: under the floor: " + "; ".join(failed))
 

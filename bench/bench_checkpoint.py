@@ -89,8 +89,9 @@ class _Loop:
         a = cfg.augmentation
         g, lc = a.global_crop_size, a.local_crop_size
         self.crops = [torch.randn(batch, 3, g, g, device=device) for _ in range(2)]
-        self.crops += [torch.randn(batch, 3, lc, lc, device=device)
-                       for _ in range(a.num_local_views)]  # fmt: skip
+        self.crops += [
+            torch.randn(batch, 3, lc, lc, device=device) for _ in range(a.num_local_views)
+        ]
         self.step = 0
 
     def train_step(self) -> None:
@@ -99,9 +100,13 @@ class _Loop:
         self.step += 1
 
     def state(self) -> dict:
-        return {"student": self.student.state_dict(), "teacher": self.teacher.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "loss": self.loss.state_dict(),
-                "step": self.step}  # fmt: skip
+        return {
+            "student": self.student.state_dict(),
+            "teacher": self.teacher.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "loss": self.loss.state_dict(),
+            "step": self.step,
+        }
 
     def sync(self) -> None:
         if self.crops[0].is_cuda:
@@ -151,16 +156,30 @@ def _rows_for(name: str, loop: _Loop, args, tmp: Path) -> list[dict]:
             steps = max(every * args.saves, args.min_steps)
             m = _measure(loop, tmp / f"{name}-{every}", every, steps, args.repeats)
             base = m["none"]
-            row = {"model": name, "every_steps": every, "how": "measured", "steps": steps,
-                   "step_s": base, "sync_step_s": m["sync"], "async_step_s": m["async"],
-                   "copy_s": m["copy_seconds"]}  # fmt: skip
+            row = {
+                "model": name,
+                "every_steps": every,
+                "how": "measured",
+                "steps": steps,
+                "step_s": base,
+                "sync_step_s": m["sync"],
+                "async_step_s": m["async"],
+                "copy_s": m["copy_seconds"],
+            }
             if every == 10:
                 per_save = {k: (m[k] - base) * every for k in ("sync", "async")}
         else:
             base = rows[-1]["step_s"]
-            row = {"model": name, "every_steps": every, "how": "derived", "steps": None,
-                   "step_s": base, "sync_step_s": base + per_save["sync"] / every,
-                   "async_step_s": base + per_save["async"] / every, "copy_s": None}  # fmt: skip
+            row = {
+                "model": name,
+                "every_steps": every,
+                "how": "derived",
+                "steps": None,
+                "step_s": base,
+                "sync_step_s": base + per_save["sync"] / every,
+                "async_step_s": base + per_save["async"] / every,
+                "copy_s": None,
+            }
         row["state_mb"] = nbytes / 1e6
         row["sync_overhead"] = row["sync_step_s"] / base - 1
         row["async_overhead"] = row["async_step_s"] / base - 1
@@ -193,8 +212,11 @@ def quick(args, names, batches, tmp: Path) -> list[dict]:
         loop = _Loop(MODELS[name](), batch, torch.device("cpu"))
         row = {"model": name, **_blocking(loop, tmp / name, args.repeats)}
         row["sync_vs_async"] = row["sync_blocking_s"] / row["async_blocking_s"]
-        print(f"  {name}: a save holds the step {row['sync_blocking_s']:.3f} s sync, "
-              f"{row['async_blocking_s']:.3f} s async", flush=True)  # fmt: skip
+        print(
+            f"  {name}: a save holds the step {row['sync_blocking_s']:.3f} s sync, "
+            f"{row['async_blocking_s']:.3f} s async",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -211,9 +233,12 @@ def _tensors(obj):
 
 
 def _print_row(r: dict) -> None:
-    print(f"  {r['model']} every {r['every_steps']}: step {r['step_s']:.3f} s, sync "
-          f"{100 * r['sync_overhead']:+.1f} %, async {100 * r['async_overhead']:+.1f} % "
-          f"({r['how']})", flush=True)  # fmt: skip
+    print(
+        f"  {r['model']} every {r['every_steps']}: step {r['step_s']:.3f} s, sync "
+        f"{100 * r['sync_overhead']:+.1f} %, async {100 * r['async_overhead']:+.1f} % "
+        f"({r['how']})",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -224,9 +249,11 @@ def main() -> None:
     )
     parser.add_argument("--saves", type=int, default=3, help="saves per measured window")
     parser.add_argument("--min-steps", type=int, default=6)
-    parser.add_argument("--direct-max", default=None,
-                        help="per model: every_steps above this are derived (default 100 demo, 10 "
-                             "vit_small)")  # fmt: skip
+    parser.add_argument(
+        "--direct-max",
+        default=None,
+        help="per model: every_steps above this are derived (default 100 demo, 10 vit_small)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--every", default="1,10,100", help="checkpoint.every_steps values")
     parser.add_argument("--quick", action="store_true", help="save blocking times only")
@@ -255,8 +282,11 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     table = table_of(rows)
-    print_table(f"Step time with checkpoints every N steps, sync vs async ({device.type})",
-                table["columns"], table["rows"])  # fmt: skip
+    print_table(
+        f"Step time with checkpoints every N steps, sync vs async ({device.type})",
+        table["columns"],
+        table["rows"],
+    )
     slug = device.type if device.type == "cpu" else torch.cuda.get_device_name().replace(" ", "_")
     path = args.json or RESULTS_DIR / f"checkpoint_{slug}.json"
     write_json(path, {"machine": machine(), "device": str(device), "rows": rows, "table": table})
@@ -266,14 +296,36 @@ def table_of(rows: list[dict]) -> dict:
     """The printed table of ``rows`` (columns and rows), also in the JSON:
     the docs render it from there."""
     return {
-        "columns": ["model", "batch", "state MB", "every N", "step s", "sync s", "async s",
-                    "sync overhead", "async overhead", "async copy s", "how"],
-        "rows": [[r["model"], r["batch"], round(r["state_mb"]), r["every_steps"],
-                  f"{r['step_s']:.3f}", f"{r['sync_step_s']:.3f}", f"{r['async_step_s']:.3f}",
-                  f"{100 * r['sync_overhead']:+.1f} %", f"{100 * r['async_overhead']:+.1f} %",
-                  "-" if r["copy_s"] is None else f"{r['copy_s']:.3f}", r["how"]]
-                 for r in rows],
-    }  # fmt: skip
+        "columns": [
+            "model",
+            "batch",
+            "state MB",
+            "every N",
+            "step s",
+            "sync s",
+            "async s",
+            "sync overhead",
+            "async overhead",
+            "async copy s",
+            "how",
+        ],
+        "rows": [
+            [
+                r["model"],
+                r["batch"],
+                round(r["state_mb"]),
+                r["every_steps"],
+                f"{r['step_s']:.3f}",
+                f"{r['sync_step_s']:.3f}",
+                f"{r['async_step_s']:.3f}",
+                f"{100 * r['sync_overhead']:+.1f} %",
+                f"{100 * r['async_overhead']:+.1f} %",
+                "-" if r["copy_s"] is None else f"{r['copy_s']:.3f}",
+                r["how"],
+            ]
+            for r in rows
+        ],
+    }
 
 
 if __name__ == "__main__":

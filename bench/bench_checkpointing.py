@@ -54,14 +54,24 @@ MIB = 2**20
 
 
 def config(args, policy: str, every: int, compiled: bool):
-    return load_config(None, [
-        f"model.backbone={args.backbone}", "model.patch_size=16", "model.out_dim=4096",
-        "augmentation.global_crop_size=96", "augmentation.local_crop_size=48",
-        "augmentation.num_local_views=6", f"data.batch_size={args.batch_size}",
-        "hardware.device=cpu", "hardware.precision=fp32",
-        f"hardware.activation_checkpointing={policy}", f"hardware.checkpoint_every={every}",
-        f"hardware.compile={str(compiled).lower()}", "optim.freeze_last_layer=0",
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"model.backbone={args.backbone}",
+            "model.patch_size=16",
+            "model.out_dim=4096",
+            "augmentation.global_crop_size=96",
+            "augmentation.local_crop_size=48",
+            "augmentation.num_local_views=6",
+            f"data.batch_size={args.batch_size}",
+            "hardware.device=cpu",
+            "hardware.precision=fp32",
+            f"hardware.activation_checkpointing={policy}",
+            f"hardware.checkpoint_every={every}",
+            f"hardware.compile={str(compiled).lower()}",
+            "optim.freeze_last_layer=0",
+        ],
+    )
 
 
 def build(cfg):
@@ -120,8 +130,9 @@ def main() -> None:
     parser.add_argument("--backbone", default="vit_tiny")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per case")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: steady on a shared machine)")  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)"
+    )
     parser.add_argument("--compile", action="store_true", help="also each policy compiled")
     parser.add_argument("--json", type=Path, help="default docs/results/checkpointing_cpu.json")
     args = parser.parse_args()
@@ -131,36 +142,66 @@ def main() -> None:
     cfgs = [config(args, p, e, c) for p, e, c in cases]
     results = []
     for (policy, every, compiled), cfg in zip(cases, cfgs, strict=True):
-        row = {"policy": policy, "every": every, "compile": compiled,
-               "model_peak_bytes": predicted(cfg), **measure_memory(cfg)}  # fmt: skip
+        row = {
+            "policy": policy,
+            "every": every,
+            "compile": compiled,
+            "model_peak_bytes": predicted(cfg),
+            **measure_memory(cfg),
+        }
         results.append(row)
-        print(f"{policy} every {every} compile {compiled}: {row['peak_bytes'] / MIB:.1f} MiB",
-              flush=True)  # fmt: skip
+        print(
+            f"{policy} every {every} compile {compiled}: {row['peak_bytes'] / MIB:.1f} MiB",
+            flush=True,
+        )
     for row, times in zip(results, measure_times(cfgs, args.steps), strict=True):
         row.update(step_ms=statistics.median(times), step_ms_all=times)
     base = results[0]
-    columns = ["case", "peak_MiB", "model_MiB", "model/measured", "peak/none", "step_ms",
-               "step/none"]  # fmt: skip
-    rows = [[f"{r['policy']}{'' if r['every'] == 1 else ' every ' + str(r['every'])}"
-             f"{' +compile' if r['compile'] else ''}",
-             r["peak_bytes"] / MIB, r["model_peak_bytes"] / MIB,
-             r["model_peak_bytes"] / r["peak_bytes"], r["peak_bytes"] / base["peak_bytes"],
-             r["step_ms"], r["step_ms"] / base["step_ms"]] for r in results]  # fmt: skip
+    columns = [
+        "case",
+        "peak_MiB",
+        "model_MiB",
+        "model/measured",
+        "peak/none",
+        "step_ms",
+        "step/none",
+    ]
+    rows = [
+        [
+            f"{r['policy']}{'' if r['every'] == 1 else ' every ' + str(r['every'])}"
+            f"{' +compile' if r['compile'] else ''}",
+            r["peak_bytes"] / MIB,
+            r["model_peak_bytes"] / MIB,
+            r["model_peak_bytes"] / r["peak_bytes"],
+            r["peak_bytes"] / base["peak_bytes"],
+            r["step_ms"],
+            r["step_ms"] / base["step_ms"],
+        ]
+        for r in results
+    ]
     cfg = config(args, "none", 1, False)
     a = cfg.augmentation
     print_table(
         f"DINO step, {args.backbone}/16, batch {args.batch_size}, 2 x {a.global_crop_size}^2 + "
         f"{a.num_local_views} x {a.local_crop_size}^2 crops, fp32, cpu ({torch.get_num_threads()} "
         f"threads); peak: tensor bytes (AllocationTrace); step: median of {args.steps}",
-        columns, rows,
-    )  # fmt: skip
-    write_json(args.json or RESULTS_DIR / "checkpointing_cpu.json", {
-        "bench": "checkpointing", "device": "cpu", "machine": machine(),
-        "build_info": dino_opt.build_info(), "backbone": args.backbone,
-        "batch_size": args.batch_size, "crops": [a.global_crop_size, a.local_crop_size,
-                                                  a.num_local_views],
-        "results": results, "table": {"columns": columns, "rows": rows},
-    })  # fmt: skip
+        columns,
+        rows,
+    )
+    write_json(
+        args.json or RESULTS_DIR / "checkpointing_cpu.json",
+        {
+            "bench": "checkpointing",
+            "device": "cpu",
+            "machine": machine(),
+            "build_info": dino_opt.build_info(),
+            "backbone": args.backbone,
+            "batch_size": args.batch_size,
+            "crops": [a.global_crop_size, a.local_crop_size, a.num_local_views],
+            "results": results,
+            "table": {"columns": columns, "rows": rows},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -73,24 +73,58 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         for name, net in nets.items():
             t0 = time.perf_counter()
-            r = dense_probe(net, splits["train"], splits["val"], splits["test"],
-                            image_size=size, epochs=args.epochs, seed=0)  # fmt: skip
+            r = dense_probe(
+                net,
+                splits["train"],
+                splits["val"],
+                splits["test"],
+                image_size=size,
+                epochs=args.epochs,
+                seed=0,
+            )
             wall = time.perf_counter() - t0
             grid = "x".join(map(str, r["feature_grid"]))
-            rows.append([name, f"{size} ({grid})", r["val"]["miou"], r["test"]["miou"],
-                         r["val"]["pixel_acc"], r["test"]["pixel_acc"], r["final_loss"],
-                         round(r["seconds"]["features"], 1), round(r["seconds"]["train"], 1),
-                         round(wall, 1)])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    f"{size} ({grid})",
+                    r["val"]["miou"],
+                    r["test"]["miou"],
+                    r["val"]["pixel_acc"],
+                    r["test"]["pixel_acc"],
+                    r["final_loss"],
+                    round(r["seconds"]["features"], 1),
+                    round(r["seconds"]["train"], 1),
+                    round(wall, 1),
+                ]
+            )
             results.append({"network": name, "wall_seconds": wall, **r})
     print_table(
         f"dense linear probe, built-in data set ({cfg.model.backbone}/{cfg.model.patch_size}, "
         f"checkpoint: {source}; mIoU and pixel accuracy in %, 11 labels)",
-        ["network", "size (grid)", "val mIoU", "test mIoU", "val acc", "test acc",
-         "final loss", "features s", "train s", "total s"],
+        [
+            "network",
+            "size (grid)",
+            "val mIoU",
+            "test mIoU",
+            "val acc",
+            "test acc",
+            "final loss",
+            "features s",
+            "train s",
+            "total s",
+        ],
         rows,
-    )  # fmt: skip
-    write_json(args.json, {"machine": machine(), "checkpoint": source,
-                           "threads": torch.get_num_threads(), "results": results})  # fmt: skip
+    )
+    write_json(
+        args.json,
+        {
+            "machine": machine(),
+            "checkpoint": source,
+            "threads": torch.get_num_threads(),
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

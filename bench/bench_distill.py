@@ -53,10 +53,15 @@ def _config(students: tuple[str, ...], batch: int, device: torch.device) -> Conf
     preset = {**DEMO_PRESETS["distill"]}
     distill = {**preset["recipe"]["distill"], "teacher": "random", "teacher_dim": 384}
     preset["recipe"] = {**preset["recipe"], "distill": distill}
-    return apply_overrides(Config.from_dict(preset), [
-        f"model.backbone={first}", f"recipe.distill.students=[{names}]",
-        f"data.batch_size={batch}", f"hardware.device={device.type}",
-    ])  # fmt: skip
+    return apply_overrides(
+        Config.from_dict(preset),
+        [
+            f"model.backbone={first}",
+            f"recipe.distill.students=[{names}]",
+            f"data.batch_size={batch}",
+            f"hardware.device={device.type}",
+        ],
+    )
 
 
 def _teacher(device: torch.device) -> torch.nn.Module:
@@ -120,8 +125,9 @@ def main() -> None:
     teacher = _teacher(device)
     counter = _Counter(teacher)
     crops = [torch.randn(batch, 3, 64, 64, device=device) for _ in range(2)]
-    trainers = {name: _trainer(_config((name,), batch, device), teacher, device)
-                for name in STUDENTS}  # fmt: skip
+    trainers = {
+        name: _trainer(_config((name,), batch, device), teacher, device) for name in STUDENTS
+    }
     for n in range(2, len(STUDENTS) + 1):
         trainers[n] = _trainer(_config(STUDENTS[:n], batch, device), teacher, device)
     calls = {name: (lambda t=trainer: _step(t, crops)) for name, trainer in trainers.items()}
@@ -137,21 +143,43 @@ def main() -> None:
         ours = ms[n if n > 1 else students[0]]
         separate = sum(ms[s] for s in students)
         rows.append(["+".join(students), ours, separate, separate / ours, counter.calls, n])
-        records.append({"students": list(students), "together_ms": ours,
-                        "separate_ms": separate, "separate_over_together": separate / ours,
-                        "teacher_forwards_together": counter.calls,
-                        "teacher_forwards_separate": n})  # fmt: skip
+        records.append(
+            {
+                "students": list(students),
+                "together_ms": ours,
+                "separate_ms": separate,
+                "separate_over_together": separate / ours,
+                "teacher_forwards_together": counter.calls,
+                "teacher_forwards_separate": n,
+            }
+        )
     alone = {s: ms[s] for s in STUDENTS}
-    title = (f"Distillation step, {n} students or fewer from a ViT-S/16 teacher, batch {batch}, "
-             f"64 px, {device_slug(device)} (median of {repeats}); teacher forward alone "
-             f"{teacher_ms:.1f} ms")  # fmt: skip
-    columns = ["students", "together_ms", "separate_ms", "separate/together",
-               "teacher fwd (together)", "teacher fwd (separate)"]  # fmt: skip
+    title = (
+        f"Distillation step, {n} students or fewer from a ViT-S/16 teacher, batch {batch}, "
+        f"64 px, {device_slug(device)} (median of {repeats}); teacher forward alone "
+        f"{teacher_ms:.1f} ms"
+    )
+    columns = [
+        "students",
+        "together_ms",
+        "separate_ms",
+        "separate/together",
+        "teacher fwd (together)",
+        "teacher fwd (separate)",
+    ]
     print_table(title, columns, rows)
     out = args.json or RESULTS_DIR / f"distill_{device_slug(device)}.json"
-    write_json(out, {"machine": machine(), "batch": batch, "repeats": repeats,
-                     "teacher_forward_ms": teacher_ms, "alone_ms": alone,
-                     "rows": records})  # fmt: skip
+    write_json(
+        out,
+        {
+            "machine": machine(),
+            "batch": batch,
+            "repeats": repeats,
+            "teacher_forward_ms": teacher_ms,
+            "alone_ms": alone,
+            "rows": records,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,12 @@ def _hf(path: Path):
 
 def _dino(path: Path, like: torch.nn.Module) -> torch.nn.Module:
     heads = like.blocks[0].attn.num_heads
-    net = VisionTransformer(patch_size=like.patch_size, embed_dim=like.embed_dim,
-                            depth=len(like.blocks), num_heads=heads)  # fmt: skip
+    net = VisionTransformer(
+        patch_size=like.patch_size,
+        embed_dim=like.embed_dim,
+        depth=len(like.blocks),
+        num_heads=heads,
+    )
     net.load_state_dict(torch.load(path, weights_only=True), strict=True)
     return net.eval()
 
@@ -80,10 +84,20 @@ def compare(run: Path, out: Path, size: int, n: int, teacher, val: Path) -> list
         with torch.no_grad():
             theirs = model(x)
         diff = (theirs - ours).abs()
-        rows.append({"format": fmt, "image_size": size, "images": len(x),
-                     "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
-                     "feature_scale": ours.abs().mean().item(), "export_s": exported,
-                     "load_s": loaded, "path": str(r.path), "notes": r.notes})  # fmt: skip
+        rows.append(
+            {
+                "format": fmt,
+                "image_size": size,
+                "images": len(x),
+                "max_abs_diff": diff.max().item(),
+                "mean_abs_diff": diff.mean().item(),
+                "feature_scale": ours.abs().mean().item(),
+                "export_s": exported,
+                "load_s": loaded,
+                "path": str(r.path),
+                "notes": r.notes,
+            }
+        )
     return rows
 
 
@@ -102,29 +116,57 @@ def main() -> int:
     crop = cfg.augmentation.global_crop_size
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        rows = [r for size in (crop, 224) for r in compare(args.run, out, size, args.images,
-                                                          teacher, roots.val)]  # fmt: skip
-        knn = [evaluate_weights(r["path"], roots.train.parent, device="cpu")
-               for r in rows if r["image_size"] == crop]  # fmt: skip
+        rows = [
+            r
+            for size in (crop, 224)
+            for r in compare(args.run, out, size, args.images, teacher, roots.val)
+        ]
+        knn = [
+            evaluate_weights(r["path"], roots.train.parent, device="cpu")
+            for r in rows
+            if r["image_size"] == crop
+        ]
     report_path = args.run / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     print_table(
         f"exports of {args.run} ({cfg.model.backbone}/{cfg.model.patch_size}, teacher) vs "
         f"dino_opt's features on {rows[0]['images']} val images",
         ["format", "px", "max |diff|", "mean |diff|", "mean |feature|", "export s", "load s"],
-        [[r["format"], r["image_size"], f"{r['max_abs_diff']:.2e}", f"{r['mean_abs_diff']:.2e}",
-          f"{r['feature_scale']:.3f}", f"{r['export_s']:.2f}", f"{r['load_s']:.2f}"]
-         for r in rows],
-    )  # fmt: skip
-    run_knn = [["the run's report.json", report.get("knn_top1_trained"),
-                report.get("knn_test_top1_trained")]]  # fmt: skip
+        [
+            [
+                r["format"],
+                r["image_size"],
+                f"{r['max_abs_diff']:.2e}",
+                f"{r['mean_abs_diff']:.2e}",
+                f"{r['feature_scale']:.3f}",
+                f"{r['export_s']:.2f}",
+                f"{r['load_s']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
+    run_knn = [
+        [
+            "the run's report.json",
+            report.get("knn_top1_trained"),
+            report.get("knn_test_top1_trained"),
+        ]
+    ]
     print_table(
         f"k-NN of the exports at {crop} px (dino-opt knn --weights) beside the run's",
         ["weights", "val top-1", "test top-1"],
         [[k["format"], k["top1"], k.get("test_top1")] for k in knn] + run_knn,
     )
-    write_json(args.json, {"machine": machine(), "run": str(args.run), "features": rows,
-                           "knn": knn, "run_knn": run_knn[0][1:]})  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "machine": machine(),
+            "run": str(args.run),
+            "features": rows,
+            "knn": knn,
+            "run_knn": run_knn[0][1:],
+        },
+    )
     return 0
 
 

@@ -94,9 +94,12 @@ def load_pass(case: str, root: Path, args, device: torch.device, n_classes: int)
     """One pass over the data set, each batch on the device; returns the image count."""
     if case == "load_native":
         loader = EvalLoader(
-            root, args.size, args.batch_size, num_threads=args.workers,
+            root,
+            args.size,
+            args.batch_size,
+            num_threads=args.workers,
             pin_memory=device.type == "cuda",
-        )  # fmt: skip
+        )
     else:
         loader = torchvision_loader(root, args, device)
     n = 0
@@ -202,8 +205,13 @@ def main() -> None:
             "device": device_slug(device),
             "machine": machine(),
             "build_info": dino_opt.build_info(),
-            "data": {"source": str(root), "synthetic": True, "images": len(sizes),
-                     "mean_bytes": sum(sizes) / len(sizes), "classes": n_classes},
+            "data": {
+                "source": str(root),
+                "synthetic": True,
+                "images": len(sizes),
+                "mean_bytes": sum(sizes) / len(sizes),
+                "classes": n_classes,
+            },
             "workers": args.workers,
             "batch_size": args.batch_size,
             "image_size": args.size,
@@ -211,11 +219,13 @@ def main() -> None:
             "model": "vit_tiny patch 16, random init, eval mode",
             "amp": "bf16" if device.type == "cuda" else "off",
             "min_feature_cosine_native_vs_torchvision": cosine,
-            "results": [{"case": c, "label": LABELS[c], "rates": rates[c],
-                         "images_per_s": median[c]} for c in args.cases],
+            "results": [
+                {"case": c, "label": LABELS[c], "rates": rates[c], "images_per_s": median[c]}
+                for c in args.cases
+            ],
             "table": {"columns": columns, "rows": rows},
         },
-    )  # fmt: skip
+    )
     print_table(
         f"Evaluation feature extraction, {args.size} px centre crop, {args.workers} workers/"
         f"threads, batch {args.batch_size}, median of {args.repeats} passes over "

@@ -43,8 +43,16 @@ from common import (  # noqa: E402
 from dino_opt.dinov3 import GramLoss  # noqa: E402
 from reference import gram_loss_reference  # noqa: E402
 
-COLUMNS = ["config", "ours ms", "dinov3 ms", "speed-up", "floor ms", "ours MiB", "dinov3 MiB",
-           "floor MiB"]  # fmt: skip
+COLUMNS = [
+    "config",
+    "ours ms",
+    "dinov3 ms",
+    "speed-up",
+    "floor ms",
+    "ours MiB",
+    "dinov3 MiB",
+    "floor MiB",
+]
 
 
 def dinov3_form(remove_neg):
@@ -101,8 +109,9 @@ def measure(configs, args, device, repeats, gflops):
             name: time_ms(make_step(fn, config, args, device), device, warmup=1, repeats=repeats)
             for name, fn in (("ours", ours), ("dinov3", dinov3_form))
         }
-        rows.append({"config": label(config), "ours_ms": times["ours"],
-                     "dinov3_ms": times["dinov3"]})  # fmt: skip
+        rows.append(
+            {"config": label(config), "ours_ms": times["ours"], "dinov3_ms": times["dinov3"]}
+        )
     if device.type == "cpu":
         pin_host_mmap_threshold()
     for config, row in zip(configs, rows, strict=True):
@@ -127,15 +136,27 @@ def main() -> None:
     device = torch.device(args.device)
     repeats = args.repeats or (20 if device.type == "cuda" else 3)
     gflops = matmul_gflops(args, device)
-    configs = [("batch", torch.float32, False), ("batch", torch.bfloat16, False),
-               ("batch", torch.float32, True), ("image", torch.float32, False),
-               ("image", torch.bfloat16, False)]  # fmt: skip
+    configs = [
+        ("batch", torch.float32, False),
+        ("batch", torch.bfloat16, False),
+        ("batch", torch.float32, True),
+        ("image", torch.float32, False),
+        ("image", torch.bfloat16, False),
+    ]
     results = measure(configs, args, device, repeats, gflops)
     table = [
-        [r["config"], r["ours_ms"], r["dinov3_ms"], r["dinov3_ms"] / r["ours_ms"], r["floor_ms"],
-         r["ours_peak_mib"], r["dinov3_peak_mib"], r["floor_mib"]]
+        [
+            r["config"],
+            r["ours_ms"],
+            r["dinov3_ms"],
+            r["dinov3_ms"] / r["ours_ms"],
+            r["floor_ms"],
+            r["ours_peak_mib"],
+            r["dinov3_peak_mib"],
+            r["floor_mib"],
+        ]
         for r in results
-    ]  # fmt: skip
+    ]
     slug = device_slug(device)
     print_table(
         f"Gram loss forward+backward, B*N={args.rows}, N={args.image_rows} per image, "
@@ -144,9 +165,14 @@ def main() -> None:
         COLUMNS,
         table,
     )
-    payload = {"machine": machine(), "matmul_gflops": gflops, "repeats": repeats,
-               "shape": {"rows": args.rows, "image_rows": args.image_rows, "dim": args.dim},
-               "results": results, "table": {"columns": COLUMNS, "rows": table}}  # fmt: skip
+    payload = {
+        "machine": machine(),
+        "matmul_gflops": gflops,
+        "repeats": repeats,
+        "shape": {"rows": args.rows, "image_rows": args.image_rows, "dim": args.dim},
+        "results": results,
+        "table": {"columns": COLUMNS, "rows": table},
+    }
     write_json(args.json or RESULTS_DIR / f"gram_loss_{slug}.json", payload)
 
 

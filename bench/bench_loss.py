@@ -224,8 +224,13 @@ def ibot_times(args, device, on_gpu, repeats, bandwidth):
     for dtype in IBOT_DTYPES[: 1 if args.quick else 2]:
         inputs = ibot_inputs(args, dtype, device)
         n, dim = inputs[0].shape
-        row = {"tokens": n, "images": args.batch, "dim": dim, "dtype": str(dtype),
-               "targets_dtype": str(inputs[1].dtype)}  # fmt: skip
+        row = {
+            "tokens": n,
+            "images": args.batch,
+            "dim": dim,
+            "dtype": str(dtype),
+            "targets_dtype": str(inputs[1].dtype),
+        }
         for name in IBOT_VARIANTS:
             step = ibot_step(name, inputs, 2 * args.batch, device, dtype)
             row[f"{name}_ms"] = time_ms(step, device, warmup=5 if on_gpu else 2, repeats=repeats)
@@ -324,9 +329,14 @@ def main() -> None:
             COLUMNS,
             rows,
         )
-        payload.update(machine=machine(), environment=environment(), copy_bandwidth_gbps=bandwidth,
-                       repeats=repeats, results=results,
-                       table={"columns": COLUMNS, "rows": rows})  # fmt: skip
+        payload.update(
+            machine=machine(),
+            environment=environment(),
+            copy_bandwidth_gbps=bandwidth,
+            repeats=repeats,
+            results=results,
+            table={"columns": COLUMNS, "rows": rows},
+        )
     if ibot:
         rows = comparison_rows(
             ibot,
@@ -339,10 +349,14 @@ def main() -> None:
             COLUMNS,
             rows,
         )
-        payload["ibot"] = {"machine": machine(), "environment": environment(),
-                           "copy_bandwidth_gbps": bandwidth,
-                           "repeats": repeats, "results": ibot,
-                           "table": {"columns": COLUMNS, "rows": rows}}  # fmt: skip
+        payload["ibot"] = {
+            "machine": machine(),
+            "environment": environment(),
+            "copy_bandwidth_gbps": bandwidth,
+            "repeats": repeats,
+            "results": ibot,
+            "table": {"columns": COLUMNS, "rows": rows},
+        }
     write_json(out, payload)
 
 

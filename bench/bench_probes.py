@@ -44,8 +44,15 @@ def evaluate(cfg, roots, net, device, augmented_epochs: int) -> dict:
     splits = ProbeData(roots.knn_train or roots.train, roots.val, roots.test)
     size = cfg.augmentation.global_crop_size
     start = time.perf_counter()
-    aug = linear_probe(net, splits, size, mode="augmented", epochs=augmented_epochs,
-                       device=device, seed=cfg.hardware.seed)  # fmt: skip
+    aug = linear_probe(
+        net,
+        splits,
+        size,
+        mode="augmented",
+        epochs=augmented_epochs,
+        device=device,
+        seed=cfg.hardware.seed,
+    )
     result["augmented"] = aug
     result["seconds"]["augmented"] = time.perf_counter() - start
     return result
@@ -53,9 +60,17 @@ def evaluate(cfg, roots, net, device, augmented_epochs: int) -> dict:
 
 def one_classifier_seconds_per_epoch(cfg, roots, net, device, epochs: int = 2) -> float:
     splits = ProbeData(roots.knn_train or roots.train, roots.val, roots.test)
-    result = linear_probe(net, splits, cfg.augmentation.global_crop_size, mode="augmented",
-                          epochs=epochs, learning_rates=(1e-3,), n_last_blocks=(1,),
-                          device=device, seed=cfg.hardware.seed)  # fmt: skip
+    result = linear_probe(
+        net,
+        splits,
+        cfg.augmentation.global_crop_size,
+        mode="augmented",
+        epochs=epochs,
+        learning_rates=(1e-3,),
+        n_last_blocks=(1,),
+        device=device,
+        seed=cfg.hardware.seed,
+    )
     return result["seconds"]["grid"] / epochs
 
 
@@ -85,17 +100,27 @@ def main() -> None:
         raise SystemExit(f"{args.run}: not a dino-opt run folder")
     cfg, roots = opened.config, data_roots(opened.config)
     nets = {"trained": opened.net.to(device), "random init": random_backbone(cfg).to(device)}
-    results = {name: evaluate(cfg, roots, net, device, args.augmented_epochs)
-               for name, net in nets.items()}  # fmt: skip
+    results = {
+        name: evaluate(cfg, roots, net, device, args.augmented_epochs) for name, net in nets.items()
+    }
     single = one_classifier_seconds_per_epoch(cfg, roots, nets["trained"], device)
     grid = results["trained"]["augmented"]
     grid_epoch = grid["seconds"]["grid"] / grid["epochs"]
     n, lin = grid["n_classifiers"], results["trained"]["linear"]
-    columns = ["backbone", "k-NN val/test", "linear fast val/test", "logreg val/test",
-               "linear augmented val/test", "dense mIoU val/test"]  # fmt: skip
-    print_table(f"Probes of {args.run} ({cfg.model.backbone}, {cfg.augmentation.global_crop_size}"
-                f" px; top-1 %, mIoU %)", columns,
-                [rows_of(name, r) for name, r in results.items()])  # fmt: skip
+    columns = [
+        "backbone",
+        "k-NN val/test",
+        "linear fast val/test",
+        "logreg val/test",
+        "linear augmented val/test",
+        "dense mIoU val/test",
+    ]
+    print_table(
+        f"Probes of {args.run} ({cfg.model.backbone}, {cfg.augmentation.global_crop_size}"
+        f" px; top-1 %, mIoU %)",
+        columns,
+        [rows_of(name, r) for name, r in results.items()],
+    )
     cost = [
         ["grid, together (augmented)", f"{grid_epoch:.2f}", n, "1.00x"],
         [
@@ -118,14 +143,23 @@ def main() -> None:
         ],
         ["fast: logistic regression sweep", f"{lin['seconds']['logreg']:.2f}", 1, "-"],
     ]
-    print_table("Cost of the linear probe (seconds; augmented: per epoch)",
-                ["case", "seconds", "classifiers", "vs together"], cost)  # fmt: skip
+    print_table(
+        "Cost of the linear probe (seconds; augmented: per epoch)",
+        ["case", "seconds", "classifiers", "vs together"],
+        cost,
+    )
     for r in results.values():
         r.pop("val_features"), r.pop("val_labels")
-    payload = {"machine": machine(), "run": args.run, "backbone": cfg.model.backbone,
-               "image_size": cfg.augmentation.global_crop_size, "results": results,
-               "grid_seconds_per_epoch": grid_epoch, "one_classifier_seconds_per_epoch": single,
-               "classifiers": n}  # fmt: skip
+    payload = {
+        "machine": machine(),
+        "run": args.run,
+        "backbone": cfg.model.backbone,
+        "image_size": cfg.augmentation.global_crop_size,
+        "results": results,
+        "grid_seconds_per_epoch": grid_epoch,
+        "one_classifier_seconds_per_epoch": single,
+        "classifiers": n,
+    }
     write_json(args.json or RESULTS_DIR / f"probes_demo_{device_slug(device)}.json", payload)
 
 

@@ -37,25 +37,45 @@ def _train(out: Path, data: Path, args: argparse.Namespace, *extra: str) -> dict
     """One ``dino-opt train --nproc 2``: its wall seconds, exit status and
     stderr, and when (seconds from its start) the kill and the resume were
     printed and it ended."""
-    command = [sys.executable, "-m", "dino_opt.cli", "train", "--nproc", "2", "--quiet",
-               "--output-dir", str(out), f"data.root={data}", "hardware.device=cpu",
-               f"schedule.epochs={args.epochs}", f"schedule.warmup_epochs={min(2, args.epochs)}",
-               f"checkpoint.every_steps={args.every}",
-               "checkpoint.async=false", "logging.tensorboard=false", *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dino_opt.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--quiet",
+        "--output-dir",
+        str(out),
+        f"data.root={data}",
+        "hardware.device=cpu",
+        f"schedule.epochs={args.epochs}",
+        f"schedule.warmup_epochs={min(2, args.epochs)}",
+        f"checkpoint.every_steps={args.every}",
+        "checkpoint.async=false",
+        "logging.tensorboard=false",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     seen, lines = {}, []
-    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          env=env) as run:  # fmt: skip
+    with subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    ) as run:
         for line in run.stderr:
             lines.append(line)
             for mark in ("SIGKILL", "resuming from"):
                 if mark in line and mark not in seen:
                     seen[mark] = time.perf_counter() - start
     wall = time.perf_counter() - start
-    return {"wall": wall, "code": run.returncode, "stderr": "".join(lines),
-            "killed": seen.get("SIGKILL"), "resumed": seen.get("resuming from")}  # fmt: skip
+    return {
+        "wall": wall,
+        "code": run.returncode,
+        "stderr": "".join(lines),
+        "killed": seen.get("SIGKILL"),
+        "resumed": seen.get("resuming from"),
+    }
 
 
 def _step_seconds(out: Path) -> float:
@@ -82,11 +102,15 @@ def _round(tmp: Path, data: Path, args: argparse.Namespace) -> dict:
     assert again["code"] == 0, again["stderr"][-3000:]
     report = json.loads(RunFolder(tmp / "byhand").report.read_text())
     assert report["resumed_from"].endswith(f"s{resumed_at:08d}.pth"), report["resumed_from"]
-    return {"steps": report["steps"], "step_s": _step_seconds(tmp / "plain"),
-            "plain": plain["wall"], "auto": auto["wall"],
-            "auto_restart": auto["resumed"] - auto["killed"],
-            "byhand": first["wall"] + again["wall"],
-            "byhand_restart": first["wall"] - first["killed"] + again["resumed"]}  # fmt: skip
+    return {
+        "steps": report["steps"],
+        "step_s": _step_seconds(tmp / "plain"),
+        "plain": plain["wall"],
+        "auto": auto["wall"],
+        "auto_restart": auto["resumed"] - auto["killed"],
+        "byhand": first["wall"] + again["wall"],
+        "byhand_restart": first["wall"] - first["killed"] + again["resumed"],
+    }
 
 
 def main() -> None:
@@ -106,34 +130,66 @@ def main() -> None:
     try:
         for r in range(args.repeats):
             rounds.append(_round(tmp / f"round{r}", data, args))
-            print(f"round {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items()),
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items()),
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     m = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     redone = args.kill_at - args.kill_at // args.every * args.every
     rows = [
-        {"case": "never killed", "wall_s": m["plain"], "lost_s": 0.0, "restart_s": None,
-         "redone_steps": 0},
-        {"case": "killed, restarted by the launcher", "wall_s": m["auto"],
-         "lost_s": m["auto"] - m["plain"], "restart_s": m["auto_restart"], "redone_steps": redone},
-        {"case": "killed, the same command again", "wall_s": m["byhand"],
-         "lost_s": m["byhand"] - m["plain"], "restart_s": m["byhand_restart"],
-         "redone_steps": redone},
-    ]  # fmt: skip
+        {
+            "case": "never killed",
+            "wall_s": m["plain"],
+            "lost_s": 0.0,
+            "restart_s": None,
+            "redone_steps": 0,
+        },
+        {
+            "case": "killed, restarted by the launcher",
+            "wall_s": m["auto"],
+            "lost_s": m["auto"] - m["plain"],
+            "restart_s": m["auto_restart"],
+            "redone_steps": redone,
+        },
+        {
+            "case": "killed, the same command again",
+            "wall_s": m["byhand"],
+            "lost_s": m["byhand"] - m["plain"],
+            "restart_s": m["byhand_restart"],
+            "redone_steps": redone,
+        },
+    ]
     print_table(
         f"A dead rank, dino-opt train --nproc 2 (demo recipe, {m['steps']:.0f} steps of "
         f"{m['step_s']:.2f} s, checkpoint every {args.every}, rank 1 killed after step "
         f"{args.kill_at}; medians of {args.repeats} rounds)",
         ["case", "wall s", "lost s", "restart s", "steps redone"],
-        [[r["case"], round(r["wall_s"], 1), round(r["lost_s"], 1),
-          "-" if r["restart_s"] is None else round(r["restart_s"], 1), r["redone_steps"]]
-         for r in rows],
-    )  # fmt: skip
+        [
+            [
+                r["case"],
+                round(r["wall_s"], 1),
+                round(r["lost_s"], 1),
+                "-" if r["restart_s"] is None else round(r["restart_s"], 1),
+                r["redone_steps"],
+            ]
+            for r in rows
+        ],
+    )
     path = args.json or RESULTS_DIR / "restart_cpu.json"
-    write_json(path, {"machine": machine(), "every_steps": args.every, "kill_at": args.kill_at,
-                      "step_s": m["step_s"], "steps": m["steps"], "rounds": rounds,
-                      "rows": rows})  # fmt: skip
+    write_json(
+        path,
+        {
+            "machine": machine(),
+            "every_steps": args.every,
+            "kill_at": args.kill_at,
+            "step_s": m["step_s"],
+            "steps": m["steps"],
+            "rounds": rounds,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

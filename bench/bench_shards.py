@@ -81,10 +81,17 @@ def throughput(args, files: Path, shards: Path) -> dict:
             warmups[case].append(w["warmup_s"])
             stats[case] = w["stats"]
             print(f"  round {r + 1} {case}: {w['rate']:.1f} images/s", flush=True)
-    return {c: {"rates": v, "images_per_s": statistics.median(v), "stats": stats[c],
-                "first_batches_s": statistics.median(warmups[c]),
-                "cpu_ms_per_image": statistics.median(cpu[c]), "cpu_ms": cpu[c]}
-            for c, v in rates.items()}  # fmt: skip
+    return {
+        c: {
+            "rates": v,
+            "images_per_s": statistics.median(v),
+            "stats": stats[c],
+            "first_batches_s": statistics.median(warmups[c]),
+            "cpu_ms_per_image": statistics.median(cpu[c]),
+            "cpu_ms": cpu[c],
+        }
+        for c, v in rates.items()
+    }
 
 
 # ---------------------------------------------------------------- start-up
@@ -105,9 +112,15 @@ def synthesise_index(folder: Path, total: int, per_shard: int) -> dict:
         os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
         st = path.stat()
         offsets = [k * member + 512 for k in range(count)]
-        _C.write_shard_index(str(path) + ".idx", size, st.st_mtime_ns, offsets,
-                             [10_240] * count, [(s * per_shard + k) % 1000 for k in range(count)],
-                             [f"{s * per_shard + k:09d}.jpg" for k in range(count)])  # fmt: skip
+        _C.write_shard_index(
+            str(path) + ".idx",
+            size,
+            st.st_mtime_ns,
+            offsets,
+            [10_240] * count,
+            [(s * per_shard + k) % 1000 for k in range(count)],
+            [f"{s * per_shard + k:09d}.jpg" for k in range(count)],
+        )
     return {"shards": n_shards, "seconds": time.perf_counter() - t0}
 
 
@@ -133,8 +146,12 @@ print(json.dumps({"seconds": seconds, "rss_bytes": rss() - before, "images": loa
 
 
 def probe(kind: str, spec: str, n: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, kind, spec, str(n)], check=True,
-                         capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, kind, spec, str(n)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -143,20 +160,35 @@ def startup(args, workdir: Path) -> list[dict]:
     for total in args.scale:
         folder = workdir / f"index-{total}"
         made = synthesise_index(folder, total, args.entries_per_shard)
-        print(f"  synthesised {made['shards']} shards' indexes for {total} images "
-              f"in {made['seconds']:.1f} s", flush=True)  # fmt: skip
+        print(
+            f"  synthesised {made['shards']} shards' indexes for {total} images "
+            f"in {made['seconds']:.1f} s",
+            flush=True,
+        )
         run = probe("shards", str(folder), total)
-        rows.append({"case": "shards, from their index files", "images": total,
-                     "shards": made["shards"], "run": run})  # fmt: skip
+        rows.append(
+            {
+                "case": "shards, from their index files",
+                "images": total,
+                "shards": made["shards"],
+                "run": run,
+            }
+        )
         listing = workdir / f"list-{total}.txt"
         with open(listing, "w") as f:
             for i in range(total):
                 f.write(f"n{i // 1300:08d}/n{i // 1300:08d}_{i:06d}.JPEG {i // 1300}\n")
-        rows.append({"case": "file list (.txt)", "images": total,
-                     "run": probe("list", str(listing), total)})  # fmt: skip
+        rows.append(
+            {"case": "file list (.txt)", "images": total, "run": probe("list", str(listing), total)}
+        )
         if total <= 2_000_000:  # the Python list of paths: 14 M would hold gigabytes
-            rows.append({"case": "paths in a Python list (the list included)", "images": total,
-                         "run": probe("pylist", "", total)})  # fmt: skip
+            rows.append(
+                {
+                    "case": "paths in a Python list (the list included)",
+                    "images": total,
+                    "run": probe("pylist", "", total),
+                }
+            )
         for p in folder.iterdir():
             p.unlink()
         folder.rmdir()
@@ -195,9 +227,13 @@ def index_build(args, workdir: Path) -> dict:
     again = open_source(shards)
     loaded = time.perf_counter() - t0
     assert len(source) == len(again) == args.index_count
-    return {"images": args.index_count, "shards": source.native.num_shards,
-            "build_seconds": built, "load_seconds": loaded,
-            "report": source.native.index_report()["built"]}  # fmt: skip
+    return {
+        "images": args.index_count,
+        "shards": source.native.num_shards,
+        "build_seconds": built,
+        "load_seconds": loaded,
+        "report": source.native.index_report()["built"],
+    }
 
 
 # ---------------------------------------------------------------- I/O
@@ -207,14 +243,28 @@ def io_pattern(args, files: Path, shards: Path) -> list[dict]:
     rows = []
     for case, spec in (("files", files), ("shards", shards)):
         for rank in range(args.world):
-            with MultiCropLoader(str(spec), args.batch_size, global_size=GLOBAL_SIZE,
-                                 local_size=LOCAL_SIZE, n_local=N_LOCAL, num_threads=args.workers,
-                                 rank=rank, world_size=args.world) as loader:  # fmt: skip
+            with MultiCropLoader(
+                str(spec),
+                args.batch_size,
+                global_size=GLOBAL_SIZE,
+                local_size=LOCAL_SIZE,
+                n_local=N_LOCAL,
+                num_threads=args.workers,
+                rank=rank,
+                world_size=args.world,
+            ) as loader:
                 n = sum(b.labels.numel() for b in loader)
                 io = loader.stats()["io"]
-            rows.append({"case": case, "rank": rank, "images": n, **io,
-                         "mean_read_kb": io["bytes"] / max(io["reads"], 1) / 1e3,
-                         "sequential_share": io["sequential"] / max(io["reads"], 1)})  # fmt: skip
+            rows.append(
+                {
+                    "case": case,
+                    "rank": rank,
+                    "images": n,
+                    **io,
+                    "mean_read_kb": io["bytes"] / max(io["reads"], 1) / 1e3,
+                    "sequential_share": io["sequential"] / max(io["reads"], 1),
+                }
+            )
     return rows
 
 
@@ -249,10 +299,16 @@ def main() -> None:
     # so both cases are measured in their steady state.
     per_epoch = len(ds.samples) // args.batch_size * args.batch_size
     args.images = args.images or per_epoch - args.warmup * args.batch_size
-    result = {"bench": "loader_shards", "machine": machine(), "workers": args.workers,
-              "batch_size": args.batch_size, "images": len(ds.samples),
-              "mean_bytes": ds.mean_bytes, "shard_mb": args.shard_mb,
-              "crops": {"global": [2, GLOBAL_SIZE], "local": [N_LOCAL, LOCAL_SIZE]}}  # fmt: skip
+    result = {
+        "bench": "loader_shards",
+        "machine": machine(),
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "images": len(ds.samples),
+        "mean_bytes": ds.mean_bytes,
+        "shard_mb": args.shard_mb,
+        "crops": {"global": [2, GLOBAL_SIZE], "local": [N_LOCAL, LOCAL_SIZE]},
+    }
     if "throughput" not in skip:
         print("throughput", flush=True)
         result["throughput"] = throughput(args, ds.root, shards)
@@ -290,7 +346,7 @@ def report(r: dict) -> None:
                     v["first_batches_s"],
                 ]
                 for c, v in t.items()
-            ],  # fmt: skip
+            ],
         )
     if "startup" in r:
         rows = []
@@ -312,10 +368,18 @@ def report(r: dict) -> None:
     if "io" in r:
         columns = ["source", "rank", "images", "reads", "MB", "mean read KB", "sequential", "opens"]
         rows = [
-            [x["case"], x["rank"], x["images"], x["reads"], x["bytes"] / 1e6, x["mean_read_kb"],
-             x["sequential_share"], x["opens"]]
+            [
+                x["case"],
+                x["rank"],
+                x["images"],
+                x["reads"],
+                x["bytes"] / 1e6,
+                x["mean_read_kb"],
+                x["sequential_share"],
+                x["opens"],
+            ]
             for x in r["io"]
-        ]  # fmt: skip
+        ]
         print_table("I/O per rank, one epoch", columns, rows)
 
 

@@ -196,22 +196,50 @@ TEACHER_TEMP, STUDENT_TEMP, EPOCHS, WARMUP_EPOCHS = 0.04, 0.1, 100, 10
 
 PRESETS = {
     "cpu": dict(
-        backbone="vit_tiny", out_dim=4096, global_size=64, local_size=32, n_local=4,
-        batch_size=32, steps=30, warmup=5, data="builtin",
+        backbone="vit_tiny",
+        out_dim=4096,
+        global_size=64,
+        local_size=32,
+        n_local=4,
+        batch_size=32,
+        steps=30,
+        warmup=5,
+        data="builtin",
     ),
     "cpu_recipe": dict(
-        backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
-        batch_size=4, steps=12, warmup=2, data="synthetic",
+        backbone="vit_small",
+        out_dim=65536,
+        global_size=224,
+        local_size=96,
+        n_local=8,
+        batch_size=4,
+        steps=12,
+        warmup=2,
+        data="synthetic",
     ),
     "recipe": dict(
-        backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
-        batch_size=64, steps=60, warmup=10, data="synthetic",
+        backbone="vit_small",
+        out_dim=65536,
+        global_size=224,
+        local_size=96,
+        n_local=8,
+        batch_size=64,
+        steps=60,
+        warmup=10,
+        data="synthetic",
     ),
     "max_batch": dict(
-        backbone="vit_small", out_dim=65536, global_size=224, local_size=96, n_local=8,
-        batch_size=None, steps=25, warmup=5, data="synthetic",
+        backbone="vit_small",
+        out_dim=65536,
+        global_size=224,
+        local_size=96,
+        n_local=8,
+        batch_size=None,
+        steps=25,
+        warmup=5,
+        data="synthetic",
     ),
-}  # fmt: skip
+}
 # The quick run (a smoke test) without drop path, so that every row's first
 # loss is the baseline's: dino_opt's ViT packs the crop sizes into one pass
 # and draws the dropped samples in another order than the published forward.
@@ -787,7 +815,7 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         "losses": losses,
         "loader": "crops on the device"
         if on_device
-        else ("native MultiCropLoader" if native else "PIL DataLoader"),  # fmt: skip
+        else ("native MultiCropLoader" if native else "PIL DataLoader"),
     }
     if loader_stats is not None:
         result["loader_stats"] = {
@@ -1001,9 +1029,12 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
         for case in rows_cases:
             print(f"{case}: searching the largest batch", flush=True)
             spec = dict(
-                settings=s, case=case, toggles=case_toggles(case, available), mode="search",
+                settings=s,
+                case=case,
+                toggles=case_toggles(case, available),
+                mode="search",
                 limit=args.max_batch_limit,
-            )  # fmt: skip
+            )
             r = execute(spec, isolate, budget)
             searches[case] = r
             batches[case] = r.get("batch_size") or 0
@@ -1295,10 +1326,12 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="also run torch.compile on a CPU")
     parser.add_argument(
-        "--peak-tflops", type=float, default=None,
+        "--peak-tflops",
+        type=float,
+        default=None,
         help="the device's dense 16-bit matrix rate for MFU (default: by datasheet for "
         f"{', '.join(PEAK_TFLOPS)})",
-    )  # fmt: skip
+    )
     parser.add_argument("--max-batch-limit", type=int, default=8192)
     parser.add_argument(
         "--no-isolate", action="store_true", help="run the rows in this process, not one each"

@@ -27,8 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in
-                               ("loss", "benchmarks", "ema", "loader", "checkpoints"))]  # fmt: skip
+DOCS = [
+    ROOT / "README.md",
+    *(
+        ROOT / "docs" / f"{name}.md"
+        for name in ("loss", "benchmarks", "ema", "loader", "checkpoints")
+    ),
+]
 BLOCK = re.compile(
     r"(<!-- bench-table (?P<file>[\w.-]+)(?: (?!full\b)(?P<part>\w+))?(?P<full> full)? -->\n)"
     r"(?P<body>.*?)(<!-- /bench-table -->)",
@@ -82,13 +87,19 @@ def figure(file: str, path: str, fmt: str) -> str:
 
 def update(text: str) -> str:
     text = BLOCK.sub(
-        lambda m: m.group(1) + render(m.group("file"), m.group("part"), bool(m.group("full")))
-        + m.group(6), text
-    )  # fmt: skip
+        lambda m: (
+            m.group(1)
+            + render(m.group("file"), m.group("part"), bool(m.group("full")))
+            + m.group(6)
+        ),
+        text,
+    )
     return FIGURE.sub(
-        lambda m: m.group(1) + figure(m.group("file"), m.group("path"), m.group("fmt"))
-        + m.group(6), text
-    )  # fmt: skip
+        lambda m: (
+            m.group(1) + figure(m.group("file"), m.group("path"), m.group("fmt")) + m.group(6)
+        ),
+        text,
+    )
 
 
 def stale(paths=DOCS) -> list[str]:

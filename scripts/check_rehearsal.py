@@ -28,12 +28,26 @@ PROOF_CAP_S = 480  # one call of at most 8 minutes on a cold GPU machine
 STAGE_STEPS = {
     "build": ["closure", "import"],
     "carry": ["wheel"],
-    "proof": ["closure", "import", "doctor", "cpp_tests", "pytest_cuda", "bench_train",
-              "bench_loss", "bench_ema"],
-    "rest": ["bench_profiler", "bench_photometric", "bench_loader", "presets", "fsdp_job",
-             "bench_checkpoint"],
+    "proof": [
+        "closure",
+        "import",
+        "doctor",
+        "cpp_tests",
+        "pytest_cuda",
+        "bench_train",
+        "bench_loss",
+        "bench_ema",
+    ],
+    "rest": [
+        "bench_profiler",
+        "bench_photometric",
+        "bench_loader",
+        "presets",
+        "fsdp_job",
+        "bench_checkpoint",
+    ],
     "step": ["closure", "import", "bench_step"],
-}  # fmt: skip
+}
 # The cache entries that say where the carried dependencies were found.
 CARRIED = ("TURBOJPEG_INCLUDE_DIR", "TURBOJPEG_LIBRARY", "GTest_DIR")
 CACHE_ENTRY = re.compile(r"^([A-Za-z_]\w*):\w+=(.*)$", re.M)

@@ -50,8 +50,11 @@ def images() -> dict[str, bytes]:
 def tars() -> dict[str, bytes]:
     jpeg = images()["baseline.jpg"]
     out = {}
-    for fmt, label in ((tarfile.USTAR_FORMAT, "ustar"), (tarfile.GNU_FORMAT, "gnu"),
-                       (tarfile.PAX_FORMAT, "pax")):  # fmt: skip
+    for fmt, label in (
+        (tarfile.USTAR_FORMAT, "ustar"),
+        (tarfile.GNU_FORMAT, "gnu"),
+        (tarfile.PAX_FORMAT, "pax"),
+    ):
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
 

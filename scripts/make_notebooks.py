@@ -798,8 +798,11 @@ def main() -> None:
         for i, cell in enumerate(cells):
             cell.id = f"cell-{i}"  # fixed ids: the same script writes the same file
         nb = new_notebook(cells=cells)
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                     "language": "python"}  # fmt: skip
+        nb.metadata["kernelspec"] = {
+            "name": "python3",
+            "display_name": "Python 3",
+            "language": "python",
+        }
         nbformat.write(nb, HERE / name)
 
 

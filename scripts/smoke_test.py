@@ -52,8 +52,15 @@ def check_ops() -> str:
 
 
 def check_loader(root: Path) -> str:
-    loader = MultiCropLoader(root / "train", batch_size=4, global_size=32, local_size=16,
-                             n_local=2, photometric="gpu", device="cpu")  # fmt: skip
+    loader = MultiCropLoader(
+        root / "train",
+        batch_size=4,
+        global_size=32,
+        local_size=16,
+        n_local=2,
+        photometric="gpu",
+        device="cpu",
+    )
     try:
         crops, labels, _ = next(iter(loader))
     finally:
@@ -68,14 +75,25 @@ def check_training(root: Path, out: Path) -> str:
     train = out / "data" / "train"
     train.parent.mkdir(parents=True)
     train.symlink_to(root / "train")
-    overrides = ["data.batch_size=8", "augmentation.global_crop_size=32",
-                 "augmentation.local_crop_size=16", "augmentation.num_local_views=2",
-                 "model.backbone=vit_tiny", "model.patch_size=8", "model.out_dim=64",
-                 "model.hidden_dim=32", "model.bottleneck_dim=16", "schedule.epochs=1",
-                 "schedule.warmup_epochs=0", "logging.progress=false", "hardware.device=cpu",
-                 f"data.root={train}"]  # fmt: skip
-    report = run_training(apply_overrides(default_config(), overrides), output_dir=out / "run",
-                          quiet=True)  # fmt: skip
+    overrides = [
+        "data.batch_size=8",
+        "augmentation.global_crop_size=32",
+        "augmentation.local_crop_size=16",
+        "augmentation.num_local_views=2",
+        "model.backbone=vit_tiny",
+        "model.patch_size=8",
+        "model.out_dim=64",
+        "model.hidden_dim=32",
+        "model.bottleneck_dim=16",
+        "schedule.epochs=1",
+        "schedule.warmup_epochs=0",
+        "logging.progress=false",
+        "hardware.device=cpu",
+        f"data.root={train}",
+    ]
+    report = run_training(
+        apply_overrides(default_config(), overrides), output_dir=out / "run", quiet=True
+    )
     assert report["steps"] == 1 and torch.isfinite(torch.tensor(report["final_loss"]))
     return f"{report['steps']} step, loss {report['final_loss']:.4f}"
 
@@ -85,11 +103,15 @@ def main() -> int:
     parser.add_argument("--expect-under", help="the folder dino_opt must be imported from")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        root = builtin_dataset(Path(tmp) / "data", train_per_class=1, val_per_class=1,
-                               test_per_class=0, image_size=40)  # fmt: skip
-        checks = [("install", lambda: check_install(args.expect_under)), ("ops", check_ops),
-                  ("loader", lambda: check_loader(root)),
-                  ("training", lambda: check_training(root, Path(tmp) / "job"))]  # fmt: skip
+        root = builtin_dataset(
+            Path(tmp) / "data", train_per_class=1, val_per_class=1, test_per_class=0, image_size=40
+        )
+        checks = [
+            ("install", lambda: check_install(args.expect_under)),
+            ("ops", check_ops),
+            ("loader", lambda: check_loader(root)),
+            ("training", lambda: check_training(root, Path(tmp) / "job")),
+        ]
         for name, check in checks:
             start = time.perf_counter()
             try:

@@ -38,10 +38,14 @@ def read_cases(path: Path) -> list[dict]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = child.tag if child.tag != "failure" else "failed"
-        cases.append({
-            "file": _file_of(case.get("classname", "")), "name": case.get("name", "?"),
-            "seconds": float(case.get("time") or 0.0), "outcome": outcome,
-        })  # fmt: skip
+        cases.append(
+            {
+                "file": _file_of(case.get("classname", "")),
+                "name": case.get("name", "?"),
+                "seconds": float(case.get("time") or 0.0),
+                "outcome": outcome,
+            }
+        )
     return cases
 
 
@@ -72,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="Markdown tables")
     args = parser.parse_args(argv)
     cases = read_cases(args.junit)
-    count = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error",
-                                                                 "skipped")}  # fmt: skip
+    count = {
+        k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")
+    }
     total = sum(c["seconds"] for c in cases)
-    print(f"{len(cases)} tests ({', '.join(f'{v} {k}' for k, v in count.items())}), "
-          f"{total:.0f} s summed over workers")  # fmt: skip
+    print(
+        f"{len(cases)} tests ({', '.join(f'{v} {k}' for k, v in count.items())}), "
+        f"{total:.0f} s summed over workers"
+    )
     slow = sorted(cases, key=lambda c: -c["seconds"])[: args.slowest]
     rows = [(f"{c['file']}::{c['name']}", f"{c['seconds']:.1f}") for c in slow]
     print(f"\nslowest {len(rows)} tests:")

@@ -64,9 +64,12 @@ def table(files: list[Path], key: str, floors: list[float], k: int, temperature:
         others.append((feats, torch.tensor([classes.index(n) for n in theirs])))
     rows = {}
     for name, f in transforms(train, floors).items():
-        rows[name] = [knn_classify(f(train).float(), labels, f(x).float(), y, k=k,
-                                   temperature=temperature)["top1"]
-                      for x, y in others]  # fmt: skip
+        rows[name] = [
+            knn_classify(f(train).float(), labels, f(x).float(), y, k=k, temperature=temperature)[
+                "top1"
+            ]
+            for x, y in others
+        ]
     return rows
 
 
@@ -87,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, tops in rows.items():
         print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in tops) + " |")
     if a.json:
-        a.json.write_text(json.dumps({"key": a.key, "files": [str(f) for f in a.files],
-                                      "top1": rows}, indent=1))  # fmt: skip
+        a.json.write_text(
+            json.dumps({"key": a.key, "files": [str(f) for f in a.files], "top1": rows}, indent=1)
+        )
     return 0
 
 

@@ -20,10 +20,17 @@ NOT_RUN = "not run: the run's time cap ({}) was reached"
 # handed out in this order) they start first, so that the workers end
 # together instead of one running the last long file alone.
 LONGEST_FIRST = (
-    "test_fsdp.py", "test_distill_groups.py", "test_memory_model.py",
-    "test_distill_students.py", "test_notebooks.py", "test_fault_tolerance.py",
-    "test_resume.py", "test_fsdp_dinov3.py", "test_distill.py", "test_restarts.py",
-)  # fmt: skip
+    "test_fsdp.py",
+    "test_distill_groups.py",
+    "test_memory_model.py",
+    "test_distill_students.py",
+    "test_notebooks.py",
+    "test_fault_tolerance.py",
+    "test_resume.py",
+    "test_fsdp_dinov3.py",
+    "test_distill.py",
+    "test_restarts.py",
+)
 
 
 def _start_order(item) -> int:
@@ -72,9 +79,12 @@ def distill_data(tmp_path_factory):
     """The distillation runs' data: 40 train images (5 steps per epoch at 2
     ranks of 4), 10 val."""
     return builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        test_per_class=0, image_size=40,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("data") / "builtin",
+        train_per_class=4,
+        val_per_class=1,
+        test_per_class=0,
+        image_size=40,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -44,8 +44,9 @@ def _script(argv: list[str]) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
-def _child(run, argv: list[str], env: dict, cwd: str, out: str, err: str, new_session: bool,
-           before) -> None:  # fmt: skip
+def _child(
+    run, argv: list[str], env: dict, cwd: str, out: str, err: str, new_session: bool, before
+) -> None:
     if new_session:  # a process group of its own: killpg ends it with its ranks
         os.setsid()
     for fd, path in ((1, out), (2, err)):
@@ -103,8 +104,9 @@ class Forked:
             self.kill()
             self.wait(60)
             raise
-        texts = tuple(p.read_text(errors="replace") if p.exists() else "" for p in (
-            self._out, self._err))  # fmt: skip
+        texts = tuple(
+            p.read_text(errors="replace") if p.exists() else "" for p in (self._out, self._err)
+        )
         self._files.cleanup()
         return texts
 
@@ -114,8 +116,9 @@ class CliProcess(Forked):
     default); ``new_session``: a process group of its own; ``before``: a
     module-level function the child calls first (to patch something in it)."""
 
-    def __init__(self, argv: list[str], env: dict | None = None, new_session: bool = False,
-                 before=None):  # fmt: skip
+    def __init__(
+        self, argv: list[str], env: dict | None = None, new_session: bool = False, before=None
+    ):
         self.args = ["dino-opt", *argv]
         super().__init__(_cli, argv, env, new_session, before)
 
@@ -135,15 +138,17 @@ def _completed(p: Forked, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
 
 
-def run_script(script: Path, args: list[str], env: dict | None = None, timeout: float = 600) -> (
-        subprocess.CompletedProcess):  # fmt: skip
+def run_script(
+    script: Path, args: list[str], env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGS`` to its end (:class:`ScriptProcess`): its exit
     status, output and error."""
     return _completed(ScriptProcess(script, args, env), timeout)
 
 
-def run_cli(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
-        subprocess.CompletedProcess):  # fmt: skip
+def run_cli(
+    argv: list[str], env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """``dino-opt ARGV`` to its end: its exit status, output and error. A
     launch of rank processes runs its launcher here (:func:`run_launcher`)."""
     if _starts_ranks(argv):
@@ -158,8 +163,9 @@ def _starts_ranks(argv: list[str]) -> bool:
     return ranks != "1" or "--nnodes" in argv
 
 
-def run_launcher(argv: list[str], env: dict | None = None, timeout: float = 600) -> (
-        subprocess.CompletedProcess):  # fmt: skip
+def run_launcher(
+    argv: list[str], env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """``dino-opt ARGV`` (a launch of ranks) in this process, as its own
     process would run it: under the environment ``env``, its output and error
     written to files (file descriptors 1 and 2, which the ranks inherit, and

@@ -16,8 +16,9 @@ def launch_ranks(
     (forked from the tests' preloaded server: :mod:`forked`); each must exit
     0 (else its stderr's end is the failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [ScriptProcess(script, [str(rank), str(world), *args_of(rank)], env)
-             for rank in range(world)]  # fmt: skip
+    procs = [
+        ScriptProcess(script, [str(rank), str(world), *args_of(rank)], env) for rank in range(world)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-4000:]

@@ -11,9 +11,12 @@ from torch import nn
 def small_cnn() -> nn.Module:
     """A two-convolution network whose forward gives a stride-8 feature map."""
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 24, 3, stride=4, padding=1), nn.ReLU(),
-    )  # fmt: skip
+        nn.Conv2d(3, 16, 3, stride=2, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 24, 3, stride=4, padding=1),
+        nn.ReLU(),
+    )
 
 
 def pooled() -> nn.Module:

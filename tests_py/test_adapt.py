@@ -28,16 +28,22 @@ ADAPT = [*TINY, *RESUMABLE, "checkpoint.keep=20", "schedule.epochs=2", "schedule
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return builtin_dataset(tmp_path_factory.mktemp("data") / "builtin", train_per_class=4,
-                           val_per_class=1, test_per_class=1, image_size=40)  # fmt: skip
+    return builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin",
+        train_per_class=4,
+        val_per_class=1,
+        test_per_class=1,
+        image_size=40,
+    )
 
 
 @pytest.fixture(scope="module")
 def start(data, tmp_path_factory):
     """The weights an adaptation starts from: a tiny run of one epoch."""
     out = tmp_path_factory.mktemp("start") / "run"
-    run_cli_ok(train_args(out, data / "train", *TINY, "schedule.epochs=1",
-                          "schedule.warmup_epochs=0"))  # fmt: skip
+    run_cli_ok(
+        train_args(out, data / "train", *TINY, "schedule.epochs=1", "schedule.warmup_epochs=0")
+    )
     return out
 
 
@@ -63,8 +69,9 @@ def test_adapting_warms_the_heads_then_is_judged_against_its_start(data, start, 
     manager = CheckpointManager(out / "checkpoints")
     frozen = manager.load(next(r.path for r in manager.checkpoints() if r.step == 5))
     assert_same_states({"s": _backbone(frozen)}, {"s": _backbone(began)}, keys=("s",))
-    assert not torch.equal(frozen["student"]["head.mlp.0.weight"],
-                           began["student"]["head.mlp.0.weight"])  # fmt: skip
+    assert not torch.equal(
+        frozen["student"]["head.mlp.0.weight"], began["student"]["head.mlp.0.weight"]
+    )
     unfrozen = final_state(out)
     assert any(not torch.equal(v, began["student"][k]) for k, v in _backbone(unfrozen).items())
 

@@ -42,8 +42,17 @@ def test_bench_loss_quick_with_each_table(tmp_path, only):
 
 
 def test_bench_checkpoint_quick(tmp_path):
-    d = run_bench("bench_checkpoint.py", "--quick", "--models", "demo", "--repeats", "1",
-                  "--batch-size", "2", out=tmp_path / "ckpt.json")  # fmt: skip
+    d = run_bench(
+        "bench_checkpoint.py",
+        "--quick",
+        "--models",
+        "demo",
+        "--repeats",
+        "1",
+        "--batch-size",
+        "2",
+        out=tmp_path / "ckpt.json",
+    )
     assert bench_check.PIECES["checkpoint"].ratios(d)["checkpoint.async_vs_sync"] > 0
 
 

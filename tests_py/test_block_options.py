@@ -33,16 +33,26 @@ def one_thread():
 
 
 def dino_vit(drop_path_rate: float = 0.3):
-    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=4, num_heads=4,
-                             drop_path_rate=drop_path_rate)  # fmt: skip
+    return VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=4, num_heads=4, drop_path_rate=drop_path_rate
+    )
 
 
 def dinov2_vit():
     """Registers, LayerScale, SwiGLU, uniform drop path, a mask token."""
-    return VisionTransformer(img_size=28, patch_size=7, embed_dim=48, depth=4, num_heads=4,
-                             drop_path_rate=0.3, drop_path_uniform=True, ffn_layer="swiglufused",
-                             layerscale_init=0.5, num_register_tokens=4,
-                             use_mask_token=True)  # fmt: skip
+    return VisionTransformer(
+        img_size=28,
+        patch_size=7,
+        embed_dim=48,
+        depth=4,
+        num_heads=4,
+        drop_path_rate=0.3,
+        drop_path_uniform=True,
+        ffn_layer="swiglufused",
+        layerscale_init=0.5,
+        num_register_tokens=4,
+        use_mask_token=True,
+    )
 
 
 def _randomize(model: nn.Module, seed: int = 3) -> nn.Module:
@@ -153,8 +163,11 @@ def test_bad_options_are_refused():
 
 
 def test_the_config_reaches_both_models():
-    options = ["hardware.activation_checkpointing=selective", "hardware.checkpoint_every=4",
-               "hardware.compile=true"]  # fmt: skip
+    options = [
+        "hardware.activation_checkpointing=selective",
+        "hardware.checkpoint_every=4",
+        "hardware.compile=true",
+    ]
     cfg = load_config(None, ["model.backbone=vit_tiny", *options])
     student, teacher = build_models(cfg)
     policies = [b.checkpointing for b in student.backbone.blocks]
@@ -176,10 +189,24 @@ def test_compiled_checkpointed_blocks_match_eager():
     masks come from eager's generator (inductor's fallback_random), so the
     two draw the same ones."""
     torch.manual_seed(0)
-    eager = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
-                              drop_path_rate=0.2, drop_path_uniform=True).train()  # fmt: skip
-    compiled = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
-                                 drop_path_rate=0.2, drop_path_uniform=True).train()  # fmt: skip
+    eager = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        drop_path_rate=0.2,
+        drop_path_uniform=True,
+    ).train()
+    compiled = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        drop_path_rate=0.2,
+        drop_path_uniform=True,
+    ).train()
     compiled.load_state_dict(eager.state_dict())
     apply_block_options(compiled, "selective", compile=True)
     assert compiled.state_dict().keys() == eager.state_dict().keys()

@@ -637,6 +637,8 @@ def test_sharded_checkpoints_are_published_verified_rotated_and_cleaned(tmp_path
     (manager.directory / ".checkpoint-e0000-s00000001.dcp.deleting").mkdir()
     assert [r.step for r in manager.checkpoints()] == [2, 3]
     removed = {p.name for p in manager.remove_stale_temp_files()}
-    assert removed == {".checkpoint-e0001-s00000009.dcp.partial",
-                       ".checkpoint-e0000-s00000001.dcp.deleting"}  # fmt: skip
+    assert removed == {
+        ".checkpoint-e0001-s00000009.dcp.partial",
+        ".checkpoint-e0000-s00000001.dcp.deleting",
+    }
     assert not any(p.name.startswith(".checkpoint") for p in manager.directory.iterdir())

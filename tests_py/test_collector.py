@@ -82,8 +82,16 @@ def test_a_training_run_collects_between_steps(tmp_path, tmp_path_factory, monke
 
     monkeypatch.setattr(job_module, "StepCollector", Recording)
     root = tiny_train_only(tmp_path_factory)
-    argv = ["train", "--output-dir", str(tmp_path / "run"), "--quiet", f"data.root={root}",
-            *TINY, "data.num_workers=1", "hardware.gc_every_steps=2"]  # fmt: skip
+    argv = [
+        "train",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--quiet",
+        f"data.root={root}",
+        *TINY,
+        "data.num_workers=1",
+        "hardware.gc_every_steps=2",
+    ]
     assert main(argv) == 0
     assert [s for kind, s, _ in seen if kind == "step"] == list(range(1, 11))
     assert [kind for kind, _, _ in seen].count("epoch") == 2

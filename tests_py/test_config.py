@@ -688,8 +688,9 @@ def test_activation_checkpointing_keys():
     c = default_config()
     assert (c.hardware.activation_checkpointing, c.hardware.checkpoint_every) == ("none", 1)
     assert c.hardware.grad_checkpointing is False
-    c = load_config(None, ["hardware.activation_checkpointing=selective",
-                           "hardware.checkpoint_every=2"])  # fmt: skip
+    c = load_config(
+        None, ["hardware.activation_checkpointing=selective", "hardware.checkpoint_every=2"]
+    )
     assert (c.hardware.activation_checkpointing, c.hardware.checkpoint_every) == ("selective", 2)
     assert c.hardware.grad_checkpointing is True  # read-only: whether any block is checkpointed
     with pytest.raises(ConfigError, match="none, full, selective; got 'partial'"):
@@ -717,8 +718,11 @@ def test_grad_checkpointing_is_the_old_name_of_full(tmp_path):
     both = write(
         tmp_path, "hardware: {grad_checkpointing: true, activation_checkpointing: selective}\n"
     )
-    with pytest.raises(ConfigError, match="hardware.grad_checkpointing .the old name of "
-                       "hardware.activation_checkpointing. says 'full' but"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="hardware.grad_checkpointing .the old name of "
+        "hardware.activation_checkpointing. says 'full' but",
+    ):
         load_config(both)
     # an override wins over the file's old key
     assert (
@@ -727,8 +731,10 @@ def test_grad_checkpointing_is_the_old_name_of_full(tmp_path):
         ).hardware.activation_checkpointing
         == "selective"
     )
-    with pytest.raises(ConfigError, match="grad_checkpointing .the old name of .*must be one of "
-                       "true, false, got 'often'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="grad_checkpointing .the old name of .*must be one of true, false, got 'often'",
+    ):
         load_config(None, ["hardware.grad_checkpointing=often"])
     with pytest.raises(ConfigError, match="must be one of true, false, got 1"):
         Config.from_dict({"hardware": {"grad_checkpointing": 1}})

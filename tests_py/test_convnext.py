@@ -122,8 +122,13 @@ def test_forward_features_as_the_vits(gen):
     assert out.keys() == ref.keys()
     # class token: the average of the last map through the final norm; patch
     # tokens: the map flattened row by row, each through the final norm.
-    norm = functools.partial(F.layer_norm, normalized_shape=(32,), weight=model.norm.weight,
-                             bias=model.norm.bias, eps=1e-6)  # fmt: skip
+    norm = functools.partial(
+        F.layer_norm,
+        normalized_shape=(32,),
+        weight=model.norm.weight,
+        bias=model.norm.bias,
+        eps=1e-6,
+    )
     torch.testing.assert_close(out["x_norm_clstoken"], norm(last.mean((-2, -1))))
     tokens = last.permute(0, 2, 3, 1).reshape(2, 6, 32)
     torch.testing.assert_close(out["x_norm_patchtokens"], norm(tokens))
@@ -196,8 +201,9 @@ def test_written_for_timm_and_hugging_face_as_their_own_float64(gen, tmp_path):
     training = {"image_size": 64, "mean": [0.5] * 3, "std": [0.25] * 3}
     meta = {TRAINING_KEY: json.dumps(training)}
     x = torch.randn(2, 3, 64, 96, generator=gen, dtype=F64)
-    load, _ = export_cnn("timm", model.state_dict(), "convnext_tiny", tmp_path / "t.pth", meta,
-                         lambda: None)  # fmt: skip
+    load, _ = export_cnn(
+        "timm", model.state_dict(), "convnext_tiny", tmp_path / "t.pth", meta, lambda: None
+    )
     assert load.startswith("net = timm.create_model('convnext_tiny', num_classes=0)")
     theirs = TimmConvNeXt(num_classes=0, **TINY_SIZE).double().eval()
     theirs.load_state_dict(torch.load(tmp_path / "t.pth", weights_only=True), strict=True)
@@ -215,8 +221,9 @@ def test_written_for_timm_and_hugging_face_as_their_own_float64(gen, tmp_path):
     with torch.no_grad():
         expected = model(x)
         torch.testing.assert_close(theirs(x), expected, rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(hf(pixel_values=x).pooler_output, expected, rtol=1e-10,
-                                   atol=1e-10)  # fmt: skip
+        torch.testing.assert_close(
+            hf(pixel_values=x).pooler_output, expected, rtol=1e-10, atol=1e-10
+        )
 
 
 def test_written_without_layer_scale_or_refused_in_one_line(gen, tmp_path):
@@ -227,8 +234,9 @@ def test_written_without_layer_scale_or_refused_in_one_line(gen, tmp_path):
     hf = transformers.ConvNextModel.from_pretrained(tmp_path / "hf", dtype=F64).eval()
     x = torch.randn(1, 3, 64, 64, generator=gen, dtype=F64)
     with torch.no_grad():
-        torch.testing.assert_close(hf(pixel_values=x).pooler_output, model(x), rtol=1e-10,
-                                   atol=1e-10)  # fmt: skip
+        torch.testing.assert_close(
+            hf(pixel_values=x).pooler_output, model(x), rtol=1e-10, atol=1e-10
+        )
     sd = model.state_dict() | {"extra.weight": torch.zeros(1)}
     with pytest.raises(ValueError, match="not a dino_opt ConvNeXt state dict: unknown keys extra"):
         export_cnn("timm", sd, "convnext_tiny", tmp_path / "x.pth", {}, lambda: None)
@@ -237,8 +245,12 @@ def test_written_without_layer_scale_or_refused_in_one_line(gen, tmp_path):
 def _dinov3_keys(depths) -> list[str]:
     """The names of DINOv3's ConvNeXt (``dinov3/models/convnext.py``): the
     stem and downsampling layers, the blocks, ``norm`` and its ``norms.3`` alias."""
-    keys = [f"downsample_layers.{i}.{j}.{p}" for i in range(4) for j in (0, 1)
-            for p in ("weight", "bias")]  # fmt: skip
+    keys = [
+        f"downsample_layers.{i}.{j}.{p}"
+        for i in range(4)
+        for j in (0, 1)
+        for p in ("weight", "bias")
+    ]
     for i, n in enumerate(depths):
         for b in range(n):
             keys.append(f"stages.{i}.{b}.gamma")
@@ -268,8 +280,11 @@ def test_dinov3_layout_loads(gen):
 
 def test_foreign_keys_are_refused_in_one_line():
     sd = tiny().state_dict()
-    with pytest.raises(ValueError, match=r"not a DINOv3 ConvNeXt state dict: unknown keys "
-                                         r"cls_token") as e:  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"not a DINOv3 ConvNeXt state dict: unknown keys "
+        r"cls_token",
+    ) as e:
         convert_dinov3_convnext_state_dict(sd | {"cls_token": torch.zeros(1)})
     assert "\n" not in str(e.value)
     from timm.models.convnext import ConvNeXt as TimmConvNeXt
@@ -332,8 +347,9 @@ def test_registered_as_backbones(monkeypatch):
     assert BACKBONES[-4:] == names
     for name in names:
         assert load_config(None, [f"model.backbone={name}"]).model.backbone == name
-    with pytest.raises(ValueError, match="ConvNeXt; the ViT options num_register_tokens, "
-                                         "img_size do not apply") as e:  # fmt: skip
+    with pytest.raises(
+        ValueError, match="ConvNeXt; the ViT options num_register_tokens, img_size do not apply"
+    ) as e:
         build_backbone("convnext_tiny", num_register_tokens=4, img_size=96)
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="use distributed.strategy=ddp"):
@@ -351,8 +367,9 @@ def test_multicrop_models_take_global_and_local_crops(monkeypatch):
     import dino_opt.models as models
 
     monkeypatch.setitem(models._CONVNEXTS, "convnext_tiny", tiny)
-    student, teacher = build_dino_models("convnext_tiny", out_dim=64, hidden_dim=32,
-                                         bottleneck_dim=16, drop_path_rate=0.1)  # fmt: skip
+    student, teacher = build_dino_models(
+        "convnext_tiny", out_dim=64, hidden_dim=32, bottleneck_dim=16, drop_path_rate=0.1
+    )
     assert student.backbone.stages[-1][-1].drop_path.p == pytest.approx(0.1)
     assert isinstance(teacher.backbone.stages[-1][-1].drop_path, nn.Identity)
     assert not any(p.requires_grad for p in teacher.parameters())
@@ -371,18 +388,27 @@ def test_dino_train_two_steps_with_a_tiny_convnext(monkeypatch, tmp_path):
     import dino_opt.models as models
 
     monkeypatch.setitem(models._CONVNEXTS, "convnext_tiny", tiny)
-    root = builtin_dataset(tmp_path / "data", train_per_class=1, val_per_class=1,
-                           test_per_class=0, image_size=40)  # fmt: skip
+    root = builtin_dataset(
+        tmp_path / "data", train_per_class=1, val_per_class=1, test_per_class=0, image_size=40
+    )
     train = tmp_path / "trainonly" / "train"
     train.parent.mkdir()
     train.symlink_to(root / "train")
     out = tmp_path / "run"
-    overrides = [*TINY, "model.backbone=convnext_tiny", "model.patch_size=16",
-                 "augmentation.global_crop_size=64", "augmentation.local_crop_size=32",
-                 "data.batch_size=4", "schedule.epochs=1", "schedule.warmup_epochs=0",
-                 "recipe.name=dino"]  # fmt: skip
-    assert main(["train", "--output-dir", str(out), "--quiet", f"data.root={train}",
-                 *overrides]) == 0  # fmt: skip
+    overrides = [
+        *TINY,
+        "model.backbone=convnext_tiny",
+        "model.patch_size=16",
+        "augmentation.global_crop_size=64",
+        "augmentation.local_crop_size=32",
+        "data.batch_size=4",
+        "schedule.epochs=1",
+        "schedule.warmup_epochs=0",
+        "recipe.name=dino",
+    ]
+    assert (
+        main(["train", "--output-dir", str(out), "--quiet", f"data.root={train}", *overrides]) == 0
+    )
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

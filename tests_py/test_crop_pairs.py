@@ -41,9 +41,14 @@ def test_one_size_is_one_pair_and_lists_parse_and_round_trip(tmp_path):
     # a list of one size is that size
     one = load_config(None, ["augmentation.global_crop_size=[256]"])
     assert one.augmentation.global_crop_size == 256
-    cfg = load_config(None, ["augmentation.global_crop_size=[512,768,768]",
-                             "augmentation.local_crop_size=[112,112,224]",
-                             "augmentation.crop_size_ratios=[0.3,0.6,0.1]"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "augmentation.global_crop_size=[512,768,768]",
+            "augmentation.local_crop_size=[112,112,224]",
+            "augmentation.crop_size_ratios=[0.3,0.6,0.1]",
+        ],
+    )
     a = cfg.augmentation
     assert a.crop_size_pairs == [(512, 112), (768, 112), (768, 224)]
     assert a.crop_size_ratios == (0.3, 0.6, 0.1) and a.largest_crop_sizes == (768, 224)
@@ -57,27 +62,52 @@ def test_one_size_is_one_pair_and_lists_parse_and_round_trip(tmp_path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["augmentation.global_crop_size=[32,48]", "augmentation.local_crop_size=[16,24,32]"],
-     "augmentation.global_crop_size has 2 sizes but augmentation.local_crop_size has 3"),
-    ([*PAIRS, "augmentation.crop_size_ratios=[0.5,0.4]"],
-     "augmentation.crop_size_ratios must sum to 1, got 0.9"),
-    ([*PAIRS, "augmentation.crop_size_ratios=[1.0]"],
-     "augmentation.crop_size_ratios has 1 ratios for 2 crop-size pair(s)"),
-    ([*PAIRS, "augmentation.crop_size_ratios=[1.5,-0.5]"],
-     "every entry of augmentation.crop_size_ratios must be in [0, 1]"),
-    (["augmentation.global_crop_size=[32,44]", "augmentation.local_crop_size=[16,24]"],
-     "augmentation.global_crop_size [32, 44]: 44 must be a multiple of model.patch_size (8)"),
-    (["augmentation.global_crop_size=[32,0]"],
-     "every entry of augmentation.global_crop_size must be >= 1"),
-    (["augmentation.local_crop_size=[16,true]"],
-     "augmentation.local_crop_size must be an int or a non-empty list of ints"),
-    ([*PAIRS, "recipe.name=dinov3", "recipe.gram.teacher_crop_size=[48,64,96]"],
-     "recipe.gram.teacher_crop_size has 3 sizes for 2 crop-size pair(s)"),
-    (["augmentation.global_crop_size=[48,48]", "augmentation.local_crop_size=[16,24]",
-      "recipe.name=dinov3", "recipe.gram.teacher_crop_size=[64,96]"],
-     "gives the global crop size 48 two sides (64 and 96)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (
+            ["augmentation.global_crop_size=[32,48]", "augmentation.local_crop_size=[16,24,32]"],
+            "augmentation.global_crop_size has 2 sizes but augmentation.local_crop_size has 3",
+        ),
+        (
+            [*PAIRS, "augmentation.crop_size_ratios=[0.5,0.4]"],
+            "augmentation.crop_size_ratios must sum to 1, got 0.9",
+        ),
+        (
+            [*PAIRS, "augmentation.crop_size_ratios=[1.0]"],
+            "augmentation.crop_size_ratios has 1 ratios for 2 crop-size pair(s)",
+        ),
+        (
+            [*PAIRS, "augmentation.crop_size_ratios=[1.5,-0.5]"],
+            "every entry of augmentation.crop_size_ratios must be in [0, 1]",
+        ),
+        (
+            ["augmentation.global_crop_size=[32,44]", "augmentation.local_crop_size=[16,24]"],
+            "augmentation.global_crop_size [32, 44]: 44 must be a multiple of model.patch_size (8)",
+        ),
+        (
+            ["augmentation.global_crop_size=[32,0]"],
+            "every entry of augmentation.global_crop_size must be >= 1",
+        ),
+        (
+            ["augmentation.local_crop_size=[16,true]"],
+            "augmentation.local_crop_size must be an int or a non-empty list of ints",
+        ),
+        (
+            [*PAIRS, "recipe.name=dinov3", "recipe.gram.teacher_crop_size=[48,64,96]"],
+            "recipe.gram.teacher_crop_size has 3 sizes for 2 crop-size pair(s)",
+        ),
+        (
+            [
+                "augmentation.global_crop_size=[48,48]",
+                "augmentation.local_crop_size=[16,24]",
+                "recipe.name=dinov3",
+                "recipe.gram.teacher_crop_size=[64,96]",
+            ],
+            "gives the global crop size 48 two sides (64 and 96)",
+        ),
+    ],
+)
 def test_bad_crop_pairs_are_one_line_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*TINY, *overrides])
@@ -88,16 +118,26 @@ def test_bad_crop_pairs_are_one_line_naming_the_key(overrides, needle):
 def test_train_with_bad_ratios_says_so_in_one_line(tmp_path, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main(["train", "--output-dir", str(tmp_path / "out"), "--quiet", *TINY, *PAIRS,
-              "augmentation.crop_size_ratios=[0.7,0.7]"])  # fmt: skip
+        main(
+            [
+                "train",
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--quiet",
+                *TINY,
+                *PAIRS,
+                "augmentation.crop_size_ratios=[0.7,0.7]",
+            ]
+        )
     err = capsys.readouterr().err
     lines = [x for x in err.strip().splitlines() if "error" in x]
     assert e.value.code == 2 and len(lines) == 1 and "crop_size_ratios" in lines[0], err
 
 
 def test_the_gram_teacher_resizes_each_pair_to_its_side():
-    cfg = load_config(None, [*TINY, *PAIRS, "recipe.name=dinov3",
-                             "recipe.gram.teacher_crop_size=[48,64]"])  # fmt: skip
+    cfg = load_config(
+        None, [*TINY, *PAIRS, "recipe.name=dinov3", "recipe.gram.teacher_crop_size=[48,64]"]
+    )
     gram = GramTeacher(GramConfig(teacher_crop_size=(48, 64)), cfg.augmentation.crop_size_pairs)
     assert gram.teacher_crop_size == {32: 48, 48: 64}
     assert cfg.recipe.gram.teacher_sides(cfg.augmentation.crop_size_pairs) == {32: 48, 48: 64}
@@ -120,10 +160,17 @@ def test_the_memory_model_plans_for_the_largest_pair():
         "recipe.name=dinov3",
         "data.batch_size=8",
     ]
-    pairs = load_config(None, [*base, "augmentation.global_crop_size=[224,512,384]",
-                               "augmentation.local_crop_size=[96,64,160]"])  # fmt: skip
-    largest = load_config(None, [*base, "augmentation.global_crop_size=512",
-                                 "augmentation.local_crop_size=160"])  # fmt: skip
+    pairs = load_config(
+        None,
+        [
+            *base,
+            "augmentation.global_crop_size=[224,512,384]",
+            "augmentation.local_crop_size=[96,64,160]",
+        ],
+    )
+    largest = load_config(
+        None, [*base, "augmentation.global_crop_size=512", "augmentation.local_crop_size=160"]
+    )
     first = load_config(None, [*base, "augmentation.global_crop_size=224"])
     est = [estimate_memory(c) for c in (pairs, largest, first)]
     assert est[0] == est[1] and est[0].peak > est[2].peak
@@ -135,13 +182,28 @@ def test_the_memory_model_plans_for_the_largest_pair():
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     """40 images of 40 px (4 per class)."""
-    return builtin_dataset(tmp_path_factory.mktemp("builtin") / "data", train_per_class=4,
-                           val_per_class=1, test_per_class=0, image_size=40) / "train"  # fmt: skip
+    return (
+        builtin_dataset(
+            tmp_path_factory.mktemp("builtin") / "data",
+            train_per_class=4,
+            val_per_class=1,
+            test_per_class=0,
+            image_size=40,
+        )
+        / "train"
+    )
 
 
 def _loader(images, **kw) -> MultiCropLoader:
-    args = dict(batch_size=4, global_size=[32, 48], local_size=[16, 24], n_local=2,
-                num_threads=2, seed=3, crop_size_ratios=[0.5, 0.5])  # fmt: skip
+    args = dict(
+        batch_size=4,
+        global_size=[32, 48],
+        local_size=[16, 24],
+        n_local=2,
+        num_threads=2,
+        seed=3,
+        crop_size_ratios=[0.5, 0.5],
+    )
     return MultiCropLoader(images, **{**args, **kw})
 
 
@@ -222,14 +284,20 @@ def test_one_pair_in_a_list_is_the_single_size_loader(images):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(local_size=[16, 24, 32]), "global_size has 2 sizes but local_size has 3"),
-    (dict(crop_size_ratios=[0.5, 0.4]), "must be probabilities .* summing to 1"),
-    (dict(crop_size_ratios=[1.0]), "crop_size_ratios has 1 ratios for 2 crop-size pairs"),
-    (dict(crop_size_ratios=["a", "b"]), "crop_size_ratios must be a list of numbers"),
-    (dict(global_size=[32, 48.0]), "global_size must be an int or a non-empty list of ints"),
-    (dict(global_size=[32, 44], masks={"patch_size": 8}), "crop size pair 1: masks: patch_size 8"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(local_size=[16, 24, 32]), "global_size has 2 sizes but local_size has 3"),
+        (dict(crop_size_ratios=[0.5, 0.4]), "must be probabilities .* summing to 1"),
+        (dict(crop_size_ratios=[1.0]), "crop_size_ratios has 1 ratios for 2 crop-size pairs"),
+        (dict(crop_size_ratios=["a", "b"]), "crop_size_ratios must be a list of numbers"),
+        (dict(global_size=[32, 48.0]), "global_size must be an int or a non-empty list of ints"),
+        (
+            dict(global_size=[32, 44], masks={"patch_size": 8}),
+            "crop size pair 1: masks: patch_size 8",
+        ),
+    ],
+)
 def test_bad_loader_arguments_are_one_line(images, kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
         _loader(images, **kwargs)
@@ -251,10 +319,19 @@ def train_root(tmp_path_factory):
 
 # the dinov3 recipe (masks, a Gram teacher from iteration 2 at its own side
 # per pair) at two pairs of equal probability
-RUN = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp", "model.drop_path_rate=0",
-       "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64", *PAIRS,
-       "augmentation.crop_size_ratios=[0.5,0.5]", "recipe.gram.teacher_crop_size=[48,64]",
-       "recipe.gram.it_load_ema_teacher=2", "recipe.gram.rep_update=false"]  # fmt: skip
+RUN = [
+    *TINY,
+    "recipe.name=dinov3",
+    "recipe.centering=sinkhorn_knopp",
+    "model.drop_path_rate=0",
+    "recipe.ibot.separate_head=true",
+    "recipe.ibot.out_dim=64",
+    *PAIRS,
+    "augmentation.crop_size_ratios=[0.5,0.5]",
+    "recipe.gram.teacher_crop_size=[48,64]",
+    "recipe.gram.it_load_ema_teacher=2",
+    "recipe.gram.rep_update=false",
+]
 
 
 def _cmd(out: Path, root: Path) -> list[str]:

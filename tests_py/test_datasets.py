@@ -53,8 +53,12 @@ def test_layout_manifest_and_images(small_root):
     n = len(BUILTIN_CLASSES)
     assert manifest["counts"] == {"train": 2 * n, "val": n, "test": n}
     assert sorted(p.name for p in small_root.iterdir()) == [
-        "manifest.json", "masks", "test", "train", "val"
-    ]  # fmt: skip
+        "manifest.json",
+        "masks",
+        "test",
+        "train",
+        "val",
+    ]
     for split, per_class in (("train", 2), ("val", 1), ("test", 1)):
         assert sorted(p.name for p in (small_root / split).iterdir()) == list(BUILTIN_CLASSES)
         for name in BUILTIN_CLASSES:
@@ -205,8 +209,14 @@ def test_render_rejects_unknown_class():
 
 
 def test_the_second_domain_has_its_own_classes_and_masks(tmp_path):
-    root = builtin_dataset(tmp_path / "second", train_per_class=1, val_per_class=1,
-                           test_per_class=0, image_size=32, domain="second")  # fmt: skip
+    root = builtin_dataset(
+        tmp_path / "second",
+        train_per_class=1,
+        val_per_class=1,
+        test_per_class=0,
+        image_size=32,
+        domain="second",
+    )
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["domain"] == "second" and manifest["classes"] == list(SECOND_CLASSES)
     assert manifest["mask_classes"] == ["background", *SECOND_CLASSES]

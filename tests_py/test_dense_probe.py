@@ -187,8 +187,12 @@ def test_patch_feature_map_needs_patch_tokens():
 def tiny_splits(tmp_path_factory):
     root = builtin_dataset(
         tmp_path_factory.mktemp("dense") / "builtin",
-        train_per_class=8, val_per_class=4, test_per_class=4, image_size=48, num_workers=0,
-    )  # fmt: skip
+        train_per_class=8,
+        val_per_class=4,
+        test_per_class=4,
+        image_size=48,
+        num_workers=0,
+    )
     return root, segmentation_splits(root)
 
 
@@ -203,8 +207,10 @@ def _shuffled(source: SegmentationSource, seed: int) -> SegmentationSource:
     rng = np.random.default_rng(seed)
     classes = np.array([img.parent.name for img, _ in source.pairs])
     out = copy.copy(source)
-    out.pairs = [(img, source.pairs[rng.choice(np.flatnonzero(classes != classes[i]))][1])
-                 for i, (img, _) in enumerate(source.pairs)]  # fmt: skip
+    out.pairs = [
+        (img, source.pairs[rng.choice(np.flatnonzero(classes != classes[i]))][1])
+        for i, (img, _) in enumerate(source.pairs)
+    ]
     return out
 
 
@@ -248,8 +254,10 @@ def test_probe_is_deterministic_and_keeps_the_global_rng(tiny_splits):
     torch.manual_seed(0)
     vit = vit_tiny(patch_size=16, img_size=48)
     state = torch.get_rng_state()
-    runs = [dense_probe(vit, splits["train"], splits["val"], image_size=48, iterations=8, seed=3)
-            for _ in range(2)]  # fmt: skip
+    runs = [
+        dense_probe(vit, splits["train"], splits["val"], image_size=48, iterations=8, seed=3)
+        for _ in range(2)
+    ]
     assert torch.equal(state, torch.get_rng_state())
     for r in runs:
         r.pop("seconds")

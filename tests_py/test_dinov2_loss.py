@@ -168,8 +168,9 @@ def test_dino_softmax_center_and_center_updates(dtype, gen):
         teacher = randn(gen, 8, 30, dtype=dtype)
         probs = loss.softmax_center_teacher(teacher, 0.04)
         assert probs.dtype == torch.float32 and probs.shape == (8, 30)
-        torch.testing.assert_close(probs.double(), ref_softmax_center(teacher, center, 0.04),
-                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            probs.double(), ref_softmax_center(teacher, center, 0.04), rtol=1e-4, atol=1e-6
+        )
         before = loss.center.clone()
         loss.update_center(teacher)
         assert not loss.updated and torch.equal(loss.center, before)  # applied when next needed
@@ -190,8 +191,9 @@ def test_ibot_softmax_center_and_center_updates(dtype, gen):
         tokens = randn(gen, *shape, dtype=dtype)
         probs = loss.softmax_center_teacher(tokens, 0.07)
         assert probs.dtype == torch.float32 and probs.shape == shape
-        torch.testing.assert_close(probs.double(), ref_softmax_center(tokens, center, 0.07),
-                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            probs.double(), ref_softmax_center(tokens, center, 0.07), rtol=1e-4, atol=1e-6
+        )
         loss.update_center(tokens)
         center = ref_center(center, tokens.double().mean(dim=1).mean(dim=0), 0.8)
     # dinov2's broadcast: [n, K] rows against the [1, 1, K] center give [1, n, K].
@@ -344,8 +346,10 @@ def test_koleo_ignores_autocast(gen):
 R = torch.randn
 ERRORS = [
     (lambda: sinkhorn_knopp(R(5), 0.1), "sinkhorn_knopp: teacher_output must be a 2-D"),
-    (lambda: sinkhorn_knopp(R(2, 3), 0.1, n_masked_patches=torch.tensor([1, 2])),
-     "n_masked_patches must be one count"),
+    (
+        lambda: sinkhorn_knopp(R(2, 3), 0.1, n_masked_patches=torch.tensor([1, 2])),
+        "n_masked_patches must be one count",
+    ),
     (lambda: DINOLoss(8).softmax_center_teacher(R(4, 9), 0.1), "teacher_output has 9 columns"),
     (lambda: DINOLoss(8).update_center(R(2, 4, 8)), "teacher_output must be a 2-D"),
     (lambda: DINOLoss(8)([R(4, 8)], [R(5, 8)]), "teacher_out_softmaxed_centered_list holds"),
@@ -353,24 +357,35 @@ ERRORS = [
     (lambda: DINOLoss(8)([], [R(4, 8)]), "student_output_list must be a non-empty"),
     (lambda: DINOLoss(8)(R(4, 8), [R(4, 8)]), "student_output_list must be a 3-D"),
     (lambda: DINOLoss(8, center_momentum=1.5), "center_momentum must be in"),
-    (lambda: iBOTPatchLoss(8)(R(2, 5, 8), R(2, 4, 8), R(2, 5) > 0),
-     "teacher_patch_tokens has shape"),
-    (lambda: iBOTPatchLoss(8)(R(2, 5, 8), R(2, 5, 8), R(2, 4) > 0),
-     "student_masks_flat has shape"),
-    (lambda: iBOTPatchLoss(8)(R(2, 5, 9), R(2, 5, 9), R(2, 5) > 0),
-     "student_patch_tokens has 9 columns"),
-    (lambda: iBOTPatchLoss(8).forward_masked(R(3, 8), R(3, 8), R(2, 5) > 0, masks_weight=R(4)),
-     "masks_weight has 4 rows"),
-    (lambda: iBOTPatchLoss(8).forward_masked(R(3, 8), R(2, 8), R(2, 5) > 0, masks_weight=R(3)),
-     "teacher_patch_tokens_masked has 2 rows"),
-    (lambda: iBOTPatchLoss(8).forward_masked(R(3, 9), R(3, 9), R(2, 5) > 0),
-     "student_patch_tokens_masked has 9 columns"),
+    (
+        lambda: iBOTPatchLoss(8)(R(2, 5, 8), R(2, 4, 8), R(2, 5) > 0),
+        "teacher_patch_tokens has shape",
+    ),
+    (lambda: iBOTPatchLoss(8)(R(2, 5, 8), R(2, 5, 8), R(2, 4) > 0), "student_masks_flat has shape"),
+    (
+        lambda: iBOTPatchLoss(8)(R(2, 5, 9), R(2, 5, 9), R(2, 5) > 0),
+        "student_patch_tokens has 9 columns",
+    ),
+    (
+        lambda: iBOTPatchLoss(8).forward_masked(R(3, 8), R(3, 8), R(2, 5) > 0, masks_weight=R(4)),
+        "masks_weight has 4 rows",
+    ),
+    (
+        lambda: iBOTPatchLoss(8).forward_masked(R(3, 8), R(2, 8), R(2, 5) > 0, masks_weight=R(3)),
+        "teacher_patch_tokens_masked has 2 rows",
+    ),
+    (
+        lambda: iBOTPatchLoss(8).forward_masked(R(3, 9), R(3, 9), R(2, 5) > 0),
+        "student_patch_tokens_masked has 9 columns",
+    ),
     (lambda: iBOTPatchLoss(8).update_center(R(4, 8)), "teacher_patch_tokens must be a 3-D"),
-    (lambda: iBOTPatchLoss(8).softmax_center_teacher(R(4, 7), 0.1),
-     "teacher_patch_tokens has 7 columns"),
+    (
+        lambda: iBOTPatchLoss(8).softmax_center_teacher(R(4, 7), 0.1),
+        "teacher_patch_tokens has 7 columns",
+    ),
     (lambda: KoLeoLoss()(R(1, 8)), "student_output needs at least 2 rows"),
     (lambda: KoLeoLoss()(R(8)), "student_output must be a 2-D"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("call, message", ERRORS, ids=[m for _, m in ERRORS])
@@ -386,8 +401,12 @@ def run_ranks(tmp_path: Path, data: dict, world: int = 2) -> list[dict]:
     torch.save(data, tmp_path / "data.pt")
     worker = Path(__file__).parent / "workers" / "dist_dinov2_loss_worker.py"
     files = (tmp_path / "init", tmp_path / "data.pt")
-    launch_ranks(worker, world, lambda rank: [*map(str, files), str(tmp_path / f"rank{rank}.pt")],
-                 timeout=120)  # fmt: skip
+    launch_ranks(
+        worker,
+        world,
+        lambda rank: [*map(str, files), str(tmp_path / f"rank{rank}.pt")],
+        timeout=120,
+    )
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
@@ -442,8 +461,10 @@ def test_two_ranks_centers_equal_one_process(two_ranks):
         assert torch.equal(got["loaded_center"], torch.ones(1, 24)) and got["loaded_updated"]
 
 
-@pytest.mark.parametrize("make", [lambda: DINOLoss(12, center_momentum=0.6),
-                                  lambda: iBOTPatchLoss(12, center_momentum=0.6)])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [lambda: DINOLoss(12, center_momentum=0.6), lambda: iBOTPatchLoss(12, center_momentum=0.6)],
+)
 def test_a_second_update_before_it_is_applied_replaces_the_first(make, gen):
     # dinov2's semantics (kept by dinov3): update_center stores the batch's sum;
     # a second call before apply_center_update overwrites it.

@@ -39,9 +39,14 @@ from tiny import (
     train_args,
 )
 
-DINOV2_TINY = [*TINY, "recipe.name=dinov2", "model.layerscale_init=1e-5",
-               "model.drop_path_uniform=true", "optim.layerwise_decay=0.9",
-               "optim.patch_embed_lr_mult=0.2"]  # fmt: skip
+DINOV2_TINY = [
+    *TINY,
+    "recipe.name=dinov2",
+    "model.layerscale_init=1e-5",
+    "model.drop_path_uniform=true",
+    "optim.layerwise_decay=0.9",
+    "optim.patch_embed_lr_mult=0.2",
+]
 
 
 # ---------------------------------------------------------------- config
@@ -71,8 +76,15 @@ def test_recipe_errors_name_the_key():
 
 
 def test_sqrt_scaling_rule():
-    cfg = load_config(None, ["optim.scaling_rule=sqrt_wrt_1024", "optim.lr=0.004",
-                             "data.batch_size=64", "optim.accumulation_steps=2"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "optim.scaling_rule=sqrt_wrt_1024",
+            "optim.lr=0.004",
+            "data.batch_size=64",
+            "optim.accumulation_steps=2",
+        ],
+    )
     assert effective_lr(cfg, world_size=4) == pytest.approx(0.004 * math.sqrt(512 / 1024))
     linear = load_config(None, ["optim.lr=0.0005", "data.batch_size=64"])
     assert effective_lr(linear, world_size=8) == pytest.approx(0.0005 * 512 / 256)
@@ -115,10 +127,20 @@ def test_dinov2_param_groups_follow_the_rule():
 
 
 def test_dinov2_schedules_and_the_frozen_last_layer():
-    s = Schedules.dinov2(base_lr=1e-3, min_lr=1e-6, weight_decay=0.04, weight_decay_end=0.4,
-                         momentum_teacher=0.992, warmup_teacher_temp=0.04, teacher_temp=0.07,
-                         warmup_teacher_temp_epochs=2, freeze_last_layer_epochs=1, epochs=4,
-                         warmup_epochs=1, niter_per_epoch=5)  # fmt: skip
+    s = Schedules.dinov2(
+        base_lr=1e-3,
+        min_lr=1e-6,
+        weight_decay=0.04,
+        weight_decay_end=0.4,
+        momentum_teacher=0.992,
+        warmup_teacher_temp=0.04,
+        teacher_temp=0.07,
+        warmup_teacher_temp_epochs=2,
+        freeze_last_layer_epochs=1,
+        epochs=4,
+        warmup_epochs=1,
+        niter_per_epoch=5,
+    )
     assert len(s.teacher_temp) == 20 and s.teacher_temp[0] == pytest.approx(0.04)
     assert s.teacher_temp[9] == pytest.approx(0.07) and (s.teacher_temp[10:] == 0.07).all()
     assert (s.last_layer_lr[:5] == 0).all() and (s.last_layer_lr[5:] == s.lr[5:]).all()
@@ -152,8 +174,11 @@ def _reference_total(st: StudentOutputs, t_cls, t_patch, masks, n_local, temp, w
     targets = F.softmax(torch.cat((t_cls[b:], t_cls[:b])) / temp, dim=-1).view(2, b, -1)
     patch_targets = F.softmax(t_patch / temp, dim=-1)
     n_terms = 2 * (1 + n_local)
-    local = sum(-(t * F.log_softmax(s / 0.1, dim=-1)).sum(-1).mean()
-                for s in st.local_logits.chunk(n_local) for t in targets)  # fmt: skip
+    local = sum(
+        -(t * F.log_softmax(s / 0.1, dim=-1)).sum(-1).mean()
+        for s in st.local_logits.chunk(n_local)
+        for t in targets
+    )
     glob = -(targets.flatten(0, 1) * F.log_softmax(st.global_logits / 0.1, -1)).sum(-1).mean()
     counts = masks.sum(-1)
     weight = (1.0 / counts.clamp(min=1)).repeat_interleave(counts)
@@ -199,8 +224,9 @@ def _batch(cfg, b=8, seed=0):
     return crops, masks
 
 
-@pytest.mark.parametrize("extra", [[], ["recipe.centering=sinkhorn_knopp",
-                                        "recipe.ibot.separate_head=true"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra", [[], ["recipe.centering=sinkhorn_knopp", "recipe.ibot.separate_head=true"]]
+)
 def test_a_step_trains_the_student_and_the_mask_token(extra):
     torch.manual_seed(0)
     cfg = load_config(None, [*DINOV2_TINY, *extra])

@@ -47,9 +47,14 @@ from tiny import (
     train_args,
 )
 
-DINOV3_TINY = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
-               "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64",
-               "model.drop_path_rate=0"]  # fmt: skip
+DINOV3_TINY = [
+    *TINY,
+    "recipe.name=dinov3",
+    "recipe.centering=sinkhorn_knopp",
+    "recipe.ibot.separate_head=true",
+    "recipe.ibot.out_dim=64",
+    "model.drop_path_rate=0",
+]
 
 
 # ---------------------------------------------------------------- config
@@ -70,18 +75,27 @@ def test_gram_keys_parse_with_their_defaults():
     "overrides, needle",
     [
         (["recipe.gram.it_load_ema_teacher=-1"], "needs weights for its Gram teacher"),
-        (["recipe.gram.remove_neg=true", "recipe.gram.remove_only_teacher_neg=true"],
-         "exclude each other"),
+        (
+            ["recipe.gram.remove_neg=true", "recipe.gram.remove_only_teacher_neg=true"],
+            "exclude each other",
+        ),
         (["recipe.gram.tokens_used=masked"], "needs recipe.gram.img_level=false"),
         (["recipe.gram.teacher_crop_size=30"], "multiple of model.patch_size"),
         (["recipe.gram.update_frequency=0"], "recipe.gram.update_frequency"),
-        (["recipe.gram.loss_weight_warmup_epochs=2", "recipe.gram.loss_weight_cosine_epochs=1",
-          "schedule.epochs=2", "schedule.warmup_epochs=0"], "must be <= schedule.epochs"),
+        (
+            [
+                "recipe.gram.loss_weight_warmup_epochs=2",
+                "recipe.gram.loss_weight_cosine_epochs=1",
+                "schedule.epochs=2",
+                "schedule.warmup_epochs=0",
+            ],
+            "must be <= schedule.epochs",
+        ),
         (["recipe.gram.loss_weight_end=-1"], "recipe.gram.loss_weight_end"),
         (["recipe.gram.tokens_used=some"], "recipe.gram.tokens_used"),
         (["model.backbone=resnet18", "model.patch_size=16"], "needs a ViT backbone"),
     ],
-)  # fmt: skip
+)
 def test_gram_key_errors_in_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*DINOV3_TINY, *overrides])
@@ -89,29 +103,47 @@ def test_gram_key_errors_in_one_line(overrides, needle):
 
 
 def test_the_packaged_dinov3_configs_are_dinov3s_recipes():
-    assert {"dinov3_vitl16", "dinov3_vitl16_pretrain", "dinov3_vitl16_gram_anchor",
-            "dinov3_vitl16_high_res_adapt"} <= set(recipe_names())  # fmt: skip
+    assert {
+        "dinov3_vitl16",
+        "dinov3_vitl16_pretrain",
+        "dinov3_vitl16_gram_anchor",
+        "dinov3_vitl16_high_res_adapt",
+    } <= set(recipe_names())
     im1k = load_config("dinov3_vitl16")
     r, o, s = im1k.recipe, im1k.optim, im1k.schedule
     assert (im1k.model.backbone, r.name, r.centering, r.gram.use_loss) == (
-        "vit_large_dinov3", "dinov3", "sinkhorn_knopp", False)  # fmt: skip
+        "vit_large_dinov3",
+        "dinov3",
+        "sinkhorn_knopp",
+        False,
+    )
     assert (o.lr, o.layerwise_decay, o.scaling_rule, s.epochs, s.momentum_teacher) == (
-        1e-3, 0.9, "sqrt_wrt_1024", 100, 0.992)  # fmt: skip
+        1e-3,
+        0.9,
+        "sqrt_wrt_1024",
+        100,
+        0.992,
+    )
     pretrain = load_config("dinov3_vitl16_pretrain")
     assert pretrain.augmentation.global_crop_size == 256 and not pretrain.recipe.gram.use_loss
     assert pretrain.optim.min_lr == pretrain.optim.lr  # constant after the warm-up
     with pytest.raises(ConfigError, match="needs weights for its Gram teacher"):
         load_config("dinov3_vitl16_gram_anchor")  # the pretrained run must be named
     gram = load_config("dinov3_vitl16_gram_anchor", ["recipe.gram.ckpt=pretrain.pt"]).recipe.gram
-    assert (gram.update_frequency, gram.max_updates, gram.img_level) == (
-        10000, 3, True)  # fmt: skip
-    weights = gram_weight_schedule(load_config("dinov3_vitl16_gram_anchor",
-                                               ["recipe.gram.ckpt=pretrain.pt"]), 1000)  # fmt: skip
+    assert (gram.update_frequency, gram.max_updates, gram.img_level) == (10000, 3, True)
+    weights = gram_weight_schedule(
+        load_config("dinov3_vitl16_gram_anchor", ["recipe.gram.ckpt=pretrain.pt"]), 1000
+    )
     assert weights[0] == 0 and weights[999] == 2.0 and np.all(weights[999:] == 2.0)
     assert np.all(np.diff(weights[:1000]) >= 0)
     hires = load_config("dinov3_vitl16_high_res_adapt", ["recipe.gram.ckpt=gram.pt"])
-    assert hires.augmentation.crop_size_pairs == [(512, 112), (768, 112), (768, 160),
-                                                  (768, 224), (768, 336)]  # fmt: skip
+    assert hires.augmentation.crop_size_pairs == [
+        (512, 112),
+        (768, 112),
+        (768, 160),
+        (768, 224),
+        (768, 336),
+    ]
     assert hires.augmentation.crop_size_ratios == (0.3, 0.3, 0.3, 0.05, 0.05)
     assert hires.recipe.gram.teacher_crop_size == (768, 1152, 1152, 1152, 1152)
     assert not hires.recipe.gram.rep_update and hires.recipe.gram.loss_weight == 1.5
@@ -133,28 +165,42 @@ def _outputs(gen, b=3, n=16, d=8, k=32):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(img_level=False), dict(remove_neg=True), dict(normalized=False),
-     dict(remove_only_teacher_neg=True, img_level=False, tokens_used="masked"),
-     dict(img_level=False, tokens_used="unmasked")],
+    [
+        dict(),
+        dict(img_level=False),
+        dict(remove_neg=True),
+        dict(normalized=False),
+        dict(remove_only_teacher_neg=True, img_level=False, tokens_used="masked"),
+        dict(img_level=False, tokens_used="unmasked"),
+    ],
     ids=["image", "batch", "remove_neg", "raw", "teacher_neg-masked", "unmasked"],
-)  # fmt: skip
+)
 def test_the_step_adds_the_weighted_gram_loss_to_dinov2s(options):
     gen = torch.Generator().manual_seed(0)
     student, info, gram_teacher = _outputs(gen)
     kw = dict(student_temp=0.1, centering="sinkhorn_knopp")
     dinov2 = DINOv2Loss(32, 32, 2, **kw).double()
     dinov3 = DINOv3Loss(32, 32, 2, gram=GramConfig(loss_weight=0.7, **options), **kw).double()
-    cls, patch = (torch.randn(6, 32, generator=gen), torch.randn(len(info["mask_indices_list"]),
-                                                                   32, generator=gen))  # fmt: skip
+    cls, patch = (
+        torch.randn(6, 32, generator=gen),
+        torch.randn(len(info["mask_indices_list"]), 32, generator=gen),
+    )
     targets = dinov2.teacher_targets(cls, patch, 0.04, info["n_masked_patches"])
     base, base_parts = dinov2(student, targets, info)
     total, parts = dinov3(student, targets._replace(gram=gram_teacher), info)
-    keep = {"all": slice(None), "masked": info["collated_masks"],
-            "unmasked": ~info["collated_masks"]}[options.get("tokens_used", "all")]  # fmt: skip
-    ref = gram_loss_reference(student.global_patches[keep], gram_teacher[keep],
-                              options.get("img_level", True), options.get("normalized", True),
-                              options.get("remove_neg", False),
-                              options.get("remove_only_teacher_neg", False))  # fmt: skip
+    keep = {
+        "all": slice(None),
+        "masked": info["collated_masks"],
+        "unmasked": ~info["collated_masks"],
+    }[options.get("tokens_used", "all")]
+    ref = gram_loss_reference(
+        student.global_patches[keep],
+        gram_teacher[keep],
+        options.get("img_level", True),
+        options.get("normalized", True),
+        options.get("remove_neg", False),
+        options.get("remove_only_teacher_neg", False),
+    )
     torch.testing.assert_close(parts["gram"], ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(total, base + 0.7 * ref, rtol=1e-10, atol=1e-12)
     assert set(parts) == set(base_parts) | {"gram"}
@@ -192,11 +238,13 @@ def test_the_trainers_gram_term_is_the_gram_loss_of_the_students_patch_tokens():
     _, metrics = trainer.train_step_optimized(crops, 0, masks=masks)  # iteration 0: loaded
     info = mask_targets(masks)
     with torch.no_grad():
-        student = trainer.model.student(crops, masks=info["collated_masks"],
-                                        mask_indices=info["mask_indices_list"])  # fmt: skip
+        student = trainer.model.student(
+            crops, masks=info["collated_masks"], mask_indices=info["mask_indices_list"]
+        )
         teacher = trainer.model.teacher.backbone.forward_features(torch.cat(crops[:2]))
-    ref = gram_loss_reference(student.global_patches.double(),
-                              teacher["x_norm_patchtokens"].double())  # fmt: skip
+    ref = gram_loss_reference(
+        student.global_patches.double(), teacher["x_norm_patchtokens"].double()
+    )
     torch.testing.assert_close(metrics["gram"].double(), ref, rtol=1e-5, atol=1e-7)
     grads = [p.grad for p in trainer.model.student.backbone.parameters() if p.grad is not None]
     assert grads and all(p.grad is None for p in trainer.gram_teacher.parameters())
@@ -216,8 +264,9 @@ def test_the_gram_teacher_on_larger_crops_is_resized_to_the_students_grid():
 
 
 def test_refresh_rule_and_the_gram_teachers_schedule():
-    options = GramConfig(it_load_ema_teacher=3, update_frequency=4, it_first_update=6,
-                          max_updates=2)  # fmt: skip
+    options = GramConfig(
+        it_load_ema_teacher=3, update_frequency=4, it_first_update=6, max_updates=2
+    )
     gram, teacher = GramTeacher(options), torch.nn.Linear(2, 2)
     gram.attach(teacher)
     loads, refreshes = [], []
@@ -238,8 +287,12 @@ def test_refresh_rule_and_the_gram_teachers_schedule():
 
 
 def test_the_trainer_follows_the_schedule_over_optimizer_steps():
-    schedule = ["recipe.gram.it_load_ema_teacher=1", "recipe.gram.update_frequency=2",
-                "recipe.gram.it_first_update=2", "recipe.gram.max_updates=1"]  # fmt: skip
+    schedule = [
+        "recipe.gram.it_load_ema_teacher=1",
+        "recipe.gram.update_frequency=2",
+        "recipe.gram.it_first_update=2",
+        "recipe.gram.max_updates=1",
+    ]
     cfg, trainer = _trainer(schedule)
     teacher, gram = trainer.model.teacher.backbone, trainer.gram_teacher
     seen, snapshot = [], None
@@ -281,9 +334,14 @@ def _weight_reference(start, peak, end, warmup, total, cosine):
 
 @pytest.mark.parametrize(
     "start, peak, end, warmup, total, cosine",
-    [(0.0, 2.0, 0.5, 7, 40, 20), (1.0, 1.0, 1.0, 0, 9, 9), (0.3, 2.0, 0.0, 5, 12, 7),
-     (0.0, 0.0, 2.0, 0, 25, 1), (2.0, 1.0, 3.0, 10, 10, 0)],
-)  # fmt: skip
+    [
+        (0.0, 2.0, 0.5, 7, 40, 20),
+        (1.0, 1.0, 1.0, 0, 9, 9),
+        (0.3, 2.0, 0.0, 5, 12, 7),
+        (0.0, 0.0, 2.0, 0, 25, 1),
+        (2.0, 1.0, 3.0, 10, 10, 0),
+    ],
+)
 def test_the_gram_weight_schedule_matches_the_formula(start, peak, end, warmup, total, cosine):
     got = warmup_cosine_constant(start, peak, end, warmup, total, cosine)
     ref = _weight_reference(start, peak, end, warmup, total, cosine)
@@ -295,9 +353,14 @@ def test_the_gram_weight_schedule_matches_the_formula(start, peak, end, warmup, 
 
 
 def test_the_trainer_takes_the_gram_weight_of_each_iteration():
-    keys = ["recipe.gram.loss_weight=2", "recipe.gram.loss_weight_start=0",
-            "recipe.gram.loss_weight_end=0.5", "recipe.gram.loss_weight_warmup_epochs=1",
-            "schedule.epochs=3", "schedule.warmup_epochs=1"]  # fmt: skip
+    keys = [
+        "recipe.gram.loss_weight=2",
+        "recipe.gram.loss_weight_start=0",
+        "recipe.gram.loss_weight_end=0.5",
+        "recipe.gram.loss_weight_warmup_epochs=1",
+        "schedule.epochs=3",
+        "schedule.warmup_epochs=1",
+    ]
     cfg, trainer = _trainer(keys)
     schedules = build_schedules(cfg, 4)
     weights = schedules.gram_weight
@@ -346,9 +409,15 @@ def test_the_dinov3_demo_is_the_dinov2_demo_with_a_gram_teacher():
     dinov2, dinov3 = load_config(DEMO_PRESETS["dinov2"]), load_config(DEMO_PRESETS["dinov3"])
     a, b = dinov2.to_flat_dict(), dinov3.to_flat_dict()
     changed = {k for k in a if a[k] != b[k]}
-    assert changed == {"recipe.name", "recipe.ibot.separate_head", "recipe.ibot.out_dim",
-                       "recipe.gram.it_load_ema_teacher", "recipe.gram.update_frequency",
-                       "recipe.gram.it_first_update", "recipe.gram.max_updates"}  # fmt: skip
+    assert changed == {
+        "recipe.name",
+        "recipe.ibot.separate_head",
+        "recipe.ibot.out_dim",
+        "recipe.gram.it_load_ema_teacher",
+        "recipe.gram.update_frequency",
+        "recipe.gram.it_first_update",
+        "recipe.gram.max_updates",
+    }
     assert b["recipe.ibot.out_dim"] == b["model.out_dim"]
 
 
@@ -362,8 +431,12 @@ def train_root(tmp_path_factory):
 
 # 10 optimizer steps: the Gram teacher loaded at the start of iteration 2,
 # refreshed after iterations 3 and 5 (then max_updates)
-GRAM_SCHEDULE = ["recipe.gram.it_load_ema_teacher=2", "recipe.gram.update_frequency=2",
-                 "recipe.gram.it_first_update=4", "recipe.gram.max_updates=2"]  # fmt: skip
+GRAM_SCHEDULE = [
+    "recipe.gram.it_load_ema_teacher=2",
+    "recipe.gram.update_frequency=2",
+    "recipe.gram.it_first_update=4",
+    "recipe.gram.max_updates=2",
+]
 
 
 def _cmd(out: Path, root: Path, *extra: str) -> list[str]:
@@ -389,8 +462,17 @@ def test_a_gram_checkpoint_that_is_missing_is_one_line(train_root, tmp_path, cap
     missing = tmp_path / "missing.pt"
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main(["train", "--output-dir", str(tmp_path / "out"), "--quiet", f"data.root={train_root}",
-              *DINOV3_TINY, f"recipe.gram.ckpt={missing}"])  # fmt: skip
+        main(
+            [
+                "train",
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--quiet",
+                f"data.root={train_root}",
+                *DINOV3_TINY,
+                f"recipe.gram.ckpt={missing}",
+            ]
+        )
     err = capsys.readouterr().err
     lines = [x for x in err.strip().splitlines() if "error" in x]
     assert e.value.code == 2 and len(lines) == 1 and str(missing) in lines[0], err

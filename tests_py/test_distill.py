@@ -60,9 +60,15 @@ def gen():
 
 def _vit(patch=8, dim=32):
     torch.manual_seed(0)
-    return VisionTransformer(patch_size=patch, embed_dim=dim, depth=2, num_heads=2, img_size=32,
-                             drop_path_rate=0.0,
-                             use_mask_token=True).eval()  # fmt: skip
+    return VisionTransformer(
+        patch_size=patch,
+        embed_dim=dim,
+        depth=2,
+        num_heads=2,
+        img_size=32,
+        drop_path_rate=0.0,
+        use_mask_token=True,
+    ).eval()
 
 
 # ---------------------------------------------------------------- tokens
@@ -100,8 +106,9 @@ def _pool_reference(patches, grid, to):
     return out.reshape(patches.shape[0], th * tw, -1)
 
 
-@pytest.mark.parametrize("grid, to", [((4, 4), (2, 2)), ((6, 4), (3, 1)), ((4, 4), (4, 4)),
-                                      ((8, 6), (2, 3))])  # fmt: skip
+@pytest.mark.parametrize(
+    "grid, to", [((4, 4), (2, 2)), ((6, 4), (3, 1)), ((4, 4), (4, 4)), ((8, 6), (2, 3))]
+)
 def test_pool_to_grid_averages_blocks(grid, to, gen):
     patches = torch.randn(2, grid[0] * grid[1], 5, generator=gen, dtype=torch.float64)
     assert torch.allclose(pool_to_grid(patches, grid, to), _pool_reference(patches, grid, to))
@@ -157,11 +164,14 @@ def _loss_reference(s, t, o):
 
 @pytest.mark.parametrize(
     "o",
-    [DistillConfig(), DistillConfig(cls_weight=0.3, patch_weight=2.0),
-     DistillConfig(cosine_weight=0.0, smooth_l1_weight=1.5),
-     DistillConfig(cosine_weight=2.0, smooth_l1_weight=0.0),
-     DistillConfig(standardize=True, cls_weight=0.5)],
-)  # fmt: skip
+    [
+        DistillConfig(),
+        DistillConfig(cls_weight=0.3, patch_weight=2.0),
+        DistillConfig(cosine_weight=0.0, smooth_l1_weight=1.5),
+        DistillConfig(cosine_weight=2.0, smooth_l1_weight=0.0),
+        DistillConfig(standardize=True, cls_weight=0.5),
+    ],
+)
 def test_feature_loss_matches_its_formula_with_gradients(o, gen):
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * 1.5
@@ -170,16 +180,23 @@ def test_feature_loss_matches_its_formula_with_gradients(o, gen):
     t = Tokens(r(4, 8), r(4, 6, 8), (2, 3))
     loss, parts = FeatureDistillLoss(o)(s, t)
     # the loss computes in float32: compare with the reference at that precision
-    ref = _loss_reference(Tokens(s.cls.float(), s.patches.float(), s.grid),
-                          Tokens(t.cls.float(), t.patches.float(), t.grid), o)  # fmt: skip
+    ref = _loss_reference(
+        Tokens(s.cls.float(), s.patches.float(), s.grid),
+        Tokens(t.cls.float(), t.patches.float(), t.grid),
+        o,
+    )
     assert torch.allclose(loss.double(), ref.double(), rtol=1e-5)
     got = torch.autograd.grad(loss, [s.cls, s.patches])
     s64 = Tokens(s.cls.detach().requires_grad_(), s.patches.detach().requires_grad_(), s.grid)
     want = torch.autograd.grad(_loss_reference(s64, t, o), [s64.cls, s64.patches])
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
-    assert set(parts) == {"distill_cls_cosine", "distill_cls_smooth_l1", "distill_patch_cosine",
-                          "distill_patch_smooth_l1"}  # fmt: skip
+    assert set(parts) == {
+        "distill_cls_cosine",
+        "distill_cls_smooth_l1",
+        "distill_patch_cosine",
+        "distill_patch_smooth_l1",
+    }
 
 
 def _local_reference(local, t_cls, o):
@@ -199,10 +216,14 @@ def _local_reference(local, t_cls, o):
     return o.local_weight * (o.cosine_weight * cos + o.smooth_l1_weight * l1) / pairs
 
 
-@pytest.mark.parametrize("o", [DistillConfig(local_weight=1.0),
-                               DistillConfig(local_weight=2.0, standardize=True),
-                               DistillConfig(local_weight=0.5, cosine_weight=2.0,
-                                              smooth_l1_weight=0.25)])  # fmt: skip
+@pytest.mark.parametrize(
+    "o",
+    [
+        DistillConfig(local_weight=1.0),
+        DistillConfig(local_weight=2.0, standardize=True),
+        DistillConfig(local_weight=0.5, cosine_weight=2.0, smooth_l1_weight=0.25),
+    ],
+)
 def test_local_crop_terms_match_their_formula_with_gradients(o, gen):
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * 1.5
@@ -280,8 +301,9 @@ def test_whitened_tokens_have_the_identity_covariance(gen):
     x = _anisotropic(gen, 8000, 5).float()
     out = TokenWhitener(5, floor=1e-7)(x).double()
     assert out.mean(0).abs().max() < 1e-3
-    assert torch.allclose(torch.cov(out.T, correction=0), torch.eye(5, dtype=torch.float64),
-                          atol=2e-3)  # fmt: skip
+    assert torch.allclose(
+        torch.cov(out.T, correction=0), torch.eye(5, dtype=torch.float64), atol=2e-3
+    )
     with pytest.raises(ValueError, match="floor"):
         TokenWhitener(5, floor=0.0)
 
@@ -298,8 +320,9 @@ def test_the_teachers_tokens_are_whitened_before_they_are_pooled(gen):
     raw = backbone_tokens(teacher, images)
     cls, patch = TokenWhitener(48, 1e-3), TokenWhitener(48, 1e-3)
     assert torch.allclose(got.cls, cls(raw.cls), atol=1e-5)
-    assert torch.allclose(got.patches, pool_to_grid(patch(raw.patches), raw.grid, (2, 2)),
-                          atol=1e-5)  # fmt: skip
+    assert torch.allclose(
+        got.patches, pool_to_grid(patch(raw.patches), raw.grid, (2, 2)), atol=1e-5
+    )
     state = loss.state_dict()
     assert {"whiteners.cls.mean", "whiteners.patch.cov", "whiteners.cls.batches"} <= set(state)
     assert torch.equal(state["whiteners.patch.mean"], patch.mean)
@@ -363,8 +386,9 @@ def test_feature_step_runs_the_teacher_once_and_trains_the_projector(gen):
     assert teacher.calls == 3 and torch.isfinite(loss) and "distill_patch_cosine" in metrics
     after = trainer.model.student.state_dict()
     assert not torch.equal(before["head.cls.weight"], after["head.cls.weight"])
-    assert not torch.equal(before["backbone.blocks.0.attn.qkv.weight"],
-                           after["backbone.blocks.0.attn.qkv.weight"])  # fmt: skip
+    assert not torch.equal(
+        before["backbone.blocks.0.attn.qkv.weight"], after["backbone.blocks.0.attn.qkv.weight"]
+    )
     ema = trainer.model.teacher.state_dict()["head.cls.weight"]
     assert not torch.equal(ema, before["head.cls.weight"])  # the student's EMA follows
 
@@ -429,8 +453,10 @@ def test_a_teacher_at_another_resolution(gen):
     # 64 px for the teacher: its 8 x 8 grid averaged onto the student's 4 x 4
     assert teacher.sides == [64] and torch.isfinite(loss)
     crops = [torch.randn(2, 3, 32, 32, generator=gen)] * 2
-    for scale, match in ((0.75, "3 x 3 grid .* cannot be aligned with a 4 x 4"),
-                         (0.7, "not a multiple of its patch")):  # fmt: skip
+    for scale, match in (
+        (0.75, "3 x 3 grid .* cannot be aligned with a 4 x 4"),
+        (0.7, "not a multiple of its patch"),
+    ):
         bad = _feature_trainer(_vit(patch=8, dim=32), _vit(patch=8, dim=48), 32, scale=scale)
         with pytest.raises(ValueError, match=match):
             bad.train_step_optimized(crops, 0)
@@ -445,21 +471,27 @@ def _resnet18():
 
 def _students():
     """Three students of a ViT-S-like teacher: two ViTs and a ResNet-18."""
-    return {"vit_a": FeatureDistillWrapper(_vit(patch=8, dim=32).train(), FeatureProjector(32, 48)),
-            "vit_b": FeatureDistillWrapper(_vit(patch=16, dim=24).train(),
-                                           FeatureProjector(24, 48, hidden=16)),
-            "resnet": FeatureDistillWrapper(_resnet18(), FeatureProjector(512, 48))}  # fmt: skip
+    return {
+        "vit_a": FeatureDistillWrapper(_vit(patch=8, dim=32).train(), FeatureProjector(32, 48)),
+        "vit_b": FeatureDistillWrapper(
+            _vit(patch=16, dim=24).train(), FeatureProjector(24, 48, hidden=16)
+        ),
+        "resnet": FeatureDistillWrapper(_resnet18(), FeatureProjector(512, 48)),
+    }
 
 
 def _trainer_of(student, teacher_backbone, clip=0.05, device="cpu", precision="fp32"):
     student, teacher_backbone = student.to(device), teacher_backbone.to(device)
-    model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9,
-                      copy_buffers=True)  # fmt: skip
+    model = DINOModel(student, copy.deepcopy(student).requires_grad_(False), 0.9, copy_buffers=True)
     loss = FeatureDistillLoss(DistillConfig())
     loss.attach_teacher(FrozenTeacher(teacher_backbone, teacher_backbone.patch_size))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
-    config = {"precision": precision, "accumulation_steps": 1, "freeze_last_layer": 0,
-              "gradient_clip": clip}  # fmt: skip
+    config = {
+        "precision": precision,
+        "accumulation_steps": 1,
+        "freeze_last_layer": 0,
+        "gradient_clip": clip,
+    }
     return FeatureDistillTrainer(model, loss, opt, config, device)
 
 
@@ -564,8 +596,9 @@ def test_cuda_a_bfloat16_teacher_under_autocast(gen):
     assert_bfloat16_teacher_close(vit, torch.randn(4, 3, 32, 32, generator=gen).cuda())
     crops = [[torch.randn(2, 3, 64, 64, generator=gen) for _ in range(2)] for _ in range(3)]
     full, _ = _bank_losses("cuda", "fp32", crops)
-    bf16, _ = _bank_losses("cuda", "bf16", crops, parameters_in(_vit(patch=8, dim=48),
-                                                              torch.bfloat16))  # fmt: skip
+    bf16, _ = _bank_losses(
+        "cuda", "bf16", crops, parameters_in(_vit(patch=8, dim=48), torch.bfloat16)
+    )
     assert bf16 == pytest.approx(full, rel=0.05)
 
 
@@ -623,9 +656,14 @@ def train_root(tmp_path_factory):
 def teacher_run(train_root, tmp_path_factory):
     """A tiny DINOv2 run (ViT-T/8, width 192, a separate iBOT head of 40): the teacher."""
     out = tmp_path_factory.mktemp("teacher") / "run"
-    teacher = [*TINY, "recipe.name=dinov2", "recipe.ibot.separate_head=true",
-               "recipe.ibot.out_dim=40", "schedule.epochs=1",
-               "schedule.warmup_epochs=0"]  # fmt: skip
+    teacher = [
+        *TINY,
+        "recipe.name=dinov2",
+        "recipe.ibot.separate_head=true",
+        "recipe.ibot.out_dim=40",
+        "schedule.epochs=1",
+        "schedule.warmup_epochs=0",
+    ]
     run_cli_ok(_cmd(out, train_root, *teacher))
     return out
 
@@ -635,15 +673,21 @@ def _cmd(out: Path, root: Path, *config: str) -> list[str]:
 
 
 def _student(teacher: Path, *extra: str) -> list[str]:
-    return [*TINY, "recipe.name=distill", f"recipe.distill.teacher={teacher}",
-            "model.drop_path_rate=0", *extra]  # fmt: skip
+    return [
+        *TINY,
+        "recipe.name=distill",
+        f"recipe.distill.teacher={teacher}",
+        "model.drop_path_rate=0",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(
     "mode, extra", [("features", ()), ("heads", ()), ("features", ("recipe.distill.whiten=0.001",))]
 )
-def test_distillation_trains_and_resumes_bit_for_bit(mode, extra, train_root, teacher_run,
-                                                     tmp_path):  # fmt: skip
+def test_distillation_trains_and_resumes_bit_for_bit(
+    mode, extra, train_root, teacher_run, tmp_path
+):
     """(With whitening: its running statistics are in the checkpoint.)"""
     config = _student(teacher_run, f"recipe.distill.mode={mode}", *extra)
     ref = tmp_path / "ref"
@@ -668,8 +712,9 @@ def test_distillation_trains_and_resumes_bit_for_bit(mode, extra, train_root, te
 
 def test_a_resnet_student_from_a_vit_teacher(train_root, teacher_run, tmp_path):
     out = tmp_path / "resnet"
-    config = _student(teacher_run, "model.backbone=resnet18", "model.patch_size=16",
-                      "schedule.epochs=1")  # fmt: skip
+    config = _student(
+        teacher_run, "model.backbone=resnet18", "model.patch_size=16", "schedule.epochs=1"
+    )
     run_cli_ok(_cmd(out, train_root, *config))
     final = final_state(out)
     assert final["teacher"]["head.patch.weight"].shape == (192, 512)  # ResNet-18 to ViT-T
@@ -705,21 +750,60 @@ def test_a_feature_distillation_builds_no_dino_head(monkeypatch):
 
 @pytest.mark.parametrize(
     "extra, needle",
-    [([], "needs its teacher"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads", "model.backbone=resnet18",
-       "model.patch_size=16"], "trains a ViT student"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads",
-       "recipe.distill.local_weight=1"], "recipe.distill.local_weight=1 is for"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.local_weight=0.5",
-       "augmentation.num_local_views=0"], "augmentation.num_local_views is 0"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads",
-       "recipe.distill.standardize=true"], "recipe.distill.standardize is for"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.mode=heads",
-       "recipe.distill.whiten=0.001"], "recipe.distill.whiten is for"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.standardize=true",
-       "recipe.distill.whiten=0.001"], "choose one"),
-     (["recipe.distill.teacher=x.pt", "recipe.distill.whiten=2"], "recipe.distill.whiten")],
-)  # fmt: skip
+    [
+        ([], "needs its teacher"),
+        (
+            [
+                "recipe.distill.teacher=x.pt",
+                "recipe.distill.mode=heads",
+                "model.backbone=resnet18",
+                "model.patch_size=16",
+            ],
+            "trains a ViT student",
+        ),
+        (
+            [
+                "recipe.distill.teacher=x.pt",
+                "recipe.distill.mode=heads",
+                "recipe.distill.local_weight=1",
+            ],
+            "recipe.distill.local_weight=1 is for",
+        ),
+        (
+            [
+                "recipe.distill.teacher=x.pt",
+                "recipe.distill.local_weight=0.5",
+                "augmentation.num_local_views=0",
+            ],
+            "augmentation.num_local_views is 0",
+        ),
+        (
+            [
+                "recipe.distill.teacher=x.pt",
+                "recipe.distill.mode=heads",
+                "recipe.distill.standardize=true",
+            ],
+            "recipe.distill.standardize is for",
+        ),
+        (
+            [
+                "recipe.distill.teacher=x.pt",
+                "recipe.distill.mode=heads",
+                "recipe.distill.whiten=0.001",
+            ],
+            "recipe.distill.whiten is for",
+        ),
+        (
+            [
+                "recipe.distill.teacher=x.pt",
+                "recipe.distill.standardize=true",
+                "recipe.distill.whiten=0.001",
+            ],
+            "choose one",
+        ),
+        (["recipe.distill.teacher=x.pt", "recipe.distill.whiten=2"], "recipe.distill.whiten"),
+    ],
+)
 def test_config_errors_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*TINY, "recipe.name=distill", *extra])
@@ -729,14 +813,24 @@ def test_config_errors_are_one_line(extra, needle):
 def test_bad_teachers_are_one_line(train_root, tmp_path, capsys):
     junk = tmp_path / "junk.pt"
     torch.save({"foo": torch.zeros(3)}, junk)
-    cases = [(junk, "features", str(junk)), (tmp_path / "missing.pt", "features", "does not exist"),
-             (junk, "heads", "needs a dino_opt run or checkpoint")]  # fmt: skip
+    cases = [
+        (junk, "features", str(junk)),
+        (tmp_path / "missing.pt", "features", "does not exist"),
+        (junk, "heads", "needs a dino_opt run or checkpoint"),
+    ]
     for path, mode, needle in cases:
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
-            main(["train", "--output-dir", str(tmp_path / f"out_{mode}"), "--quiet",
-                  f"data.root={train_root}",
-                  *_student(path, f"recipe.distill.mode={mode}")])  # fmt: skip
+            main(
+                [
+                    "train",
+                    "--output-dir",
+                    str(tmp_path / f"out_{mode}"),
+                    "--quiet",
+                    f"data.root={train_root}",
+                    *_student(path, f"recipe.distill.mode={mode}"),
+                ]
+            )
         err = capsys.readouterr().err
         lines = [x for x in err.strip().splitlines() if "error" in x]
         assert e.value.code == 2 and len(lines) == 1 and needle in lines[0], err
@@ -750,5 +844,10 @@ def test_the_distill_demo_is_the_dino_demo_with_the_measured_features_settings()
     assert d.whiten == 1e-4 and d.projector_hidden == 2048
     a, b = dino.to_flat_dict(), demo.to_flat_dict()
     changed = {k for k in a if a[k] != b[k]}
-    assert changed == {"recipe.name", "recipe.distill.teacher", "recipe.distill.local_weight",
-                       "recipe.distill.whiten", "recipe.distill.projector_hidden"}  # fmt: skip
+    assert changed == {
+        "recipe.name",
+        "recipe.distill.teacher",
+        "recipe.distill.local_weight",
+        "recipe.distill.whiten",
+        "recipe.distill.projector_hidden",
+    }

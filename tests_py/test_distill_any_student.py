@@ -26,9 +26,17 @@ from tiny import TINY, final_state
 from torch import nn
 
 OWN = "own_nets:small_cnn"
-STUDENTS = [*TINY, "recipe.name=distill", "model.drop_path_rate=0", "data.batch_size=4",
-            "schedule.epochs=1", "schedule.warmup_epochs=0", "logging.tensorboard=false",
-            "logging.profile=false", f"recipe.distill.students=[timm:resnet18,{OWN}]"]  # fmt: skip
+STUDENTS = [
+    *TINY,
+    "recipe.name=distill",
+    "model.drop_path_rate=0",
+    "data.batch_size=4",
+    "schedule.epochs=1",
+    "schedule.warmup_epochs=0",
+    "logging.tensorboard=false",
+    "logging.profile=false",
+    f"recipe.distill.students=[timm:resnet18,{OWN}]",
+]
 
 
 def test_a_torchvision_resnet_is_read_as_the_built_in_one(gen):
@@ -47,9 +55,13 @@ def test_a_torchvision_resnet_is_read_as_the_built_in_one(gen):
 # the classifier replaced by Identity, the model's own forward gives the
 # image's feature (the pooled map).
 # (The ResNets' reader: the test above.)
-FAMILIES = [("swin_t", "swin", "head"), ("mobilenet_v3_small", "features", "classifier"),
-            ("regnet_x_400mf", "regnet", "fc"), ("mnasnet0_5", "layers", "classifier"),
-            ("shufflenet_v2_x0_5", "shufflenet", "fc")]  # fmt: skip
+FAMILIES = [
+    ("swin_t", "swin", "head"),
+    ("mobilenet_v3_small", "features", "classifier"),
+    ("regnet_x_400mf", "regnet", "fc"),
+    ("mnasnet0_5", "layers", "classifier"),
+    ("shufflenet_v2_x0_5", "shufflenet", "fc"),
+]
 
 
 @pytest.mark.parametrize(("name", "reader", "classifier"), FAMILIES)
@@ -68,8 +80,9 @@ def test_a_torchvision_network_is_read_as_its_own_forward_gives_its_feature(
 
 
 def _torchvision_vit(image_size: int) -> torchvision.models.VisionTransformer:
-    return torchvision.models.VisionTransformer(image_size=image_size, patch_size=8, num_layers=2,
-                                                num_heads=2, hidden_dim=32, mlp_dim=64)  # fmt: skip
+    return torchvision.models.VisionTransformer(
+        image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64
+    )
 
 
 def test_a_torchvision_vit_is_read_as_its_tokens_at_any_size(gen):
@@ -133,15 +146,17 @@ def test_a_functions_module_is_read_as_its_feature_map(gen):
 
 @pytest.mark.parametrize(
     ("name", "needle"),
-    [("timm:resnet_nope", "timm 1.0"),
-     ("torchvision:maxvit_t", "no feature map to read"),
-     ("own_nets:pooled", "gives a tensor of shape [1, 8]"),
-     ("own_nets:two_outputs", "gives a tuple of 2"),
-     ("own_nets:not_a_module", "returned a Tensor, not a torch.nn.Module"),
-     ("own_nets:fails", "calling fails() failed (RuntimeError: no weights here)"),
-     ("own_nets:nothing", "cannot import it (AttributeError"),
-     ("no_such_package.nets:f", "cannot import it (ModuleNotFoundError")],
-)  # fmt: skip
+    [
+        ("timm:resnet_nope", "timm 1.0"),
+        ("torchvision:maxvit_t", "no feature map to read"),
+        ("own_nets:pooled", "gives a tensor of shape [1, 8]"),
+        ("own_nets:two_outputs", "gives a tuple of 2"),
+        ("own_nets:not_a_module", "returned a Tensor, not a torch.nn.Module"),
+        ("own_nets:fails", "calling fails() failed (RuntimeError: no weights here)"),
+        ("own_nets:nothing", "cannot import it (AttributeError"),
+        ("no_such_package.nets:f", "cannot import it (ModuleNotFoundError"),
+    ],
+)
 def test_what_cannot_be_a_student_is_one_line(name, needle):
     with pytest.raises(ValueError) as e:
         build_backbone(name)
@@ -150,17 +165,33 @@ def test_what_cannot_be_a_student_is_one_line(name, needle):
 
 @pytest.mark.parametrize(
     ("overrides", "needle"),
-    [(["model.backbone=timm:resnet18.a1_in1k"], "'.tag' names weights to download"),
-     (["model.backbone=torchvision:"], "torchvision:NAME takes a model name"),
-     (["model.backbone=resnet18:"], "is not timm:NAME, torchvision:NAME or package.module"),
-     (["model.backbone=timm:resnet18"], "a network of your own is a student of recipe.name"),
-     (["recipe.name=distill", "recipe.distill.teacher=t.pth",
-       "recipe.distill.students=[timm:resnet18]", "recipe.distill.students_init_from=[a,b]"],
-      "names 2 start(s) for 1 student(s)"),
-     (["recipe.name=distill", "recipe.distill.teacher=t.pth", "model.backbone=vit_tiny",
-       "recipe.distill.students=[vit_small]", "recipe.distill.students_init_from=[a]",
-       "distributed.strategy=fsdp"], "use distributed.strategy=ddp")],
-)  # fmt: skip
+    [
+        (["model.backbone=timm:resnet18.a1_in1k"], "'.tag' names weights to download"),
+        (["model.backbone=torchvision:"], "torchvision:NAME takes a model name"),
+        (["model.backbone=resnet18:"], "is not timm:NAME, torchvision:NAME or package.module"),
+        (["model.backbone=timm:resnet18"], "a network of your own is a student of recipe.name"),
+        (
+            [
+                "recipe.name=distill",
+                "recipe.distill.teacher=t.pth",
+                "recipe.distill.students=[timm:resnet18]",
+                "recipe.distill.students_init_from=[a,b]",
+            ],
+            "names 2 start(s) for 1 student(s)",
+        ),
+        (
+            [
+                "recipe.name=distill",
+                "recipe.distill.teacher=t.pth",
+                "model.backbone=vit_tiny",
+                "recipe.distill.students=[vit_small]",
+                "recipe.distill.students_init_from=[a]",
+                "distributed.strategy=fsdp",
+            ],
+            "use distributed.strategy=ddp",
+        ),
+    ],
+)
 def test_bad_student_configs_are_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
         apply_overrides(default_config(), overrides)
@@ -202,10 +233,21 @@ def trained(distill_data, distill_teacher, tmp_path_factory):
     torch.save(start.state_dict(), tmp / "r18.pth")
     out, starts = tmp / "run", f"recipe.distill.students_init_from=[{tmp / 'r18.pth'},none]"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet",
-                     f"data.root={distill_data / 'train'}", *STUDENTS,
-                     f"recipe.distill.teacher={distill_teacher}",
-                     starts]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    "--output-dir",
+                    str(out),
+                    "--quiet",
+                    f"data.root={distill_data / 'train'}",
+                    *STUDENTS,
+                    f"recipe.distill.teacher={distill_teacher}",
+                    starts,
+                ]
+            )
+            == 0
+        )
     return out, start
 
 
@@ -225,21 +267,45 @@ def test_a_run_trains_evaluates_and_exports_every_student(trained, tmp_path, cap
     state = final_state(out)["teacher"]
     # timm's own state dict, loaded by timm without the classifier
     target = tmp_path / "r18_timm.pth"
-    assert main(["export", str(out), "--student", "timm:resnet18", "--format", "timm",
-                 "--output", str(target)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                str(out),
+                "--student",
+                "timm:resnet18",
+                "--format",
+                "timm",
+                "--output",
+                str(target),
+            ]
+        )
+        == 0
+    )
     net = timm.create_model("resnet18", num_classes=0)
     net.load_state_dict(torch.load(target, weights_only=True))
     assert torch.equal(net.conv1.weight, state["members.timm:resnet18.backbone.net.conv1.weight"])
     assert not torch.equal(net.conv1.weight, start.conv1.weight)  # trained from its start
     # the function's module: its own state dict
     own = tmp_path / "own.pth"
-    assert main(["export", str(out), "--student", OWN, "--format", "dino", "--output",
-                 str(own)]) == 0  # fmt: skip
+    assert (
+        main(["export", str(out), "--student", OWN, "--format", "dino", "--output", str(own)]) == 0
+    )
     own_nets.small_cnn().load_state_dict(torch.load(own, weights_only=True))
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        main(["export", str(out), "--student", "timm:resnet18", "--format", "torchvision",
-              "--output", str(tmp_path / "x.pth")])  # fmt: skip
+        main(
+            [
+                "export",
+                str(out),
+                "--student",
+                "timm:resnet18",
+                "--format",
+                "torchvision",
+                "--output",
+                str(tmp_path / "x.pth"),
+            ]
+        )
     assert "--format torchvision does not write a timm:resnet18 student; dino or timm" in (
         capsys.readouterr().err
     )
@@ -254,8 +320,9 @@ def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
     for fmt in ("torchvision", "timm"):
         path = tmp_path / f"{fmt}.pth"
         load, _ = export_cnn(fmt, sd, "resnet18", path, META, lambda: None)
-        target = (torchvision.models.resnet18() if fmt == "torchvision"
-                  else timm.create_model("resnet18"))  # fmt: skip
+        target = (
+            torchvision.models.resnet18() if fmt == "torchvision" else timm.create_model("resnet18")
+        )
         target.fc = torch.nn.Identity()
         target.load_state_dict(torch.load(path, weights_only=True))
         assert torch.equal(target.conv1.weight, net.conv1.weight) and fmt in load
@@ -266,8 +333,10 @@ def test_a_built_in_resnet_is_written_for_torchvision_and_timm(tmp_path):
 
 
 def test_a_students_key_is_its_name_without_dots():
-    cfg = load_config(None, [*STUDENTS, "recipe.distill.teacher=t.pth",
-                             "recipe.distill.students=[pkg.nets:small]"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [*STUDENTS, "recipe.distill.teacher=t.pth", "recipe.distill.students=[pkg.nets:small]"],
+    )
     assert cfg.student_names == ("vit_tiny", "pkg.nets:small")
     assert cfg.student_keys == ("vit_tiny", "pkg_nets:small")
 

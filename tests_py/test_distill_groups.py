@@ -29,7 +29,11 @@ def test_the_teacher_runs_once_per_batch_split_over_the_students(tmp_path):
     metrics' mean over all ranks is each student's mean and their sum."""
     ranks = run_ranks(HERE / "workers" / "dist_groups_worker.py", tmp_path, world=4)
     assert [(r["index"], r["data_rank"], r["lead"]) for r in ranks] == [
-        (0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False)]  # fmt: skip
+        (0, 0, True),
+        (0, 1, False),
+        (1, 0, True),
+        (1, 1, False),
+    ]
     for r in ranks:
         assert r["seen"] == [3]  # one forward, of this rank's share
         assert r["shapes"] == [[6, 64], [6, 16, 64]]
@@ -46,10 +50,12 @@ def test_the_teacher_runs_once_per_batch_split_over_the_students(tmp_path):
 
 @pytest.mark.parametrize(
     ("students", "world", "batch", "needle"),
-    [(3, 2, 6, "number of processes (2) must be a multiple of 3"),
-     (2, 4, 5, "data.batch_size (5) must be a multiple of 2"),
-     (1, 2, 4, "multiple of 1")],
-)  # fmt: skip
+    [
+        (3, 2, 6, "number of processes (2) must be a multiple of 3"),
+        (2, 4, 5, "data.batch_size (5) must be a multiple of 2"),
+        (1, 2, 4, "multiple of 1"),
+    ],
+)
 def test_a_layout_the_ranks_cannot_hold_is_one_line(students, world, batch, needle):
     with pytest.raises(ValueError, match=r"student_groups") as e:
         student_groups(students, 0, world, batch)
@@ -58,13 +64,19 @@ def test_a_layout_the_ranks_cannot_hold_is_one_line(students, world, batch, need
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
-    [([], "name more students with recipe.distill.students"),
-     (["recipe.distill.students=[resnet18]", "distributed.strategy=fsdp"],
-      "shards a ViT block by block"),
-     (["recipe.distill.students=[resnet18]", "data.batch_size=5"],
-      "data.batch_size (5) must be a multiple of 2"),
-     (["recipe.distill.students=[resnet18]", "model.init_from=x.pth"], "model.init_from")],
-)  # fmt: skip
+    [
+        ([], "name more students with recipe.distill.students"),
+        (
+            ["recipe.distill.students=[resnet18]", "distributed.strategy=fsdp"],
+            "shards a ViT block by block",
+        ),
+        (
+            ["recipe.distill.students=[resnet18]", "data.batch_size=5"],
+            "data.batch_size (5) must be a multiple of 2",
+        ),
+        (["recipe.distill.students=[resnet18]", "model.init_from=x.pth"], "model.init_from"),
+    ],
+)
 def test_bad_group_configs_are_one_line(extra, needle):
     base = ["recipe.name=distill", "recipe.distill.teacher=t.pth", "model.backbone=vit_tiny"]
     with pytest.raises(ConfigError) as e:
@@ -129,8 +141,21 @@ def test_groups_train_each_student_as_one_process_trains_them_all(grouped, toget
     assert (out / "students" / "resnet18" / "evaluation.json").is_file()
     assert "knn_top1_trained" in report
     target = out.parent / "resnet18.pth"
-    assert main(["export", str(out), "--format", "dino", "--output", str(target),
-                 "--student", "resnet18"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                str(out),
+                "--format",
+                "dino",
+                "--output",
+                str(target),
+                "--student",
+                "resnet18",
+            ]
+        )
+        == 0
+    )
     net = torchvision.models.resnet18(weights=None)
     net.fc = torch.nn.Identity()
     net.load_state_dict(torch.load(target, weights_only=True))
@@ -138,8 +163,9 @@ def test_groups_train_each_student_as_one_process_trains_them_all(grouped, toget
     assert torch.equal(net.conv1.weight, grouped["state"]["teacher"][key])
 
 
-def test_a_killed_rank_resumes_grouped_students_bit_for_bit(grouped, distill_data, distill_teacher,
-                                                             tmp_path):  # fmt: skip
+def test_a_killed_rank_resumes_grouped_students_bit_for_bit(
+    grouped, distill_data, distill_teacher, tmp_path
+):
     kill = ("debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")
     run = _train(tmp_path / "run", distill_data, distill_teacher, GROUPS, *kill)
     assert run["report"].get("restarts"), run["report"]
@@ -150,8 +176,9 @@ def test_a_killed_rank_resumes_grouped_students_bit_for_bit(grouped, distill_dat
             assert torch.equal(a[name], value), f"{key}.{name} differs"
 
 
-def test_groups_resume_a_run_of_all_students_in_one_process(together, distill_data, distill_teacher,
-                                                            tmp_path):  # fmt: skip
+def test_groups_resume_a_run_of_all_students_in_one_process(
+    together, distill_data, distill_teacher, tmp_path
+):
     """A checkpoint of both students trained in one process, at step 4,
     resumed with each student on its own rank: each takes its part (its
     optimizer's positions after the other's) and ends as the one-process
@@ -172,9 +199,14 @@ def test_fsdp_shards_each_student_over_its_group(distill_data, distill_teacher, 
     at step 3 and the run restarted from step 2: it ends as the same
     students trained with DDP over their pairs (within 1e-5: FSDP reduces
     the gradients in another order), and every student is evaluated."""
-    run = (GROUPS, "recipe.distill.students=[vit_small]", "schedule.epochs=1",
-           "schedule.warmup_epochs=0", "eval.every_epochs=0",
-           "checkpoint.every_steps=2")  # fmt: skip
+    run = (
+        GROUPS,
+        "recipe.distill.students=[vit_small]",
+        "schedule.epochs=1",
+        "schedule.warmup_epochs=0",
+        "eval.every_epochs=0",
+        "checkpoint.every_steps=2",
+    )
     kill = ("distributed.strategy=fsdp", "debug.inject_kill_at_step=3", "debug.inject_kill_rank=3")
     sharded = _train(tmp_path / "fsdp", distill_data, distill_teacher, *run, *kill, ranks=4)
     ddp = _train(tmp_path / "ddp", distill_data, distill_teacher, *run, ranks=4)

@@ -20,10 +20,19 @@ from dino_opt.tune.memory_model import estimate_memory
 from gloo_ranks import run_ranks
 from tiny import TINY, TINY_DEPTH, distill_teacher_net
 
-STUDENTS = [*TINY, "recipe.name=distill", "recipe.distill.students=[resnet18]",
-            "model.drop_path_rate=0", "data.batch_size=4", "data.num_workers=1",
-            "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=2",
-            "checkpoint.keep=20", "eval.every_epochs=1"]  # fmt: skip
+STUDENTS = [
+    *TINY,
+    "recipe.name=distill",
+    "recipe.distill.students=[resnet18]",
+    "model.drop_path_rate=0",
+    "data.batch_size=4",
+    "data.num_workers=1",
+    "logging.tensorboard=false",
+    "logging.profile=false",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep=20",
+    "eval.every_epochs=1",
+]
 
 
 def _train(out: Path, root: Path, teacher: Path, *extra: str) -> dict:
@@ -56,22 +65,46 @@ def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, cap
     key = "members.resnet18.backbone.layer1.0.bn1.running_mean"
     assert torch.equal(teacher[key], student[key]) and teacher[key].abs().sum() > 0
     target = tmp_path / "resnet18.pth"
-    assert main(["export", str(out), "--format", "dino", "--output", str(target),
-                 "--student", "resnet18"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                str(out),
+                "--format",
+                "dino",
+                "--output",
+                str(target),
+                "--student",
+                "resnet18",
+            ]
+        )
+        == 0
+    )
     net = torchvision.models.resnet18(weights=None)
     net.fc = torch.nn.Identity()
     net.load_state_dict(torch.load(target, weights_only=True))
     assert torch.equal(net.conv1.weight, teacher["members.resnet18.backbone.conv1.weight"])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main(["export", str(out), "--format", "dino", "--output", str(tmp_path / "x.pth"),
-              "--student", "resnet50"])  # fmt: skip
+        main(
+            [
+                "export",
+                str(out),
+                "--format",
+                "dino",
+                "--output",
+                str(tmp_path / "x.pth"),
+                "--student",
+                "resnet50",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "trained vit_tiny, resnet18" in err
 
 
-def test_a_killed_rank_resumes_every_student_bit_for_bit(reference, distill_data, distill_teacher,
-                                                          tmp_path):  # fmt: skip
+def test_a_killed_rank_resumes_every_student_bit_for_bit(
+    reference, distill_data, distill_teacher, tmp_path
+):
     kill = ("debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")
     run = _train(tmp_path / "run", distill_data, distill_teacher, *kill)
     assert run["report"].get("restarts"), run["report"]
@@ -87,12 +120,24 @@ def test_fsdp_shards_every_student_and_resumes_bit_for_bit(distill_data, distill
     """distributed.strategy=fsdp with two ViT students: each sharded on its
     own (blocks, projector, the student), the teacher too; a killed rank
     restarted ends as the run never stopped, and both are evaluated."""
-    fsdp = ("recipe.distill.students=[vit_small]", "distributed.strategy=fsdp",
-            "checkpoint.every_steps=2", "checkpoint.keep=2", "schedule.epochs=1",
-            "schedule.warmup_epochs=0", "eval.every_epochs=0")  # fmt: skip
+    fsdp = (
+        "recipe.distill.students=[vit_small]",
+        "distributed.strategy=fsdp",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=2",
+        "schedule.epochs=1",
+        "schedule.warmup_epochs=0",
+        "eval.every_epochs=0",
+    )
     ref = _train(tmp_path / "ref", distill_data, distill_teacher, *fsdp)
-    run = _train(tmp_path / "run", distill_data, distill_teacher, *fsdp,
-                 "debug.inject_kill_at_step=3", "debug.inject_kill_rank=1")  # fmt: skip
+    run = _train(
+        tmp_path / "run",
+        distill_data,
+        distill_teacher,
+        *fsdp,
+        "debug.inject_kill_at_step=3",
+        "debug.inject_kill_rank=1",
+    )
     assert run["report"].get("restarts") and Path(ref["report"]["checkpoint"]).is_dir()
     assert {"knn_top1_trained"} <= set(ref["report"]["students"]["vit_small"])
     assert all("loss_vit_tiny" in r and "loss_vit_small" in r for r in ref["rows"])
@@ -122,14 +167,20 @@ def _tensors(state, prefix=""):
 
 @pytest.mark.parametrize(
     "extra, needle",
-    [(["recipe.distill.students=[vit_tiny]"], "names a backbone twice"),
-     (["recipe.distill.students=[resnet18]", "recipe.distill.mode=heads"],
-      "with recipe.distill.mode=features"),
-     (["recipe.distill.students=[resnet18]", "distributed.strategy=fsdp"],
-      "recipe.distill.students names 'resnet18'"),
-     (["recipe.name=dino", "recipe.distill.students=[resnet18]"], "for recipe.name=distill"),
-     (["recipe.distill.students=[resnet19]"], "did you mean 'resnet18'")],
-)  # fmt: skip
+    [
+        (["recipe.distill.students=[vit_tiny]"], "names a backbone twice"),
+        (
+            ["recipe.distill.students=[resnet18]", "recipe.distill.mode=heads"],
+            "with recipe.distill.mode=features",
+        ),
+        (
+            ["recipe.distill.students=[resnet18]", "distributed.strategy=fsdp"],
+            "recipe.distill.students names 'resnet18'",
+        ),
+        (["recipe.name=dino", "recipe.distill.students=[resnet18]"], "for recipe.name=distill"),
+        (["recipe.distill.students=[resnet19]"], "did you mean 'resnet18'"),
+    ],
+)
 def test_bad_student_lists_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*TINY, "recipe.name=distill", "recipe.distill.teacher=t.pth", *extra])
@@ -139,13 +190,34 @@ def test_bad_student_lists_are_one_line(extra, needle):
 def _memory_rows(distill_teacher, tmp_path, capsys, student):
     """``dino-opt presets --memory-model`` of a distillation's config with
     ``student`` beside the ViT, at 1 and 8 ranks: (the config, its rows)."""
-    cfg = load_config(None, [*TINY, "recipe.name=distill",
-                             f"recipe.distill.teacher={distill_teacher}",
-                             f"recipe.distill.students=[{student}]"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "recipe.name=distill",
+            f"recipe.distill.teacher={distill_teacher}",
+            f"recipe.distill.students=[{student}]",
+        ],
+    )
     path = tmp_path / "distill.yaml"
     save_config(cfg, path)
-    assert main(["presets", "--memory-model", "--config", str(path), "--world", "1", "8",
-                 "--checkpointing", "none", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "presets",
+                "--memory-model",
+                "--config",
+                str(path),
+                "--world",
+                "1",
+                "8",
+                "--checkpointing",
+                "none",
+                "--json",
+            ]
+        )
+        == 0
+    )
     return cfg, json.loads(capsys.readouterr().out)["rows"]
 
 
@@ -154,7 +226,11 @@ def test_the_memory_model_of_students_opens_their_teacher(distill_teacher, tmp_p
     # teacher is opened (its width and parameters); DDP and FSDP rows
     cfg, rows = _memory_rows(distill_teacher, tmp_path, capsys, "vit_small")
     assert [(r["strategy"], r["world_size"]) for r in rows] == [
-        ("ddp", 1), ("ddp", 8), ("fsdp", 1), ("fsdp", 8)]  # fmt: skip
+        ("ddp", 1),
+        ("ddp", 8),
+        ("fsdp", 1),
+        ("fsdp", 8),
+    ]
     assert rows[3]["teacher"] < rows[1]["teacher"]  # the frozen teacher and the EMAs sharded
     resolved = apply_overrides(cfg, ["recipe.distill.teacher_dim=384"])  # the teacher's width
     teacher = sum(t.numel() for t in torch.load(distill_teacher).values())
@@ -182,8 +258,16 @@ def test_fsdp_shards_the_frozen_teacher_over_the_ranks(distill_teacher, tmp_path
     on its own (its blocks, its projector, itself)."""
     worker = Path(__file__).parent / "workers" / "dist_distill_fsdp_worker.py"
     listed = f"recipe.distill.students=[{','.join(students)}]"
-    ranks = run_ranks(worker, tmp_path, str(distill_teacher), *TINY, "recipe.name=distill",
-                      "model.drop_path_rate=0", listed, timeout=600)  # fmt: skip
+    ranks = run_ranks(
+        worker,
+        tmp_path,
+        str(distill_teacher),
+        *TINY,
+        "recipe.name=distill",
+        "model.drop_path_rate=0",
+        listed,
+        timeout=600,
+    )
     numel = ranks[0]["numel"]
     assert sum(r["local_numel"] for r in ranks) == numel
     for r in ranks:

@@ -51,8 +51,12 @@ def test_two_processes_equal_one_with_the_doubled_batch(train_root, tmp_path):
 
 def test_metrics_reduction_and_rank0_checkpoint(tmp_path):
     """Two gloo ranks of the lesson's DistributedDINOTrainer (see dist_metrics_worker.py)."""
-    launch_ranks(HERE / "workers" / "dist_metrics_worker.py", 2, lambda r: [str(tmp_path / "init"),
-                                                                 str(tmp_path)], 120)  # fmt: skip
+    launch_ranks(
+        HERE / "workers" / "dist_metrics_worker.py",
+        2,
+        lambda r: [str(tmp_path / "init"), str(tmp_path)],
+        120,
+    )
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for g in got:  # the mean over ranks, on every rank
         assert g["metrics"] == {"loss": pytest.approx(2.5), "images_per_second": 150.0}
@@ -66,8 +70,13 @@ def test_a_state_sent_between_ranks_arrives_as_pickled(tmp_path):
     metadata) arrives as a pickle round trip gives it, each way and over a
     group of its own; the tensors received can be written."""
     for r in run_ranks(HERE / "workers" / "dist_transfer_worker.py", tmp_path):
-        assert r == {"same": True, "metadata": True, "shared": True, "parameter": True,
-                     "writable": True}, r  # fmt: skip
+        assert r == {
+            "same": True,
+            "metadata": True,
+            "shared": True,
+            "parameter": True,
+            "writable": True,
+        }, r
 
 
 def test_alone_nothing_is_reduced(monkeypatch):

@@ -13,16 +13,24 @@ from dino_opt.cli import main as cli_main
 def test_the_command_reports_and_passes_on_this_machine():
     out = subprocess.run(
         [sys.executable, "-m", "dino_opt.doctor", "--seed", "3"],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     for what in ("torch", "torch CUDA", "NVIDIA driver", "device", "kernels", "cpu", "cuda"):
         assert what in text
-    for op in ("dino_loss fwd+bwd float32", "dino_loss fwd+bwd bfloat16", "ema_update_",
-               "ibot_loss fwd+bwd float32", "ibot_loss fwd+bwd bfloat16",
-               "gram_loss fwd+bwd float32",
-               "multicrop_photometric"):  # fmt: skip
+    for op in (
+        "dino_loss fwd+bwd float32",
+        "dino_loss fwd+bwd bfloat16",
+        "ema_update_",
+        "ibot_loss fwd+bwd float32",
+        "ibot_loss fwd+bwd bfloat16",
+        "gram_loss fwd+bwd float32",
+        "multicrop_photometric",
+    ):
         assert f"ok   {op}" in text
     assert "8 passed, 0 failed" in text
 

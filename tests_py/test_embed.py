@@ -37,12 +37,12 @@ def _embed(capsys, *args: str) -> tuple[str, str]:
 
 
 def test_embeddings_are_extract_features_with_their_paths(run, tiny_data, tmp_path, capsys):
-    out, _ = _embed(capsys, str(run), str(tiny_data / "train"), "-o", str(tmp_path / "e.npy"),
-                    "--patch-maps")  # fmt: skip
+    out, _ = _embed(
+        capsys, str(run), str(tiny_data / "train"), "-o", str(tmp_path / "e.npy"), "--patch-maps"
+    )
     assert "embedded 20 images (192 features each, at 32 px)" in out and "0 unreadable" in out
     opened = open_backbone(run)
-    feats, _ = extract_features(opened.net, tiny_data / "train", image_size=32,
-                                normalize=False)  # fmt: skip
+    feats, _ = extract_features(opened.net, tiny_data / "train", image_size=32, normalize=False)
     cls = np.load(tmp_path / "e.npy")
     np.testing.assert_array_equal(cls, feats.numpy())
     source = open_source(tiny_data / "train")
@@ -99,9 +99,22 @@ def test_an_unreadable_image_is_named_and_the_rest_embedded(run, unlabelled, tmp
 
 def test_two_processes_embed_as_one(run, unlabelled, tmp_path):
     one = embed_images(open_backbone(run).net, unlabelled, 32)
-    done = run_cli(["embed", str(run), str(unlabelled), "-o", str(tmp_path / "e.safetensors"),
-                    "--nproc", "2", "--device", "cpu", "--batch-size", "2"],
-                   ranks_env())  # fmt: skip
+    done = run_cli(
+        [
+            "embed",
+            str(run),
+            str(unlabelled),
+            "-o",
+            str(tmp_path / "e.safetensors"),
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "2",
+        ],
+        ranks_env(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "embedded 6 images" in done.stdout and "1 unreadable" in done.stdout
     with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:

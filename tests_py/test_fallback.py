@@ -66,8 +66,12 @@ def test_the_gradient_equals_the_kernel(gen, dtype, views, offset, total):
     theirs = torch.ops.dino_opt.dino_loss_backward(grad, s, t, c, s_lse, t_lse, *args)
     assert ours.dtype == theirs.dtype == s.dtype
     scale = theirs.double().abs().max().item()
-    close(ours, theirs, 0, (1e-12 if dtype == torch.float64 else 1e-2 if dtype == torch.bfloat16
-                            else 1e-5) * scale)  # fmt: skip
+    close(
+        ours,
+        theirs,
+        0,
+        (1e-12 if dtype == torch.float64 else 1e-2 if dtype == torch.bfloat16 else 1e-5) * scale,
+    )
 
 
 def test_the_loss_and_gradient_equal_the_float64_reference(gen):
@@ -106,9 +110,13 @@ def test_loss_argument_errors_are_named():
 
 @pytest.mark.parametrize(
     "teacher_dtype,student_dtype",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-     (torch.float16, torch.float16), (torch.float64, torch.float32)],
-)  # fmt: skip
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float64, torch.float32),
+    ],
+)
 def test_the_ema_equals_the_kernel(gen, teacher_dtype, student_dtype):
     shapes = [(1000,), (7, 3), (2, 5, 4), (1,)]
     teacher = [torch.randn(s, generator=gen).to(teacher_dtype) for s in shapes]

@@ -92,8 +92,9 @@ def test_one_write_in_flight_the_next_save_waits(tmp_path):
     writer = AsyncCheckpointWriter(manager)
     writer.save({"x": torch.zeros(3)}, epoch=0, step=1)
     assert manager.started.wait(30)
-    second = threading.Thread(target=writer.save, args=({"x": torch.ones(3)},),
-                              kwargs={"epoch": 0, "step": 2})  # fmt: skip
+    second = threading.Thread(
+        target=writer.save, args=({"x": torch.ones(3)},), kwargs={"epoch": 0, "step": 2}
+    )
     second.start()
     second.join(0.3)
     assert second.is_alive()  # waiting for the first write
@@ -158,7 +159,7 @@ def test_watchdog_ends_a_process_without_progress_and_spares_one_with_it():
         interval_s=0.05,
         on_hang=lambda m, s: hangs.append((m, s)) or "the checkpoint note",
     )
-    with watchdog:  # fmt: skip
+    with watchdog:
         watchdog.arm()
         for step in range(1, 15):  # progress every 0.1 s: no alarm
             time.sleep(0.1)
@@ -258,9 +259,13 @@ def test_skip_policy_goes_on_and_stop_policy_stops(train_root, tmp_path):
 
 def test_sustained_collapse_rolls_back_at_a_lower_learning_rate_then_stops(train_root, tmp_path):
     out = tmp_path / "run"
-    collapse = ("health.feature_std_min=1e9", "health.on_collapse=rollback",
-                "health.collapse_patience=2", "health.rollback_lr_scale=0.5",
-                "health.max_rollbacks=2")  # fmt: skip
+    collapse = (
+        "health.feature_std_min=1e9",
+        "health.on_collapse=rollback",
+        "health.collapse_patience=2",
+        "health.rollback_lr_scale=0.5",
+        "health.max_rollbacks=2",
+    )
     with pytest.raises(CollapseError, match="max_rollbacks=2") as e:
         _train(out, train_root, *collapse)
     assert "collapse_constant" in e.value.alerts
@@ -286,8 +291,16 @@ def _rows_of_plain_run(train_root: Path, tmp_path: Path) -> list[dict]:
 
 def test_rollback_configuration_is_checked(train_root, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["train", "--output-dir", str(tmp_path / "x"), f"data.root={train_root}", *TINY,
-              "health.on_collapse=rollback"])  # fmt: skip
+        main(
+            [
+                "train",
+                "--output-dir",
+                str(tmp_path / "x"),
+                f"data.root={train_root}",
+                *TINY,
+                "health.on_collapse=rollback",
+            ]
+        )
     assert "rollback_lr_scale < 1" in capsys.readouterr().err
 
 
@@ -298,19 +311,31 @@ def test_a_stuck_rank_ends_the_job_naming_it_then_the_restarted_run_finishes(tra
     # 12 s, not less: on 2 cores shared with another test's ranks a step that
     # also writes a checkpoint took over 3 s, and a 3 s watchdog fired on it
     out = tmp_path / "run"
-    args = train_args(out, train_root, *TINY, "data.batch_size=4", "schedule.epochs=2",
-                      "debug.inject_hang_rank=1", "distributed.hang_timeout_s=12",
-                      nproc=2)  # fmt: skip
+    args = train_args(
+        out,
+        train_root,
+        *TINY,
+        "data.batch_size=4",
+        "schedule.epochs=2",
+        "debug.inject_hang_rank=1",
+        "distributed.hang_timeout_s=12",
+        nproc=2,
+    )
     start = time.monotonic()
-    done = run_cli([*args, "debug.inject_hang_at_step=4", "distributed.max_restarts=0"],
-                   ranks_env(), timeout=300)  # fmt: skip
+    done = run_cli(
+        [*args, "debug.inject_hang_at_step=4", "distributed.max_restarts=0"],
+        ranks_env(),
+        timeout=300,
+    )
     took = time.monotonic() - start
     assert done.returncode == EXIT_HANG, done.stderr[-3000:]
     assert "stuck: rank 1" in done.stderr and "last completed step 3" in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("dino-opt: rank 1 made no progress after step 3: the hang "
-                           "watchdog ended the run (exit status 75) "
-                           "(distributed.max_restarts=0)")  # fmt: skip
+    assert last.startswith(
+        "dino-opt: rank 1 made no progress after step 3: the hang "
+        "watchdog ended the run (exit status 75) "
+        "(distributed.max_restarts=0)"
+    )
     assert "; resume with: dino-opt train --output-dir" in last and took < 120
     assert "Traceback" not in done.stderr
     found = json.loads((out / "hang.json").read_text())
@@ -326,7 +351,11 @@ def test_a_stuck_rank_ends_the_job_naming_it_then_the_restarted_run_finishes(tra
     assert report["resumed_from"].endswith("s00000005.pth") and report["steps"] == 10
     (row,) = report["restarts"]
     assert (row["exitcode"], row["stuck_ranks"], row["at_step"], row["step"]) == (
-        EXIT_HANG, [1], 5, 5)  # fmt: skip
+        EXIT_HANG,
+        [1],
+        5,
+        5,
+    )
 
 
 def test_the_first_hang_diagnosis_stands_while_its_checkpoint_write_finishes(tmp_path):
@@ -380,8 +409,14 @@ def test_a_late_heartbeat_is_alive_and_a_still_one_is_not(late, stuck):
     # Rank 0 stops in step 5 while rank 1 waits in the collective: rank 0 is
     # stuck, however late rank 1's heartbeat moves, unless it never does.
     exits, hangs, store = [], [], _LateHeartbeat(late)
-    watchdog = HangWatchdog(1.0, world_size=2, store=store, exit=exits.append, interval_s=0.02,
-                            on_hang=lambda m, s: hangs.append((m, s)))  # fmt: skip
+    watchdog = HangWatchdog(
+        1.0,
+        world_size=2,
+        store=store,
+        exit=exits.append,
+        interval_s=0.02,
+        on_hang=lambda m, s: hangs.append((m, s)),
+    )
     with watchdog:
         watchdog.arm()
         watchdog.progress(4)

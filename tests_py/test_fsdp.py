@@ -91,8 +91,9 @@ def reference(train_root, tmp_path_factory):
     return out
 
 
-def _kill_after(out: Path, train_root: Path, step: int, *extra: str, nproc: int = 2,
-                delay: float = 0.0) -> bool:  # fmt: skip
+def _kill_after(
+    out: Path, train_root: Path, step: int, *extra: str, nproc: int = 2, delay: float = 0.0
+) -> bool:
     """Trains on ``nproc`` ranks and SIGKILLs the launcher and every rank (a
     node lost) once a checkpoint of ``step`` or later is listed; whether
     that came before the run ended."""
@@ -127,8 +128,9 @@ def test_sigkill_of_every_rank_then_resume_is_bit_exact(reference, train_root, t
     _train(out, train_root, *KILLABLE)
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 10 and "resumed_from" in report
-    steps_and_losses = [[(r["step"], r["loss"]) for r in _rows(o) if "loss" in r][-3:]
-                        for o in (out, reference)]  # fmt: skip
+    steps_and_losses = [
+        [(r["step"], r["loss"]) for r in _rows(o) if "loss" in r][-3:] for o in (out, reference)
+    ]
     assert steps_and_losses[0] == steps_and_losses[1]
     _assert_equal_states(_final_state(out), _final_state(reference))
     assert not any(p.name.endswith(".partial") for p in (out / "checkpoints").iterdir())
@@ -154,8 +156,14 @@ def test_resume_at_another_world_size_reshards(train_root, tmp_path):
     """2 ranks, then 1 (the shards of two read by one), then 2 again; with
     the dinov2 recipe (its separate iBOT head sharded too)."""
     out = tmp_path / "run"
-    extra = (FSDP, "schedule.epochs=3", "checkpoint.every_steps=1", "recipe.name=dinov2",
-             "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64")  # fmt: skip
+    extra = (
+        FSDP,
+        "schedule.epochs=3",
+        "checkpoint.every_steps=1",
+        "recipe.name=dinov2",
+        "recipe.ibot.separate_head=true",
+        "recipe.ibot.out_dim=64",
+    )
     assert _kill_after(out, train_root, 3, *extra)
     assert _kill_after(out, train_root, 12, *extra, nproc=1)  # 10 steps/epoch alone
     run = _train(out, train_root, *extra)
@@ -182,8 +190,10 @@ def test_the_tools_read_a_sharded_run(reference, train_root, tmp_path, capsys):
     torch.testing.assert_close(weights["cls_token"], teacher["backbone.cls_token"])
     # k-NN of the sharded run's teacher equals that of the weights it exports
     root = train_root.resolve().parent  # the built-in set's train/ and val/
-    knn = [knn_json(capsys, *source, "--data", str(root), "--device", "cpu", "--image-size", "32")
-           for source in (("--checkpoint", str(reference)), ("--weights", str(out)))]  # fmt: skip
+    knn = [
+        knn_json(capsys, *source, "--data", str(root), "--device", "cpu", "--image-size", "32")
+        for source in (("--checkpoint", str(reference)), ("--weights", str(out)))
+    ]
     assert knn[0]["which"] == "teacher" and knn[0]["n_train"] == 40 and knn[0]["n_val"] == 10
     assert knn[0]["top1"] == knn[1]["top1"] and knn[0]["top5"] == knn[1]["top5"]
 
@@ -195,8 +205,13 @@ def test_rollback_and_hang_watchdog_under_fsdp(train_root, tmp_path):
     assert rollback["skipped_iterations"] == [3, 3] and rollback["checkpoint"].endswith(".dcp")
     assert run["report"]["steps"] == 10 and all(torch.isfinite(torch.tensor(_losses(run))))
     out = tmp_path / "hang"
-    hang = ("debug.inject_hang_at_step=4", "debug.inject_hang_rank=1", "distributed.max_restarts=0",
-            "distributed.hang_timeout_s=15", "checkpoint.every_steps=1")  # fmt: skip
+    hang = (
+        "debug.inject_hang_at_step=4",
+        "debug.inject_hang_rank=1",
+        "distributed.max_restarts=0",
+        "distributed.hang_timeout_s=15",
+        "checkpoint.every_steps=1",
+    )
     done = _failed(out, train_root, FSDP, *hang)
     assert done.returncode == 75, done.stderr[-3000:]
     # Whichever rank's watchdog fires first writes hang.json (the launcher then

@@ -17,16 +17,33 @@ from gloo_ranks import run_ranks
 from tiny import TINY, tiny_train_only
 from torch.distributed.checkpoint import FileSystemReader
 
-DINOV3 = [*TINY, "recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
-          "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64",
-          "model.drop_path_rate=0"]  # fmt: skip
+DINOV3 = [
+    *TINY,
+    "recipe.name=dinov3",
+    "recipe.centering=sinkhorn_knopp",
+    "recipe.ibot.separate_head=true",
+    "recipe.ibot.out_dim=64",
+    "model.drop_path_rate=0",
+]
 # 10 optimizer steps (2 epochs of 5 at 2 ranks of 4 images): the Gram teacher
 # loaded at the start of iteration 2, refreshed after iterations 3 and 5
-GRAM = ["recipe.gram.it_load_ema_teacher=2", "recipe.gram.update_frequency=2",
-        "recipe.gram.it_first_update=4", "recipe.gram.max_updates=2"]  # fmt: skip
-RUN = [*DINOV3, *GRAM, "data.num_workers=1", "data.batch_size=4", "optim.freeze_last_layer=0",
-       "logging.tensorboard=false", "logging.profile=false", "checkpoint.every_steps=1",
-       "checkpoint.keep=20"]  # fmt: skip
+GRAM = [
+    "recipe.gram.it_load_ema_teacher=2",
+    "recipe.gram.update_frequency=2",
+    "recipe.gram.it_first_update=4",
+    "recipe.gram.max_updates=2",
+]
+RUN = [
+    *DINOV3,
+    *GRAM,
+    "data.num_workers=1",
+    "data.batch_size=4",
+    "optim.freeze_last_layer=0",
+    "logging.tensorboard=false",
+    "logging.profile=false",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep=20",
+]
 FSDP = "distributed.strategy=fsdp"
 GRAM_PREFIX = "gram_teacher.backbone."
 
@@ -123,8 +140,9 @@ def test_a_killed_rank_resumes_the_gram_teacher_bit_for_bit(fsdp, train_root, tm
 
 
 def _checkpoint_of_step(out: Path, step: int) -> str:
-    (found,) = [r.path for r in CheckpointManager(out / "checkpoints").checkpoints()
-                if r.step == step]  # fmt: skip
+    (found,) = [
+        r.path for r in CheckpointManager(out / "checkpoints").checkpoints() if r.step == step
+    ]
     return str(found)
 
 
@@ -132,10 +150,15 @@ def test_the_gram_teacher_crosses_strategies(ddp, fsdp, train_root, tmp_path):
     """ddp's step 5 resumed by fsdp (the Gram teacher's whole weights cut
     into shards), fsdp's step 5 by ddp (read whole): after one refresh of
     two, each ends as the ddp run never switched."""
-    across = _train(tmp_path / "to_fsdp", train_root, FSDP,
-                    f"checkpoint.resume={_checkpoint_of_step(ddp['out'], 5)}")  # fmt: skip
-    back = _train(tmp_path / "to_ddp", train_root,
-                  f"checkpoint.resume={_checkpoint_of_step(fsdp['out'], 5)}")  # fmt: skip
+    across = _train(
+        tmp_path / "to_fsdp",
+        train_root,
+        FSDP,
+        f"checkpoint.resume={_checkpoint_of_step(ddp['out'], 5)}",
+    )
+    back = _train(
+        tmp_path / "to_ddp", train_root, f"checkpoint.resume={_checkpoint_of_step(fsdp['out'], 5)}"
+    )
     assert Path(across["report"]["checkpoint"]).name.endswith(".dcp")
     assert not Path(back["report"]["checkpoint"]).name.endswith(".dcp")
     for run in (across, back):

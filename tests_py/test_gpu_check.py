@@ -136,8 +136,13 @@ def test_report_counts_junit_of_pytest_and_googletest(tmp_path):
     report_cli("record", tmp_path, "proof", "cpp_tests", 0, 3, "--junit", tmp_path / "g.xml")
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
     assert steps[0]["counts"] == {
-        "tests": 5, "passed": 1, "failed": 1, "errors": 1, "skipped": 1, "not_run": 1
-    }  # fmt: skip
+        "tests": 5,
+        "passed": 1,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 1,
+        "not_run": 1,
+    }
     assert steps[0]["failures"][0] == {
         "test": "t.a::test_bad",
         "message": "assert 1 == 2",
@@ -145,8 +150,13 @@ def test_report_counts_junit_of_pytest_and_googletest(tmp_path):
     assert steps[0]["status"] == "fail" and steps[0]["seconds"] == 12 and steps[0]["cap"] == 110
     assert "cap" not in steps[1]
     assert steps[1]["counts"] == {
-        "tests": 3, "passed": 2, "failed": 0, "errors": 0, "skipped": 1, "not_run": 0
-    }  # fmt: skip
+        "tests": 3,
+        "passed": 2,
+        "failed": 0,
+        "errors": 0,
+        "skipped": 1,
+        "not_run": 0,
+    }
 
 
 def test_report_marks_a_running_step_and_replaces_the_mark(tmp_path):
@@ -400,8 +410,11 @@ def test_tests_past_the_deadline_are_recorded_as_not_run(tmp_path):
     env = {**os.environ, "DINO_OPT_TEST_DEADLINE": str(time.time() - 1)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", chosen, "-p", "no:cacheprovider", f"--junitxml={xml}"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout[-2000:]
     counts = gpu_report.junit_counts(xml)["counts"]
     assert counts["not_run"] == 1 and counts["passed"] == 0
@@ -409,10 +422,20 @@ def test_tests_past_the_deadline_are_recorded_as_not_run(tmp_path):
 
 def test_slow_tests_are_collected_last():
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "tests_py/test_memory.py"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests_py/test_memory.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     ids = [line for line in done.stdout.splitlines() if "::" in line]
     slow = "tests_py/test_memory.py::test_cuda_tracker_as_the_first_cuda_call_of_a_process"
     assert len(ids) > 2 and ids[-1] == slow, ids

@@ -25,14 +25,35 @@ from reference import gram_loss_reference
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 # (apply_norm, remove_neg, remove_only_teacher_neg)
-OPTIONS = [(True, False, False), (True, True, False), (True, False, True), (False, False, False),
-           (False, True, False), (False, False, True)]  # fmt: skip
-OPTION_IDS = ["norm", "norm-remove_neg", "norm-teacher_neg", "raw", "raw-remove_neg",
-              "raw-teacher_neg"]  # fmt: skip
+OPTIONS = [
+    (True, False, False),
+    (True, True, False),
+    (True, False, True),
+    (False, False, False),
+    (False, True, False),
+    (False, False, True),
+]
+OPTION_IDS = [
+    "norm",
+    "norm-remove_neg",
+    "norm-teacher_neg",
+    "raw",
+    "raw-remove_neg",
+    "raw-teacher_neg",
+]
 # [B, N, D] per image and [M, D] over the batch: N > D (the identity) and
 # N < D (tiles), odd sizes, one row, more rows than a tile (512).
-SHAPES = [(3, 37, 16), (2, 7, 33), (4, 1, 5), (2, 2, 3), (50, 8), (5, 40), (1, 4), (1100, 12),
-          (2, 530, 7)]  # fmt: skip
+SHAPES = [
+    (3, 37, 16),
+    (2, 7, 33),
+    (4, 1, 5),
+    (2, 2, 3),
+    (50, 8),
+    (5, 40),
+    (1, 4),
+    (1100, 12),
+    (2, 530, 7),
+]
 
 
 def make_inputs(gen, shape, dtype=torch.float64, device="cpu"):
@@ -47,8 +68,9 @@ def reference_and_grad(student, teacher, options, grad=1.0):
     """The reference in float64 on the same (rounded) values, and its gradient."""
     s64 = student.detach().cpu().double().requires_grad_()
     apply_norm, remove_neg, teacher_neg = options
-    ref = gram_loss_reference(s64, teacher.cpu().double(), student.dim() == 3, apply_norm,
-                              remove_neg, teacher_neg)  # fmt: skip
+    ref = gram_loss_reference(
+        s64, teacher.cpu().double(), student.dim() == 3, apply_norm, remove_neg, teacher_neg
+    )
     (grad * ref).backward()
     return ref.detach(), s64.grad
 
@@ -78,8 +100,9 @@ def allowance(student, teacher, options, grad=0.7):
     """gram_clamp_allowance for (a loss, a gradient of) these inputs: what the
     clamp's jumps at 0 may change for pairs within rounding of 0. It must stay
     a small share of the pairs, so that the comparison keeps its teeth."""
-    loss_bound, grad_bound, share = gram_clamp_allowance(grad, student.cpu(), teacher.cpu(),
-                                                         *options)  # fmt: skip
+    loss_bound, grad_bound, share = gram_clamp_allowance(
+        grad, student.cpu(), teacher.cpu(), *options
+    )
     assert share < 0.01, f"{share:.2%} of the pairs lie within rounding of 0"
     return loss_bound, grad_bound
 
@@ -119,8 +142,9 @@ def test_lower_precision_matches_the_reference(shape, options, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("shape", [(3, 37, 16), (2, 7, 33), (1100, 12), (40, 64), (2, 600, 24)],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "shape", [(3, 37, 16), (2, 7, 33), (1100, 12), (40, 64), (2, 600, 24)], ids=str
+)
 @pytest.mark.parametrize("apply_norm", [True, False])
 def test_the_identity_form_equals_the_tiled_form(shape, apply_norm, dtype, gen):
     student, teacher = make_inputs(gen, shape, dtype)
@@ -144,8 +168,14 @@ def test_float32_at_scale_stays_within_the_clamp_allowance(options, gen):
     student, teacher = make_inputs(gen, (4096, 256), torch.float32)
     loss, grad = run_op(student, teacher, options)
     ref, ref_grad = reference_and_grad(student, teacher, options, 0.7)
-    check(loss, grad, ref, ref_grad, TOLERANCE[torch.float32],
-          allow=allowance(student, teacher, options))  # fmt: skip
+    check(
+        loss,
+        grad,
+        ref,
+        ref_grad,
+        TOLERANCE[torch.float32],
+        allow=allowance(student, teacher, options),
+    )
 
 
 @pytest.mark.parametrize("apply_norm", [True, False])
@@ -163,8 +193,11 @@ def test_the_clamp_allowance_covers_a_similarity_on_zero(apply_norm, gen):
     for nudge in (1e-17, -1e-17):
         nudged = student.clone()
         nudged[1, 0] = nudge
-        grads.append(gram_loss_backward_torch(torch.tensor(1.0, dtype=torch.float64), nudged,
-                                              teacher, *options, 0))  # fmt: skip
+        grads.append(
+            gram_loss_backward_torch(
+                torch.tensor(1.0, dtype=torch.float64), nudged, teacher, *options, 0
+            )
+        )
     jump = (grads[0] - grads[1]).abs()
     assert jump.max() > 1e-3  # the clamp decides something here
     _, bound, share = gram_clamp_allowance(1.0, student, teacher, *options)
@@ -220,8 +253,9 @@ def test_no_rows_give_nan_as_the_mean_of_nothing_and_an_empty_gradient():
 @pytest.mark.parametrize("img_level", [True, False])
 def test_gram_loss_module_matches_the_reference(options, img_level, gen):
     apply_norm, remove_neg, teacher_neg = options
-    module = GramLoss(apply_norm=apply_norm, remove_neg=remove_neg,
-                      remove_only_teacher_neg=teacher_neg)  # fmt: skip
+    module = GramLoss(
+        apply_norm=apply_norm, remove_neg=remove_neg, remove_only_teacher_neg=teacher_neg
+    )
     student, teacher = make_inputs(gen, (3, 21, 10), torch.float32)
     s = student.clone().requires_grad_()
     loss = module(s, teacher, img_level=img_level)
@@ -289,19 +323,32 @@ def test_meta_tensors_take_the_fake_kernels(gen):
 
 
 ERRORS = [
-    ((6,), (6,), {}, r"gram_loss: student must be 3-D \[B, N, D\] .* or 2-D \[M, D\] .*got "
-                     r"shape \[6\]"),
+    (
+        (6,),
+        (6,),
+        {},
+        r"gram_loss: student must be 3-D \[B, N, D\] .* or 2-D \[M, D\] .*got "
+        r"shape \[6\]",
+    ),
     ((2, 3, 4, 5), (2, 3, 4, 5), {}, r"student must be 3-D .*got shape \[2, 3, 4, 5\]"),
     ((2, 3, 4), (2, 3, 5), {}, r"teacher has shape \[2, 3, 5\] but student has shape \[2, 3, 4\]"),
     ((6, 4), (2, 3, 4), {}, r"teacher has shape \[2, 3, 4\] but student has shape \[6, 4\]"),
     ((6, 4), (6, 4), {"student": torch.long}, r"student has dtype Long; expected float64"),
     ((6, 4), (6, 4), {"teacher": torch.int32}, r"teacher has dtype Int; expected float64"),
-    ((6, 4), (6, 4), {"remove_neg": True, "remove_only_teacher_neg": True},
-     r"remove_neg and remove_only_teacher_neg exclude each other"),
+    (
+        (6, 4),
+        (6, 4),
+        {"remove_neg": True, "remove_only_teacher_neg": True},
+        r"remove_neg and remove_only_teacher_neg exclude each other",
+    ),
     ((6, 4), (6, 4), {"form": 3}, r"form must be 0 \(choose\), 1 .* or 2 \(tiles\), got 3"),
-    ((6, 4), (6, 4), {"form": 1, "remove_neg": True},
-     r"form=1 \(the D x D identity\) holds only without clamping"),
-]  # fmt: skip
+    (
+        (6, 4),
+        (6, 4),
+        {"form": 1, "remove_neg": True},
+        r"form=1 \(the D x D identity\) holds only without clamping",
+    ),
+]
 
 
 @pytest.mark.parametrize("student_shape, teacher_shape, opts, message", ERRORS)
@@ -318,8 +365,11 @@ def test_argument_errors_name_the_argument(student_shape, teacher_shape, opts, m
 
 def test_backward_grad_must_be_a_scalar(gen):
     student, teacher = make_inputs(gen, (9, 4), torch.float32)
-    with pytest.raises(RuntimeError, match=r"gram_loss_backward: grad must be a scalar, got "
-                                           r"shape \[2\]"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"gram_loss_backward: grad must be a scalar, got "
+        r"shape \[2\]",
+    ):
         torch.ops.dino_opt.gram_loss_backward(
             torch.ones(2), student, teacher, True, False, False, 0
         )
@@ -409,8 +459,9 @@ def test_cuda_errors_name_the_device(gen):
     with pytest.raises(RuntimeError, match="student and teacher must be on one device"):
         torch.ops.dino_opt.gram_loss(student.cuda(), teacher)
     with pytest.raises(RuntimeError, match="grad is on cpu but student is on cuda"):
-        torch.ops.dino_opt.gram_loss_backward(torch.ones(()), student.cuda(), teacher.cuda(),
-                                              True, False, False, 0)  # fmt: skip
+        torch.ops.dino_opt.gram_loss_backward(
+            torch.ones(()), student.cuda(), teacher.cuda(), True, False, False, 0
+        )
 
 
 def test_remove_only_teacher_neg_leaves_the_student_as_dinov3_does():

@@ -35,15 +35,34 @@ def _cli(capsys, *args: str) -> str:
 
 def test_a_saved_linear_head_predicts_as_the_probe(run, tiny_data, tmp_path, capsys):
     head = tmp_path / "linear.safetensors"
-    _cli(capsys, "eval", "linear", str(run), "--data", str(tiny_data), "--epochs", "3",
-         "--head", str(head), "--output", str(tmp_path / "probe.json"))  # fmt: skip
+    _cli(
+        capsys,
+        "eval",
+        "linear",
+        str(run),
+        "--data",
+        str(tiny_data),
+        "--epochs",
+        "3",
+        "--head",
+        str(head),
+        "--output",
+        str(tmp_path / "probe.json"),
+    )
     probe = json.loads((tmp_path / "probe.json").read_text())
     tensors, record = load_head(head)
     assert record["kind"] == "linear" and record["image_size"] == 32
     assert record["classifier"] == probe["best"]["name"] and record["classes"] == probe["classes"]
     assert record["backbone"]["which"] == "teacher" and len(record["backbone"]["fingerprint"]) == 64
-    out = _cli(capsys, "predict", str(run), str(head), str(tiny_data / "val"), "-o",
-               str(tmp_path / "p.csv"))  # fmt: skip
+    out = _cli(
+        capsys,
+        "predict",
+        str(run),
+        str(head),
+        str(tiny_data / "val"),
+        "-o",
+        str(tmp_path / "p.csv"),
+    )
     assert "classes and scores of 20 images (0 unreadable)" in out
     rows = list(csv.DictReader(open(tmp_path / "p.csv")))
     source = open_source(tiny_data / "val")
@@ -63,12 +82,25 @@ def test_a_saved_linear_head_predicts_as_the_probe(run, tiny_data, tmp_path, cap
 
 def test_a_saved_dense_head_gives_the_probes_masks(run, tiny_data, tmp_path, capsys):
     head = tmp_path / "dense.safetensors"
-    _cli(capsys, "eval", "dense", str(run), "--data", str(tiny_data), "--epochs", "2",
-         "--head", str(head), "--output", str(tmp_path / "probe.json"))  # fmt: skip
+    _cli(
+        capsys,
+        "eval",
+        "dense",
+        str(run),
+        "--data",
+        str(tiny_data),
+        "--epochs",
+        "2",
+        "--head",
+        str(head),
+        "--output",
+        str(tmp_path / "probe.json"),
+    )
     probe = json.loads((tmp_path / "probe.json").read_text())
     val = segmentation_splits(tiny_data)["val"]
-    out = _cli(capsys, "predict", str(run), str(head), str(val.images_dir), "-o",
-               str(tmp_path / "masks"))  # fmt: skip
+    out = _cli(
+        capsys, "predict", str(run), str(head), str(val.images_dir), "-o", str(tmp_path / "masks")
+    )
     assert f"masks of {len(val)} images" in out
     tensors, record = load_head(head)
     dense = DenseLinearHead(record["in_dim"], record["num_classes"])
@@ -77,8 +109,9 @@ def test_a_saved_dense_head_gives_the_probes_masks(run, tiny_data, tmp_path, cap
     with torch.no_grad():
         want = dense.eval()(feats, (32, 32)).argmax(1)
     names = [Path(image).stem for image, _ in val.pairs]  # the probe's order
-    got = torch.stack([torch.from_numpy(np.array(Image.open(tmp_path / "masks" / f"{n}.png")))
-                       for n in names]).long()  # fmt: skip
+    got = torch.stack(
+        [torch.from_numpy(np.array(Image.open(tmp_path / "masks" / f"{n}.png"))) for n in names]
+    ).long()
     assert got.shape == want.shape and (got == want).float().mean() > 0.999
     accuracy = 100.0 * (got == truth).float().mean().item()
     assert accuracy == pytest.approx(probe["val"]["pixel_acc"], abs=0.1)
@@ -86,15 +119,45 @@ def test_a_saved_dense_head_gives_the_probes_masks(run, tiny_data, tmp_path, cap
 
 def test_a_head_refuses_other_weights(run, tiny_data, tmp_path, capsys):
     head = tmp_path / "linear.safetensors"
-    _cli(capsys, "eval", "linear", str(run), "--data", str(tiny_data), "--epochs", "1",
-         "--head", str(head))  # fmt: skip
+    _cli(
+        capsys,
+        "eval",
+        "linear",
+        str(run),
+        "--data",
+        str(tiny_data),
+        "--epochs",
+        "1",
+        "--head",
+        str(head),
+    )
     with pytest.raises(SystemExit) as e:
-        main(["predict", str(run), str(head), str(tiny_data / "val"), "-o",
-              str(tmp_path / "p.csv"), "--which", "student", "--device", "cpu"])  # fmt: skip
+        main(
+            [
+                "predict",
+                str(run),
+                str(head),
+                str(tiny_data / "val"),
+                "-o",
+                str(tmp_path / "p.csv"),
+                "--which",
+                "student",
+                "--device",
+                "cpu",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "holds other weights (their fingerprints differ)" in err
     (tmp_path / "not_a_head.safetensors").write_bytes(b"nonsense")
     with pytest.raises(SystemExit) as e:
-        main(["predict", str(run), str(tmp_path / "not_a_head.safetensors"),
-              str(tiny_data / "val"), "-o", str(tmp_path / "p.csv")])  # fmt: skip
+        main(
+            [
+                "predict",
+                str(run),
+                str(tmp_path / "not_a_head.safetensors"),
+                str(tiny_data / "val"),
+                "-o",
+                str(tmp_path / "p.csv"),
+            ]
+        )
     assert e.value.code == 2 and "not a readable safetensors file" in capsys.readouterr().err

@@ -157,10 +157,19 @@ def test_models_lists_every_name_and_where_it_is_cached(tmp_path):
     (
         _hf_snapshot(tmp_path / "hf" / "hub", RELEASED["dinov3_vits16"].repo) / "config.json"
     ).write_text("{}")
-    env = {**os.environ, "TORCH_HOME": str(tmp_path / "torch"), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "dino_opt.cli", "models", "--json"], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "TORCH_HOME": str(tmp_path / "torch"),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "dino_opt.cli", "models", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {r["name"]: r for r in json.loads(done.stdout)}
     assert set(rows) == set(RELEASED)
@@ -173,7 +182,11 @@ def test_adapt_by_name_sets_the_network_it_holds():
     cfg = training_config(adapt="dinov2_vits14_reg", overrides=["model.depth=2"])
     m = cfg.model
     assert (m.init_from, m.backbone, m.patch_size, m.num_register_tokens) == (
-        "dinov2_vits14_reg", "vit_small", 14, 4)  # fmt: skip
+        "dinov2_vits14_reg",
+        "vit_small",
+        14,
+        4,
+    )
     assert m.depth == 2 and cfg.optim.freeze_backbone_epochs == 1
 
 

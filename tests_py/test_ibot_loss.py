@@ -180,8 +180,9 @@ def test_gradcheck_opcheck_and_compile(gen):
     # roundings of the gradient's largest element (a fixed 1e-15 failed where
     # that element is 9.4 and a saturated tanh's is 1.7e-3: 1.6 ulps apart)
     scale = x1.grad.abs().max().item()
-    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12,
-                               atol=16 * torch.finfo(torch.float64).eps * scale)  # fmt: skip
+    torch.testing.assert_close(
+        x2.grad, x1.grad, rtol=1e-12, atol=16 * torch.finfo(torch.float64).eps * scale
+    )
 
 
 def test_meta_tensors_take_the_fake_kernels(gen):
@@ -208,15 +209,30 @@ ERRORS = [
     (S, T, W, {"student_temp": -0.1}, r"student_temp must be positive"),
     (S, T, W, {"student_temp": float("nan")}, r"student_temp must be positive"),
     (S, T, W, {"student": torch.long}, r"ibot_loss: student has dtype Long; expected float64"),
-    (S, T, W, {"targets": torch.half},
-     r"targets has dtype Half; expected the student's dtype \(Float\) or float32"),
-    (S, T, W, {"student": torch.half, "targets": torch.bfloat16},
-     r"targets has dtype BFloat16; expected the student's dtype \(Half\) or float32"),
+    (
+        S,
+        T,
+        W,
+        {"targets": torch.half},
+        r"targets has dtype Half; expected the student's dtype \(Float\) or float32",
+    ),
+    (
+        S,
+        T,
+        W,
+        {"student": torch.half, "targets": torch.bfloat16},
+        r"targets has dtype BFloat16; expected the student's dtype \(Half\) or float32",
+    ),
     (S, T, W, {"weights": torch.float64}, r"weights has dtype Double; expected float32$"),
     (S, T, W, {"weights": torch.int32}, r"weights has dtype Int; expected float32"),
-    (S, T, W, {"student": torch.float64, "weights": torch.half},
-     r"weights has dtype Half; expected float32 or float64"),
-]  # fmt: skip
+    (
+        S,
+        T,
+        W,
+        {"student": torch.float64, "weights": torch.half},
+        r"weights has dtype Half; expected float32 or float64",
+    ),
+]
 
 
 @pytest.mark.parametrize("student_shape, target_shape, weight_shape, opts, message", ERRORS)
@@ -258,9 +274,13 @@ def forced(op):
 
 @pytest.mark.parametrize(
     "dtype, target_dtype, m",
-    [(torch.float64, torch.float64, 6), (torch.float32, torch.float32, 3),
-     (torch.bfloat16, torch.float32, 6), (torch.float16, torch.float16, 2)],
-)  # fmt: skip
+    [
+        (torch.float64, torch.float64, 6),
+        (torch.float32, torch.float32, 3),
+        (torch.bfloat16, torch.float32, 6),
+        (torch.float16, torch.float16, 2),
+    ],
+)
 def test_the_fallback_forced_on_the_cpu_equals_the_kernel(dtype, target_dtype, m, gen):
     student, targets, weights = make_inputs(gen, 6, m, 4099, dtype, target_dtype)
     student[0, :50] = float("-inf")
@@ -301,8 +321,9 @@ def test_the_fallback_checks_its_arguments_and_handles_no_rows():
         ibot_loss_torch(torch.ones(6, 4), torch.ones(3, 4), torch.ones(6), 0.0)
     loss, lse = ibot_loss_torch(torch.ones(0, 4), torch.ones(0, 4), torch.ones(0), TEMP)
     assert loss.item() == 0.0 and lse.shape == (0,)
-    grad = ibot_loss_backward_torch(torch.tensor(1.0), torch.ones(0, 4), torch.ones(0, 4),
-                                    torch.ones(0), lse, TEMP)  # fmt: skip
+    grad = ibot_loss_backward_torch(
+        torch.tensor(1.0), torch.ones(0, 4), torch.ones(0, 4), torch.ones(0), lse, TEMP
+    )
     assert grad.shape == (0, 4)
 
 
@@ -319,8 +340,9 @@ def test_equals_the_dino_loss_on_student_views_without_a_teacher_view(batch, k, 
     student = 3 * torch.randn(views * batch, k, **f64)
     teacher, center = 3 * torch.randn(teachers * batch, k, **f64), torch.randn(k, **f64)
     x_dino, x_ibot = student.clone().requires_grad_(), student.clone().requires_grad_()
-    dino = dino_opt.dino_loss(x_dino, teacher, center, st, tt, views, view_offset=2,
-                              total_views=total)  # fmt: skip
+    dino = dino_opt.dino_loss(
+        x_dino, teacher, center, st, tt, views, view_offset=2, total_views=total
+    )
     probs = torch.softmax((teacher - center) / tt, -1).view(teachers, batch, k)
     n_terms = teachers * (total - 1)
     weights = torch.full((views * batch,), 1.0 / (batch * n_terms), dtype=torch.float64)
@@ -338,8 +360,12 @@ def test_equals_the_dino_loss_on_student_views_without_a_teacher_view(batch, k, 
 HALF = (torch.bfloat16, torch.float16)
 # CUDA vs CPU: the gradient is rounded to its dtype on each side, so half
 # types may differ by an ulp of the largest gradient.
-CUDA_CPU_GRAD_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2**-7,
-                     torch.float16: 2**-9}  # fmt: skip
+CUDA_CPU_GRAD_TOL = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.bfloat16: 2**-7,
+    torch.float16: 2**-9,
+}
 
 
 def check_cuda_against_cpu(student, targets, weights):
@@ -352,8 +378,9 @@ def check_cuda_against_cpu(student, targets, weights):
         assert g.device.type == "cuda" and g.dtype == c.dtype and g.shape == c.shape, name
         torch.testing.assert_close(g.cpu(), c, rtol=rtol, atol=rtol, msg=name)
     grad = torch.tensor(0.7, dtype=cpu[0].dtype)
-    g_gpu = torch.ops.dino_opt.ibot_loss_backward(grad.cuda(), student, targets, weights, gpu[1],
-                                                  TEMP)  # fmt: skip
+    g_gpu = torch.ops.dino_opt.ibot_loss_backward(
+        grad.cuda(), student, targets, weights, gpu[1], TEMP
+    )
     g_cpu = torch.ops.dino_opt.ibot_loss_backward(grad, *cpu_args, cpu[1], TEMP)
     assert g_gpu.dtype == student.dtype and g_gpu.shape == student.shape
     # Relative to the gradient, or where it is near 0 (tsum * q - p of two
@@ -385,8 +412,9 @@ def test_cuda_rows_and_k_not_a_multiple_of_the_block(n, m, k, gen):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype, target_dtype", [(torch.float32, torch.float32),
-                                                 (torch.bfloat16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, target_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+)
 def test_cuda_large_k_and_many_rows(dtype, target_dtype, gen):
     check_cuda_against_cpu(*make_inputs(gen, 2048, 2048, 65536, dtype, target_dtype, "cuda"))
     check_cuda(gen, 640, 64, 65536, dtype, target_dtype)
@@ -428,8 +456,9 @@ def test_cuda_errors_name_the_argument_on_the_wrong_device(gen):
         ibot_loss(student, targets, weights.cpu(), TEMP)
     loss, lse = torch.ops.dino_opt.ibot_loss(student, targets, weights, TEMP)
     with pytest.raises(RuntimeError, match="grad is on cpu but student is on cuda:0"):
-        torch.ops.dino_opt.ibot_loss_backward(torch.tensor(1.0), student, targets, weights, lse,
-                                              TEMP)  # fmt: skip
+        torch.ops.dino_opt.ibot_loss_backward(
+            torch.tensor(1.0), student, targets, weights, lse, TEMP
+        )
     with pytest.raises(RuntimeError, match="student_lse is on cpu but student is on cuda:0"):
         torch.ops.dino_opt.ibot_loss_backward(loss, student, targets, weights, lse.cpu(), TEMP)
 

@@ -270,8 +270,18 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
 
 # Imports that may sit inside a function: optional dependencies only (an
 # extra, or a package the feature does without).
-OPTIONAL = {"wandb", "torchvision", "datasets", "pyarrow", "onnx", "onnxruntime", "onnxscript",
-            "timm", "mlflow", "pydicom"}  # fmt: skip
+OPTIONAL = {
+    "wandb",
+    "torchvision",
+    "datasets",
+    "pyarrow",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "timm",
+    "mlflow",
+    "pydicom",
+}
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))

@@ -39,18 +39,31 @@ def test_lesson_signatures():
         return list(inspect.signature(f).parameters)
 
     assert params(lessons.MemoryOptimizedDINOTrainer)[:5] == [
-        "model", "loss_fn", "optimizer", "config", "device",
-    ]  # fmt: skip
+        "model",
+        "loss_fn",
+        "optimizer",
+        "config",
+        "device",
+    ]
     assert params(lessons.DistributedDINOTrainer)[:5] == [
-        "rank", "world_size", "config", "master_addr", "master_port",
-    ]  # fmt: skip
+        "rank",
+        "world_size",
+        "config",
+        "master_addr",
+        "master_port",
+    ]
     assert params(lessons.launch_distributed_training)[:4] == [
-        "config_path", "num_gpus", "master_addr", "master_port",
-    ]  # fmt: skip
+        "config_path",
+        "num_gpus",
+        "master_addr",
+        "master_port",
+    ]
     assert params(lessons.ThroughputOptimizer)[:2] == ["model", "device"]
     assert params(lessons.ThroughputOptimizer.find_optimal_batch_size)[1:4] == [
-        "dataloader", "max_batch_size", "target_memory_fraction",
-    ]  # fmt: skip
+        "dataloader",
+        "max_batch_size",
+        "target_memory_fraction",
+    ]
     assert params(lessons.ModelOptimizer.optimize_model)[:2] == ["model", "config"]
     assert params(lessons.dynamic_batch_size)[:3] == ["gpu_memory_gb", "resolution", "network_dim"]
     assert "auto_resume" in params(lessons.CheckpointedDINOTrainer)

@@ -63,8 +63,9 @@ def test_grid_equals_separate_classifiers_float64(gen):
     n, c, batch = 96, 5, 16
     x = torch.randn(n, 5 * LAYOUT["dim"], generator=gen, dtype=torch.float64)
     y = torch.randint(0, c, (n,), generator=gen)
-    grid = LinearProbeGrid(LAYOUT, c, (0.5, 2.0, 8.0), (1, 4), batch_size=batch,
-                           generator=gen).double()  # fmt: skip
+    grid = LinearProbeGrid(
+        LAYOUT, c, (0.5, 2.0, 8.0), (1, 4), batch_size=batch, generator=gen
+    ).double()
     assert len(grid.specs) == 3 * 2 * 2
     refs = _reference(grid, x, y, batch, epochs=3)
     fit = fit_grid(grid, _batches(x, y, batch), 3, n // batch, torch.device("cpu"))
@@ -73,10 +74,12 @@ def test_grid_equals_separate_classifiers_float64(gen):
     moved = 0.0
     for k, (lin, _) in enumerate(refs):
         kind, j = divmod(k, n_lr)
-        torch.testing.assert_close(grid.weights[kind][j].detach().T, lin.weight.detach(),
-                                   rtol=1e-10, atol=1e-12)  # fmt: skip
-        torch.testing.assert_close(grid.biases[kind][j, 0].detach(), lin.bias.detach(),
-                                   rtol=1e-10, atol=1e-12)  # fmt: skip
+        torch.testing.assert_close(
+            grid.weights[kind][j].detach().T, lin.weight.detach(), rtol=1e-10, atol=1e-12
+        )
+        torch.testing.assert_close(
+            grid.biases[kind][j, 0].detach(), lin.bias.detach(), rtol=1e-10, atol=1e-12
+        )
         moved = max(moved, lin.bias.detach().abs().max().item())
     assert moved > 1e-3  # the classifiers did train
 
@@ -116,8 +119,13 @@ def test_logistic_regression_reaches_its_optimum(gen):
     centers = torch.randn(4, 8, generator=gen, dtype=torch.float64) * 2
     y = torch.randint(0, 4, (200,), generator=gen)
     x = centers[y] + torch.randn(200, 8, generator=gen, dtype=torch.float64)
-    out = logistic_regression((x[:120], y[:120]), (x[120:160], y[120:160]),
-                              (x[160:], y[160:]), cs=(1e-3, 1e-1, 10.0), max_iter=200)  # fmt: skip
+    out = logistic_regression(
+        (x[:120], y[:120]),
+        (x[120:160], y[120:160]),
+        (x[160:], y[160:]),
+        cs=(1e-3, 1e-1, 10.0),
+        max_iter=200,
+    )
     assert out["val_top1"] == max(r["val_top1"] for r in out["rows"])
     assert out["val_top1"] > 60 and "test_top1" in out
     # The solver's answer at the chosen C is a stationary point of the
@@ -139,8 +147,9 @@ def test_logistic_regression_reaches_its_optimum(gen):
 
 def test_probe_features_of_a_vit_with_registers(gen):
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=5, num_heads=2,
-                            num_register_tokens=2).eval()  # fmt: skip
+    vit = VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=16, depth=5, num_heads=2, num_register_tokens=2
+    ).eval()
     x = torch.randn(3, 3, 32, 32, generator=gen)
     probe = ProbeFeatures(vit)
     assert probe.layout == {"dim": 16, "n_blocks": 4, "avgpool": True}
@@ -160,8 +169,9 @@ def test_probe_features_of_a_vit_with_registers(gen):
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("probe")
-    return builtin_dataset(root / "data", image_size=32, train_per_class=16, val_per_class=4,
-                           test_per_class=4)  # fmt: skip
+    return builtin_dataset(
+        root / "data", image_size=32, train_per_class=16, val_per_class=4, test_per_class=4
+    )
 
 
 def test_linear_probe_end_to_end(tiny_data):
@@ -174,15 +184,23 @@ def test_linear_probe_end_to_end(tiny_data):
     assert {"test_top1", "test_top5"} <= set(fast["best"]) and "logreg" in fast
     assert fast["steps"] == 4 * (160 // 32)
     assert "blocks" in probe_table(fast, top=3)
-    aug = linear_probe(vit, data, 32, mode="augmented", epochs=1, batch_size=32,
-                       learning_rates=(0.01, 0.1))  # fmt: skip
+    aug = linear_probe(
+        vit, data, 32, mode="augmented", epochs=1, batch_size=32, learning_rates=(0.01, 0.1)
+    )
     assert aug["n_classifiers"] == 8 and aug["steps"] == 160 // 16 * 1
     # Cached features serve a second probe without a backbone pass.
     calls = []
     vit.patch_embed.register_forward_pre_hook(lambda *a: calls.append(1))
     cached = {k: (torch.randn(8, 160), torch.arange(8) % 2) for k in ("train", "val")}
-    again = linear_probe(vit, ProbeData(tiny_data / "train", tiny_data / "val"), 32, epochs=1,
-                         batch_size=4, cached=cached, logreg=False)  # fmt: skip
+    again = linear_probe(
+        vit,
+        ProbeData(tiny_data / "train", tiny_data / "val"),
+        32,
+        epochs=1,
+        batch_size=4,
+        cached=cached,
+        logreg=False,
+    )
     assert not calls and again["n_train"] == 8 and "logreg" not in again
 
 

@@ -75,8 +75,12 @@ def test_allocation_trace_reports_what_torchs_profiler_reports():
     # The reference: torch's profiler with profile_memory=True over the same
     # training step (the second, so that the gradients already exist).
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Flatten(),
-                              torch.nn.Linear(8 * 14 * 14, 10))  # fmt: skip
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.GELU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 14 * 14, 10),
+    )
     x = torch.randn(4, 3, 16, 16)
 
     def step():
@@ -88,8 +92,11 @@ def test_allocation_trace_reports_what_torchs_profiler_reports():
         step()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as ref:
         step()
-    events = [(e.start_ns(), e.nbytes()) for e in ref.profiler.kineto_results.events()
-              if e.name() == "[memory]"]  # fmt: skip
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in ref.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    ]
     events.sort(key=lambda t: t[0])  # stable: ties keep their order
     live, reference = 0, []
     for _, nbytes in events:

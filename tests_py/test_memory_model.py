@@ -55,8 +55,12 @@ def counts():
 
 def test_counts_are_the_real_modules():
     # DINOv2 with a separate iBOT head, small enough to build for real
-    small = ["model.backbone=vit_tiny", "recipe.ibot.separate_head=true",
-             "recipe.ibot.out_dim=512", "model.out_dim=256"]  # fmt: skip
+    small = [
+        "model.backbone=vit_tiny",
+        "recipe.ibot.separate_head=true",
+        "recipe.ibot.out_dim=512",
+        "model.out_dim=256",
+    ]
     cfg = load_config("dinov2_vits14", small)
     c = count_model(cfg)
     student, teacher = build_models(cfg)
@@ -74,8 +78,13 @@ def test_architectures(counts):
     assert backbone["dino_vits16"] == 21_665_664  # DINO's ViT-S/16
     assert backbone["dino_vitb16"] == 85_798_656  # DINO's ViT-B/16
     g = counts["dinov2_vitg14"]
-    assert (g.embed_dim, g.depth, g.ffn, g.ffn_hidden, g.layerscale) == (1536, 40, "swiglu", 4096,
-                                                                          True)  # fmt: skip
+    assert (g.embed_dim, g.depth, g.ffn, g.ffn_hidden, g.layerscale) == (
+        1536,
+        40,
+        "swiglu",
+        4096,
+        True,
+    )
     assert g.head_units == ["head", "ibot_head"] and g.unit_size("head") > 50_000_000
     assert counts["dinov2_vits14"].head_units == ["head"]  # the iBOT head is shared
 
@@ -100,16 +109,20 @@ def test_checkpointing_shrinks_activations(counts):
         cfg = arch_config(name)
         for strategy in ("ddp", "fsdp"):
             settings = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
-            est = {(p, e): estimate_memory(cfg, strategy=strategy, world_size=8, checkpointing=p,
-                                           every=e, counts=c)
-                   for p, e in settings}  # fmt: skip
+            est = {
+                (p, e): estimate_memory(
+                    cfg, strategy=strategy, world_size=8, checkpointing=p, every=e, counts=c
+                )
+                for p, e in settings
+            }
             acts = {k: v.activations for k, v in est.items()}
             assert acts["none", 1] > acts["selective", 1] > acts["full", 1], name
             assert acts["none", 1] > acts["full", 2] > acts["full", 1], name
             assert est["none", 1].peak > est["selective", 1].peak > est["full", 1].peak, name
         resharded = estimate_memory(cfg, strategy="fsdp", world_size=8, counts=c)
-        kept = estimate_memory(cfg, strategy="fsdp", world_size=8, counts=c,
-                               reshard_after_forward=False)  # fmt: skip
+        kept = estimate_memory(
+            cfg, strategy="fsdp", world_size=8, counts=c, reshard_after_forward=False
+        )
         assert kept.unsharded > resharded.unsharded
 
 
@@ -124,8 +137,10 @@ def test_batch_and_crops_scale_activations():
 def test_largest_batch_is_the_last_that_fits(counts):
     cfg, c = arch_config("dinov2_vitl14"), counts["dinov2_vitl14"]
     cap = 0.9 * 80 * 2**30
-    for setting in ({"strategy": "ddp"}, {"strategy": "fsdp", "world_size": 64,
-                                         "checkpointing": "full"}):  # fmt: skip
+    for setting in (
+        {"strategy": "ddp"},
+        {"strategy": "fsdp", "world_size": 64, "checkpointing": "full"},
+    ):
         b = largest_batch(cfg, cap, c, **setting)
         assert estimate_memory(arch_config("dinov2_vitl14", b), counts=c, **setting).peak <= cap
         assert estimate_memory(arch_config("dinov2_vitl14", b + 1), counts=c, **setting).peak > cap
@@ -145,13 +160,38 @@ def test_bad_arguments():
 
 
 def test_cli_table_and_json(capsys):
-    args = ["presets", "--memory-model", "--arch", "dino_vits16", "dinov2_vitg14", "--world", "1",
-            "64", "--checkpointing", "none", "full"]  # fmt: skip
+    args = [
+        "presets",
+        "--memory-model",
+        "--arch",
+        "dino_vits16",
+        "dinov2_vitg14",
+        "--world",
+        "1",
+        "64",
+        "--checkpointing",
+        "none",
+        "full",
+    ]
     assert main([*args, "--memory", "80"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["arch", "batch", "strategy", "world", "ckpt", "params", "grads",
-                              "optim", "teacher", "comm", "activ", "peak", "fits", "max",
-                              "batch"]  # fmt: skip
+    assert out[0].split() == [
+        "arch",
+        "batch",
+        "strategy",
+        "world",
+        "ckpt",
+        "params",
+        "grads",
+        "optim",
+        "teacher",
+        "comm",
+        "activ",
+        "peak",
+        "fits",
+        "max",
+        "batch",
+    ]
     rows = [line.split() for line in out[1:] if line.startswith(("dino_", "dinov2_"))]
     assert len(rows) == 2 * 2 * 2 * 2
     assert {r[0] for r in rows} == {"dino_vits16", "dinov2_vitg14"} and rows[0][1] == "64"
@@ -161,8 +201,11 @@ def test_cli_table_and_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert len(report["rows"]) == 2 * 2 * 2 and set(report["archs"]) == set(MEMORY_ARCHS)
     expected = memory_table(["dinov2_vitg14"], (64,), ("fsdp",), ("full",), batch_size=8)[0]
-    got = [r for r in report["rows"] if r["arch"] == "dinov2_vitg14" and r["world_size"] == 64
-           and r["checkpointing"] == "full"]  # fmt: skip
+    got = [
+        r
+        for r in report["rows"]
+        if r["arch"] == "dinov2_vitg14" and r["world_size"] == 64 and r["checkpointing"] == "full"
+    ]
     assert got == [expected.to_dict()] and got[0]["batch_size"] == 8
     assert main([*args, "--json", "--memory", "80"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -196,7 +239,12 @@ def test_two_ranks_measured_within_10_percent(tmp_path):
             for key in ("parameters", "teacher", "optimizer", "buckets", "gradients", "step"):
                 got = getattr(model, key)
                 assert _pct(got, measured[key]) <= 0.10 if got else measured[key] == 0, (
-                    rank, run, key, got, measured[key])  # fmt: skip
+                    rank,
+                    run,
+                    key,
+                    got,
+                    measured[key],
+                )
             kept = sum(measured[k] for k in ("parameters", "teacher", "optimizer", "buckets"))
             assert _pct(model.peak, kept + measured["step"]) <= 0.10, (rank, run)
         # the same step, whichever way the student is spread and recomputed
@@ -217,8 +265,14 @@ def one_thread():
 @pytest.mark.parametrize("policy, every", [("full", 1), ("selective", 1), ("full", 2)])
 def test_one_process_step_within_10_percent(policy, every, one_thread):
     torch.manual_seed(0)
-    cfg = load_config(None, [*MEMORY_RUN, f"hardware.activation_checkpointing={policy}",
-                             f"hardware.checkpoint_every={every}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *MEMORY_RUN,
+            f"hardware.activation_checkpointing={policy}",
+            f"hardware.checkpoint_every={every}",
+        ],
+    )
     student, teacher = build_models(cfg)
     loss_fn = build_loss(cfg)
     optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
@@ -265,32 +319,47 @@ def test_fsdp_shards_the_dinov3_gram_teacher_as_the_teachers_backbone():
         shard = sum(-(-p.shape[0] // world) * p[0].numel() for p in params)
         assert c3.local_frozen(world) == shard and whole / world <= shard
         assert world == 64 or shard < whole / world * 1.05  # padding: small shards only
-        e2, e3 = (estimate_memory(v, strategy="fsdp", world_size=world, counts=c)
-                  for v, c in ((v2, c2), (v3, c3)))  # fmt: skip
+        e2, e3 = (
+            estimate_memory(v, strategy="fsdp", world_size=world, counts=c)
+            for v, c in ((v2, c2), (v3, c3))
+        )
         assert e3.teacher - e2.teacher == 4 * shard
 
 
 # ---------------------------------------------------------------- distillation
 
-DISTILL = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill.teacher=teacher.pth",
-           "augmentation.global_crop_size=64", "augmentation.local_crop_size=32"]  # fmt: skip
+DISTILL = [
+    *MEMORY_RUN,
+    "recipe.name=distill",
+    "recipe.distill.teacher=teacher.pth",
+    "augmentation.global_crop_size=64",
+    "augmentation.local_crop_size=32",
+]
 
 
 @pytest.mark.parametrize(
     "extra, teacher_dim",
-    [(["recipe.distill.projector_hidden=256"], 768),
-     (["hardware.activation_checkpointing=selective"], 96),
-     (["hardware.activation_checkpointing=full"], 96),
-     (["recipe.distill.students=[vit_small]"], 96),
-     (["model.backbone=resnet18", "model.patch_size=16"], 96),
-     (["recipe.distill.students=[resnet18]"], 96),
-     (["recipe.distill.local_weight=1"], 96),
-     (["recipe.distill.whiten=0.001"], 768),
-     (["recipe.distill.local_weight=1", "recipe.distill.students=[resnet18]"], 96),
-     (["model.backbone=convnext_tiny", "model.patch_size=16"], 96),
-     (["recipe.distill.mode=heads", "recipe.ibot.separate_head=true",
-       "recipe.ibot.out_dim=512"], 192)],
-)  # fmt: skip
+    [
+        (["recipe.distill.projector_hidden=256"], 768),
+        (["hardware.activation_checkpointing=selective"], 96),
+        (["hardware.activation_checkpointing=full"], 96),
+        (["recipe.distill.students=[vit_small]"], 96),
+        (["model.backbone=resnet18", "model.patch_size=16"], 96),
+        (["recipe.distill.students=[resnet18]"], 96),
+        (["recipe.distill.local_weight=1"], 96),
+        (["recipe.distill.whiten=0.001"], 768),
+        (["recipe.distill.local_weight=1", "recipe.distill.students=[resnet18]"], 96),
+        (["model.backbone=convnext_tiny", "model.patch_size=16"], 96),
+        (
+            [
+                "recipe.distill.mode=heads",
+                "recipe.ibot.separate_head=true",
+                "recipe.ibot.out_dim=512",
+            ],
+            192,
+        ),
+    ],
+)
 def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     """The step of a feature distillation (one student or two; a projector
     with a hidden layer; each checkpointing policy; a ResNet-18 or a
@@ -305,12 +374,17 @@ def test_a_distillation_step_within_10_percent(extra, teacher_dim, one_thread):
     if heads:  # a dino_opt teacher with its heads
         frozen = build_models(cfg)[1]
     else:
-        frozen = VisionTransformer(patch_size=8, embed_dim=teacher_dim, depth=3, num_heads=3,
-                                   img_size=64)  # fmt: skip
+        frozen = VisionTransformer(
+            patch_size=8, embed_dim=teacher_dim, depth=3, num_heads=3, img_size=64
+        )
     loss_fn = build_loss(cfg)
     loss_fn.attach_teacher(FrozenTeacher(frozen.requires_grad_(False).eval(), 8))
-    options = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
-               "gradient_clip": 3.0}  # fmt: skip
+    options = {
+        "precision": "fp32",
+        "accumulation_steps": 1,
+        "freeze_last_layer": 0,
+        "gradient_clip": 3.0,
+    }
     optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
     kind = recipe_of(cfg).trainer_class(cfg)
     assert (kind is HeadsDistillTrainer) == heads
@@ -335,8 +409,9 @@ def test_the_whiteners_state_is_kept_with_the_teacher():
     for the whole run, not the step)."""
     frozen = VisionTransformer(patch_size=8, embed_dim=384, depth=1, num_heads=6, img_size=64)
     plain = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=384"])
-    whiten = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=384",
-                                "recipe.distill.whiten=0.001"])  # fmt: skip
+    whiten = load_config(
+        None, [*DISTILL, "recipe.distill.teacher_dim=384", "recipe.distill.whiten=0.001"]
+    )
     held = sum(b.numel() * b.element_size() for b in build_loss(whiten).buffers())
     assert held == 2 * (12 * 384 * 384 + 8 * 384 + 8)
     a, b = (estimate_memory(c, frozen_teacher=frozen) for c in (plain, whiten))
@@ -404,13 +479,16 @@ def test_the_trace_counts_each_saved_storage_once_where_it_is_first_saved():
 def test_a_distillation_estimate_needs_its_teacher():
     cfg = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=96"])
     teacher = VisionTransformer(patch_size=8, embed_dim=96, depth=1, num_heads=3, img_size=64)
-    resnet = load_config(None, [*DISTILL, "recipe.distill.teacher_dim=96",
-                                "recipe.distill.students=[resnet18]"])  # fmt: skip
+    resnet = load_config(
+        None, [*DISTILL, "recipe.distill.teacher_dim=96", "recipe.distill.students=[resnet18]"]
+    )
     for call, words in (
         (lambda: estimate_memory(cfg), "needs its teacher network"),
-        (lambda: estimate_memory(resnet, strategy="fsdp", frozen_teacher=teacher),
-         "covers ViT students; got 'resnet18'"),
-    ):  # fmt: skip
+        (
+            lambda: estimate_memory(resnet, strategy="fsdp", frozen_teacher=teacher),
+            "covers ViT students; got 'resnet18'",
+        ),
+    ):
         with pytest.raises(ValueError, match=words) as e:
             call()
         assert "\n" not in str(e.value)

@@ -39,12 +39,16 @@ def vit_param_formula(dim, depth, patch, img=224, chans=3, mlp_ratio=4):
     tokens = dim + (1 + (img // patch) ** 2) * dim  # CLS + position table
     block = (
         2 * dim  # norm1
-        + dim * 3 * dim + 3 * dim  # qkv with bias
-        + dim * dim + dim  # proj
+        + dim * 3 * dim
+        + 3 * dim  # qkv with bias
+        + dim * dim
+        + dim  # proj
         + 2 * dim  # norm2
-        + dim * hidden + hidden  # fc1
-        + hidden * dim + dim  # fc2
-    )  # fmt: skip
+        + dim * hidden
+        + hidden  # fc1
+        + hidden * dim
+        + dim  # fc2
+    )
     return patch_embed + tokens + depth * block + 2 * dim
 
 
@@ -472,11 +476,26 @@ def test_build_backbone_vits_and_errors(monkeypatch):
     with torch.device("meta"):
         model, dim = build_backbone("vit_small", patch_size=8, drop_path_rate=0.0)
     assert dim == 384 and model.patch_size == 8
-    assert BACKBONES == ("vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
-                         "vit_small_dinov3", "vit_small_plus_dinov3", "vit_base_dinov3",
-                         "vit_large_dinov3", "vit_large_plus_dinov3", "vit_huge_plus_dinov3",
-                         "vit_7b_dinov3", "resnet18", "resnet50", "convnext_tiny",
-                         "convnext_small", "convnext_base", "convnext_large")  # fmt: skip
+    assert BACKBONES == (
+        "vit_tiny",
+        "vit_small",
+        "vit_base",
+        "vit_large",
+        "vit_giant2",
+        "vit_small_dinov3",
+        "vit_small_plus_dinov3",
+        "vit_base_dinov3",
+        "vit_large_dinov3",
+        "vit_large_plus_dinov3",
+        "vit_huge_plus_dinov3",
+        "vit_7b_dinov3",
+        "resnet18",
+        "resnet50",
+        "convnext_tiny",
+        "convnext_small",
+        "convnext_base",
+        "convnext_large",
+    )
     with pytest.raises(ValueError, match="vit_tiny, vit_small, vit_base, vit_large, vit_giant2"):
         build_backbone("vit_huge")
     with pytest.raises(ValueError, match="ResNet.*num_register_tokens"):
@@ -491,8 +510,10 @@ def test_build_backbone_vits_and_errors(monkeypatch):
 def test_the_dinov3_sizes_are_backbones_of_the_config():
     # model.backbone=vit_*_dinov3 builds DINOv3's ViT (RoPE, 4 storage tokens,
     # LayerScale) with the recipe's options; the ViT options its size fixes are refused.
-    cfg = apply_overrides(default_config(), ["model.backbone=vit_small_dinov3", "model.out_dim=32",
-                                             "recipe.name=dinov2"])  # fmt: skip
+    cfg = apply_overrides(
+        default_config(),
+        ["model.backbone=vit_small_dinov3", "model.out_dim=32", "recipe.name=dinov2"],
+    )
     student, teacher = build_models(cfg)
     backbone = student.backbone
     assert isinstance(backbone, DinoV3VisionTransformer) and backbone.embed_dim == 384
@@ -502,10 +523,12 @@ def test_the_dinov3_sizes_are_backbones_of_the_config():
     feats = backbone.forward_features(torch.randn(2, 3, 32, 32))
     assert feats["x_norm_clstoken"].shape == (2, 384)
     assert feats["x_norm_patchtokens"].shape == (2, 4, 384)
-    bad = apply_overrides(default_config(), ["model.backbone=vit_base_dinov3",
-                                             "model.num_register_tokens=2"])  # fmt: skip
-    with pytest.raises(ValueError, match="'vit_base_dinov3' is a DINOv3 size, which fixes "
-                                         "num_register_tokens"):  # fmt: skip
+    bad = apply_overrides(
+        default_config(), ["model.backbone=vit_base_dinov3", "model.num_register_tokens=2"]
+    )
+    with pytest.raises(
+        ValueError, match="'vit_base_dinov3' is a DINOv3 size, which fixes num_register_tokens"
+    ):
         build_models(bad)
 
 
@@ -525,8 +548,9 @@ def test_eval_mode_sets_eval_inside_and_restores_the_mode_also_on_an_error(train
 
 
 def test_running_stats_kept_leaves_batchnorm_statistics_and_restores_momentum():
-    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
-                        nn.BatchNorm2d(4, momentum=None)).train()  # fmt: skip
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4, momentum=None)
+    ).train()
     g = torch.Generator().manual_seed(0)
     net(torch.randn(8, 3, 9, 9, generator=g) * 3 + 1)  # statistics away from their start
     before = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}

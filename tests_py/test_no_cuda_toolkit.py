@@ -39,8 +39,12 @@ def hide():
 
 def configure(build: Path, prefix: list[str]) -> str:
     python = f"-DPython_EXECUTABLE={sys.executable}"
-    run = subprocess.run([*prefix, "cmake", "-S", str(ROOT), "-B", str(build), python],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [*prefix, "cmake", "-S", str(ROOT), "-B", str(build), python],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     return out

@@ -42,8 +42,21 @@ def _largest_difference(path, net, images) -> float:
 
 def test_a_run_exports_at_the_size_it_was_trained_at(run, tiny_data, tmp_path, capsys):
     capsys.readouterr()
-    assert main(["export", str(run), "--format", "onnx", "--output", str(tmp_path / "m.onnx"),
-                 "--data", str(tiny_data / "val")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                str(run),
+                "--format",
+                "onnx",
+                "--output",
+                str(tmp_path / "m.onnx"),
+                "--data",
+                str(tiny_data / "val"),
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["image_size"] == 32 and result["dynamic"] == ["batch"]
     assert result["outputs"] == ["cls", "patch_tokens"] and result["max_abs_diff"] < 1e-4
@@ -58,11 +71,14 @@ def test_a_run_exports_at_the_size_it_was_trained_at(run, tiny_data, tmp_path, c
         session.run(None, {"images": _images(tiny_data / "train", 48, 2).numpy()})
 
 
-@pytest.mark.parametrize("name,options", [
-    ("vit_small_dinov3", {"depth": 2}),
-    ("resnet18", {}),
-    ("convnext_tiny", {"depths": [1, 1, 1, 1], "dims": [16, 32, 64, 128]}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("vit_small_dinov3", {"depth": 2}),
+        ("resnet18", {}),
+        ("convnext_tiny", {"depths": [1, 1, 1, 1], "dims": [16, 32, 64, 128]}),
+    ],
+)
 def test_networks_without_a_position_table_take_any_size(name, options, tiny_data, tmp_path):
     torch.manual_seed(0)
     net, _ = build_backbone(name, **options)

@@ -42,8 +42,13 @@ def test_torch_is_found_past_build_isolation(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     hidden = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
     assert hidden.returncode != 0  # the isolation works: torch is not importable as run
-    run = subprocess.run([sys.executable, str(TORCH_PIN), "--cmake"], env=env, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(TORCH_PIN), "--cmake"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     prefix, cuda = (run.stdout.splitlines() + [""])[:2]
     assert prefix == torch.utils.cmake_prefix_path and cuda == (torch.version.cuda or "")
 
@@ -54,8 +59,10 @@ def test_pip_install_without_torch_stops_with_the_command(tmp_path):
     python = env_dir / "bin" / "python"
     run = subprocess.run(
         [python, "-m", "pip", "install", "--disable-pip-version-check", str(ROOT)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = run.stdout + run.stderr
     assert run.returncode != 0
     line = next(x for x in out.splitlines() if "compiles against an installed torch" in x)

@@ -118,8 +118,10 @@ def compare(
         # One round-to-nearest-even conversion of the float32 result.
         full = photometric_torch(images, params, mean, std, torch.float32, channels_last)
         assert torch.equal(got, full.to(dtype))
-    print(f"{tuple(images.shape)} {dtype}: max |diff| {worst:.3g}, "
-          f"{(got == want).float().mean().item():.4%} identical")  # fmt: skip
+    print(
+        f"{tuple(images.shape)} {dtype}: max |diff| {worst:.3g}, "
+        f"{(got == want).float().mean().item():.4%} identical"
+    )
     return worst
 
 
@@ -259,8 +261,13 @@ def test_imports_only_torch_math_and_collections():
 def good_args(n=2, h=6, w=7):
     params = torch.zeros(n, 13)
     params[:, 6:10] = torch.arange(4.0)
-    return dict(images=torch.zeros((n, h, w, 3), dtype=torch.uint8), params=params,
-                mean=MEAN, std=STD, dtype=torch.float32)  # fmt: skip
+    return dict(
+        images=torch.zeros((n, h, w, 3), dtype=torch.uint8),
+        params=params,
+        mean=MEAN,
+        std=STD,
+        dtype=torch.float32,
+    )
 
 
 BAD_ARGS = [
@@ -296,10 +303,25 @@ def test_bad_arguments_raise_the_kernels_errors(change, message):
 
 @pytest.mark.parametrize(
     "column,value",
-    [(0, 0.5), (1, 2.0), (10, -1.0), (12, float("nan")), (2, -0.1), (3, float("inf")),
-     (4, float("nan")), (5, 0.51), (5, -0.5001), (8, 1.0), (9, 4.0), (7, float("nan")),
-     (6, 0.5), (11, -1.0), (11, float("nan")), (11, float("inf"))],
-)  # fmt: skip
+    [
+        (0, 0.5),
+        (1, 2.0),
+        (10, -1.0),
+        (12, float("nan")),
+        (2, -0.1),
+        (3, float("inf")),
+        (4, float("nan")),
+        (5, 0.51),
+        (5, -0.5001),
+        (8, 1.0),
+        (9, 4.0),
+        (7, float("nan")),
+        (6, 0.5),
+        (11, -1.0),
+        (11, float("nan")),
+        (11, float("inf")),
+    ],
+)
 def test_invalid_rows_are_named_as_the_cpu_kernel_names_them(column, value):
     args = good_args(n=4)
     args["params"][2, column] = value

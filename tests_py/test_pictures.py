@@ -15,8 +15,9 @@ from PIL import Image
 
 def tiny_vit(gen, registers: int = 0, dtype=torch.float64) -> VisionTransformer:
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
-                            num_register_tokens=registers)  # fmt: skip
+    vit = VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_register_tokens=registers
+    )
     with torch.no_grad():  # registers start near zero and attention near uniform: sharpen
         if vit.register_tokens is not None:
             vit.register_tokens.normal_(generator=gen)
@@ -68,8 +69,9 @@ def test_attention_float32_wrapped_and_mode_restored(gen):
     assert vit.training, "the model's mode is restored"
     with torch.no_grad():
         row = reference_cls_row(vit.double(), images.double())
-    torch.testing.assert_close(maps["attention"].double(), row[..., 3:].reshape(3, 4, 5, 3),
-                               rtol=1e-4, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        maps["attention"].double(), row[..., 3:].reshape(3, 4, 5, 3), rtol=1e-4, atol=1e-6
+    )
     assert maps["thresholded"].shape == (3, 4, 5, 3) and maps["thresholded"].dtype == torch.bool
 
 
@@ -86,8 +88,12 @@ def test_threshold_known_vectors():
     attn = torch.tensor([0.5, 0.1, 0.3, 0.1])
     assert P.threshold_attention(attn, 0.6).tolist() == [True, False, True, False]
     assert P.threshold_attention(attn, 0.5).tolist() == [True, False, False, False]
-    assert P.threshold_attention(attn, 0.85).tolist() == [True, True, True, False] or \
-        P.threshold_attention(attn, 0.85).tolist() == [True, False, True, True]  # fmt: skip
+    assert P.threshold_attention(attn, 0.85).tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ] or P.threshold_attention(attn, 0.85).tolist() == [True, False, True, True]
     # renormalised over the patches given: the scale of the row does not matter
     assert P.threshold_attention(attn * 0.3, 0.6).tolist() == [True, False, True, False]
     assert P.threshold_attention(attn, 1.0).all()
@@ -136,8 +142,9 @@ def test_pca_finds_planted_foreground_and_components(gen):
     flat = x.reshape(-1, 24)
     xc = flat - flat.mean(0)
     v = torch.linalg.svd(xc, full_matrices=False).Vh[0]
-    torch.testing.assert_close(out["first_component"].reshape(-1).abs().double(),
-                               (xc @ v).abs(), rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        out["first_component"].reshape(-1).abs().double(), (xc @ v).abs(), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_pca_sign_stable_and_invert(gen):

@@ -38,8 +38,10 @@ def test_nothing_outside_the_recipes_tests_a_recipe_name():
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_recipe_builds_its_models_and_loss(name):
     extra = ["recipe.distill.teacher=t.pt"] if RECIPE_NEEDS[name].get("external_teacher") else []
-    cfg = apply_overrides(default_config(), [f"recipe.name={name}", "model.backbone=vit_tiny",
-                                             "model.out_dim=64", *extra])  # fmt: skip
+    cfg = apply_overrides(
+        default_config(),
+        [f"recipe.name={name}", "model.backbone=vit_tiny", "model.out_dim=64", *extra],
+    )
     student, teacher = build_models(cfg)
     assert type(student) is type(teacher)
     assert recipe_of(cfg) is RECIPES[name]

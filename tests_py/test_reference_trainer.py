@@ -245,9 +245,13 @@ def test_the_busy_share_leaves_out_user_annotations():
         return SimpleNamespace(time_range=span, device_type=device, is_user_annotation=annotation)
 
     events = [
-        event(0, 100, annotation=True), event(0, 100, DeviceType.CPU, annotation=True),
-        event(10, 30), event(25, 40), event(70, 85), event(90, 95, DeviceType.CPU),
-    ]  # fmt: skip
+        event(0, 100, annotation=True),
+        event(0, 100, DeviceType.CPU, annotation=True),
+        event(10, 30),
+        event(25, 40),
+        event(70, 85),
+        event(90, 95, DeviceType.CPU),
+    ]
     work = device_work(events, DeviceType.CUDA)
     assert work == [(10, 30), (25, 40), (70, 85)]
     assert covered_fraction(work, 0, 100) == pytest.approx(0.45)
@@ -257,8 +261,9 @@ def test_the_foreach_ema_is_the_loop(gen):
     """dinov2's foreach EMA (the strong baseline's) against DINO's loop: the
     same teacher, in float64 to rounding, in float32 within an ulp or two."""
     for dtype, tol in ((torch.float64, 1e-15), (torch.float32, 1e-6)):
-        student, teacher = (nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5)).to(dtype)
-                            for _ in range(2))  # fmt: skip
+        student, teacher = (
+            nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5)).to(dtype) for _ in range(2)
+        )
         for net in (student, teacher):
             with torch.no_grad():
                 for p in net.parameters():
@@ -297,8 +302,10 @@ def test_flops_per_image_is_the_vits_count_by_hand():
 
 def test_the_bound_is_read_from_the_model_step():
     def rows(e2e, model, busy=None):
-        return {"all_no_ckpt": {"images_per_s": e2e},
-                "model_step": {"images_per_s": model, "gpu_busy": busy}}  # fmt: skip
+        return {
+            "all_no_ckpt": {"images_per_s": e2e},
+            "model_step": {"images_per_s": model, "gpu_busy": busy},
+        }
 
     assert bound_verdict(rows(50.0, 100.0, 0.99)).startswith(
         "bound by the input: end-to-end at 0.50x"

@@ -65,8 +65,16 @@ def train_root(tmp_path_factory):
 
 
 def _command(out: Path, train_root: Path, options: list[str], *overrides: str) -> list[str]:
-    return ["train", "--output-dir", str(out), "--quiet", *options, f"data.root={train_root}",
-            *TINY, *overrides]  # fmt: skip
+    return [
+        "train",
+        "--output-dir",
+        str(out),
+        "--quiet",
+        *options,
+        f"data.root={train_root}",
+        *TINY,
+        *overrides,
+    ]
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
@@ -103,8 +111,10 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(
     out = tmp_path / "run"
     done = _run(_command(out, train_root, ["--nproc", "2"], *KILL))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ("rank 1 was killed by SIGKILL after step 7; restarting every worker (restart 1 of 3)"
-            in done.stderr)  # fmt: skip
+    assert (
+        "rank 1 was killed by SIGKILL after step 7; restarting every worker (restart 1 of 3)"
+        in done.stderr
+    )
     assert "Traceback" not in done.stderr
     _assert_same_teacher(_teacher(out), uninterrupted)
     report = json.loads((out / "report.json").read_text())
@@ -128,8 +138,10 @@ def test_out_of_restarts_the_job_ends_with_one_line(train_root, tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("dino-opt: rank 1 was killed by SIGKILL after step 7 (1 of 1 restarts "
-                           "used); last checkpoint: step 6 (")  # fmt: skip
+    assert last.startswith(
+        "dino-opt: rank 1 was killed by SIGKILL after step 7 (1 of 1 restarts "
+        "used); last checkpoint: step 6 ("
+    )
     assert shlex.split(last.split("; resume with: ", 1)[1]) == ["dino-opt", *args]
     (row,) = json.loads((out / "restarts.json").read_text())  # the first kill, restarted
     assert (row["rank"], row["at_step"], row["step"]) == (1, 7, 6)
@@ -170,8 +182,18 @@ def test_two_nodes_train_as_one_node_and_restart_together(train_root, tmp_path, 
     out, port = tmp_path / "run", _free_port()
     nodes = []
     for r in range(2):
-        where = ["--nnodes", "2", "--node-rank", str(r), "--nproc", "1", "--master-addr",
-                 "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+        where = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(r),
+            "--nproc",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ]
         nodes.append(CliProcess(_command(out, train_root, where, *KILL), ranks_env()))
     outputs = [node.communicate(timeout=600) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
@@ -224,12 +246,14 @@ def test_failures_become_one_restart_row_which_the_history_gets_once(tmp_path):
 
 def test_progress_survives_a_sigkill(tmp_path):
     folder = RunFolder(tmp_path)
-    code = ("import os, signal, sys\n"
-            "from dino_opt.job.restarts import ProgressFile\n"
-            "from dino_opt.observe import RunFolder\n"
-            "p = ProgressFile(RunFolder(sys.argv[1]), 3, 5)\n"
-            "for step in range(6, 12): p.update(step)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")  # fmt: skip
+    code = (
+        "import os, signal, sys\n"
+        "from dino_opt.job.restarts import ProgressFile\n"
+        "from dino_opt.observe import RunFolder\n"
+        "p = ProgressFile(RunFolder(sys.argv[1]), 3, 5)\n"
+        "for step in range(6, 12): p.update(step)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     child = subprocess.run([sys.executable, "-c", code, str(tmp_path)])
     assert child.returncode == -signal.SIGKILL
     assert read_progress(folder, 3) == 11 and read_progress(folder, 0) is None
@@ -264,8 +288,19 @@ def test_several_nodes_need_a_rank_an_address_and_a_run_folder(tmp_path, capsys,
         main(["train", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"])
     assert "several nodes need the run folder (--output-dir" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["train", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h",
-              "--output-dir", str(tmp_path)])  # fmt: skip
+        main(
+            [
+                "train",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--master-addr",
+                "h",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
     assert "node_rank must be in [0, nnodes=2), got 2" in capsys.readouterr().err
 
 
@@ -301,12 +336,19 @@ def test_two_launches_from_one_process_give_each_worker_its_own_launch(
         monkeypatch.setenv("OMP_NUM_THREADS", threads)
         capfd.readouterr()
         assert run_agent(report_launch, (str(folder),), folder=RunFolder(folder), nproc=2) == {
-            0: 0, 1: 1}  # fmt: skip
+            0: 0,
+            1: 1,
+        }
         seen[mark] = capfd.readouterr().err
         for rank in (0, 1):
             got = json.loads((folder / f"rank{rank}.json").read_text())
-            assert got == {"mark": mark, "rank": rank, "cwd": str(folder),
-                           "threads": int(threads), "world": "2"}  # fmt: skip
+            assert got == {
+                "mark": mark,
+                "rank": rank,
+                "cwd": str(folder),
+                "threads": int(threads),
+                "world": "2",
+            }
     for mark, err in seen.items():  # each launch's workers wrote to that launch's stderr
         assert {f"report_launch rank {r} mark {mark}" for r in (0, 1)} <= set(err.splitlines())
     assert "mark first" not in seen["second"]

@@ -121,9 +121,10 @@ def test_sigkill_while_an_async_write_is_in_flight_loses_nothing(reference, trai
         reached = checkpointed(out, target)
         in_flight += kill_when(
             _spawn(out, train_root, before=_slow_writes),
-            lambda r=reached: r() and any(f.name.endswith(".tmp")
-                                          for f in (out / "checkpoints").iterdir()),
-        )  # fmt: skip
+            lambda r=reached: (
+                r() and any(f.name.endswith(".tmp") for f in (out / "checkpoints").iterdir())
+            ),
+        )
         for record in manager.checkpoints():  # what the index holds is complete
             assert manager.verify(record.path), record.path
     assert in_flight >= 1, "no run was killed with a write in flight; the test proved nothing"
@@ -215,10 +216,13 @@ def test_repeated_nonfinite_steps_stop_with_a_checkpoint(train_root, tmp_path, m
     with pytest.raises(NonFiniteError, match="consecutive"):
         main(
             _args(
-                out, train_root, "health.max_nonfinite_steps=2", "checkpoint.every_steps=0",
+                out,
+                train_root,
+                "health.max_nonfinite_steps=2",
+                "checkpoint.every_steps=0",
                 "health.on_nonfinite=stop",
             )
-        )  # fmt: skip
+        )
     records = CheckpointManager(out / "checkpoints").checkpoints()
     state = torch.load(records[-1].path, weights_only=True)
     assert state["reason"] == "nonfinite"

@@ -83,10 +83,12 @@ def hf_data(folder, tmp_path_factory) -> dict:
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))}
     )
     ds = datasets.Dataset.from_dict(
-        {"image": [{"bytes": f.read_bytes(), "path": None} for f in files],
-         "label": [CLASSES.index(f.parent.name) for f in files]},
+        {
+            "image": [{"bytes": f.read_bytes(), "path": None} for f in files],
+            "label": [CLASSES.index(f.parent.name) for f in files],
+        },
         features=features,
-    )  # fmt: skip
+    )
     base = tmp_path_factory.mktemp("hf")
     ds.save_to_disk(str(base / "disk"))
     ds.select(range(10)).to_parquet(str(base / "part-0.parquet"))
@@ -95,8 +97,9 @@ def hf_data(folder, tmp_path_factory) -> dict:
 
 
 def epoch_images(spec, rank: int, world: int, epoch: int, pad: bool = True, **kw) -> list:
-    with MultiCropLoader(spec, 2, rank=rank, world_size=world, pad_shards=pad, seed=3,
-                         **SMALL, **kw) as loader:  # fmt: skip
+    with MultiCropLoader(
+        spec, 2, rank=rank, world_size=world, pad_shards=pad, seed=3, **SMALL, **kw
+    ) as loader:
         source = loader.source
         return [(digest(source.read(i)), source.label(i)) for i in loader.epoch_indices(epoch)]
 
@@ -140,8 +143,13 @@ def test_detection_and_explicit_formats(folder, shards, file_list, request):
     with pytest.raises(ValueError, match="format must be one of"):
         open_source(shards, format="webdataset")
     assert expand_pattern("a-{08..10}-{x,y}.tar") == [
-        "a-08-x.tar", "a-08-y.tar", "a-09-x.tar", "a-09-y.tar", "a-10-x.tar", "a-10-y.tar"
-    ]  # fmt: skip
+        "a-08-x.tar",
+        "a-08-y.tar",
+        "a-09-x.tar",
+        "a-09-y.tar",
+        "a-10-x.tar",
+        "a-10-y.tar",
+    ]
     assert open_source(source_of("hf", request)).format == "hf"
     assert open_source(source_of("parquet", request)).format == "hf"
 
@@ -155,10 +163,11 @@ def batches(loader) -> list:
 
 def same(a, b) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+        torch.equal(x[0], y[0])
+        and torch.equal(x[1], y[1])
         and all(torch.equal(p, q) for p, q in zip(x[2], y[2], strict=True))
         for x, y in zip(a, b, strict=True)
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("kind", ["shards", "hf"])
@@ -330,8 +339,18 @@ def test_prepare_writes_verifiable_shards_from_any_source(folder, file_list, tmp
     from dino_opt.cli import main
 
     dst = tmp_path / "out"
-    args = ["prepare", str(file_list), str(dst), "--format", "shards", "--shard-size", "0.004",
-            "--max-side", "20", "--quiet"]  # fmt: skip
+    args = [
+        "prepare",
+        str(file_list),
+        str(dst),
+        "--format",
+        "shards",
+        "--shard-size",
+        "0.004",
+        "--max-side",
+        "20",
+        "--quiet",
+    ]
     assert main(args) == 0
     assert "written 21 samples" in capsys.readouterr().out
     source = open_source(dst)
@@ -373,11 +392,13 @@ def test_a_config_names_its_data_and_its_splits(shards, tmp_path, hf_data):
         tmp_path / "val-{0..0}.tar"
     )
     assert sibling_split(str(tmp_path / "train-{0..0}.tar"), "test") is None
-    cfg = Config.from_dict({"data": {"root": str(shards), "format": "shards", "shuffle_buffer": 4,
-                                     "batch_size": 4},
-                            "augmentation": {"global_crop_size": 32, "local_crop_size": 16,
-                                             "num_local_views": 2},
-                            "eval": {"val_root": str(shards)}})  # fmt: skip
+    cfg = Config.from_dict(
+        {
+            "data": {"root": str(shards), "format": "shards", "shuffle_buffer": 4, "batch_size": 4},
+            "augmentation": {"global_crop_size": 32, "local_crop_size": 16, "num_local_views": 2},
+            "eval": {"val_root": str(shards)},
+        }
+    )
     roots = data_roots(cfg)
     assert roots.train == shards and roots.val == shards and roots.knn_train == shards
     loader = build_loader(cfg, roots.train, torch.device("cpu"))

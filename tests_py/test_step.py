@@ -133,8 +133,10 @@ def test_subset_drop_path_equals_the_mask_form_for_the_same_draw(kind, batch, p)
     x = torch.randn(batch, 9, 32, generator=gen, dtype=torch.float64, requires_grad=True)
     rope = None
     if kind == "dinov3":
-        rope = (torch.rand(8, 8, generator=gen, dtype=torch.float64),
-                torch.rand(8, 8, generator=gen, dtype=torch.float64))  # fmt: skip
+        rope = (
+            torch.rand(8, 8, generator=gen, dtype=torch.float64),
+            torch.rand(8, 8, generator=gen, dtype=torch.float64),
+        )
     # the block's own draws, read by replaying its generator
     torch.manual_seed(11)
     kept = kept_samples(batch, p)
@@ -241,9 +243,17 @@ def test_under_bf16_autocast_the_residual_stream_is_bf16(kind):
 # operators whose output shape depends on the values (nonzero, masked
 # select, unique, ...), which copy a count back to the host.
 SYNCING = {
-    "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
-    "unique_dim", "unique_consecutive", "unique_dim_consecutive", "repeat_interleave",
-}  # fmt: skip
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "repeat_interleave",
+}
 
 
 class HostSyncs(TorchDispatchMode):
@@ -270,8 +280,11 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)]  # fmt: skip
+        inputs = [
+            a
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        ]
         on_host = not self.copying and bool(inputs) and all(id(t) in self.host for t in inputs)
         name = func.overloadpacket.__name__
         if name in SYNCING and not on_host:
@@ -321,8 +334,9 @@ def _crops(cfg, b=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     gs, ls = cfg.augmentation.global_crop_size, cfg.augmentation.local_crop_size
     crops = [torch.randn(b, 3, gs, gs, generator=g) for _ in range(2)]
-    return crops + [torch.randn(b, 3, ls, ls, generator=g)
-                    for _ in range(cfg.augmentation.num_local_views)]  # fmt: skip
+    return crops + [
+        torch.randn(b, 3, ls, ls, generator=g) for _ in range(cfg.augmentation.num_local_views)
+    ]
 
 
 def _trainer(overrides):
@@ -338,9 +352,13 @@ def _trainer(overrides):
 RECIPES = {
     "dino": [],
     "dinov2": ["recipe.name=dinov2", "model.layerscale_init=1e-5"],
-    "dinov3": ["recipe.name=dinov3", "recipe.centering=sinkhorn_knopp",
-               "recipe.ibot.separate_head=true", "recipe.ibot.out_dim=64"],
-}  # fmt: skip
+    "dinov3": [
+        "recipe.name=dinov3",
+        "recipe.centering=sinkhorn_knopp",
+        "recipe.ibot.separate_head=true",
+        "recipe.ibot.out_dim=64",
+    ],
+}
 
 
 def _step_syncs(monkeypatch, overrides, steps=3):

@@ -292,13 +292,26 @@ def test_test_batch_repeats_and_cuts_the_first_batch(dino_model, loader):
 
 
 def test_a_native_loader_is_left_where_it_was(cfg, tmp_path, monkeypatch):
-    root = builtin_dataset(tmp_path / "ds", train_per_class=2, val_per_class=1, test_per_class=0,
-                           image_size=40, num_workers=0)  # fmt: skip
+    root = builtin_dataset(
+        tmp_path / "ds",
+        train_per_class=2,
+        val_per_class=1,
+        test_per_class=0,
+        image_size=40,
+        num_workers=0,
+    )
     monkeypatch.setattr(ThroughputOptimizer, "_measure", fake_measure(0.0, 2))
     torch.manual_seed(0)
     student, teacher = build_models(cfg)
-    with MultiCropLoader(root / "train", 2, global_size=32, local_size=16, n_local=N_LOCAL,
-                         num_threads=1, shuffle=False) as native:  # fmt: skip
+    with MultiCropLoader(
+        root / "train",
+        2,
+        global_size=32,
+        local_size=16,
+        n_local=N_LOCAL,
+        num_threads=1,
+        shuffle=False,
+    ) as native:
         expected = [b.indices.tolist() for b in native]
         native.set_epoch(0)
         it = iter(native)
@@ -348,8 +361,14 @@ def test_optimizer_factory_and_config_are_used(dino_model, loader, monkeypatch):
         return torch.optim.SGD(student.parameters(), lr=0.1)
 
     def step(self, trainer, crops):
-        seen.append((type(trainer.optimizer), trainer.gradient_clip,
-                     trainer.accumulation_steps, trainer.freeze_last_layer))  # fmt: skip
+        seen.append(
+            (
+                type(trainer.optimizer),
+                trainer.gradient_clip,
+                trainer.accumulation_steps,
+                trainer.freeze_last_layer,
+            )
+        )
         real_step(self, trainer, crops)
 
     monkeypatch.setattr(ThroughputOptimizer, "_train_step", step)
@@ -445,15 +464,22 @@ def test_loader_for_a_dataset_is_the_lessons_dataloader(gen, monkeypatch):
     assert auto.num_workers == min(8, _C.available_cores())
     assert auto.prefetch_factor == 2 and auto.persistent_workers
     assert auto.pin_memory == torch.cuda.is_available()
-    explicit = OptimizedDataLoader.create(dataset, 2, num_workers=1, prefetch_factor=3,
-                                          pin_memory=True)  # fmt: skip
+    explicit = OptimizedDataLoader.create(
+        dataset, 2, num_workers=1, prefetch_factor=3, pin_memory=True
+    )
     assert explicit.num_workers == 1 and explicit.prefetch_factor == 3
     assert explicit.pin_memory == torch.cuda.is_available()  # pinning only with CUDA
 
 
 def test_loader_for_a_folder_is_the_native_loader(tmp_path, monkeypatch):
-    root = builtin_dataset(tmp_path / "ds", train_per_class=2, val_per_class=1, test_per_class=0,
-                           image_size=40, num_workers=0)  # fmt: skip
+    root = builtin_dataset(
+        tmp_path / "ds",
+        train_per_class=2,
+        val_per_class=1,
+        test_per_class=0,
+        image_size=40,
+        num_workers=0,
+    )
     crops = dict(global_size=32, local_size=16, n_local=N_LOCAL)
     with OptimizedDataLoader.create(str(root / "train"), 2, **crops) as loader:
         assert isinstance(loader, MultiCropLoader)

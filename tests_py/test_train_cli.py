@@ -22,8 +22,14 @@ from tiny import knn_json
 
 TINY = [*TINY_BASE, "data.num_workers=2"]
 # The whole evaluation, at the end and after the first epoch.
-EVAL = ["eval.linear=true", "eval.dense=true", "eval.pictures=4", "eval.every_epochs=1",
-        "logging.curves=true", "logging.tsne=true"]  # fmt: skip
+EVAL = [
+    "eval.linear=true",
+    "eval.dense=true",
+    "eval.pictures=4",
+    "eval.every_epochs=1",
+    "logging.curves=true",
+    "logging.tsne=true",
+]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -156,9 +162,20 @@ def test_knn_reproduces_the_report(run, tiny_data, capsys):
     )
     assert teacher["val"] == str(tiny_data / "val") and teacher["test"] == str(tiny_data / "test")
     student = knn_json(
-        capsys, "--checkpoint", report["checkpoint"], "--data", str(tiny_data),
-        "--which", "student", "--k", "5", "--image-size", "24", "--device", "cpu",
-    )  # fmt: skip
+        capsys,
+        "--checkpoint",
+        report["checkpoint"],
+        "--data",
+        str(tiny_data),
+        "--which",
+        "student",
+        "--k",
+        "5",
+        "--image-size",
+        "24",
+        "--device",
+        "cpu",
+    )
     assert student["which"] == "student" and student["k"] == 5 and student["image_size"] == 24
     assert 0 <= student["top1"] <= student["top5"] <= 100
 
@@ -282,8 +299,22 @@ def test_eval_and_show_commands(run, tiny_data, tmp_path, capsys):
     out, _ = run
     capsys.readouterr()
     linear = tmp_path / "linear.json"
-    assert main(["eval", "linear", str(out), "--device", "cpu", "--epochs", "2",
-                 "--output", str(linear)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "linear",
+                str(out),
+                "--device",
+                "cpu",
+                "--epochs",
+                "2",
+                "--output",
+                str(linear),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads(linear.read_text())
     assert len(result["rows"]) == 52 and result["epochs"] == 2 and result["image_size"] == 32
@@ -291,15 +322,32 @@ def test_eval_and_show_commands(run, tiny_data, tmp_path, capsys):
     assert f"val top-1 {result['best']['val_top1']:.2f} %" in printed
     assert "logistic regression (C=" in printed
     dense = tmp_path / "dense.json"
-    assert main(["eval", "dense", str(out), "--device", "cpu", "--epochs", "2",
-                 "--output", str(dense)]) == 0  # fmt: skip
+    assert (
+        main(
+            ["eval", "dense", str(out), "--device", "cpu", "--epochs", "2", "--output", str(dense)]
+        )
+        == 0
+    )
     assert 0 <= json.loads(dense.read_text())["val"]["miou"] <= 100
     images = sorted((tiny_data / "val" / "star").iterdir())[:1] + [tiny_data / "val" / "ring"]
     images = [images[0], next(images[1].iterdir())]
     pictures = tmp_path / "pictures"
     for kind in ("attention", "pca"):
-        assert main(["show", kind, str(out), *map(str, images), "--output-dir", str(pictures),
-                     "--image-size", "48"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "show",
+                    kind,
+                    str(out),
+                    *map(str, images),
+                    "--output-dir",
+                    str(pictures),
+                    "--image-size",
+                    "48",
+                ]
+            )
+            == 0
+        )
     names = sorted(p.name for p in pictures.iterdir())
     assert names == sorted(f"{p.stem}_{k}.png" for p in images for k in ("attention", "pca"))
     # dino-opt report shows the evaluation and the run's pictures
@@ -318,9 +366,18 @@ def test_eval_errors_in_one_line(run, tmp_path, capsys):
     for args, needle in (
         (["eval", "linear", str(unknown), "--data", str(tmp_path)], str(unknown)),
         (["eval", "dense", str(out), "--data", str(tmp_path)], "has no masks"),
-        (["show", "attention", str(out), str(tmp_path / "missing.png"), "--output-dir",
-          str(tmp_path)], "missing.png"),
-    ):  # fmt: skip
+        (
+            [
+                "show",
+                "attention",
+                str(out),
+                str(tmp_path / "missing.png"),
+                "--output-dir",
+                str(tmp_path),
+            ],
+            "missing.png",
+        ),
+    ):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             main(args)
@@ -330,8 +387,12 @@ def test_eval_errors_in_one_line(run, tmp_path, capsys):
 
 def test_verdict_names_what_to_try():
     cfg = load_config(None)
-    worse = {"knn_top1_trained": 54.5, "knn_top1_random_init": 64.1,
-             "linear_top1_trained": 70.0, "linear_top1_random_init": 60.0}  # fmt: skip
+    worse = {
+        "knn_top1_trained": 54.5,
+        "knn_top1_random_init": 64.1,
+        "linear_top1_trained": 70.0,
+        "linear_top1_random_init": 60.0,
+    }
     message = verdict(worse, cfg)
     assert "knn 54.5 % vs 64.1 %" in message and "linear" not in message.split("on val")[0]
     for key in ("schedule.epochs", "schedule.momentum_teacher", "global_crops_scale"):

@@ -28,8 +28,16 @@ DIM, HEADS, REG = 32, 4, 4
 def v2_vit(**kw) -> VisionTransformer:
     """A DINOv2-style ViT small enough for a 2-core CPU: 14-pixel patches,
     28x28 native size (2x2 grid), registers, LayerScale, mask token."""
-    cfg = dict(img_size=28, patch_size=14, embed_dim=DIM, depth=2, num_heads=HEADS,
-               num_register_tokens=REG, layerscale_init=1e-5, use_mask_token=True)  # fmt: skip
+    cfg = dict(
+        img_size=28,
+        patch_size=14,
+        embed_dim=DIM,
+        depth=2,
+        num_heads=HEADS,
+        num_register_tokens=REG,
+        layerscale_init=1e-5,
+        use_mask_token=True,
+    )
     cfg.update(kw)
     return VisionTransformer(**cfg)
 
@@ -51,8 +59,13 @@ def test_output_dict_shapes_with_registers(gen):
         out = model.forward_features(x)
         tokens = model.forward_tokens(x)
         cls = model(x)
-    assert set(out) == {"x_norm_clstoken", "x_norm_regtokens", "x_norm_patchtokens",
-                        "x_prenorm", "masks"}  # fmt: skip
+    assert set(out) == {
+        "x_norm_clstoken",
+        "x_norm_regtokens",
+        "x_norm_patchtokens",
+        "x_prenorm",
+        "masks",
+    }
     assert out["x_norm_clstoken"].shape == (3, DIM)
     assert out["x_norm_regtokens"].shape == (3, REG, DIM)
     assert out["x_norm_patchtokens"].shape == (3, 12, DIM)
@@ -165,8 +178,9 @@ def test_layerscale_init_and_off():
     model = v2_vit(layerscale_init=1e-5)
     gammas = [m.gamma for m in model.modules() if isinstance(m, LayerScale)]
     assert len(gammas) == 4 and all(torch.equal(g, torch.full((DIM,), 1e-5)) for g in gammas)
-    assert torch.equal(v2_vit(layerscale_init=None, init_values=0.1).blocks[1].ls2.gamma,
-                       torch.full((DIM,), 0.1))  # fmt: skip
+    assert torch.equal(
+        v2_vit(layerscale_init=None, init_values=0.1).blocks[1].ls2.gamma, torch.full((DIM,), 0.1)
+    )
     for off in (None, 0.0):
         plain = v2_vit(layerscale_init=off)
         assert isinstance(plain.blocks[0].ls1, nn.Identity)
@@ -244,8 +258,14 @@ def _grads(model, x, masks, seed):
 
 
 def test_grad_checkpointing_same_gradients(gen, monkeypatch):
-    model = _randomize(v2_vit(depth=3, ffn_layer="swiglufused", drop_path_rate=0.3,
-                              drop_path_uniform=True), gen).double().train()  # fmt: skip
+    model = (
+        _randomize(
+            v2_vit(depth=3, ffn_layer="swiglufused", drop_path_rate=0.3, drop_path_uniform=True),
+            gen,
+        )
+        .double()
+        .train()
+    )
     x = torch.randn(4, 3, 42, 42, generator=gen, dtype=torch.float64)
     masks = torch.rand(4, 9, generator=gen) < 0.4
     ref = _grads(model, x, masks, seed=1)
@@ -273,8 +293,17 @@ def dinov2_param_formula(dim, depth, ffn="mlp", patch=14, img=518, registers=0):
     else:
         h = (int(mlp_hidden * 2 / 3) + 7) // 8 * 8
         ffn_params = dim * 2 * h + 2 * h + h * dim + dim
-    block = (2 * dim + dim * 3 * dim + 3 * dim + dim * dim + dim + dim  # norm1 qkv proj ls1
-             + 2 * dim + ffn_params + dim)  # norm2 ffn ls2  # fmt: skip
+    block = (
+        2 * dim
+        + dim * 3 * dim
+        + 3 * dim
+        + dim * dim
+        + dim
+        + dim  # norm1 qkv proj ls1
+        + 2 * dim
+        + ffn_params
+        + dim
+    )  # norm2 ffn ls2
     tokens = dim + (1 + (img // patch) ** 2) * dim + registers * dim + dim  # cls pos reg mask
     return 3 * patch * patch * dim + dim + tokens + depth * block + 2 * dim
 
@@ -291,8 +320,13 @@ def dinov2_param_formula(dim, depth, ffn="mlp", patch=14, img=518, registers=0):
 def test_dinov2_parameter_counts(ctor, dim, depth, ffn, expected):
     with torch.device("meta"):  # shapes only: ViT-g is 1.1B parameters
         model = ctor(patch_size=14, img_size=518, layerscale_init=1e-5, use_mask_token=True)
-        with_reg = ctor(patch_size=14, img_size=518, layerscale_init=1e-5, use_mask_token=True,
-                        num_register_tokens=4)  # fmt: skip
+        with_reg = ctor(
+            patch_size=14,
+            img_size=518,
+            layerscale_init=1e-5,
+            use_mask_token=True,
+            num_register_tokens=4,
+        )
     n = sum(p.numel() for p in model.parameters())
     assert n == expected == dinov2_param_formula(dim, depth, ffn)
     assert sum(p.numel() for p in with_reg.parameters()) == expected + 4 * dim
@@ -305,10 +339,22 @@ def official_keys(depth: int, ffn: str = "mlp", registers: bool = False) -> list
     keys = ["cls_token", "pos_embed"] + (["register_tokens"] if registers else [])
     keys += ["mask_token", "patch_embed.proj.weight", "patch_embed.proj.bias"]
     fc = ("w12", "w3") if ffn != "mlp" else ("fc1", "fc2")
-    layers = ["norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias",
-              "attn.proj.weight", "attn.proj.bias", "ls1.gamma", "norm2.weight", "norm2.bias",
-              f"mlp.{fc[0]}.weight", f"mlp.{fc[0]}.bias", f"mlp.{fc[1]}.weight",
-              f"mlp.{fc[1]}.bias", "ls2.gamma"]  # fmt: skip
+    layers = [
+        "norm1.weight",
+        "norm1.bias",
+        "attn.qkv.weight",
+        "attn.qkv.bias",
+        "attn.proj.weight",
+        "attn.proj.bias",
+        "ls1.gamma",
+        "norm2.weight",
+        "norm2.bias",
+        f"mlp.{fc[0]}.weight",
+        f"mlp.{fc[0]}.bias",
+        f"mlp.{fc[1]}.weight",
+        f"mlp.{fc[1]}.bias",
+        "ls2.gamma",
+    ]
     for i in range(depth):
         keys += [f"blocks.{i}.{name}" for name in layers]
     return keys + ["norm.weight", "norm.bias"]
@@ -318,8 +364,13 @@ def official_keys(depth: int, ffn: str = "mlp", registers: bool = False) -> list
 @pytest.mark.parametrize("registers", [0, 4])
 def test_state_dict_names_are_dinov2s(ctor, depth, registers):
     with torch.device("meta"):
-        model = ctor(patch_size=14, img_size=518, layerscale_init=1e-5, use_mask_token=True,
-                     num_register_tokens=registers)  # fmt: skip
+        model = ctor(
+            patch_size=14,
+            img_size=518,
+            layerscale_init=1e-5,
+            use_mask_token=True,
+            num_register_tokens=registers,
+        )
     ffn = "swiglufused" if ctor is vit_giant2 else "mlp"
     assert list(model.state_dict()) == official_keys(depth, ffn, bool(registers))
     sd = model.state_dict()
@@ -358,9 +409,17 @@ def test_model_depth_replaces_the_sizes_number_of_blocks():
 
 
 def test_build_backbone_and_dino_models_take_the_dinov2_options():
-    options = dict(num_register_tokens=4, layerscale_init=1e-5, ffn_layer="swiglu",
-                   qkv_bias=False, drop_path_uniform=True, interpolate_offset=0.1,
-                   interpolate_antialias=True, img_size=28, use_mask_token=True)  # fmt: skip
+    options = dict(
+        num_register_tokens=4,
+        layerscale_init=1e-5,
+        ffn_layer="swiglu",
+        qkv_bias=False,
+        drop_path_uniform=True,
+        interpolate_offset=0.1,
+        interpolate_antialias=True,
+        img_size=28,
+        use_mask_token=True,
+    )
     with torch.device("meta"):
         net, dim = build_backbone("vit_small", patch_size=14, drop_path_rate=0.2, **options)
         giant, _ = build_backbone("vit_giant2", patch_size=14)
@@ -373,9 +432,15 @@ def test_build_backbone_and_dino_models_take_the_dinov2_options():
     assert isinstance(giant.blocks[0].mlp, SwiGLUFFN)  # the architecture's own FFN
     assert not isinstance(giant_mlp.blocks[0].mlp, SwiGLUFFN)
     assert dim_l == 1024 and len(large.blocks) == 24 and large.num_heads == 16
-    student, teacher = build_dino_models("vit_tiny", out_dim=16, patch_size=14, hidden_dim=16,
-                                         bottleneck_dim=8, drop_path_rate=0.1,
-                                         **options)  # fmt: skip
+    student, teacher = build_dino_models(
+        "vit_tiny",
+        out_dim=16,
+        patch_size=14,
+        hidden_dim=16,
+        bottleneck_dim=8,
+        drop_path_rate=0.1,
+        **options,
+    )
     assert student.backbone.register_tokens.shape == (1, 4, 192)
     assert all(b.drop_path.p == 0.1 for b in student.backbone.blocks)
     assert all(b.drop_path.p == 0.0 for b in teacher.backbone.blocks)

@@ -234,7 +234,10 @@ def test_every_size_builds_with_dinov3s_settings():
         for name, size in DINOV3_SIZES.items():
             model = getattr(v3, name)()
             assert (model.embed_dim, len(model.blocks), model.num_heads) == (
-                size["embed_dim"], size["depth"], size["num_heads"])  # fmt: skip
+                size["embed_dim"],
+                size["depth"],
+                size["num_heads"],
+            )
             assert model.patch_size == 16 and model.num_register_tokens == 4
             assert model.pos_embed is None and model.norm.eps == 1e-5
             assert model.blocks[0].ls1.gamma.shape == (model.embed_dim,)
@@ -284,8 +287,9 @@ def dinov3_layout(state_dict: dict, gen) -> dict:
             stem = key[: -len("q_bias")]
             k_bias = torch.randn(value.shape, generator=gen, dtype=F64)
             out[stem + "bias"] = torch.cat((value, k_bias, state_dict[stem + "v_bias"]))
-            out[stem + "bias_mask"] = torch.cat((torch.ones_like(value), torch.zeros_like(value),
-                                                 torch.ones_like(value)))  # fmt: skip
+            out[stem + "bias_mask"] = torch.cat(
+                (torch.ones_like(value), torch.zeros_like(value), torch.ones_like(value))
+            )
         elif ".mlp.w12." in key:
             w1, w2 = value.chunk(2)
             out[key.replace("w12", "w1")], out[key.replace("w12", "w2")] = w1, w2
@@ -331,12 +335,15 @@ def test_checkpointing_gives_the_same_gradients(policy, gen):
 @pytest.mark.parametrize(
     "shape, match",
     [
-        ((2, 3, 40, 48), r"^x: images of shape \(2, 3, 40, 48\); H and W must be positive "
-                         r"multiples of the patch size 16$"),
+        (
+            (2, 3, 40, 48),
+            r"^x: images of shape \(2, 3, 40, 48\); H and W must be positive "
+            r"multiples of the patch size 16$",
+        ),
         ((2, 1, 32, 32), r"^x: images must have shape \(B, 3, H, W\), got \(2, 1, 32, 32\)$"),
         ((3, 32, 32), r"^x: images must have shape \(B, 3, H, W\), got \(3, 32, 32\)$"),
     ],
-)  # fmt: skip
+)
 def test_bad_images_raise_a_one_line_error(shape, match):
     model = tiny()
     for call in (model, model.forward_features, model.get_last_selfattention):
@@ -348,8 +355,13 @@ def test_outputs_agree_with_each_other(gen):
     model = randomize(tiny(untie_cls_and_patch_norms=True).double(), gen).eval()
     x = torch.randn(2, 3, 48, 32, generator=gen, dtype=F64)
     out = model.forward_features(x)
-    assert set(out) == {"x_norm_clstoken", "x_norm_regtokens", "x_norm_patchtokens",
-                        "x_prenorm", "masks"}  # fmt: skip
+    assert set(out) == {
+        "x_norm_clstoken",
+        "x_norm_regtokens",
+        "x_norm_patchtokens",
+        "x_prenorm",
+        "masks",
+    }
     assert out["x_norm_regtokens"].shape == (2, 4, 32)
     assert out["x_norm_patchtokens"].shape == (2, 6, 32)
     pre = out["x_prenorm"]
@@ -407,9 +419,13 @@ def test_the_mask_token_is_in_the_graph_without_masks(gen):
 def test_features_equal_hugging_faces_dinov3(gen):
     transformers = pytest.importorskip("transformers")
     config = transformers.DINOv3ViTConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
-        num_register_tokens=4, layerscale_value=1.0,
-    )  # fmt: skip
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        num_register_tokens=4,
+        layerscale_value=1.0,
+    )
     hf = randomize(transformers.DINOv3ViTModel(config).double().eval(), gen)
     ours = DinoV3VisionTransformer(embed_dim=64, depth=2, num_heads=4, use_mask_token=True)
     ours = ours.double().eval()

@@ -73,8 +73,9 @@ def _hf_model(folder):
     return transformers.ViTModel.from_pretrained(str(folder), add_pooling_layer=False).eval()
 
 
-@pytest.mark.parametrize("backbone,patch", [("vit_tiny", 16), ("vit_tiny", 8),
-                                            ("vit_small", 16), ("vit_small", 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "backbone,patch", [("vit_tiny", 16), ("vit_tiny", 8), ("vit_small", 16), ("vit_small", 8)]
+)
 @pytest.mark.parametrize("size", [224, 96])
 def test_exports_give_dino_opt_features(backbone, patch, size, tmp_path, gen):
     source, teacher = _checkpoint(tmp_path, gen, backbone, patch)
@@ -101,8 +102,11 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("backbone,patch", [("vit_tiny", 8), ("vit_small", 16)])
 def test_round_trips_through_timm_and_transformers_are_bit_exact(backbone, patch, tmp_path, gen):
     source, teacher = _checkpoint(tmp_path, gen, backbone, patch)
-    mine = {k.removeprefix("backbone."): v for k, v in teacher.state_dict().items()
-            if k.startswith("backbone.")}  # fmt: skip
+    mine = {
+        k.removeprefix("backbone."): v
+        for k, v in teacher.state_dict().items()
+        if k.startswith("backbone.")
+    }
     exported = export_weights(source, "timm", tmp_path / "t.safetensors")
     resaved = tmp_path / "resaved.safetensors"  # what a timm user saves after loading it
     save_file(_timm_model(exported.path).state_dict(), str(resaved))
@@ -123,8 +127,14 @@ def test_round_trips_through_timm_and_transformers_are_bit_exact(backbone, patch
 def _dino_vit_keys(depth: int) -> set[str]:
     """The keys of the original DINO ViT (vision_transformer.py: patch
     embedding, CLS token, position table, blocks, final norm; head Identity)."""
-    keys = {"cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias",
-            "norm.weight", "norm.bias"}  # fmt: skip
+    keys = {
+        "cls_token",
+        "pos_embed",
+        "patch_embed.proj.weight",
+        "patch_embed.proj.bias",
+        "norm.weight",
+        "norm.bias",
+    }
     for i in range(depth):
         keys |= {
             f"blocks.{i}.{layer}.{kind}" for layer in DINO_BLOCK for kind in ("weight", "bias")
@@ -152,17 +162,31 @@ def test_dino_backbone_file_has_the_model_zoo_layout(tmp_path, gen):
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     return builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=2, val_per_class=1,
-        test_per_class=1, image_size=40,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("data") / "builtin",
+        train_per_class=2,
+        val_per_class=1,
+        test_per_class=1,
+        image_size=40,
+    )
 
 
 @pytest.fixture(scope="module")
 def run(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet",
-                     f"data.root={tiny_data / 'train'}", *TINY]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    "--output-dir",
+                    str(out),
+                    "--quiet",
+                    f"data.root={tiny_data / 'train'}",
+                    *TINY,
+                ]
+            )
+            == 0
+        )
     return out
 
 
@@ -181,8 +205,16 @@ def _cli_error(capsys, *args) -> str:
 
 
 def test_full_dino_checkpoint_has_main_dino_layout(run, tmp_path, capsys):
-    out = _cli(capsys, "export", str(run), "--format", "dino", "--full",
-               "--output", str(tmp_path / "checkpoint.pth"))  # fmt: skip
+    out = _cli(
+        capsys,
+        "export",
+        str(run),
+        "--format",
+        "dino",
+        "--full",
+        "--output",
+        str(tmp_path / "checkpoint.pth"),
+    )
     assert out["format"] == "dino-full"
     state = torch.load(out["path"], weights_only=True)
     assert {"student", "teacher", "optimizer", "epoch", "dino_loss", "args"} <= set(state)
@@ -213,9 +245,22 @@ def test_training_continues_from_a_dino_checkpoint(run, tiny_data, tmp_path, cap
     assert torch.equal(loss.center, saved["dino_loss"]["center"])
     out = tmp_path / "continued"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet",
-                     f"data.root={tiny_data / 'train'}", *TINY, "schedule.epochs=1",
-                     "schedule.warmup_epochs=0", f"model.init_from={full}"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    "--output-dir",
+                    str(out),
+                    "--quiet",
+                    f"data.root={tiny_data / 'train'}",
+                    *TINY,
+                    "schedule.epochs=1",
+                    "schedule.warmup_epochs=0",
+                    f"model.init_from={full}",
+                ]
+            )
+            == 0
+        )
     report = json.loads((out / "report.json").read_text())
     assert report["init_from"][0].startswith("dino-full weights")
     assert report["steps"] > 0 and math.isfinite(report["final_loss"])
@@ -223,10 +268,20 @@ def test_training_continues_from_a_dino_checkpoint(run, tiny_data, tmp_path, cap
 
 def test_knn_on_exported_weights_equals_the_run(run, tiny_data, tmp_path, capsys):
     report = json.loads((run / "report.json").read_text())
-    exported = _cli(capsys, "export", str(run), "--format", "timm", "--image-size", "32",
-                    "--output", str(tmp_path / "t.safetensors"))  # fmt: skip
-    result = _cli(capsys, "knn", "--weights", exported["path"], "--data", str(tiny_data),
-                  "--device", "cpu")  # fmt: skip
+    exported = _cli(
+        capsys,
+        "export",
+        str(run),
+        "--format",
+        "timm",
+        "--image-size",
+        "32",
+        "--output",
+        str(tmp_path / "t.safetensors"),
+    )
+    result = _cli(
+        capsys, "knn", "--weights", exported["path"], "--data", str(tiny_data), "--device", "cpu"
+    )
     assert result["format"] == "timm" and result["image_size"] == 32
     assert result["top1"] == report["knn_top1_trained"]
     assert result["test_top1"] == report["knn_test_top1_trained"]
@@ -234,19 +289,21 @@ def test_knn_on_exported_weights_equals_the_run(run, tiny_data, tmp_path, capsys
     assert direct["format"] == "dino_opt" and direct["top1"] == result["top1"]
 
 
-@pytest.mark.parametrize("fmt,name", [("timm", "t.safetensors"), ("hf", "hf"),
-                                      ("dinov2", "v2.pth"), ("dino", "d.pth")])  # fmt: skip
-def test_an_export_carries_the_input_it_was_trained_at(run, tiny_data, tmp_path, capsys, fmt,
-                                                      name):  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt,name", [("timm", "t.safetensors"), ("hf", "hf"), ("dinov2", "v2.pth"), ("dino", "d.pth")]
+)
+def test_an_export_carries_the_input_it_was_trained_at(run, tiny_data, tmp_path, capsys, fmt, name):
     """TINY trains at 32 px with a position table for 224: every export says
     32 (and ImageNet's normalisation), and evaluating it without a size gives
     the run's own figures."""
     report = json.loads((run / "report.json").read_text())
-    exported = _cli(capsys, "export", str(run), "--format", fmt, "--output",
-                    str(tmp_path / name))  # fmt: skip
+    exported = _cli(capsys, "export", str(run), "--format", fmt, "--output", str(tmp_path / name))
     trained = read_weights(exported["path"]).training
-    assert trained == {"image_size": 32, "mean": [0.485, 0.456, 0.406],
-                       "std": [0.229, 0.224, 0.225]}  # fmt: skip
+    assert trained == {
+        "image_size": 32,
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+    }
     assert read_weights(run).training == trained
     assert open_backbone(exported["path"]).image_size == 32
     result = evaluate_weights(exported["path"], tiny_data, device="cpu")
@@ -289,9 +346,16 @@ def test_errors_name_the_problem(run, tiny_data, tmp_path, capsys, gen):
     other, _ = _checkpoint(tmp_path, gen, "vit_tiny", 16)
     with pytest.raises(ValueError, match="vit_tiny with patch 16.*patch 8"):
         init_from(other, student, teacher)
-    err = _cli_error(capsys, "train", "--output-dir", str(tmp_path / "r"), "--quiet",
-                     f"data.root={tiny_data / 'train'}", *TINY,
-                     f"model.init_from={tmp_path / 'nowhere.pth'}")  # fmt: skip
+    err = _cli_error(
+        capsys,
+        "train",
+        "--output-dir",
+        str(tmp_path / "r"),
+        "--quiet",
+        f"data.root={tiny_data / 'train'}",
+        *TINY,
+        f"model.init_from={tmp_path / 'nowhere.pth'}",
+    )
     assert "model.init_from" in err and "nowhere.pth" in err
 
 
@@ -299,8 +363,10 @@ def test_resnet_exports_as_torchvision_and_timm_state_dicts(tmp_path, gen):
     cfg = apply_overrides(default_config(), ["model.backbone=resnet18", *SMALL_HEAD])
     student, teacher = build_models(cfg)
     path = tmp_path / "r.pth"
-    torch.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
-                "config": cfg.to_dict()}, path)  # fmt: skip
+    torch.save(
+        {"student": student.state_dict(), "teacher": teacher.state_dict(), "config": cfg.to_dict()},
+        path,
+    )
     with pytest.raises(ValueError, match="--format hf does not write a resnet18.*dino or "):
         export_weights(path, "hf", tmp_path / "r.safetensors")
     timm = pytest.importorskip("timm")

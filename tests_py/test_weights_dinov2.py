@@ -34,7 +34,7 @@ CONFIGS = {
     "swiglu": dict(ffn_layer="swiglufused"),
     "registers-swiglu-nobias": dict(
         num_register_tokens=2, ffn_layer="swiglu", qkv_bias=False, proj_bias=False
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -49,8 +49,15 @@ def _randomize(module: torch.nn.Module, gen: torch.Generator) -> torch.nn.Module
 
 
 def ours(gen, **kw) -> VisionTransformer:
-    cfg = dict(img_size=56, patch_size=14, embed_dim=DIM, depth=2, num_heads=HEADS,
-               layerscale_init=1e-5, use_mask_token=True)  # fmt: skip
+    cfg = dict(
+        img_size=56,
+        patch_size=14,
+        embed_dim=DIM,
+        depth=2,
+        num_heads=HEADS,
+        layerscale_init=1e-5,
+        use_mask_token=True,
+    )
     return _randomize(VisionTransformer(**(cfg | kw)), gen)
 
 
@@ -182,8 +189,14 @@ def test_random_timm_models_load_into_ours(timm_name, kw, registers, tmp_path, g
 
 
 def _hf_config(registers: int, swiglu: bool):
-    kw = dict(hidden_size=DIM, num_hidden_layers=2, num_attention_heads=HEADS, image_size=56,
-              patch_size=14, use_swiglu_ffn=swiglu)  # fmt: skip
+    kw = dict(
+        hidden_size=DIM,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        image_size=56,
+        patch_size=14,
+        use_swiglu_ffn=swiglu,
+    )
     if registers:
         return transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig(
             num_register_tokens=registers, **kw
@@ -211,8 +224,14 @@ def test_random_hf_models_load_into_ours(registers, swiglu, tmp_path, gen):
 def _chunked(sd: dict, chunks: int, depth: int) -> dict:
     """DINOv2's block_chunks layout: block i of chunk c as ``blocks.{c}.{i}``."""
     size = depth // chunks
-    return {(f"blocks.{int(k.split('.')[1]) // size}.{k[len('blocks.') :]}"
-             if k.startswith("blocks.") else k): v for k, v in sd.items()}  # fmt: skip
+    return {
+        (
+            f"blocks.{int(k.split('.')[1]) // size}.{k[len('blocks.') :]}"
+            if k.startswith("blocks.")
+            else k
+        ): v
+        for k, v in sd.items()
+    }
 
 
 def test_official_layout_loads_chunked_or_not(tmp_path, gen):
@@ -276,9 +295,15 @@ def test_interpolation_equals_the_libraries_where_they_resize_as_dinov2(tmp_path
             _close(_features(model, xi), _hf_features(hf, xi, registers))
         model.interpolate_antialias = not antialias
         assert all(_differs(_features(model, xi), _hf_features(hf, xi, registers)) for xi in x)
-    source = timm.create_model("vit_small_patch14_reg4_dinov2", img_size=56, embed_dim=DIM,
-                               depth=2, num_heads=HEADS, num_classes=0,
-                               dynamic_img_size=True)  # fmt: skip
+    source = timm.create_model(
+        "vit_small_patch14_reg4_dinov2",
+        img_size=56,
+        embed_dim=DIM,
+        depth=2,
+        num_heads=HEADS,
+        num_classes=0,
+        dynamic_img_size=True,
+    )
     _randomize(source, gen)
     save_file(source.state_dict(), str(tmp_path / "timm.safetensors"))
     model = ours(gen, num_register_tokens=4, interpolate_antialias=True)
@@ -301,8 +326,10 @@ def test_dinov2_offset_differs_from_the_libraries_but_exports_exactly(tmp_path, 
     assert _differs(_hf_features(native, x, 0), _features(model, x))
     r = export_backbone(model, "hf", tmp_path / "at84", image_size=84)
     assert "offset 0.1" in r.notes[0]
-    _close(_hf_features(transformers.Dinov2Model.from_pretrained(str(r.path)), x, 0),
-           _features(model, x))  # fmt: skip
+    _close(
+        _hf_features(transformers.Dinov2Model.from_pretrained(str(r.path)), x, 0),
+        _features(model, x),
+    )
 
 
 # ---------------------------------------------------------------- adaptation and errors
@@ -346,8 +373,11 @@ def test_errors_name_the_problem(tmp_path, gen):
     state = torch.load(path, weights_only=True)
     state["blocks.1.attn.extra"] = state.pop("blocks.1.attn.qkv.weight")
     torch.save(state, tmp_path / "broken.pth")
-    with pytest.raises(ValueError, match=r"missing keys.*blocks\.1\.attn\.qkv\.weight.*"
-                                         r"unexpected.*blocks\.1\.attn\.extra"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"missing keys.*blocks\.1\.attn\.qkv\.weight.*"
+        r"unexpected.*blocks\.1\.attn\.extra",
+    ):
         load_backbone(tmp_path / "broken.pth", ours(gen, num_register_tokens=4))
     with pytest.raises(ValueError, match="whole mlp_ratio"):
         export_backbone(ours(gen, mlp_ratio=2.5), "hf", tmp_path / "odd")
@@ -357,27 +387,46 @@ def test_errors_name_the_problem(tmp_path, gen):
 
 
 def test_export_weights_and_init_from_of_a_dinov2_style_run(tmp_path, gen):
-    cfg = apply_overrides(default_config(), [
-        "recipe.name=dinov2", "model.backbone=vit_tiny", "model.patch_size=14",
-        "model.num_register_tokens=4",
-        "model.layerscale_init=1e-5", "model.ffn_layer=swiglufused",
-        "augmentation.global_crop_size=28", "augmentation.local_crop_size=14",
-        "model.out_dim=16", "model.hidden_dim=16", "model.bottleneck_dim=8",
-    ])  # fmt: skip
+    cfg = apply_overrides(
+        default_config(),
+        [
+            "recipe.name=dinov2",
+            "model.backbone=vit_tiny",
+            "model.patch_size=14",
+            "model.num_register_tokens=4",
+            "model.layerscale_init=1e-5",
+            "model.ffn_layer=swiglufused",
+            "augmentation.global_crop_size=28",
+            "augmentation.local_crop_size=14",
+            "model.out_dim=16",
+            "model.hidden_dim=16",
+            "model.bottleneck_dim=8",
+        ],
+    )
     student, teacher = build_models(cfg)
     _randomize(teacher, gen)
     source = tmp_path / "ckpt.pth"
-    torch.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
-                "config": cfg.to_dict()}, source)  # fmt: skip
+    torch.save(
+        {"student": student.state_dict(), "teacher": teacher.state_dict(), "config": cfg.to_dict()},
+        source,
+    )
     x = torch.randn(2, 3, 28, 28, generator=gen)
     r = export_weights(source, "timm", tmp_path / "t.safetensors")
     assert r.image_size == 28 and "vit_giant_patch14_reg4_dinov2" in r.load
     timm_model, _ = _timm_from_file(r.path)
     _close(_timm_features(timm_model, x, 4), _features(teacher.backbone, x))
-    s2, t2 = build_dino_models("vit_tiny", out_dim=16, patch_size=14, hidden_dim=16,
-                               bottleneck_dim=8, num_register_tokens=4, layerscale_init=1e-5,
-                               ffn_layer="swiglufused", img_size=28,
-                               use_mask_token=True)  # fmt: skip
+    s2, t2 = build_dino_models(
+        "vit_tiny",
+        out_dim=16,
+        patch_size=14,
+        hidden_dim=16,
+        bottleneck_dim=8,
+        num_register_tokens=4,
+        layerscale_init=1e-5,
+        ffn_layer="swiglufused",
+        img_size=28,
+        use_mask_token=True,
+    )
     notes = init_from(r.path, s2, t2)
     assert notes[0].startswith("timm weights (vit_tiny)")
     _close(_features(t2.backbone, x), _features(teacher.backbone, x))

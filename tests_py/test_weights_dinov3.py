@@ -48,8 +48,9 @@ def _randomize(module: torch.nn.Module, gen: torch.Generator) -> torch.nn.Module
     swapped key cannot go unnoticed."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            scale = name.endswith(("norm1.weight", "norm2.weight", "norm.weight", "gamma",
-                                   "lambda1"))  # fmt: skip
+            scale = name.endswith(
+                ("norm1.weight", "norm2.weight", "norm.weight", "gamma", "lambda1")
+            )
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1 + float(scale))
     return module.eval()
 
@@ -79,8 +80,9 @@ def _close(a: tuple, b: tuple, atol: float) -> None:
 def _timm_from_file(path):
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-    model = timm.create_model(meta["timm_model"], pretrained=False,
-                              **json.loads(meta["timm_kwargs"]))  # fmt: skip
+    model = timm.create_model(
+        meta["timm_model"], pretrained=False, **json.loads(meta["timm_kwargs"])
+    )
     model.double().load_state_dict(load_file(path), strict=True)
     return model.eval(), meta
 
@@ -120,14 +122,32 @@ def test_round_trips_give_our_tensors(fmt, config, tmp_path, gen):
 
 def official_keys(depth: int, swiglu: bool, storage: bool) -> list[str]:
     """DINOv3's DinoVisionTransformer state dict keys, in its order."""
-    keys = ["cls_token", *(["storage_tokens"] if storage else []), "mask_token",
-            "patch_embed.proj.weight", "patch_embed.proj.bias", "rope_embed.periods"]  # fmt: skip
+    keys = [
+        "cls_token",
+        *(["storage_tokens"] if storage else []),
+        "mask_token",
+        "patch_embed.proj.weight",
+        "patch_embed.proj.bias",
+        "rope_embed.periods",
+    ]
     ffn = ["w1", "w2", "w3"] if swiglu else ["fc1", "fc2"]
     for i in range(depth):
         b = f"blocks.{i}."
-        keys += [b + k for k in ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias",
-                                 "attn.qkv.bias_mask", "attn.proj.weight", "attn.proj.bias",
-                                 "ls1.gamma", "norm2.weight", "norm2.bias")]  # fmt: skip
+        keys += [
+            b + k
+            for k in (
+                "norm1.weight",
+                "norm1.bias",
+                "attn.qkv.weight",
+                "attn.qkv.bias",
+                "attn.qkv.bias_mask",
+                "attn.proj.weight",
+                "attn.proj.bias",
+                "ls1.gamma",
+                "norm2.weight",
+                "norm2.bias",
+            )
+        ]
         keys += [f"{b}mlp.{n}.{k}" for n in ffn for k in ("weight", "bias")] + [b + "ls2.gamma"]
     return keys + ["norm.weight", "norm.bias"]
 
@@ -146,9 +166,15 @@ def test_official_layout_is_dinov3s_and_timm_reads_it(config, tmp_path, gen):
     assert rope_from_periods(state["rope_embed.periods"], 64)[0] == 2
     # timm converts DINOv3's published files with this function: it reads ours as one
     swiglu = {"swiglu_mlp": True, "swiglu_align_to": 8, "mlp_ratio": 2.75}
-    theirs = timm.create_model("vit_base_patch16_dinov3_qkvb", pretrained=False, embed_dim=64,
-                               depth=2, num_heads=2, num_classes=0,
-                               **(swiglu if config == "swiglu" else {}))  # fmt: skip
+    theirs = timm.create_model(
+        "vit_base_patch16_dinov3_qkvb",
+        pretrained=False,
+        embed_dim=64,
+        depth=2,
+        num_heads=2,
+        num_classes=0,
+        **(swiglu if config == "swiglu" else {}),
+    )
     theirs.double().load_state_dict(checkpoint_filter_fn(state, theirs), strict=True)
     x = _images(gen, 48, 32)
     with torch.no_grad():
@@ -208,8 +234,15 @@ def test_hf_export_gives_our_features(config, tmp_path, gen):
 @pytest.mark.parametrize("container", ["safetensors", "torch"])
 def test_random_timm_models_load_into_ours(swiglu, container, tmp_path, gen):
     kw = {"swiglu_mlp": True, "swiglu_align_to": 8, "mlp_ratio": 2.75} if swiglu else {}
-    theirs = timm.create_model("vit_base_patch16_dinov3_qkvb", pretrained=False, embed_dim=64,
-                               depth=2, num_heads=2, num_classes=0, **kw)  # fmt: skip
+    theirs = timm.create_model(
+        "vit_base_patch16_dinov3_qkvb",
+        pretrained=False,
+        embed_dim=64,
+        depth=2,
+        num_heads=2,
+        num_classes=0,
+        **kw,
+    )
     _randomize(theirs.double(), gen)
     path = tmp_path / ("t.safetensors" if container == "safetensors" else "t.pth")
     if container == "safetensors":
@@ -228,10 +261,14 @@ def test_random_timm_models_load_into_ours(swiglu, container, tmp_path, gen):
 @pytest.mark.parametrize("gated", [False, True])
 def test_random_hugging_face_models_load_into_ours(gated, tmp_path, gen):
     config = transformers.DINOv3ViTConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_register_tokens=4,
-        intermediate_size=176 if gated else 256, use_gated_mlp=gated,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_register_tokens=4,
+        intermediate_size=176 if gated else 256,
+        use_gated_mlp=gated,
         hidden_act="silu" if gated else "gelu",
-    )  # fmt: skip
+    )
     theirs = _randomize(transformers.DINOv3ViTModel(config).double(), gen)
     theirs.save_pretrained(tmp_path / "hf")
     weights = read_weights(tmp_path / "hf")
@@ -305,17 +342,21 @@ def test_errors_name_the_problem(tmp_path, gen):
     with pytest.raises(ValueError, match="the model is a vit with patch 16; DINOv3's ViT") as e:
         load_backbone(path, VisionTransformer(embed_dim=64, depth=2, num_heads=2))
     _one_line(e)
-    dinov2 = export_backbone(VisionTransformer(embed_dim=64, depth=2, num_heads=2), "dinov2",
-                             tmp_path / "v2.pth").path  # fmt: skip
-    with pytest.raises(ValueError, match="v2.pth: the weights hold a vit with patch 16, the "
-                                         "model is a DINOv3 ViT of width 64") as e:  # fmt: skip
+    dinov2 = export_backbone(
+        VisionTransformer(embed_dim=64, depth=2, num_heads=2), "dinov2", tmp_path / "v2.pth"
+    ).path
+    with pytest.raises(
+        ValueError,
+        match="v2.pth: the weights hold a vit with patch 16, the model is a DINOv3 ViT of width 64",
+    ) as e:
         load_backbone(dinov2, ours())
     _one_line(e)
     with pytest.raises(ValueError, match="SwiGLU 176 wide with patch 16, the model is a DINOv3"):
         load_backbone(sw, ours())
     based = export_backbone(ours(gen, pos_embed_rope_base=50.0), "dinov3", tmp_path / "b.pth")
-    with pytest.raises(ValueError, match="RoPE has base 50, separate coordinates, the model's "
-                                         "base 100"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="RoPE has base 50, separate coordinates, the model's base 100"
+    ):
         load_backbone(based.path, ours())
 
 
@@ -325,8 +366,9 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path, gen):
         with pytest.raises(ValueError, match=f"--format {fmt} writes .* --format dinov3, timm"):
             export_backbone(model, fmt, tmp_path / "x.pth")
     untied = ours(gen, untie_cls_and_patch_norms=True)
-    periods = ours(gen, pos_embed_rope_base=None, pos_embed_rope_min_period=0.5,
-                   pos_embed_rope_max_period=40.0)  # fmt: skip
+    periods = ours(
+        gen, pos_embed_rope_base=None, pos_embed_rope_min_period=0.5, pos_embed_rope_max_period=40.0
+    )
     for bad, what in ((untied, "untie_cls_and_patch_norms"), (periods, "periods from 0.5 to 40")):
         for fmt in ("timm", "hf"):
             with pytest.raises(ValueError, match=what) as e:
@@ -335,15 +377,19 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path, gen):
         r = export_backbone(bad, "dinov3", tmp_path / f"{what[:4]}.pth")
         fresh = ours(**({"untie_cls_and_patch_norms": True} if bad is untied else {}))
         if bad is periods:
-            fresh = ours(pos_embed_rope_base=None, pos_embed_rope_min_period=0.5,
-                         pos_embed_rope_max_period=40.0)  # fmt: skip
+            fresh = ours(
+                pos_embed_rope_base=None,
+                pos_embed_rope_min_period=0.5,
+                pos_embed_rope_max_period=40.0,
+            )
         load_backbone(r.path, fresh)  # the periods give the RoPE back
         x = _images(gen, 32, 32)
         _close(_features(fresh, x), _features(bad, x), atol=0)
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.pth").exists()
     with pytest.raises(ValueError, match="--format dinov3 writes DINOv3's ViT"):
-        export_backbone(VisionTransformer(embed_dim=64, depth=1, num_heads=2), "dinov3",
-                        tmp_path / "v.pth")  # fmt: skip
+        export_backbone(
+            VisionTransformer(embed_dim=64, depth=1, num_heads=2), "dinov3", tmp_path / "v.pth"
+        )
 
 
 # ---------------------------------------------------------------- a dino_opt run and gram_ckpt
@@ -352,16 +398,24 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path, gen):
 @pytest.fixture(scope="module")
 def dinov3_run(tmp_path_factory):
     """A checkpoint of a vit_small_dinov3 run (random weights), and its config."""
-    cfg = apply_overrides(default_config(), [
-        "model.backbone=vit_small_dinov3", "model.out_dim=16", "model.hidden_dim=16",
-        "model.bottleneck_dim=8", "augmentation.global_crop_size=32",
-        "augmentation.local_crop_size=16",
-    ])  # fmt: skip
+    cfg = apply_overrides(
+        default_config(),
+        [
+            "model.backbone=vit_small_dinov3",
+            "model.out_dim=16",
+            "model.hidden_dim=16",
+            "model.bottleneck_dim=8",
+            "augmentation.global_crop_size=32",
+            "augmentation.local_crop_size=16",
+        ],
+    )
     student, teacher = build_models(cfg)
     _randomize(teacher, torch.Generator().manual_seed(0))
     path = tmp_path_factory.mktemp("run") / "checkpoint.pth"
-    torch.save({"student": student.state_dict(), "teacher": teacher.state_dict(),
-                "config": cfg.to_dict()}, path)  # fmt: skip
+    torch.save(
+        {"student": student.state_dict(), "teacher": teacher.state_dict(), "config": cfg.to_dict()},
+        path,
+    )
     return path, cfg, teacher
 
 
@@ -399,16 +453,20 @@ def test_a_runs_dinov3_backbone_exports_and_starts_a_run(dinov3_run, tmp_path, c
 def test_init_from_refuses_another_size_in_one_line(dinov3_run, tmp_path, gen):
     tiny = export_backbone(ours(gen), "hf", tmp_path / "tiny").path
     student, teacher = build_models(dinov3_run[1])
-    other = (r"tiny: the weights hold a DINOv3 ViT of width 64, depth 2, MLP 256 wide "
-             r"with patch 16, the model is a vit_small_dinov3 with patch 16 \(set")  # fmt: skip
+    other = (
+        r"tiny: the weights hold a DINOv3 ViT of width 64, depth 2, MLP 256 wide "
+        r"with patch 16, the model is a vit_small_dinov3 with patch 16 \(set"
+    )
     with pytest.raises(ValueError, match=other) as e:
         init_from(tiny, student, teacher)
     _one_line(e)
     head = ["model.out_dim=16", "model.hidden_dim=16", "model.bottleneck_dim=8"]
     vit = apply_overrides(default_config(), ["model.backbone=vit_small", *head])
     s2, t2 = build_models(vit)
-    family = ("the weights hold a vit_small_dinov3 with patch 16, the model is a vit_small with "
-              "patch 16; DINOv3's")  # fmt: skip
+    family = (
+        "the weights hold a vit_small_dinov3 with patch 16, the model is a vit_small with "
+        "patch 16; DINOv3's"
+    )
     with pytest.raises(ValueError, match=family) as e:
         init_from(dinov3_run[0], s2, t2)
     _one_line(e)
@@ -427,7 +485,8 @@ def test_gram_ckpt_reads_timm_and_dinov3_files(fmt, tmp_path, gen):
     for key, value in gram.backbone.state_dict().items():
         assert torch.equal(value, source.state_dict()[key]), key
     wrong = GramTeacher(GramConfig(ckpt=str(path)))
-    with pytest.raises(ValueError, match=f"recipe.gram.ckpt='.*{FILES[fmt]}' does not fit the "
-                                         "Gram teacher") as e:  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"recipe.gram.ckpt='.*{FILES[fmt]}' does not fit the Gram teacher"
+    ) as e:
         wrong.attach(VisionTransformer(embed_dim=64, depth=2, num_heads=2), load_backbone)
     _one_line(e)

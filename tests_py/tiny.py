@@ -68,13 +68,30 @@ def tiny_one_epoch(tmp_path_factory, train_per_class: int = 2, val_per_class: in
     ``train_per_class`` and ``val_per_class`` images a class, no test
     split) and TINY
     trained one epoch on its train split, in this process."""
-    root = builtin_dataset(tmp_path_factory.mktemp("data") / "builtin",
-                           train_per_class=train_per_class, val_per_class=val_per_class,
-                           test_per_class=0, image_size=40)  # fmt: skip
+    root = builtin_dataset(
+        tmp_path_factory.mktemp("data") / "builtin",
+        train_per_class=train_per_class,
+        val_per_class=val_per_class,
+        test_per_class=0,
+        image_size=40,
+    )
     out = tmp_path_factory.mktemp("run") / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["train", "--output-dir", str(out), "--quiet", f"data.root={root / 'train'}",
-                     *TINY, "schedule.epochs=1", "schedule.warmup_epochs=0"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    "--output-dir",
+                    str(out),
+                    "--quiet",
+                    f"data.root={root / 'train'}",
+                    *TINY,
+                    "schedule.epochs=1",
+                    "schedule.warmup_epochs=0",
+                ]
+            )
+            == 0
+        )
     return root, out
 
 
@@ -82,9 +99,12 @@ def tiny_train_only(tmp_path_factory) -> Path:
     """40 images (5 batches of 8 per epoch) in a `train` folder with no `val`
     beside it, so that a run ends without the k-NN evaluation."""
     root = builtin_dataset(
-        tmp_path_factory.mktemp("data") / "builtin", train_per_class=4, val_per_class=1,
-        test_per_class=0, image_size=40,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("data") / "builtin",
+        train_per_class=4,
+        val_per_class=1,
+        test_per_class=0,
+        image_size=40,
+    )
     train = tmp_path_factory.mktemp("trainonly") / "train"
     train.symlink_to(root / "train")
     return train
@@ -156,7 +176,8 @@ def run_killed_and_resumed(out: Path, argv: list[str], at_step: int = 4) -> None
     SIGKILLs it once a checkpoint of step ``at_step`` or later exists, and
     runs it again to its end (resuming)."""
     assert kill_when(CliProcess(argv), checkpointed(out, at_step)), (
-        "the run ended before it could be killed")  # fmt: skip
+        "the run ended before it could be killed"
+    )
     run_cli_ok(argv)
 
 
@@ -165,8 +186,11 @@ def assert_same_states(a: dict, b: dict, keys=("student", "teacher", "loss")) ->
     for key in keys:
         assert a[key].keys() == b[key].keys(), key
         for name, value in b[key].items():
-            same = torch.equal(a[key][name], value) if isinstance(value, torch.Tensor) else (
-                a[key][name] == value)  # fmt: skip
+            same = (
+                torch.equal(a[key][name], value)
+                if isinstance(value, torch.Tensor)
+                else (a[key][name] == value)
+            )
             assert same, f"{key}.{name} differs"
 
 
@@ -186,8 +210,7 @@ def read_run(out: Path) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     path = Path(report["checkpoint"])
     state = read_sharded(path) if path.is_dir() else torch.load(path, weights_only=True)
-    return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r],
-            "state": state}  # fmt: skip
+    return {"out": out, "report": report, "rows": [r for r in rows if "loss" in r], "state": state}
 
 
 def train(out: Path, root: Path, *overrides: str, ranks: int = 1) -> dict:

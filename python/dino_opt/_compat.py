@@ -77,6 +77,9 @@ def make_callable(module: types.ModuleType, function) -> None:
     the package of the training engine (``dino_opt.train.build``, ...) and
     the one-call :func:`dino_opt.api.train`, so that neither the modules'
     paths nor the call shadow each other."""
-    kind = type(f"Callable{type(module).__name__}", (type(module),),
-                {"__call__": staticmethod(function), "__slots__": ()})  # fmt: skip
+    kind = type(
+        f"Callable{type(module).__name__}",
+        (type(module),),
+        {"__call__": staticmethod(function), "__slots__": ()},
+    )
     module.__class__ = kind

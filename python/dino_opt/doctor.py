@@ -71,8 +71,11 @@ def _driver() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return f"unknown ({e})"
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
@@ -122,8 +125,12 @@ def _compiled_for(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and build_info()["cuda_compiled"])
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None,
-              allowance: torch.Tensor | float = 0.0) -> float:  # fmt: skip
+def _max_diff(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    allowance: torch.Tensor | float = 0.0,
+) -> float:
     """max|a - b| beyond `allowance` (elementwise, or one number) (over
     max|scale|), in float64 on a CPU or CUDA device (a GPU's inputs are too
     large to copy back), else on the CPU."""
@@ -238,8 +245,10 @@ def _check_gram(device, dtype, gen, size) -> Check:
     ref_grad = gram_loss_backward_torch(one, s, t, *options)
     # Pairs within rounding of 0 may be clamped on the other side of it.
     loss_allow, grad_allow, _ = gram_clamp_allowance(1.0, student, teacher, *options[:3])
-    error = max(_max_diff(loss, ref_loss, ref_loss, loss_allow),
-                _max_diff(x.grad, ref_grad, ref_grad, grad_allow))  # fmt: skip
+    error = max(
+        _max_diff(loss, ref_loss, ref_loss, loss_allow),
+        _max_diff(x.grad, ref_grad, ref_grad, grad_allow),
+    )
     # similarities are at most 1: the "logits" of this loss
     tol = _loss_tolerance(dtype, 1.0)
     name = f"gram_loss fwd+bwd {str(dtype)[6:]} {rows}x{dim}"
@@ -326,8 +335,11 @@ def _print_rows(title: str, rows: Sequence[tuple[str, str]]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, "
-                        "cuda, cuda:N, mps, xpu")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when there is one), cpu, cuda, cuda:N, mps, xpu",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 

@@ -32,8 +32,13 @@ def report_launch(folder: str) -> int:
     folder and intra-op threads) to FOLDER/rankN.json, and says its rank on
     its standard error."""
     rank = int(os.environ["RANK"])
-    seen = {"mark": os.environ.get("DINO_OPT_TEST_MARK"), "rank": rank, "cwd": os.getcwd(),
-            "threads": torch.get_num_threads(), "world": os.environ["WORLD_SIZE"]}  # fmt: skip
+    seen = {
+        "mark": os.environ.get("DINO_OPT_TEST_MARK"),
+        "rank": rank,
+        "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(),
+        "world": os.environ["WORLD_SIZE"],
+    }
     Path(folder, f"rank{rank}.json").write_text(json.dumps(seen))
     print(f"report_launch rank {rank} mark {seen['mark']}", file=sys.stderr, flush=True)
     return rank

@@ -19,8 +19,11 @@ from workers.dist_memory_worker import MEMORY_RUN, _forward_backward, _optimizer
 def losses(compiled: bool, rank: int) -> tuple[list[float], int]:
     torch.manual_seed(0)
     # Without drop path the 12 blocks share one compiled graph (a rate is a constant of it).
-    options = ["hardware.activation_checkpointing=selective", "model.drop_path_rate=0",
-               f"hardware.compile={str(compiled).lower()}"]  # fmt: skip
+    options = [
+        "hardware.activation_checkpointing=selective",
+        "model.drop_path_rate=0",
+        f"hardware.compile={str(compiled).lower()}",
+    ]
     cfg = load_config(None, [*MEMORY_RUN, *options])
     student, teacher = build_models(cfg)
     compiled_blocks = sum(b._compiled_call_impl is not None for b in student.backbone.blocks)

@@ -31,9 +31,16 @@ DEVICE = torch.device("cpu")
 def main(rank: int, world: int, init_file: str, out: str, teacher_file: str, *overrides) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    cfg = load_config(None, [*overrides, f"recipe.distill.teacher={teacher_file}",
-                             "recipe.distill.teacher_dim=384", "hardware.precision=fp32",
-                             "distributed.strategy=fsdp"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *overrides,
+            f"recipe.distill.teacher={teacher_file}",
+            "recipe.distill.teacher_dim=384",
+            "hardware.precision=fp32",
+            "distributed.strategy=fsdp",
+        ],
+    )
     student, ema = build_models(cfg)
     loss_fn = build_loss(cfg)
     network = attach_teacher(cfg, loss_fn, weights_reader(), DEVICE)
@@ -57,14 +64,18 @@ def main(rank: int, world: int, init_file: str, out: str, teacher_file: str, *ov
         trainer.optimize_step()
         losses.append(loss.item())
     result = {
-        "numel": numel, "local_numel": local, "sharded": is_sharded(network),
+        "numel": numel,
+        "local_numel": local,
+        "sharded": is_sharded(network),
         "all_dtensors": all(isinstance(p, DTensor) for p in params),
         "frozen": not any(p.requires_grad for p in params),
-        "tokens_diff": max((before.cls - after.cls).abs().max().item(),
-                           (before.patches - after.patches).abs().max().item()),
+        "tokens_diff": max(
+            (before.cls - after.cls).abs().max().item(),
+            (before.patches - after.patches).abs().max().item(),
+        ),
         "losses": losses,
         "student_units": [n for n, m in student.named_modules() if is_sharded(m)],
-    }  # fmt: skip
+    }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -29,8 +29,12 @@ from torch.distributed.tensor import DTensor
 DEVICE = torch.device("cpu")
 # iteration 0 loads the Gram teacher from the EMA teacher; it is refreshed
 # after iteration 1 only (max_updates 1)
-GRAM = ["recipe.gram.it_load_ema_teacher=0", "recipe.gram.update_frequency=2",
-        "recipe.gram.it_first_update=2", "recipe.gram.max_updates=1"]  # fmt: skip
+GRAM = [
+    "recipe.gram.it_load_ema_teacher=0",
+    "recipe.gram.update_frequency=2",
+    "recipe.gram.it_first_update=2",
+    "recipe.gram.max_updates=1",
+]
 
 
 def _batch(cfg, b: int = 2, seed: int = 0):
@@ -44,15 +48,18 @@ def _batch(cfg, b: int = 2, seed: int = 0):
 
 def _whole(module: torch.nn.Module) -> dict:
     """Collective: the module's state dict as whole tensors."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
-            for k, v in module.state_dict().items()}  # fmt: skip
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def main(rank: int, world: int, init_file: str, out: str, *overrides: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    cfg = load_config(None, [*overrides, *GRAM, "hardware.precision=fp32",
-                             "distributed.strategy=fsdp"])  # fmt: skip
+    cfg = load_config(
+        None, [*overrides, *GRAM, "hardware.precision=fp32", "distributed.strategy=fsdp"]
+    )
     student, teacher = build_models(cfg)
     loss_fn = build_loss(cfg)
     frozen = attach_frozen_copies(cfg, loss_fn, teacher)
@@ -64,8 +71,10 @@ def main(rank: int, world: int, init_file: str, out: str, *overrides: str) -> No
     optimizer = build_optimizer(cfg, student, DEVICE)
     trainer = build_trainer(cfg, model, loss_fn, optimizer, DEVICE)
     schedules = build_schedules(cfg, 4, world_size=world)
-    report = {"frozen": [id(m) for m in frozen] == [id(gram.backbone)],
-              "sharded": is_sharded(gram.backbone)}  # fmt: skip
+    report = {
+        "frozen": [id(m) for m in frozen] == [id(gram.backbone)],
+        "sharded": is_sharded(gram.backbone),
+    }
 
     # the same placements as the teacher's backbone, one shard per rank
     mine = dict(gram.backbone.named_parameters())

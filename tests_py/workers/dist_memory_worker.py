@@ -80,8 +80,13 @@ def _optimizer_step(student, optimizer, cfg) -> None:
 def _bytes(tensors) -> int:
     """Bytes of the (local shards of the) tensors' storages, each storage once."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in local if t is not None}.values())  # fmt: skip
+    return sum(
+        {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in local
+            if t is not None
+        }.values()
+    )
 
 
 def measure(strategy: str, policy: str) -> dict:
@@ -122,9 +127,14 @@ def measure(strategy: str, policy: str) -> dict:
 
 #: A feature distillation of MEMORY_RUN's student (and ``recipe.distill.students``)
 #: from a 3-block ViT teacher 96 wide, its networks sharded as the job shards them.
-DISTILL_RUN = [*MEMORY_RUN, "recipe.name=distill", "recipe.distill.teacher=teacher.pth",
-               "recipe.distill.teacher_dim=96", "augmentation.global_crop_size=64",
-               "distributed.strategy=fsdp"]  # fmt: skip
+DISTILL_RUN = [
+    *MEMORY_RUN,
+    "recipe.name=distill",
+    "recipe.distill.teacher=teacher.pth",
+    "recipe.distill.teacher_dim=96",
+    "augmentation.global_crop_size=64",
+    "distributed.strategy=fsdp",
+]
 
 
 def distill_teacher() -> torch.nn.Module:
@@ -134,8 +144,11 @@ def distill_teacher() -> torch.nn.Module:
 
 
 #: The heads mode of it: DINOv2's losses against a frozen teacher with heads.
-DISTILL_HEADS = ["recipe.distill.mode=heads", "recipe.ibot.separate_head=true",
-                 "recipe.ibot.out_dim=512"]  # fmt: skip
+DISTILL_HEADS = [
+    "recipe.distill.mode=heads",
+    "recipe.ibot.separate_head=true",
+    "recipe.ibot.out_dim=512",
+]
 
 
 #: Students on their own ranks (one each): DDP, the teacher's forward split.
@@ -182,8 +195,12 @@ def measure_distill(students: str, heads: bool = False, groups: bool = False) ->
             loss_fn.frozen.split_over(layout)
         spread(cfg, student, ema, torch.device("cpu"), (), frozen, layout)
         optimizer = build_optimizer(cfg, student, torch.device("cpu"), lr=1e-3)
-        options = {"precision": "fp32", "accumulation_steps": 1, "freeze_last_layer": 0,
-                   "gradient_clip": 3.0}  # fmt: skip
+        options = {
+            "precision": "fp32",
+            "accumulation_steps": 1,
+            "freeze_last_layer": 0,
+            "gradient_clip": 3.0,
+        }
         kind = recipe_of(cfg).trainer_class(cfg)
         trainer = kind(DINOModel(student, ema, 0.9), loss_fn, optimizer, options, "cpu")
         first, _ = _distill_step(trainer, cfg, rank)
@@ -193,9 +210,12 @@ def measure_distill(students: str, heads: bool = False, groups: bool = False) ->
     return {
         "parameters": _bytes(student.parameters()),
         "teacher": _bytes(ema.parameters()) + _bytes(frozen.parameters()),
-        "optimizer": _bytes(states), "buckets": 0, "gradients": gradients,
-        "step": trace.peak("step") - trace.live_at("step"), "losses": [first, second],
-    }  # fmt: skip
+        "optimizer": _bytes(states),
+        "buckets": 0,
+        "gradients": gradients,
+        "step": trace.peak("step") - trace.live_at("step"),
+        "losses": [first, second],
+    }
 
 
 def main(rank: int, world: int, init_file: str, out: str, runs: list[str]) -> None:
@@ -204,8 +224,11 @@ def main(rank: int, world: int, init_file: str, out: str, runs: list[str]) -> No
     result = {}
     for run in runs:  # STRATEGY:POLICY, distill:STUDENTS, distillgroups:STUDENTS or distillheads:
         kind, arg = run.split(":")
-        result[run] = (measure_distill(arg, kind == "distillheads", kind == "distillgroups")
-                       if kind.startswith("distill") else measure(kind, arg))  # fmt: skip
+        result[run] = (
+            measure_distill(arg, kind == "distillheads", kind == "distillgroups")
+            if kind.startswith("distill")
+            else measure(kind, arg)
+        )
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -18,8 +18,11 @@ def main(rank: int, world: int, init_file: str, out: str, tokens_file: str) -> N
     whitener = TokenWhitener(tokens.shape[-1], 1e-3)
     for step in tokens:
         whitener(step[rank].float())
-    result = {"mean": whitener.mean.tolist(), "cov": whitener.cov.tolist(),
-              "batches": int(whitener.batches)}  # fmt: skip
+    result = {
+        "mean": whitener.mean.tolist(),
+        "cov": whitener.cov.tolist(),
+        "batches": int(whitener.batches),
+    }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -66,8 +66,11 @@ class DataConfig:
     )
     persistent_workers: bool = _opt(True, "keep the loader's workers alive between epochs")
     prefetch: int = _opt(4, "batches prepared ahead of the training step", ge=1, resume=True)
-    dtype: str = _opt("float32", "dtype of the crops the loader outputs",
-                      choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    dtype: str = _opt(
+        "float32",
+        "dtype of the crops the loader outputs",
+        choices=("float32", "bfloat16", "float16"),
+    )
     photometric: str = _opt(
         "cpu",
         "where colour augmentation runs: loader threads or a GPU kernel",

@@ -50,8 +50,12 @@ def external_name_problem(name: str) -> str | None:
     if source in ("timm", "torchvision"):
         if _NAME.fullmatch(what):
             return None
-        tag = ("; its '.tag' names weights to download, which are not fetched: start the "
-               "student from a file" if source == "timm" and "." in what else "")  # fmt: skip
+        tag = (
+            "; its '.tag' names weights to download, which are not fetched: start the "
+            "student from a file"
+            if source == "timm" and "." in what
+            else ""
+        )
         return f"{source}:NAME takes a model name (letters, digits, underscores){tag}; got {name!r}"
     if not _MODULE.fullmatch(source) or not _NAME.fullmatch(what):
         return f"{name!r} is not {EXTERNAL_FORMS}"
@@ -102,12 +106,28 @@ class BackboneNames(tuple):
         return tuple.__contains__(self, value)
 
 
-BACKBONE_NAMES = BackboneNames((
-    "vit_tiny", "vit_small", "vit_base", "vit_large", "vit_giant2",
-    "vit_small_dinov3", "vit_small_plus_dinov3", "vit_base_dinov3", "vit_large_dinov3",
-    "vit_large_plus_dinov3", "vit_huge_plus_dinov3", "vit_7b_dinov3", "resnet18", "resnet50",
-    "convnext_tiny", "convnext_small", "convnext_base", "convnext_large",
-))  # fmt: skip
+BACKBONE_NAMES = BackboneNames(
+    (
+        "vit_tiny",
+        "vit_small",
+        "vit_base",
+        "vit_large",
+        "vit_giant2",
+        "vit_small_dinov3",
+        "vit_small_plus_dinov3",
+        "vit_base_dinov3",
+        "vit_large_dinov3",
+        "vit_large_plus_dinov3",
+        "vit_huge_plus_dinov3",
+        "vit_7b_dinov3",
+        "resnet18",
+        "resnet50",
+        "convnext_tiny",
+        "convnext_small",
+        "convnext_base",
+        "convnext_large",
+    )
+)
 
 
 def student_key(name: str) -> str:

@@ -46,8 +46,9 @@ def alias_value(section: str, key: str, value: Any) -> tuple[str, Any]:
     if type(value) in {type(v) for v in mapping} and value in mapping:  # true is not 1
         return new, mapping[value]
     allowed = ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in mapping)
-    raise ConfigError(f"{section}.{key} (the old name of {section}.{new}) must be one of "
-                      f"{allowed}, got {value!r}")  # fmt: skip
+    raise ConfigError(
+        f"{section}.{key} (the old name of {section}.{new}) must be one of {allowed}, got {value!r}"
+    )
 
 
 def _resolve_aliases(sname: str, values: typing.Mapping, renamed: list[str]) -> dict:

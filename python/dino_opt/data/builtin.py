@@ -134,8 +134,20 @@ BUILTIN_DOMAINS = {"default": BUILTIN_CLASSES, "second": SECOND_CLASSES}
 BUILTIN_MASK_CLASSES = ("background", *BUILTIN_CLASSES)
 #: The folder under the root that holds the masks, one tree per split.
 BUILTIN_MASKS = "masks"
-_SHAPES = ("circle", "ring", "triangle", "square", "star", "cross",
-           "arrow", "crescent", "diamond", "ellipse", "hexagon", "pentagon")  # fmt: skip
+_SHAPES = (
+    "circle",
+    "ring",
+    "triangle",
+    "square",
+    "star",
+    "cross",
+    "arrow",
+    "crescent",
+    "diamond",
+    "ellipse",
+    "hexagon",
+    "pentagon",
+)
 _SPLITS = ("train", "val", "test")
 _JPEG_QUALITY = 90
 _GENERATOR = "dino_opt.builtin"
@@ -228,8 +240,17 @@ def _shape_sdf(name: str, u: np.ndarray, v: np.ndarray, rng: np.random.Generator
     return _second_shape_sdf(name, u, v, rng)
 
 
-_ARROW = np.array([(0, 1.2), (0.85, 0.25), (0.32, 0.25), (0.32, -1.1), (-0.32, -1.1),
-                   (-0.32, 0.25), (-0.85, 0.25)])  # fmt: skip
+_ARROW = np.array(
+    [
+        (0, 1.2),
+        (0.85, 0.25),
+        (0.32, 0.25),
+        (0.32, -1.1),
+        (-0.32, -1.1),
+        (-0.32, 0.25),
+        (-0.85, 0.25),
+    ]
+)
 _DIAMOND = np.array([(0, 1.35), (0.62, 0), (0, -1.35), (-0.62, 0)])
 
 
@@ -362,8 +383,10 @@ def _second_texture(name: str, rng: np.random.Generator, u, v, frame: tuple) -> 
     if name == "bricks":  # mortar lines, the joints of every other row shifted half a brick
         row = np.floor(v / period)
         joints = np.cos(math.pi * (u / period + 0.5 * (row % 2)))
-        mortar = np.maximum(_sharpen(np.cos(2 * math.pi * v / period), period, 0.8),
-                            _sharpen(joints, 2 * period, 0.9))  # fmt: skip
+        mortar = np.maximum(
+            _sharpen(np.cos(2 * math.pi * v / period), period, 0.8),
+            _sharpen(joints, 2 * period, 0.9),
+        )
         return 1.0 - mortar
     raise ValueError(f"unknown texture {name!r}")
 
@@ -444,8 +467,9 @@ def _render_scene(class_name: str, rng: np.random.Generator, size: int):
     """The scene of ``class_name`` as float RGB (before quantisation) and its mask."""
     second = class_name in SECOND_CLASSES
     if class_name not in BUILTIN_CLASSES and not second:
-        raise ValueError(f"class_name must be one of {BUILTIN_CLASSES + SECOND_CLASSES}, got "
-                         f"{class_name!r}")  # fmt: skip
+        raise ValueError(
+            f"class_name must be one of {BUILTIN_CLASSES + SECOND_CLASSES}, got {class_name!r}"
+        )
     label = 1 + (SECOND_CLASSES if second else BUILTIN_CLASSES).index(class_name)
     img = (_vivid_field if second else _colour_field)(rng, size)
     if class_name in _SHAPES:
@@ -550,8 +574,10 @@ def _is_complete(root: Path, manifest: dict) -> bool:
             continue
         for name in manifest["classes"]:
             image_ext = BUILTIN_VARIANTS[manifest.get("variant", "rgb")][0]
-            for folder, ext in ((root / split / name, image_ext),
-                                (root / BUILTIN_MASKS / split / name, ".png")):  # fmt: skip
+            for folder, ext in (
+                (root / split / name, image_ext),
+                (root / BUILTIN_MASKS / split / name, ".png"),
+            ):
                 if _count_files(folder, ext) != per_class:
                     return False
     return True

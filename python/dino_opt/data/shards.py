@@ -250,8 +250,9 @@ def verify_shards(
         return None
 
     with ThreadPoolExecutor(num_threads or _C.available_cores()) as pool:
-        for problem in tqdm(pool.map(check, range(len(data))), total=len(data),
-                            disable=not progress, desc="verify"):  # fmt: skip
+        for problem in tqdm(
+            pool.map(check, range(len(data))), total=len(data), disable=not progress, desc="verify"
+        ):
             if problem:
                 failed.append(problem)
     return {"shards": native.num_shards, "samples": len(data), "failed": failed}

@@ -141,8 +141,11 @@ def _is_pattern(spec: str) -> bool:
 
 
 def _listed(folder: Path, suffix: str) -> list[str]:
-    return sorted(str(folder / e.name) for e in os.scandir(folder)
-                  if e.is_file() and e.name.lower().endswith(suffix))  # fmt: skip
+    return sorted(
+        str(folder / e.name)
+        for e in os.scandir(folder)
+        if e.is_file() and e.name.lower().endswith(suffix)
+    )
 
 
 def detect_format(spec: SplitSpec) -> str:
@@ -393,8 +396,12 @@ def _pick_columns(schema, features: dict, where: str, image_column, label_column
             return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
         typed = [n for n in names if (features.get(n) or {}).get("_type") == "Image"]
-        structs = [n for n in names if pa.types.is_struct(schema.field(n).type)
-                   and schema.field(n).type.get_field_index("bytes") >= 0]  # fmt: skip
+        structs = [
+            n
+            for n in names
+            if pa.types.is_struct(schema.field(n).type)
+            and schema.field(n).type.get_field_index("bytes") >= 0
+        ]
         named = [n for n in names if n.lower() in _IMAGE_COLUMNS and binary(schema.field(n).type)]
         found = typed or structs or named
         if not found:
@@ -420,8 +427,12 @@ def _binary_buffers(array, keep: list) -> tuple:
     import pyarrow.compute as pc
 
     t = array.type
-    if not (pa.types.is_large_binary(t) or pa.types.is_binary(t) or pa.types.is_string(t)
-            or pa.types.is_large_string(t)):  # fmt: skip
+    if not (
+        pa.types.is_large_binary(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+    ):
         array = pc.cast(array, pa.large_binary())
         t = array.type
     keep.append(array)

@@ -100,11 +100,22 @@ _IMPORT_ENV = dict(os.environ)
 
 # The variables torch's agent sets for each worker (also seen when a value
 # happens to equal the server's).
-_TORCH_WORKER_VARS = frozenset((
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
-    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-))  # fmt: skip
+_TORCH_WORKER_VARS = frozenset(
+    (
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    )
+)
 # What torch reads once, when it is imported: left out of the server's environment.
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -284,10 +295,14 @@ class _RecordingAgent(LocalElasticAgent):
                 ended.setdefault(rank, failure.exitcode)
             for rank in _no_restart_ranks(self.no_restart_dir):  # even if it crashed on exit
                 ended[rank] = EXIT_NO_RESTART
-            self.progress = {w.global_rank: read_progress(self.folder, w.global_rank)
-                             for w in worker_group.workers}  # fmt: skip
-            self.exits = [{"rank": r, "exitcode": c, "step": self.progress.get(r)}
-                          for r, c in sorted(ended.items())]  # fmt: skip
+            self.progress = {
+                w.global_rank: read_progress(self.folder, w.global_rank)
+                for w in worker_group.workers
+            }
+            self.exits = [
+                {"rank": r, "exitcode": c, "step": self.progress.get(r)}
+                for r, c in sorted(ended.items())
+            ]
         if EXIT_NO_RESTART in ended.values():  # the same failure again on a restart
             self._remaining_restarts = 0
         return result
@@ -301,13 +316,19 @@ class _RecordingAgent(LocalElasticAgent):
             what = describe_exit(root["rank"], root["exitcode"], root["step"])
             if root["exitcode"] == EXIT_HANG:  # which rank hung: the diagnosis, not the exit
                 what = f"the hang watchdog ended the run (exit status {EXIT_HANG})"
-            print(f"dino-opt: {what}; restarting every worker (restart {self.restarts_used} of "
-                  f"{worker_group.spec.max_restarts}) from the newest complete checkpoint",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"dino-opt: {what}; restarting every worker (restart {self.restarts_used} of "
+                f"{worker_group.spec.max_restarts}) from the newest complete checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             self.exits = []
         else:
-            print("dino-opt: another node is restarting; restarting this node's workers too",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "dino-opt: another node is restarting; restarting this node's workers too",
+                file=sys.stderr,
+                flush=True,
+            )
         super()._restart_workers(worker_group)
 
 
@@ -332,8 +353,11 @@ def _failure(agent: _RecordingAgent, started: float) -> RuntimeError:
         what = describe_exit(rank, code, step)
         if agent.get_worker_group().group_world_size > 1 and code > 0 and code != EXIT_HANG:
             what += " (a rank of another node may have failed first: see that node's line)"
-    used = (f"{agent.restarts_used} of {spec.max_restarts} restarts used" if spec.max_restarts
-            else "distributed.max_restarts=0")  # fmt: skip
+    used = (
+        f"{agent.restarts_used} of {spec.max_restarts} restarts used"
+        if spec.max_restarts
+        else "distributed.max_restarts=0"
+    )
     message = f"{what} ({used}); last checkpoint: {_last_checkpoint(agent.folder)}"
     if root is not None and root["exitcode"] == EXIT_HANG:
         return TrainingHungError(f"{message}; the diagnosis is above and in {agent.folder.hang}")
@@ -373,11 +397,15 @@ def _agent_settings(verbose: bool, no_restart_dir: str):
     rendezvous shares one store with every attempt's workers, where the
     keys of the attempt before (a dead rank's address) are still found, so
     a restarted process group may connect to a process that is gone."""
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.startswith(_TORCH_LOGGERS)]  # fmt: skip
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(_TORCH_LOGGERS)
+    ]
     levels = [lg.level for lg in loggers]
-    kept = {name: os.environ.get(name) for name in (_SHARED_STORE, "PYTHONWARNINGS",
-                                                    NO_RESTART_DIR)}  # fmt: skip
+    kept = {
+        name: os.environ.get(name) for name in (_SHARED_STORE, "PYTHONWARNINGS", NO_RESTART_DIR)
+    }
     os.environ[_SHARED_STORE] = "1"
     os.environ[NO_RESTART_DIR] = no_restart_dir
     # a killed worker's semaphores: its resource tracker would warn after the last line
@@ -423,14 +451,22 @@ def run_agent(
     restarts."""
     run_id = f"dino_opt-{master_port}" if nnodes > 1 else f"dino_opt-{uuid.uuid4().hex[:12]}"
     params = RendezvousParameters(
-        backend="c10d", endpoint=f"{master_addr}:{master_port}", run_id=run_id,
-        min_nodes=nnodes, max_nodes=nnodes, is_host=node_rank == 0,
-    )  # fmt: skip
+        backend="c10d",
+        endpoint=f"{master_addr}:{master_port}",
+        run_id=run_id,
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        is_host=node_rank == 0,
+    )
     spec = WorkerSpec(
-        role="dino_opt", local_world_size=nproc, entrypoint=_in_launch_env, args=(),
-        rdzv_handler=get_rendezvous_handler(params), max_restarts=max_restarts,
+        role="dino_opt",
+        local_world_size=nproc,
+        entrypoint=_in_launch_env,
+        args=(),
+        rdzv_handler=get_rendezvous_handler(params),
+        max_restarts=max_restarts,
         monitor_interval=0.5,
-    )  # fmt: skip
+    )
     said = tempfile.TemporaryDirectory(prefix="dino_opt-no-restart-")
     agent = _RecordingAgent(spec, folder, said.name)
     started = time.time()
@@ -458,8 +494,9 @@ def run_agent(
         if close_rendezvous:
             spec.rdzv_handler.shutdown()
     if result is None:  # the rendezvous let this node out
-        raise WorkerFailedError(f"this node was left out of the rendezvous at "
-                                f"{master_addr}:{master_port}")  # fmt: skip
+        raise WorkerFailedError(
+            f"this node was left out of the rendezvous at {master_addr}:{master_port}"
+        )
     if result.is_failed():
         raise _failure(agent, started)
     return result.return_values

@@ -236,10 +236,17 @@ def launch_distributed_training(
     folder = RunFolder(out)
     try:
         results = run_agent(
-            _train_entry, (cfg, str(out)), folder=folder, nproc=num_gpus, nnodes=nnodes,
-            node_rank=node_rank, master_addr=master_addr, master_port=int(master_port or 0),
-            max_restarts=cfg.distributed.max_restarts, verbose=verbose,
-        )  # fmt: skip
+            _train_entry,
+            (cfg, str(out)),
+            folder=folder,
+            nproc=num_gpus,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=int(master_port or 0),
+            max_restarts=cfg.distributed.max_restarts,
+            verbose=verbose,
+        )
     finally:
         for sig, handler in kept.items():
             signal.signal(sig, handler)

@@ -227,9 +227,11 @@ def extract_dense_features(
     # A generator of its own: iterating a DataLoader draws a seed from the
     # global RNG otherwise, and the probe leaves that as it was.
     loader = torch.utils.data.DataLoader(
-        _Pairs(source, image_size, num_classes), batch_size=batch_size,
-        num_workers=num_workers, generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+        _Pairs(source, image_size, num_classes),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(0),
+    )
     feats, masks = [], []
     with eval_mode(backbone):
         for images, target in loader:
@@ -421,9 +423,12 @@ def dense_probe(
         "final_loss": float(np.mean(losses[-20:])),
         "device": str(device),
         "seconds": {"features": t1 - t0, "train": t2 - t1, "eval": t3 - t2},
-        **({"head": {k: v.detach().cpu() for k, v in head.state_dict().items()}}
-           if keep_head else {}),
-    }  # fmt: skip
+        **(
+            {"head": {k: v.detach().cpu() for k, v in head.state_dict().items()}}
+            if keep_head
+            else {}
+        ),
+    }
 
 
 def dense_probe_root(backbone: nn.Module, root: str | os.PathLike, **kwargs) -> dict | None:

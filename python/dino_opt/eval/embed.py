@@ -79,8 +79,9 @@ def _tokens(model: nn.Module, images: torch.Tensor, patch_maps: bool) -> list[to
     return out
 
 
-def _embed_batches(model, loader, device, dtype, patch_maps: bool,
-                   progress: bool) -> tuple[list, torch.Tensor]:  # fmt: skip
+def _embed_batches(
+    model, loader, device, dtype, patch_maps: bool, progress: bool
+) -> tuple[list, torch.Tensor]:
     """Every batch's outputs (a list of ``[rows, ...]`` tensors per output)
     and the data set index of each row, the first row of an index only (the
     loader puts another image in an unreadable one's place)."""
@@ -159,12 +160,24 @@ def embed_images(
     device = torch.device(device)
     rank, world = shard_of(distributed)
     with eval_mode(model):
-        with EvalLoader(source, image_size, batch_size, rank=rank, world_size=world,
-                        num_threads=num_threads, mean=mean, std=std, labelled=False,
-                        on_error="skip", pin_memory=device.type == "cuda",
-                        resize_size=resize_size, image_mode=image_mode) as loader:  # fmt: skip
-            parts, index = _embed_batches(model, loader, device, amp_dtype_of(amp, device),
-                                          patch_maps, progress)  # fmt: skip
+        with EvalLoader(
+            source,
+            image_size,
+            batch_size,
+            rank=rank,
+            world_size=world,
+            num_threads=num_threads,
+            mean=mean,
+            std=std,
+            labelled=False,
+            on_error="skip",
+            pin_memory=device.type == "cuda",
+            resize_size=resize_size,
+            image_mode=image_mode,
+        ) as loader:
+            parts, index = _embed_batches(
+                model, loader, device, amp_dtype_of(amp, device), patch_maps, progress
+            )
             names = [loader.source.describe(i) for i in range(loader.num_samples)]
             failed = loader.stats().get("skipped_files", [])
     found = _found(index, len(names), (rank, world), device)
@@ -239,8 +252,9 @@ def _npy(emb: Embeddings, path: Path, meta: dict) -> list[Path]:
 
 
 def _arrays(emb: Embeddings) -> dict[str, torch.Tensor]:
-    return {k: getattr(emb, k) for k in ("cls", "mean_patch", "patches")
-            if getattr(emb, k) is not None}  # fmt: skip
+    return {
+        k: getattr(emb, k) for k in ("cls", "mean_patch", "patches") if getattr(emb, k) is not None
+    }
 
 
 def _parquet(emb: Embeddings, path: Path, meta: dict) -> list[Path]:

@@ -129,11 +129,15 @@ def evaluate_checkpoint(
     size = image_size if image_size is not None else _train_size(cfg)
     train, splits = _opened(cfg, roots)
     results = knn_evaluate_splits(
-        model.backbone.to(dev), train, splits, size, dev,
+        model.backbone.to(dev),
+        train,
+        splits,
+        size,
+        dev,
         k=k if k is not None else cfg.eval.knn_k,
         temperature=temperature if temperature is not None else cfg.eval.knn_temperature,
         input=loader_input(cfg),
-    )  # fmt: skip
+    )
     val = results["val"]
     out = {
         "checkpoint": str(path),
@@ -146,8 +150,12 @@ def evaluate_checkpoint(
         "n_val": val["n_eval"],
     }
     if "test" in results:
-        out.update(test=str(roots.test), test_top1=results["test"]["top1"],
-                   test_top5=results["test"]["top5"], n_test=results["test"]["n_eval"])  # fmt: skip
+        out.update(
+            test=str(roots.test),
+            test_top1=results["test"]["top1"],
+            test_top5=results["test"]["top5"],
+            n_test=results["test"]["n_eval"],
+        )
     return out
 
 
@@ -203,14 +211,26 @@ def _knn(cfg: Config, feats: dict, layout: dict) -> dict:
     for split in ("val", "test"):
         if split in feats:
             x, y = feats[split]
-            out[split] = knn_classify(F.normalize(train_x[:, cols], dim=1), train_y,
-                                      F.normalize(x[:, cols], dim=1), y, k=cfg.eval.knn_k,
-                                      temperature=cfg.eval.knn_temperature)  # fmt: skip
+            out[split] = knn_classify(
+                F.normalize(train_x[:, cols], dim=1),
+                train_y,
+                F.normalize(x[:, cols], dim=1),
+                y,
+                k=cfg.eval.knn_k,
+                temperature=cfg.eval.knn_temperature,
+            )
     return out
 
 
-def evaluate_backbone(cfg: Config, roots: DataRoots, net: nn.Module, device: torch.device,
-                      *, linear: bool = True, dense: bool = True) -> dict:  # fmt: skip
+def evaluate_backbone(
+    cfg: Config,
+    roots: DataRoots,
+    net: nn.Module,
+    device: torch.device,
+    *,
+    linear: bool = True,
+    dense: bool = True,
+) -> dict:
     """One backbone's evaluation on a run's data: ``knn`` (val, test),
     ``linear`` (the grid and the logistic regression on features extracted
     once; ``cfg.eval.linear``), ``dense`` (where the data has masks;
@@ -227,14 +247,26 @@ def evaluate_backbone(cfg: Config, roots: DataRoots, net: nn.Module, device: tor
     out["seconds"] = {"features_and_knn": time.perf_counter() - start}
     if linear and cfg.eval.linear:
         out["linear"] = linear_probe(
-            net, ProbeData(**splits), size, epochs=cfg.eval.linear_epochs, device=device,
-            cached=feats, seed=cfg.hardware.seed,
-        )  # fmt: skip
+            net,
+            ProbeData(**splits),
+            size,
+            epochs=cfg.eval.linear_epochs,
+            device=device,
+            cached=feats,
+            seed=cfg.hardware.seed,
+        )
     masks = segmentation_splits(Path(roots.train).parent) if dense and cfg.eval.dense else None
     if masks is not None and "val" in masks and probe.tokens:
-        out["dense"] = dense_probe(net, masks["train"], masks["val"], masks.get("test"),
-                                   image_size=size, device=device, epochs=cfg.eval.dense_epochs,
-                                   seed=cfg.hardware.seed)  # fmt: skip
+        out["dense"] = dense_probe(
+            net,
+            masks["train"],
+            masks["val"],
+            masks.get("test"),
+            image_size=size,
+            device=device,
+            epochs=cfg.eval.dense_epochs,
+            seed=cfg.hardware.seed,
+        )
     cols = input_columns(probe.layout, 1, False)
     out["val_features"] = F.normalize(feats["val"][0][:, cols], dim=1)
     out["val_labels"] = feats["val"][1]
@@ -267,8 +299,14 @@ def _summary(result: dict) -> dict:
     return keep
 
 
-def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
-                  log: RunLog | None = None, step: int = 0) -> list[Path]:  # fmt: skip
+def draw_pictures(
+    cfg: Config,
+    roots: DataRoots,
+    nets: dict,
+    folder: RunFolder,
+    log: RunLog | None = None,
+    step: int = 0,
+) -> list[Path]:
     """The attention and PCA pictures of ``cfg.eval.pictures`` val images
     (spread over the split) for each backbone of ``nets`` (name -> ViT), at
     twice the training crop size, each image's PCA its own, in ``folder.pictures``
@@ -296,9 +334,16 @@ def draw_pictures(cfg: Config, roots: DataRoots, nets: dict, folder: RunFolder,
     return written
 
 
-def evaluate_teacher(cfg: Config, roots: DataRoots, teacher: nn.Module, device: torch.device,
-                     log: RunLog, step: int, epoch: int,
-                     name: str = "teacher") -> dict:  # fmt: skip
+def evaluate_teacher(
+    cfg: Config,
+    roots: DataRoots,
+    teacher: nn.Module,
+    device: torch.device,
+    log: RunLog,
+    step: int,
+    epoch: int,
+    name: str = "teacher",
+) -> dict:
     """The teacher during training (``eval.every_epochs``): k-NN and the
     linear probe, as an ``evaluation`` row of the metrics (``epoch``: the
     epochs done; keys such as ``knn_top1_<name>``) and TensorBoard scalars
@@ -338,8 +383,11 @@ def evaluate_run(
     features worse than random initialisation, and ``adapt_verdict``
     (:func:`adapt_verdict`) with ``start``."""
     nets = {"trained": trained.to(device), "random_init": random_init.to(device)}
-    labels = {"trained": "trained teacher", "random_init": "teacher at random initialisation",
-              "start": "teacher at the weights it started from"}  # fmt: skip
+    labels = {
+        "trained": "trained teacher",
+        "random_init": "teacher at random initialisation",
+        "start": "teacher at the weights it started from",
+    }
     if start is not None:
         nets["start"] = start.to(device)
     report, details = {}, {}
@@ -351,9 +399,14 @@ def evaluate_run(
             log.scalars(f"eval_{name}", report_keys(name, result), step)
         if cfg.logging.tsne:
             top1 = result["knn"]["val"]["top1"]
-            tsne_plot(result["val_features"], result["val_labels"], result["classes"],
-                      folder.tsne(name), title=f"t-SNE of val features: {labels[name]} "
-                      f"(k-NN top-1 {top1:.1f}%)", seed=cfg.hardware.seed)  # fmt: skip
+            tsne_plot(
+                result["val_features"],
+                result["val_labels"],
+                result["classes"],
+                folder.tsne(name),
+                title=f"t-SNE of val features: {labels[name]} (k-NN top-1 {top1:.1f}%)",
+                seed=cfg.hardware.seed,
+            )
     pictures = draw_pictures(cfg, roots, nets, folder, log, step)
     if pictures:
         report["pictures"] = str(folder.pictures)
@@ -378,9 +431,12 @@ def pixel_baseline(cfg: Config, roots: DataRoots) -> dict:
     :data:`PIXEL_SIZE` pixels a side, normalised), on the run's splits;
     ``val_top1`` (``test_top1``) and ``best_c``."""
     sources = ProbeData(**_splits(roots)).opened()
-    feats = {name: extract_features(nn.Flatten(), src, image_size=PIXEL_SIZE, normalize=False,
-                                    distributed=False)
-             for name, src in sources.items()}  # fmt: skip
+    feats = {
+        name: extract_features(
+            nn.Flatten(), src, image_size=PIXEL_SIZE, normalize=False, distributed=False
+        )
+        for name, src in sources.items()
+    }
     result = logistic_regression(feats["train"], feats["val"], feats.get("test"))
     return {k: v for k, v in result.items() if k != "rows"}
 
@@ -389,14 +445,19 @@ def adapt_verdict(report: dict) -> str:
     """The verdict of a run that started from weights: better or worse than
     where it started, by how much (k-NN, the linear probe, the dense probe;
     val), with raw pixels' figure."""
-    kinds = [(k, m) for k, m in (("knn", "top1"), ("linear", "top1"), ("dense", "miou"))
-             if f"{k}_{m}_start" in report and f"{k}_{m}_trained" in report]  # fmt: skip
+    kinds = [
+        (k, m)
+        for k, m in (("knn", "top1"), ("linear", "top1"), ("dense", "miou"))
+        if f"{k}_{m}_start" in report and f"{k}_{m}_trained" in report
+    ]
     diffs = {k: report[f"{k}_{m}_trained"] - report[f"{k}_{m}_start"] for k, m in kinds}
     total = sum(diffs.values())
     word = "better" if total > 0 else "worse" if total < 0 else "no better"
-    scores = ", ".join(f"{k} {report[f'{k}_{m}_trained']:.1f} % vs "
-                       f"{report[f'{k}_{m}_start']:.1f} % ({diffs[k]:+.1f})"
-                       for k, m in kinds)  # fmt: skip
+    scores = ", ".join(
+        f"{k} {report[f'{k}_{m}_trained']:.1f} % vs "
+        f"{report[f'{k}_{m}_start']:.1f} % ({diffs[k]:+.1f})"
+        for k, m in kinds
+    )
     pixels = report.get("pixels_val_top1")
     floor = f"; raw pixels {pixels:.1f} %" if pixels is not None else ""
     return f"adapting made the features {word} than where they started ({scores} on val){floor}"
@@ -414,8 +475,10 @@ def verdict(report: dict, cfg: Config) -> str | None:
     if not worse:
         return None
     sched, aug = cfg.schedule, cfg.augmentation
-    scores = ", ".join(f"{k} {report[f'{k}_top1_trained']:.1f} % vs "
-                       f"{report[f'{k}_top1_random_init']:.1f} %" for k in worse)  # fmt: skip
+    scores = ", ".join(
+        f"{k} {report[f'{k}_top1_trained']:.1f} % vs {report[f'{k}_top1_random_init']:.1f} %"
+        for k in worse
+    )
     return (
         f"training made the features worse than random initialisation ({scores} on val). "
         f"Try: more epochs (schedule.epochs={sched.epochs}); a teacher momentum that lets "

@@ -28,8 +28,14 @@ from ..models import eval_mode
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from ..ops.native import _C
 
-__all__ = ["EvalImageFolder", "EvalLoader", "amp_dtype_of", "extract_features", "gather_rows",
-           "shard_of"]  # fmt: skip
+__all__ = [
+    "EvalImageFolder",
+    "EvalLoader",
+    "amp_dtype_of",
+    "extract_features",
+    "gather_rows",
+    "shard_of",
+]
 
 _DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's decompression-bomb limit, as the loader's
 
@@ -192,11 +198,25 @@ class EvalLoader(NativeLoaderHandle):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self._native = _C.MultiCropLoader(
-            self.source.native, **_native_options(
-                image_size, batch_size, resize_size, rank, world_size, num_threads, prefetch,
-                dtype, pin_memory, mean, std, dct_scaling, max_pixels,
-            ), skip_errors=on_error == "skip", image_mode=image_mode,
-        )  # fmt: skip
+            self.source.native,
+            **_native_options(
+                image_size,
+                batch_size,
+                resize_size,
+                rank,
+                world_size,
+                num_threads,
+                prefetch,
+                dtype,
+                pin_memory,
+                mean,
+                std,
+                dct_scaling,
+                max_pixels,
+            ),
+            skip_errors=on_error == "skip",
+            image_mode=image_mode,
+        )
         self.image_size, self.batch_size = image_size, batch_size
         self.rank, self.world_size = int(rank), int(world_size)
 
@@ -227,9 +247,20 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def _native_options(
-    image_size, batch_size, resize_size, rank, world_size, num_threads, prefetch, dtype,
-    pin_memory, mean, std, dct_scaling, max_pixels,
-) -> dict:  # fmt: skip
+    image_size,
+    batch_size,
+    resize_size,
+    rank,
+    world_size,
+    num_threads,
+    prefetch,
+    dtype,
+    pin_memory,
+    mean,
+    std,
+    dct_scaling,
+    max_pixels,
+) -> dict:
     """The keyword arguments of ``_C.MultiCropLoader`` in evaluation mode;
     the native side checks the ranges and names the argument at fault."""
     if dtype not in _DTYPE_NAMES:
@@ -242,14 +273,27 @@ def _native_options(
     if resize_size is not None:
         augment["resize_size"] = int(resize_size)
     return dict(
-        batch_size=batch_size, augment=augment,
-        num_threads=0 if num_threads is None else int(num_threads), prefetch=int(prefetch),
-        seed=0, rank=int(rank), world_size=int(world_size), shuffle=False, drop_last=False,
-        pad_shards=False, exact_shards=True, dtype=_DTYPE_NAMES[dtype], channels_last=False,
-        photometric=True, pin_memory=bool(pin_memory),
-        max_pixels=int(max_pixels), mean=[float(v) for v in mean], std=[float(v) for v in std],
-        dct_scaling=bool(dct_scaling), shuffle_buffer=1,
-    )  # fmt: skip
+        batch_size=batch_size,
+        augment=augment,
+        num_threads=0 if num_threads is None else int(num_threads),
+        prefetch=int(prefetch),
+        seed=0,
+        rank=int(rank),
+        world_size=int(world_size),
+        shuffle=False,
+        drop_last=False,
+        pad_shards=False,
+        exact_shards=True,
+        dtype=_DTYPE_NAMES[dtype],
+        channels_last=False,
+        photometric=True,
+        pin_memory=bool(pin_memory),
+        max_pixels=int(max_pixels),
+        mean=[float(v) for v in mean],
+        std=[float(v) for v in std],
+        dct_scaling=bool(dct_scaling),
+        shuffle_buffer=1,
+    )
 
 
 # ---------------------------------------------------------------- extraction
@@ -340,9 +384,13 @@ def gather_rows(features: torch.Tensor, indices: torch.Tensor, n: int, device) -
 def _native_features(model, source, device, batch_size, normalize, amp_dtype, options):
     rank, world = shard_of(options.pop("distributed"))
     with EvalLoader(
-        source, batch_size=batch_size, rank=rank, world_size=world,
-        pin_memory=device.type == "cuda", **options,
-    ) as loader:  # fmt: skip
+        source,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world,
+        pin_memory=device.type == "cuda",
+        **options,
+    ) as loader:
         feats, _, indices = _run(model, loader, device, amp_dtype, normalize, True)
         labels = loader.targets.clone()
         n = loader.num_samples
@@ -400,9 +448,14 @@ def extract_features(
         if num_workers:
             native.setdefault("num_threads", num_workers)
         features, labels = _native_features(
-            model, loader_or_dataset, device, batch_size, normalize, amp_dtype,
+            model,
+            loader_or_dataset,
+            device,
+            batch_size,
+            normalize,
+            amp_dtype,
             dict(image_size=image_size, distributed=distributed, **native),
-        )  # fmt: skip
+        )
         return _checked(features), labels
     if native or distributed:
         extra = sorted(native) + (["distributed"] if distributed else [])

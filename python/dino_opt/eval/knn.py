@@ -174,17 +174,27 @@ def knn_evaluate_splits(
     classes = train_set.classes + [str(i) for i in range(len(train_set.classes), num_classes)]
     device = torch.device(device)
     common = dict(
-        device=device, batch_size=batch_size, amp=amp, num_workers=num_workers,
-        image_size=image_size, distributed=distributed, **(input or {}),
-    )  # fmt: skip
+        device=device,
+        batch_size=batch_size,
+        amp=amp,
+        num_workers=num_workers,
+        image_size=image_size,
+        distributed=distributed,
+        **(input or {}),
+    )
     train_f, train_y = extract_features(backbone, train_set.source, **common)
     results = {}
     for name, eval_set in eval_sets.items():
         eval_f, eval_y = extract_features(backbone, eval_set.source, **common)
         scores = knn_classify(
-            train_f.to(device), train_y, eval_f, eval_y, k=k, temperature=temperature,
+            train_f.to(device),
+            train_y,
+            eval_f,
+            eval_y,
+            k=k,
+            temperature=temperature,
             num_classes=num_classes,
-        )  # fmt: skip
+        )
         result: dict[str, Any] = {
             **scores,
             "k": k,
@@ -195,9 +205,11 @@ def knn_evaluate_splits(
         }
         if return_features:
             result.update(
-                train_features=train_f, train_labels=train_y, eval_features=eval_f,
+                train_features=train_f,
+                train_labels=train_y,
+                eval_features=eval_f,
                 eval_labels=eval_y,
-            )  # fmt: skip
+            )
         results[name] = result
     return results
 
@@ -221,9 +233,18 @@ def knn_evaluate(
     ``return_features`` also ``train_features``/``train_labels`` and
     ``val_features``/``val_labels`` (normalised, on the CPU), for plots."""
     result = knn_evaluate_splits(
-        backbone, train_root, {"val": val_root}, image_size, device, k, temperature,
-        batch_size, num_workers, amp, return_features,
-    )["val"]  # fmt: skip
+        backbone,
+        train_root,
+        {"val": val_root},
+        image_size,
+        device,
+        k,
+        temperature,
+        batch_size,
+        num_workers,
+        amp,
+        return_features,
+    )["val"]
     result["n_val"] = result.pop("n_eval")
     if return_features:
         result["val_features"] = result.pop("eval_features")

@@ -158,13 +158,20 @@ class LinearProbeGrid(nn.Module):
             raise ValueError(f"a linear probe needs at least 2 classes, got {num_classes}")
         if not learning_rates or any(not lr > 0 for lr in learning_rates):
             raise ValueError(f"learning_rates must be positive, got {list(learning_rates)}")
-        kinds = [(n, pool) for n in sorted(set(n_last_blocks)) if n <= layout["n_blocks"]
-                 for pool in ((False, True) if layout["avgpool"] else (False,))]  # fmt: skip
+        kinds = [
+            (n, pool)
+            for n in sorted(set(n_last_blocks))
+            if n <= layout["n_blocks"]
+            for pool in ((False, True) if layout["avgpool"] else (False,))
+        ]
         if not kinds:
             raise ValueError(f"n_last_blocks {list(n_last_blocks)}: none fits the features")
         scale = batch_size * world_size / 256.0
-        self.specs = [ProbeSpec(n, pool, float(lr), float(lr) * scale)
-                      for n, pool in kinds for lr in learning_rates]  # fmt: skip
+        self.specs = [
+            ProbeSpec(n, pool, float(lr), float(lr) * scale)
+            for n, pool in kinds
+            for lr in learning_rates
+        ]
         self.kinds = kinds
         self.columns = [input_columns(layout, n, pool) for n, pool in kinds]
         gen = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -245,28 +252,46 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @torch.no_grad()
-def grid_scores(grid: LinearProbeGrid, features: torch.Tensor, labels: torch.Tensor,
-                chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def grid_scores(
+    grid: LinearProbeGrid, features: torch.Tensor, labels: torch.Tensor, chunk: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 and top-5 of every classifier of ``grid`` on probe features."""
     device = grid.lr_scale.device
-    logits = torch.cat([grid(features[i : i + chunk].to(device)).float().cpu()
-                        for i in range(0, len(features), chunk)], dim=1)  # fmt: skip
+    logits = torch.cat(
+        [
+            grid(features[i : i + chunk].to(device)).float().cpu()
+            for i in range(0, len(features), chunk)
+        ],
+        dim=1,
+    )
     return accuracy(logits, labels)
 
 
 # ---------------------------------------------------------------- logistic regression
 
 
-def logreg_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, c: float,
-                init: torch.Tensor | None, max_iter: int) -> torch.Tensor:  # fmt: skip
+def logreg_fit(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    c: float,
+    init: torch.Tensor | None,
+    max_iter: int,
+) -> torch.Tensor:
     """Minimises ``sum_i CE_i + ||W||^2 / (2 C)`` (bias not penalised) by
     L-BFGS; returns ``[D + 1, C]`` (last row: the bias)."""
     theta = torch.zeros(x.shape[1] + 1, num_classes, dtype=x.dtype) if init is None else init
     theta = theta.clone().requires_grad_(True)
     xb = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
-    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=max_iter, tolerance_grad=1e-9,
-                            tolerance_change=1e-12, history_size=20,
-                            line_search_fn="strong_wolfe")  # fmt: skip
+    opt = torch.optim.LBFGS(
+        [theta],
+        lr=1.0,
+        max_iter=max_iter,
+        tolerance_grad=1e-9,
+        tolerance_change=1e-12,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -369,8 +394,10 @@ class ProbeData:
         sources = {k: open_source(v) for k, v in splits.items() if v is not None}
         for name, src in sources.items():
             if int(src.labels().min()) < 0:
-                raise ValueError(f"{name} data {src.spec!r} has unlabelled images; a "
-                                 "linear probe needs a class for every image")  # fmt: skip
+                raise ValueError(
+                    f"{name} data {src.spec!r} has unlabelled images; a "
+                    "linear probe needs a class for every image"
+                )
         names = {k: list(s.classes) for k, s in sources.items() if s.classes}
         if len({tuple(v) for v in names.values()}) > 1:
             detail = "; ".join(f"{k}: {v}" for k, v in names.items())
@@ -396,15 +423,28 @@ def _cached_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int
     return epoch
 
 
-def _augmented_batches(probe: ProbeFeatures, source: DataSource, image_size: int,
-                       batch_size: int, seed: int, device: torch.device, amp: bool):  # fmt: skip
+def _augmented_batches(
+    probe: ProbeFeatures,
+    source: DataSource,
+    image_size: int,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    amp: bool,
+):
     """Random-resized crops (scale 0.08-1) with flips from the native loader
     (two crops per image per epoch), through the frozen backbone."""
     loader = MultiCropLoader(
-        source, batch_size=max(1, batch_size // 2), global_size=image_size,
-        local_size=image_size, n_local=0, global_scale=(0.08, 1.0), seed=seed,
-        augment=AUGMENT_FLIP_ONLY, group_by_resolution=True,
-    )  # fmt: skip
+        source,
+        batch_size=max(1, batch_size // 2),
+        global_size=image_size,
+        local_size=image_size,
+        n_local=0,
+        global_scale=(0.08, 1.0),
+        seed=seed,
+        augment=AUGMENT_FLIP_ONLY,
+        group_by_resolution=True,
+    )
     dtype = torch.bfloat16 if amp else None
 
     @torch.no_grad()
@@ -421,9 +461,14 @@ def _augmented_batches(probe: ProbeFeatures, source: DataSource, image_size: int
 
 #: The loader's photometric options for the probe's training crops: flips only.
 AUGMENT_FLIP_ONLY = {
-    "flip_p": 0.5, "jitter_p": 0.0, "grayscale_p": 0.0, "blur_p_global1": 0.0,
-    "blur_p_global2": 0.0, "blur_p_local": 0.0, "solarize_p_global2": 0.0,
-}  # fmt: skip
+    "flip_p": 0.5,
+    "jitter_p": 0.0,
+    "grayscale_p": 0.0,
+    "blur_p_global1": 0.0,
+    "blur_p_global2": 0.0,
+    "blur_p_local": 0.0,
+    "solarize_p_global2": 0.0,
+}
 
 
 def linear_probe(
@@ -475,22 +520,32 @@ def linear_probe(
     x, y = feats["train"]
     batch_size = min(batch_size, len(x))  # a small data set: one batch of all of it
     gen = torch.Generator().manual_seed(seed)
-    grid = LinearProbeGrid(probe.layout, num_classes, learning_rates, n_last_blocks,
-                           batch_size, 1, gen).to(device)  # fmt: skip
+    grid = LinearProbeGrid(
+        probe.layout, num_classes, learning_rates, n_last_blocks, batch_size, 1, gen
+    ).to(device)
     if mode == "fast":
-        fit = fit_grid(grid, _cached_batches(x, y, batch_size, seed), epochs,
-                       len(x) // batch_size, device)  # fmt: skip
+        fit = fit_grid(
+            grid, _cached_batches(x, y, batch_size, seed), epochs, len(x) // batch_size, device
+        )
     else:
-        batches, steps, loader = _augmented_batches(probe, sources["train"], image_size,
-                                                    batch_size, seed, device, amp)  # fmt: skip
+        batches, steps, loader = _augmented_batches(
+            probe, sources["train"], image_size, batch_size, seed, device, amp
+        )
         with loader:
             fit = fit_grid(grid, batches, epochs, steps, device)
     trained = time.perf_counter()
     result = _grid_result(grid, feats)
-    result.update(mode=mode, epochs=epochs, batch_size=batch_size, steps=fit["steps"],
-                  image_size=image_size, classes=classes, n_classifiers=len(grid.specs),
-                  n_train=len(x), seconds={"features": extracted - start,
-                                           "grid": trained - extracted})  # fmt: skip
+    result.update(
+        mode=mode,
+        epochs=epochs,
+        batch_size=batch_size,
+        steps=fit["steps"],
+        image_size=image_size,
+        classes=classes,
+        n_classifiers=len(grid.specs),
+        n_train=len(x),
+        seconds={"features": extracted - start, "grid": trained - extracted},
+    )
     if logreg and mode == "fast":
         result["logreg"] = _logreg_result(probe.layout, feats, logreg_c)
         result["seconds"]["logreg"] = time.perf_counter() - trained
@@ -543,8 +598,13 @@ def _grid_result(grid: LinearProbeGrid, feats: dict) -> dict:
     scores = {name: grid_scores(grid, *feats[name]) for name in ("val", "test") if name in feats}
     rows = []
     for k, spec in enumerate(grid.specs):
-        row = {"name": spec.name, "n_blocks": spec.n_blocks, "avgpool": spec.avgpool,
-               "lr": spec.lr, "scaled_lr": spec.scaled_lr}  # fmt: skip
+        row = {
+            "name": spec.name,
+            "n_blocks": spec.n_blocks,
+            "avgpool": spec.avgpool,
+            "lr": spec.lr,
+            "scaled_lr": spec.scaled_lr,
+        }
         for name, (top1, top5) in scores.items():
             row.update({f"{name}_top1": top1[k].item(), f"{name}_top5": top5[k].item()})
         rows.append(row)

@@ -79,8 +79,10 @@ def _vit(backbone: nn.Module, who: str) -> VisionTransformer:
     if isinstance(backbone, MultiCropWrapper):
         backbone = backbone.backbone
     if not isinstance(backbone, VisionTransformer):
-        raise ValueError(f"{who} needs a dino_opt VisionTransformer (or a MultiCropWrapper of "
-                         f"one), got {type(backbone).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{who} needs a dino_opt VisionTransformer (or a MultiCropWrapper of "
+            f"one), got {type(backbone).__name__}"
+        )
     return backbone
 
 
@@ -92,22 +94,26 @@ def _checked_images(vit: VisionTransformer, images: torch.Tensor, who: str) -> t
         )
     chans, p = vit.patch_embed.proj.in_channels, vit.patch_size
     if images.ndim != 4 or images.shape[1] != chans or images.shape[0] == 0:
-        raise ValueError(f"{who}: images must have shape (B >= 1, {chans}, H, W), "
-                         f"got {tuple(images.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{who}: images must have shape (B >= 1, {chans}, H, W), got {tuple(images.shape)}"
+        )
     if not images.is_floating_point():
         raise ValueError(f"{who}: images must be floating point (normalised), got {images.dtype}")
     h, w = images.shape[-2:]
     if h == 0 or w == 0 or h % p or w % p:
-        raise ValueError(f"{who}: images of {h}x{w} pixels; both sides must be positive multiples "
-                         f"of the patch size {p} (load_images resizes files so)")  # fmt: skip
+        raise ValueError(
+            f"{who}: images of {h}x{w} pixels; both sides must be positive multiples "
+            f"of the patch size {p} (load_images resizes files so)"
+        )
     param = next(vit.parameters())
     return images.to(param.device, param.dtype)
 
 
 def _check_threshold(threshold: float) -> float:
     if not 0.0 < float(threshold) <= 1.0:
-        raise ValueError(f"threshold must be a share of the attention mass in (0, 1], "
-                         f"got {threshold!r}")  # fmt: skip
+        raise ValueError(
+            f"threshold must be a share of the attention mass in (0, 1], got {threshold!r}"
+        )
     return float(threshold)
 
 
@@ -144,8 +150,9 @@ def threshold_attention(attention: torch.Tensor, threshold: float = 0.6) -> torc
     bool tensor of ``attention``'s shape."""
     threshold = _check_threshold(threshold)
     if attention.ndim == 0 or attention.shape[-1] == 0:
-        raise ValueError(f"threshold_attention: no patches in a tensor of shape "
-                         f"{tuple(attention.shape)}")  # fmt: skip
+        raise ValueError(
+            f"threshold_attention: no patches in a tensor of shape {tuple(attention.shape)}"
+        )
     values, order = torch.sort(attention, dim=-1, stable=True)
     mass = values / values.sum(dim=-1, keepdim=True)
     keep_sorted = mass.cumsum(dim=-1) > 1.0 - threshold
@@ -161,8 +168,9 @@ def split_cls_attention(
     r, (h, w) = int(num_register_tokens), grid
     b, heads, n = cls_row.shape
     if n != 1 + r + h * w:
-        raise ValueError(f"attention row of {n} tokens; expected 1 + {r} registers + {h}x{w} "
-                         "patches")  # fmt: skip
+        raise ValueError(
+            f"attention row of {n} tokens; expected 1 + {r} registers + {h}x{w} patches"
+        )
     patches = cls_row[..., 1 + r :]
     return {
         "attention": patches.reshape(b, heads, h, w),
@@ -280,13 +288,17 @@ def _minmax(scores: torch.Tensor) -> torch.Tensor:
 def _as_grids(features) -> tuple[list[torch.Tensor], bool]:
     if isinstance(features, torch.Tensor):
         if features.ndim != 4 or features.shape[0] == 0:
-            raise ValueError(f"feature_pca: features must have shape (B >= 1, h, w, C), "
-                             f"got {tuple(features.shape)}")  # fmt: skip
+            raise ValueError(
+                f"feature_pca: features must have shape (B >= 1, h, w, C), "
+                f"got {tuple(features.shape)}"
+            )
         return list(features.unbind(0)), True
     grids = list(features)
     if not grids or any(not isinstance(g, torch.Tensor) or g.ndim != 3 for g in grids):
-        raise ValueError("feature_pca: features must be a tensor (B, h, w, C) or a non-empty "
-                         "list of tensors (h, w, C)")  # fmt: skip
+        raise ValueError(
+            "feature_pca: features must be a tensor (B, h, w, C) or a non-empty "
+            "list of tensors (h, w, C)"
+        )
     if len({g.shape[-1] for g in grids}) != 1:
         raise ValueError(f"feature_pca: feature widths differ: {[g.shape[-1] for g in grids]}")
     return grids, False
@@ -322,11 +334,17 @@ def feature_pca(
     out = {"rgb": _colours(comps).float(), "first_component": first.float(), "foreground": fg}
     sizes = [g.shape[0] * g.shape[1] for g in grids]
     for key, value in out.items():
-        parts = [p.reshape(g.shape[0], g.shape[1], *p.shape[1:])
-                 for p, g in zip(value.split(sizes), grids, strict=True)]  # fmt: skip
+        parts = [
+            p.reshape(g.shape[0], g.shape[1], *p.shape[1:])
+            for p, g in zip(value.split(sizes), grids, strict=True)
+        ]
         out[key] = torch.stack(parts) if stacked else parts
-    out.update(first_variance_share=float(first_share), variance_share=share.float(),
-               threshold=float(threshold), invert=bool(invert))  # fmt: skip
+    out.update(
+        first_variance_share=float(first_share),
+        variance_share=share.float(),
+        threshold=float(threshold),
+        invert=bool(invert),
+    )
     return out
 
 
@@ -507,8 +525,9 @@ def attention_grid_arrays(
     imgs = _image_list(images, len(maps["attention"]))
     stems = names if names is not None else _stems(None, len(imgs))
     _stems(stems, len(imgs))
-    return [_attention_row(img, maps, i, str(stems[i]), panel, mean, std)
-            for i, img in enumerate(imgs)]  # fmt: skip
+    return [
+        _attention_row(img, maps, i, str(stems[i]), panel, mean, std) for i, img in enumerate(imgs)
+    ]
 
 
 def _pca_row(image, maps: dict, i: int, name: str, panel: int, mean, std) -> np.ndarray:
@@ -519,8 +538,12 @@ def _pca_row(image, maps: dict, i: int, name: str, panel: int, mean, std) -> np.
     first = _diverging(maps["first_component"][i], maps["threshold"], size)
     mask = np.repeat(_upsample(fg.float(), size)[..., None], 3, axis=-1)
     panels = [_rgb(image, size, mean, std), first, mask, rgb]
-    titles = [name, f"PC1, {maps['first_variance_share']:.0%} of var",
-              f"foreground {fg.float().mean():.0%}", "PCA of foreground"]  # fmt: skip
+    titles = [
+        name,
+        f"PC1, {maps['first_variance_share']:.0%} of var",
+        f"foreground {fg.float().mean():.0%}",
+        "PCA of foreground",
+    ]
     return _compose(panels, titles)
 
 

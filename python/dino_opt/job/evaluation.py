@@ -40,8 +40,9 @@ def start_backbone(cfg: Config, parts, index: int = 0) -> torch.nn.Module | None
     return backbone.eval()
 
 
-def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device: torch.device,
-                            folder: RunFolder, step: int) -> dict:  # fmt: skip
+def evaluate_other_students(
+    cfg: Config, parts, teacher: torch.nn.Module, device: torch.device, folder: RunFolder, step: int
+) -> dict:
     """The end-of-run evaluation (:func:`~dino_opt.eval.evaluate_run`) of
     each student of a :class:`~dino_opt.train.StudentBank` but the first
     (which the run's own evaluation covers), its EMA (of ``teacher``, the
@@ -51,8 +52,16 @@ def evaluate_other_students(cfg: Config, parts, teacher: torch.nn.Module, device
     out = {}
     for index, (name, own, trained) in enumerate(_other_students(cfg, teacher), start=1):
         nets = (trained, parts.random_teacher.members[name].backbone)
-        out[name] = evaluate_run(own, parts.roots, *nets, device, folder.student(name), None, step,
-                                 start_backbone(cfg, parts, index))  # fmt: skip
+        out[name] = evaluate_run(
+            own,
+            parts.roots,
+            *nets,
+            device,
+            folder.student(name),
+            None,
+            step,
+            start_backbone(cfg, parts, index),
+        )
     return {"students": out} if out else {}
 
 
@@ -80,14 +89,20 @@ def whole_teacher(parts, lead: bool) -> torch.nn.Module | None:
     (rank 0, ``lead``; with students on their own groups of ranks, each
     group's lead its own student's), None elsewhere."""
     if parts.groups is not None:
-        return full_teacher(parts.teacher, parts.random_teacher, parts.groups.lead,
-                            cpu_offload=False)  # fmt: skip
+        return full_teacher(
+            parts.teacher, parts.random_teacher, parts.groups.lead, cpu_offload=False
+        )
     return full_teacher(parts.teacher, parts.random_teacher, lead)
 
 
-def evaluate_group_students(cfg: Config, parts, teacher: torch.nn.Module | None,
-                            device: torch.device, folder: RunFolder,
-                            step: int) -> dict:  # fmt: skip
+def evaluate_group_students(
+    cfg: Config,
+    parts,
+    teacher: torch.nn.Module | None,
+    device: torch.device,
+    folder: RunFolder,
+    step: int,
+) -> dict:
     """Collective for students on their own groups of ranks: the lead of
     each group but the first evaluates its student's EMA (``teacher``,
     :func:`whole_teacher`'s) beside its random initialisation
@@ -102,8 +117,12 @@ def evaluate_group_students(cfg: Config, parts, teacher: torch.nn.Module | None,
         name, config = own
         nets = (teacher.backbone, parts.random_teacher.backbone)
         start = start_backbone(cfg, parts, parts.groups.index)
-        found = (name, evaluate_run(config, parts.roots, *nets, device, folder.student(name),
-                                    None, step, start))  # fmt: skip
+        found = (
+            name,
+            evaluate_run(
+                config, parts.roots, *nets, device, folder.student(name), None, step, start
+            ),
+        )
     found = [f for f in gather_objects(found) if f is not None]
     return {"students": dict(found)} if found else {}
 

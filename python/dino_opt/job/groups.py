@@ -57,8 +57,11 @@ def layout_of(cfg: Config, rank: int, world: int) -> StudentGroups | None:
 def optimizer_sizes(groups: StudentGroups, optimizer) -> list[tuple[int, int]]:
     """Collective: (parameter groups, parameters) of each student's
     optimizer, by student: where its part of a joined state begins."""
-    own = (groups.index, len(optimizer.param_groups),
-           sum(len(g["params"]) for g in optimizer.param_groups))  # fmt: skip
+    own = (
+        groups.index,
+        len(optimizer.param_groups),
+        sum(len(g["params"]) for g in optimizer.param_groups),
+    )
     sizes = {index: (n_groups, n_params) for index, n_groups, n_params in gather_objects(own)}
     return [sizes[i] for i in range(groups.students)]
 
@@ -68,34 +71,52 @@ def whole_networks(student: nn.Module, teacher: nn.Module, optimizer) -> dict:
     within the student's group when it is sharded over it): the optimizer's
     keyed by position, as torch's own."""
     if not is_sharded(student):
-        return {"student": student.state_dict(), "teacher": teacher.state_dict(),
-                "optimizer": optimizer.state_dict()}  # fmt: skip
+        return {
+            "student": student.state_dict(),
+            "teacher": teacher.state_dict(),
+            "optimizer": optimizer.state_dict(),
+        }
     full = StateDictOptions(full_state_dict=True)  # on every rank of the group
-    out = {"student": get_model_state_dict(student, options=full),
-           "teacher": get_model_state_dict(teacher, options=full),
-           "optimizer": optimizer.state_dict()}  # fmt: skip
+    out = {
+        "student": get_model_state_dict(student, options=full),
+        "teacher": get_model_state_dict(teacher, options=full),
+        "optimizer": optimizer.state_dict(),
+    }
     if optimizer.state:  # asking for it earlier would initialise it
         named = get_optimizer_state_dict(student, optimizer, options=full)
         out["optimizer"] = optimizer_state_by_position(named, student, optimizer)
     return out
 
 
-def group_state(groups: StudentGroups, names: list[str], sizes: list[tuple[int, int]],
-                student: nn.Module, teacher: nn.Module, optimizer) -> dict:  # fmt: skip
+def group_state(
+    groups: StudentGroups,
+    names: list[str],
+    sizes: list[tuple[int, int]],
+    student: nn.Module,
+    teacher: nn.Module,
+    optimizer,
+) -> dict:
     """Collective: every student's networks and optimizer state joined on
     rank 0 (:func:`joined_state`); ``{}`` elsewhere."""
     states = send_to_lead(groups, whole_networks(student, teacher, optimizer))
     return joined_state(names, states, sizes) if states is not None else {}
 
 
-def load_group_state(state: dict, names: list[str], groups: StudentGroups,
-                     sizes: list[tuple[int, int]], student: nn.Module, teacher: nn.Module,
-                     optimizer) -> None:  # fmt: skip
+def load_group_state(
+    state: dict,
+    names: list[str],
+    groups: StudentGroups,
+    sizes: list[tuple[int, int]],
+    student: nn.Module,
+    teacher: nn.Module,
+    optimizer,
+) -> None:
     """This rank's student's part of a state of all the students
     (:func:`own_state`) into its networks and optimizer (each rank keeps
     its shards of it when they are sharded)."""
-    load_whole_state(own_state(state, names, groups, sizes, student, optimizer),
-                     student, teacher, optimizer)  # fmt: skip
+    load_whole_state(
+        own_state(state, names, groups, sizes, student, optimizer), student, teacher, optimizer
+    )
 
 
 def _on_cpu(value):
@@ -133,8 +154,9 @@ def joined_state(names: list[str], states: list[dict], sizes: list[tuple[int, in
             out[key].update({f"members.{name}.{k}": v for k, v in state[key].items()})
         optim = state["optimizer"]
         per_param.update({offset + i: s for i, s in optim["state"].items()})
-        param_groups += [{**g, "params": [offset + i for i in g["params"]]}
-                         for g in optim["param_groups"]]  # fmt: skip
+        param_groups += [
+            {**g, "params": [offset + i for i in g["params"]]} for g in optim["param_groups"]
+        ]
         offset += n_params
     out["optimizer"] = {"state": per_param, "param_groups": param_groups}
     return out
@@ -144,31 +166,43 @@ def _strip(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def _own_optimizer(state: dict, groups: StudentGroups, prefix: str,
-                   sizes: list[tuple[int, int]]) -> dict:  # fmt: skip
+def _own_optimizer(
+    state: dict, groups: StudentGroups, prefix: str, sizes: list[tuple[int, int]]
+) -> dict:
     """Student ``groups.index``'s part of a joined optimizer state: by
     position (its groups and parameters after the previous students'), or
     by name (a sharded run's, read whole: the names under ``prefix``)."""
     named = any(isinstance(n, str) for g in state["param_groups"] for n in g["params"])
     if named:
-        own = [g for g in state["param_groups"] if g["params"] and
-               all(n.startswith(prefix) for n in g["params"])]  # fmt: skip
-        return {"state": _strip(state["state"], prefix),
-                "param_groups": [{**g, "params": [n[len(prefix):] for n in g["params"]]}
-                                 for g in own]}  # fmt: skip
+        own = [
+            g
+            for g in state["param_groups"]
+            if g["params"] and all(n.startswith(prefix) for n in g["params"])
+        ]
+        return {
+            "state": _strip(state["state"], prefix),
+            "param_groups": [{**g, "params": [n[len(prefix) :] for n in g["params"]]} for g in own],
+        }
     first_group = sum(n for n, _ in sizes[: groups.index])
     offset = sum(n for _, n in sizes[: groups.index])
     n_groups, n_params = sizes[groups.index]
     own = state["param_groups"][first_group : first_group + n_groups]
     return {
-        "state": {i - offset: s for i, s in state["state"].items()
-                  if offset <= i < offset + n_params},
+        "state": {
+            i - offset: s for i, s in state["state"].items() if offset <= i < offset + n_params
+        },
         "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in own],
-    }  # fmt: skip
+    }
 
 
-def own_state(state: dict, names: list[str], groups: StudentGroups,
-              sizes: list[tuple[int, int]], student: nn.Module, optimizer) -> dict:  # fmt: skip
+def own_state(
+    state: dict,
+    names: list[str],
+    groups: StudentGroups,
+    sizes: list[tuple[int, int]],
+    student: nn.Module,
+    optimizer,
+) -> dict:
     """This rank's student's part of a state of all the students
     (:func:`joined_state`'s, or a run's of every student on every rank):
     ``student``, ``teacher`` and (when the state has one) ``optimizer``,

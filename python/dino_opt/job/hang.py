@@ -120,8 +120,11 @@ def injected_hang(debug: DebugConfig, step: int, rank: int, attempt: int = 0) ->
     """``debug.inject_hang_at_step``: this rank stops before the metrics
     all-reduce (until the hang watchdog ends the process), on the first
     ``debug.inject_attempts`` attempts (``attempt``: the restarts so far)."""
-    if (debug.inject_hang_at_step == step and rank == debug.inject_hang_rank
-            and attempt < debug.inject_attempts):  # fmt: skip
+    if (
+        debug.inject_hang_at_step == step
+        and rank == debug.inject_hang_rank
+        and attempt < debug.inject_attempts
+    ):
         print(
             f"rank {rank}: debug.inject_hang_at_step={step}: stopping", file=sys.stderr, flush=True
         )

@@ -166,9 +166,10 @@ class CheckpointedDINOTrainer:
         d = self.config.distributed
         self.sharded = d.strategy == "fsdp" and not d.student_groups
         info = init_distributed(
-            self.config.hardware.device, timeout_s=self.config.distributed.timeout_s,
+            self.config.hardware.device,
+            timeout_s=self.config.distributed.timeout_s,
             group_alone=self.sharded,
-        )  # fmt: skip
+        )
         self.device, self.rank, self.world = info.device, info.rank, info.world_size
         self.lead = self.rank == 0  # writes the run folder; every rank trains
         if self.lead:
@@ -234,8 +235,9 @@ class CheckpointedDINOTrainer:
         p = self.parts
         loaders = gather_objects(p.loader.state_dict())  # per rank
         if p.groups is not None:  # joined on rank 0; the loaders of one group
-            networks = group_state(p.groups, list(self.config.student_keys), p.sizes,
-                                   p.student, p.teacher, p.optimizer)  # fmt: skip
+            networks = group_state(
+                p.groups, list(self.config.student_keys), p.sizes, p.student, p.teacher, p.optimizer
+            )
             loaders = loaders[: p.groups.size]
         elif self.sharded:
             networks = sharded_state(p.student, p.teacher, p.optimizer)
@@ -273,11 +275,22 @@ class CheckpointedDINOTrainer:
         loss = state["loss"]
         if "shards" in state:
             keys = state.get("sharded_keys", list(SHARDED_KEYS))
-            loss = {**loss, **load_sharded_state(state["shards"], keys, p.student, p.teacher,
-                                                 p.optimizer, p.loss_fn)}  # fmt: skip
+            loss = {
+                **loss,
+                **load_sharded_state(
+                    state["shards"], keys, p.student, p.teacher, p.optimizer, p.loss_fn
+                ),
+            }
         elif p.groups is not None:  # this rank's student's part
-            load_group_state(state, list(self.config.student_keys), p.groups, p.sizes,
-                             p.student, p.teacher, p.optimizer)  # fmt: skip
+            load_group_state(
+                state,
+                list(self.config.student_keys),
+                p.groups,
+                p.sizes,
+                p.student,
+                p.teacher,
+                p.optimizer,
+            )
         else:  # a whole checkpoint (ddp's, or a sharded one read whole)
             load_whole_state(state, p.student, p.teacher, p.optimizer)
         load_loss_state(p.loss_fn, loss)
@@ -339,8 +352,11 @@ class CheckpointedDINOTrainer:
         (None elsewhere, or when held back while the run is unhealthy)."""
         if reason not in _NEVER_HELD_BACK and self._unhealthy():
             if self.lead:
-                print(f"step {self.step}: {reason} checkpoint held back: the run is unhealthy "
-                      "(a checkpoint must be one to roll back to)", file=sys.stderr)  # fmt: skip
+                print(
+                    f"step {self.step}: {reason} checkpoint held back: the run is unhealthy "
+                    "(a checkpoint must be one to roll back to)",
+                    file=sys.stderr,
+                )
             return None
         with self._collective("checkpoint state"):
             state = {**self.state_dict(), "reason": reason}
@@ -469,12 +485,23 @@ class CheckpointedDINOTrainer:
         if self.world == 1:
             return
         if self._pending:
-            rows = claim_restart(self.folder, self._pending, step=self.step, epoch=self.epoch,
-                                 checkpoint=resumed_from) if self.lead else None  # fmt: skip
+            rows = (
+                claim_restart(
+                    self.folder,
+                    self._pending,
+                    step=self.step,
+                    epoch=self.epoch,
+                    checkpoint=resumed_from,
+                )
+                if self.lead
+                else None
+            )
             self.restarts = broadcast_object(rows)
             if self.lead:
-                print(f"restart {len(rows)}: {rows[-1]['message']}; resumed at step "
-                      f"{self.step}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"restart {len(rows)}: {rows[-1]['message']}; resumed at step {self.step}",
+                    file=sys.stderr,
+                )
         for row in rows_to_log(self.restarts, self.history, self.step):
             self.history.append(row)
             self.log.event(row)
@@ -489,10 +516,15 @@ class CheckpointedDINOTrainer:
         if cfg.health.enabled:
             self.monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
         self.log = RunLog(
-            cfg, self.folder, lead=self.lead, step=self.step,
-            total=cfg.schedule.epochs * len(self.parts.loader), metadata=self.metadata,
-            history=self.history, quiet=self.quiet,
-        )  # fmt: skip
+            cfg,
+            self.folder,
+            lead=self.lead,
+            step=self.step,
+            total=cfg.schedule.epochs * len(self.parts.loader),
+            metadata=self.metadata,
+            history=self.history,
+            quiet=self.quiet,
+        )
         # The phases of each step as ranges of the native profiler: host clock
         # and, on a GPU, CUDA events on the current stream, resolved only when
         # read after training; push/pop never synchronise the device.
@@ -585,11 +617,13 @@ class CheckpointedDINOTrainer:
         if trainer.captured:
             c = trainer.captured
             extra = dict(
-                teacher_logits=c["teacher_logits"], student_logits=c["student_logits"],
+                teacher_logits=c["teacher_logits"],
+                student_logits=c["student_logits"],
                 teacher_temp=c.get("teacher_temp") or loss_fn.teacher_temp(epoch),
                 student_temp=loss_fn.student_temp,
-                center=loss_fn.center, features=c.get("features"),
-            )  # fmt: skip
+                center=loss_fn.center,
+                features=c.get("features"),
+            )
         self.monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=self.step, **extra)
         if extra and self.config.logging.histograms and self.log.histograms:
             entropy = teacher_entropy_per_row(
@@ -614,9 +648,15 @@ class CheckpointedDINOTrainer:
             loss, metrics = groups.metrics(list(cfg.student_keys), loss, metrics)
         parts = {f"loss_{k}": v for k, v in metrics.items() if k != "loss"}
         with self._collective("metrics"):
-            reduced = all_reduce_metrics({"loss": loss, "stop": float(stop.requested),
-                                          "diverged": float(diverged is not None),
-                                          "collapsed": float(collapsed), **parts})  # fmt: skip
+            reduced = all_reduce_metrics(
+                {
+                    "loss": loss,
+                    "stop": float(stop.requested),
+                    "diverged": float(diverged is not None),
+                    "collapsed": float(collapsed),
+                    **parts,
+                }
+            )
         if reduced["stop"] > 0 and self._pending_stop is None:
             self._pending_stop = stop.signal_name or "SIGTERM"
         row = {

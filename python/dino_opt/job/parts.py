@@ -110,8 +110,9 @@ def _iterations_per_epoch(cfg: Config, loader: MultiCropLoader) -> int:
     return -(-len(loader) // accumulation)
 
 
-def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
-                reader: WeightsReader) -> _Parts:  # fmt: skip
+def build_parts(
+    cfg: Config, device: torch.device, rank: int, world: int, reader: WeightsReader
+) -> _Parts:
     """The objects of a run (:mod:`dino_opt.train.build`) on this process's
     ``device``: the loader of this rank, the networks (the loss's frozen
     copies of the teacher made before the teacher is sharded, a
@@ -133,11 +134,24 @@ def build_parts(cfg: Config, device: torch.device, rank: int, world: int,
         loss_fn.frozen.split_over(groups)  # each rank its share of a batch's teacher forward
     # DDP (over the student's group), or sharded
     trained, teacher = spread(cfg, student, teacher, device, frozen, external, groups)
-    model = DINOModel(student, teacher, schedules.momentum,
-                      copy_buffers=recipe_of(cfg).ema_copies_buffers)  # fmt: skip
+    model = DINOModel(
+        student, teacher, schedules.momentum, copy_buffers=recipe_of(cfg).ema_copies_buffers
+    )
     model.student = trained  # the EMA reads the unwrapped `student`
     optimizer = build_optimizer(cfg, student, device)
     trainer = build_trainer(cfg, model, loss_fn, optimizer, device)
     sizes = optimizer_sizes(groups, optimizer) if groups else None
-    return _Parts(roots, loader, student, teacher, random_teacher, model, loss_fn,
-                  optimizer, schedules, trainer, groups, sizes)  # fmt: skip
+    return _Parts(
+        roots,
+        loader,
+        student,
+        teacher,
+        random_teacher,
+        model,
+        loss_fn,
+        optimizer,
+        schedules,
+        trainer,
+        groups,
+        sizes,
+    )

@@ -110,8 +110,10 @@ def describe_exit(rank: int, exitcode: int, step: int | None) -> str:
     if exitcode < 0:
         return f"rank {rank} was killed by {_signal_name(exitcode)}{after}"
     if exitcode == EXIT_HANG:
-        return (f"rank {rank} made no progress{after}: the hang watchdog ended the run "
-                f"(exit status {EXIT_HANG})")  # fmt: skip
+        return (
+            f"rank {rank} made no progress{after}: the hang watchdog ended the run "
+            f"(exit status {EXIT_HANG})"
+        )
     return f"rank {rank} exited with status {exitcode}{after}"
 
 
@@ -138,8 +140,13 @@ def record_failure(
     step of each of its ranks (``progress``); ``restart``: the number of the
     restart it is about to make. One file in ``RUN/failures/``."""
     now = time.time()
-    record = {"time": now, "host": socket.gethostname(), "restart": restart, "exits": exits,
-              "progress": {str(r): s for r, s in progress.items()}}  # fmt: skip
+    record = {
+        "time": now,
+        "host": socket.gethostname(),
+        "restart": restart,
+        "exits": exits,
+        "progress": {str(r): s for r, s in progress.items()},
+    }
     folder.failures.mkdir(parents=True, exist_ok=True)
     path = folder.failures / f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.json"
     text = json.dumps(record, indent=2) + "\n"
@@ -154,8 +161,10 @@ def read_restarts(folder: RunFolder) -> list[dict]:
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as e:
-        print(f"warning: {folder.restarts} unreadable, restarts so far not known: {e}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {folder.restarts} unreadable, restarts so far not known: {e}",
+            file=sys.stderr,
+        )
         return []
     return rows if isinstance(rows, list) else []
 
@@ -200,9 +209,16 @@ def claim_restart(
     failed_at = min(r["time"] for r in pending)
     root = first_failure(exits) if exits else {"rank": None, "exitcode": None, "step": None}
     rank, code, at_step = root["rank"], root["exitcode"], root.get("step")
-    row = {"event": "restart", "restart": len(rows) + 1, "step": step, "epoch": epoch,
-           "time": _iso(failed_at), "rank": rank, "exitcode": code,
-           "signal": _signal_name(code) if code is not None else None}  # fmt: skip
+    row = {
+        "event": "restart",
+        "restart": len(rows) + 1,
+        "step": step,
+        "epoch": epoch,
+        "time": _iso(failed_at),
+        "rank": rank,
+        "exitcode": code,
+        "signal": _signal_name(code) if code is not None else None,
+    }
     if code == EXIT_HANG:
         before = datetime.fromisoformat(rows[-1]["time"]).timestamp() if rows else 0.0
         stuck = stuck_ranks(folder, before)
@@ -237,8 +253,12 @@ def injected_kill(debug: DebugConfig, step: int, rank: int, attempt: int) -> Non
     """``debug.inject_kill_at_step``: this rank kills itself with SIGKILL
     after that step, on the first ``debug.inject_attempts`` attempts
     (``attempt``: the restarts so far)."""
-    if (debug.inject_kill_at_step == step and rank == debug.inject_kill_rank
-            and attempt < debug.inject_attempts):  # fmt: skip
-        print(f"rank {rank}: debug.inject_kill_at_step={step}: SIGKILL", file=sys.stderr,
-              flush=True)  # fmt: skip
+    if (
+        debug.inject_kill_at_step == step
+        and rank == debug.inject_kill_rank
+        and attempt < debug.inject_attempts
+    ):
+        print(
+            f"rank {rank}: debug.inject_kill_at_step={step}: SIGKILL", file=sys.stderr, flush=True
+        )
         os.kill(os.getpid(), signal.SIGKILL)

@@ -95,8 +95,14 @@ def spread(
     return student, teacher
 
 
-def _spread_groups(cfg: Config, student: nn.Module, teacher: nn.Module, device: torch.device,
-                   external: nn.Module | None, groups: StudentGroups):  # fmt: skip
+def _spread_groups(
+    cfg: Config,
+    student: nn.Module,
+    teacher: nn.Module,
+    device: torch.device,
+    external: nn.Module | None,
+    groups: StudentGroups,
+):
     """:func:`spread` with each student on its own group of ranks: DDP over
     the group, or the student and its EMA sharded over it (fsdp; the
     frozen teacher's backbone over every rank, which all run its forward
@@ -243,8 +249,9 @@ def load_whole_state(state: dict, student: nn.Module, teacher: nn.Module, optimi
         optimizer.load_state_dict(by_position)
 
 
-def full_teacher(teacher: nn.Module, template: nn.Module, lead: bool,
-                 cpu_offload: bool = True) -> nn.Module | None:  # fmt: skip
+def full_teacher(
+    teacher: nn.Module, template: nn.Module, lead: bool, cpu_offload: bool = True
+) -> nn.Module | None:
     """Collective for a sharded teacher (over every rank it is sharded
     over): the whole network where ``lead`` (a copy of ``template``, the
     unsharded network of the same architecture, holding the teacher's

@@ -101,8 +101,13 @@ __all__ = [
     "vit_small_plus_dinov3",
 ]
 
-_VITS = {"vit_tiny": vit_tiny, "vit_small": vit_small, "vit_base": vit_base,
-         "vit_large": vit_large, "vit_giant2": vit_giant2}  # fmt: skip
+_VITS = {
+    "vit_tiny": vit_tiny,
+    "vit_small": vit_small,
+    "vit_base": vit_base,
+    "vit_large": vit_large,
+    "vit_giant2": vit_giant2,
+}
 _DINOV3 = {
     "vit_small_dinov3": vit_small_dinov3,
     "vit_small_plus_dinov3": vit_small_plus_dinov3,
@@ -113,8 +118,12 @@ _DINOV3 = {
     "vit_7b_dinov3": vit_7b_dinov3,
 }
 _RESNETS = {"resnet18": 512, "resnet50": 2048}
-_CONVNEXTS = {"convnext_tiny": convnext_tiny, "convnext_small": convnext_small,
-              "convnext_base": convnext_base, "convnext_large": convnext_large}  # fmt: skip
+_CONVNEXTS = {
+    "convnext_tiny": convnext_tiny,
+    "convnext_small": convnext_small,
+    "convnext_base": convnext_base,
+    "convnext_large": convnext_large,
+}
 BACKBONES = tuple(_VITS) + tuple(_DINOV3) + tuple(_RESNETS) + tuple(_CONVNEXTS)
 
 #: The ViT options of :func:`build_backbone` and their defaults (DINO's ViT).
@@ -175,11 +184,20 @@ def build_backbone(
     patch size equivalent is 32) and a ViT option away from its default is
     refused, as for ResNets.
     """
-    vit = dict(num_register_tokens=num_register_tokens, layerscale_init=layerscale_init,
-               ffn_layer=ffn_layer, qkv_bias=qkv_bias, proj_bias=proj_bias, ffn_bias=ffn_bias,
-               drop_path_uniform=drop_path_uniform, interpolate_offset=interpolate_offset,
-               interpolate_antialias=interpolate_antialias, img_size=img_size,
-               use_mask_token=use_mask_token, depth=depth)  # fmt: skip
+    vit = dict(
+        num_register_tokens=num_register_tokens,
+        layerscale_init=layerscale_init,
+        ffn_layer=ffn_layer,
+        qkv_bias=qkv_bias,
+        proj_bias=proj_bias,
+        ffn_bias=ffn_bias,
+        drop_path_uniform=drop_path_uniform,
+        interpolate_offset=interpolate_offset,
+        interpolate_antialias=interpolate_antialias,
+        img_size=img_size,
+        use_mask_token=use_mask_token,
+        depth=depth,
+    )
     if name in _VITS:
         vit = {k: v for k, v in vit.items() if not (k in ("ffn_layer", "depth") and v is None)}
         model = _VITS[name](
@@ -212,11 +230,12 @@ _DINOV3_TAKES = ("img_size", "use_mask_token", "depth")
 def _dinov3_backbone(
     name: str, patch_size: int, drop_path_rate: float, vit_options: dict, kwargs: dict
 ) -> nn.Module:
-    changed = [k for k, v in vit_options.items()
-               if k not in _DINOV3_TAKES and v != VIT_OPTIONS[k]]  # fmt: skip
+    changed = [k for k, v in vit_options.items() if k not in _DINOV3_TAKES and v != VIT_OPTIONS[k]]
     if changed:
-        raise ValueError(f"backbone {name!r} is a DINOv3 size, which fixes {', '.join(changed)} "
-                         "(leave them at their defaults)")  # fmt: skip
+        raise ValueError(
+            f"backbone {name!r} is a DINOv3 size, which fixes {', '.join(changed)} "
+            "(leave them at their defaults)"
+        )
     taken = {k: vit_options[k] for k in _DINOV3_TAKES if vit_options[k] is not None}
     return _DINOV3[name](patch_size=patch_size, drop_path_rate=drop_path_rate, **taken, **kwargs)
 
@@ -226,8 +245,10 @@ def _no_vit_options(name: str, kind: str, vit_options: dict) -> None:
     backbone ``name`` (``kind``), which has none."""
     changed = [k for k, v in vit_options.items() if v != VIT_OPTIONS[k]]
     if changed:
-        raise ValueError(f"backbone {name!r} is {kind}; the ViT options {', '.join(changed)} "
-                         "do not apply to it (leave them at their defaults)")  # fmt: skip
+        raise ValueError(
+            f"backbone {name!r} is {kind}; the ViT options {', '.join(changed)} "
+            "do not apply to it (leave them at their defaults)"
+        )
 
 
 def _resnet(name: str, vit_options: dict, kwargs: dict) -> nn.Module:

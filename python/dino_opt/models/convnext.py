@@ -135,8 +135,10 @@ class ConvNeXt(nn.Module):
         super().__init__()
         depths, dims = tuple(int(d) for d in depths), tuple(int(d) for d in dims)
         if len(depths) != 4 or len(dims) != 4 or min(depths + dims) < 1:
-            raise ValueError(f"ConvNeXt needs 4 positive depths and 4 positive dims, got "
-                             f"depths={list(depths)}, dims={list(dims)}")  # fmt: skip
+            raise ValueError(
+                f"ConvNeXt needs 4 positive depths and 4 positive dims, got "
+                f"depths={list(depths)}, dims={list(dims)}"
+            )
         self.depths, self.embed_dims, self.in_chans = depths, dims, int(in_chans)
         self.embed_dim = self.num_features = dims[-1]
         self.patch_size = _STRIDE
@@ -168,11 +170,15 @@ class ConvNeXt(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"ConvNeXt takes images (B, {self.in_chans}, H, W), got {shape}")
         if x.shape[1] != self.in_chans:
-            raise ValueError(f"ConvNeXt takes {self.in_chans} channels, got images "
-                             f"{tuple(x.shape)} with {x.shape[1]}")  # fmt: skip
+            raise ValueError(
+                f"ConvNeXt takes {self.in_chans} channels, got images "
+                f"{tuple(x.shape)} with {x.shape[1]}"
+            )
         if min(x.shape[-2:]) < _STRIDE:
-            raise ValueError(f"ConvNeXt needs images of at least {_STRIDE} x {_STRIDE} pixels (its "
-                             f"last stage has stride {_STRIDE}), got {tuple(x.shape)}")  # fmt: skip
+            raise ValueError(
+                f"ConvNeXt needs images of at least {_STRIDE} x {_STRIDE} pixels (its "
+                f"last stage has stride {_STRIDE}), got {tuple(x.shape)}"
+            )
         return x
 
     def forward_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -200,15 +206,21 @@ class ConvNeXt(nn.Module):
         if isinstance(x, (list, tuple)):
             return self.forward_features_list(x, masks)
         if masks is not None and bool(torch.as_tensor(masks).any()):
-            raise ValueError("ConvNeXt has no mask token: masked patches (iBOT's masked image "
-                             "modelling) need a ViT backbone")  # fmt: skip
+            raise ValueError(
+                "ConvNeXt has no mask token: masked patches (iBOT's masked image "
+                "modelling) need a ViT backbone"
+            )
         last = self.forward_maps(x)[-1]
         tokens = last.flatten(2).transpose(1, 2)
         prenorm = torch.cat((last.mean(dim=(-2, -1)).unsqueeze(1), tokens), dim=1)
         normed = self.norm(prenorm)
-        return {"x_norm_clstoken": normed[:, 0], "x_norm_regtokens": normed[:, 1:1],
-                "x_norm_patchtokens": normed[:, 1:], "x_prenorm": prenorm,
-                "masks": masks}  # fmt: skip
+        return {
+            "x_norm_clstoken": normed[:, 0],
+            "x_norm_regtokens": normed[:, 1:1],
+            "x_norm_patchtokens": normed[:, 1:],
+            "x_prenorm": prenorm,
+            "masks": masks,
+        }
 
     def forward_features_list(
         self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
@@ -272,8 +284,14 @@ def convnext_large(**kwargs) -> ConvNeXt:
 # for: {s} a stage, {b} a block, {d} a downsampling stage (1-3), {j} the
 # index within a stem or downsampling layer, {m} a block's convolution or
 # linear layer, {p} weight or bias. One table renames either way.
-_FIELDS = {"s": r"\d", "b": r"\d+", "d": "[1-3]", "j": "[01]",
-           "m": "dwconv|pwconv1|pwconv2", "p": "weight|bias"}  # fmt: skip
+_FIELDS = {
+    "s": r"\d",
+    "b": r"\d+",
+    "d": "[1-3]",
+    "j": "[01]",
+    "m": "dwconv|pwconv1|pwconv2",
+    "p": "weight|bias",
+}
 _TIMM_NAMES = (
     ("downsample_layers.0.{j}.{p}", "stem.{j}.{p}"),
     ("downsample_layers.{d}.{j}.{p}", "stages.{d}.downsample.{j}.{p}"),
@@ -307,8 +325,10 @@ def _rules(names: tuple, to_ours: bool) -> list[tuple[re.Pattern, str]]:
     for ours, theirs in names:
         source, target = (theirs, ours) if to_ours else (ours, theirs)
         parts = re.split(r"\{(\w)\}", source)  # literal, field, literal, ...
-        pattern = "".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_FIELDS[part]})"
-                          for i, part in enumerate(parts))  # fmt: skip
+        pattern = "".join(
+            re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_FIELDS[part]})"
+            for i, part in enumerate(parts)
+        )
         out.append((re.compile(pattern), re.sub(r"\{(\w)\}", r"\\g<\1>", target)))
     return out
 
@@ -318,8 +338,9 @@ def _unknown(keys: list[str], layout: str) -> ValueError:
     return ValueError(f"not a {layout} ConvNeXt state dict: unknown keys {shown}")
 
 
-def _renamed(state_dict: dict, names: tuple, to_ours: bool, layout: str,
-             skip: str | None = None) -> dict:  # fmt: skip
+def _renamed(
+    state_dict: dict, names: tuple, to_ours: bool, layout: str, skip: str | None = None
+) -> dict:
     """``state_dict`` renamed by the table ``names`` (to this model's names
     when ``to_ours``; keys starting with ``skip`` left out); any other key is
     refused in one line, naming the ``layout`` it was read as."""
@@ -400,8 +421,12 @@ def convnext_shape(state_dict: dict) -> dict:
     blocks = {tuple(k.split(".")[1:3]) for k in state_dict if k.startswith("stages.")}
     depths = [sum(1 for s, _ in blocks if s == str(i)) for i in range(4)]
     stem = state_dict["downsample_layers.0.0.weight"]
-    return dict(depths=depths, dims=dims, in_chans=stem.shape[1],
-                layer_scale="stages.0.0.gamma" in state_dict)  # fmt: skip
+    return dict(
+        depths=depths,
+        dims=dims,
+        in_chans=stem.shape[1],
+        layer_scale="stages.0.0.gamma" in state_dict,
+    )
 
 
 def to_timm_convnext_state_dict(state_dict: dict) -> dict:
@@ -423,8 +448,17 @@ def hf_convnext_config(state_dict: dict, image_size: int = 224) -> dict:
     :class:`ConvNeXt`'s ``state_dict``: its depths and widths, every
     LayerNorm's epsilon (1e-6, the final one's too) and exact GELU."""
     shape = convnext_shape(state_dict)
-    return {"architectures": ["ConvNextModel"], "model_type": "convnext",
-            "depths": shape["depths"], "hidden_sizes": shape["dims"], "num_stages": 4,
-            "num_channels": shape["in_chans"], "patch_size": 4, "hidden_act": "gelu",
-            "layer_norm_eps": _EPS, "layer_scale_init_value": 1e-6 if shape["layer_scale"] else 0.0,
-            "drop_path_rate": 0.0, "image_size": image_size}  # fmt: skip
+    return {
+        "architectures": ["ConvNextModel"],
+        "model_type": "convnext",
+        "depths": shape["depths"],
+        "hidden_sizes": shape["dims"],
+        "num_stages": 4,
+        "num_channels": shape["in_chans"],
+        "patch_size": 4,
+        "hidden_act": "gelu",
+        "layer_norm_eps": _EPS,
+        "layer_scale_init_value": 1e-6 if shape["layer_scale"] else 0.0,
+        "drop_path_rate": 0.0,
+        "image_size": image_size,
+    }

@@ -147,12 +147,15 @@ def _timm(name: str, in_chans: int = 3) -> tuple[nn.Module, str]:
     try:
         import timm
     except ImportError:
-        raise ImportError(f"timm:{name} needs timm, which is not installed "
-                          "(pip install timm, or dino-opt[timm])") from None  # fmt: skip
+        raise ImportError(
+            f"timm:{name} needs timm, which is not installed (pip install timm, or dino-opt[timm])"
+        ) from None
 
     if not timm.is_model(name):
-        raise ValueError(f"timm:{name}: timm {timm.__version__} has no model {name!r}"
-                         f"{_close(name, timm.list_models())}")  # fmt: skip
+        raise ValueError(
+            f"timm:{name}: timm {timm.__version__} has no model {name!r}"
+            f"{_close(name, timm.list_models())}"
+        )
     try:  # a ViT takes any image size with dynamic_img_size; a CNN has no such argument
         net = timm.create_model(
             name, pretrained=False, num_classes=0, in_chans=in_chans, dynamic_img_size=True
@@ -166,13 +169,16 @@ def _torchvision(name: str) -> tuple[nn.Module, str]:
     try:
         import torchvision.models as tvm
     except ImportError:
-        raise ImportError(f"torchvision:{name} needs torchvision, which is not installed "
-                          "(pip install torchvision)") from None  # fmt: skip
+        raise ImportError(
+            f"torchvision:{name} needs torchvision, which is not installed "
+            "(pip install torchvision)"
+        ) from None
 
     known = tvm.list_models()
     if name not in known:
-        raise ValueError(f"torchvision:{name}: torchvision has no model {name!r}"
-                         f"{_close(name, known)}")  # fmt: skip
+        raise ValueError(
+            f"torchvision:{name}: torchvision has no model {name!r}{_close(name, known)}"
+        )
     net = tvm.get_model(name, weights=None)
     for reader, needs in _TORCHVISION_READERS:
         if all(hasattr(net, n) for n in needs):
@@ -197,8 +203,9 @@ def _callable(name: str) -> tuple[nn.Module, str]:
     except Exception as e:  # the user's code: any failure is reported in one line
         raise ValueError(f"{name}: calling {function}() failed ({type(e).__name__}: {e})") from None
     if not isinstance(net, nn.Module):
-        raise ValueError(f"{name}: {function}() returned a {type(net).__name__}, not a "
-                         "torch.nn.Module")  # fmt: skip
+        raise ValueError(
+            f"{name}: {function}() returned a {type(net).__name__}, not a torch.nn.Module"
+        )
     return net, "forward_features" if hasattr(net, "forward_features") else "forward"
 
 
@@ -266,8 +273,10 @@ class ExternalBackbone(nn.Module):
                 probe = torch.zeros(1, self.in_chans, PROBE_SIZE, PROBE_SIZE, device=device)
                 out = self._raw(probe)
         except Exception as e:  # the user's network: any failure is one line
-            raise ValueError(f"{self.name}: its forward failed on a {PROBE_SIZE} x {PROBE_SIZE} "
-                             f"image ({type(e).__name__}: {e})") from None  # fmt: skip
+            raise ValueError(
+                f"{self.name}: its forward failed on a {PROBE_SIZE} x {PROBE_SIZE} "
+                f"image ({type(e).__name__}: {e})"
+            ) from None
         return self._width(out)
 
     def _freeze_unreached(self) -> list[str]:

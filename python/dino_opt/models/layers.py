@@ -122,12 +122,19 @@ CHECKPOINT_POLICIES = ("none", "full", "selective")
 # device (the math attention of float64 and of masks lowers to bmm and softmax).
 _SAVED_OPS = frozenset(
     getattr(torch.ops.aten, name).default
-    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_fused_attention_overrideable")
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
     if hasattr(torch.ops.aten, name)
-)  # fmt: skip
+)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -395,8 +402,14 @@ class Block(nn.Module):
         if self.checkpointing == "none" or not (self.training and torch.is_grad_enabled()):
             return self.residuals(x, rope, layout)
         if self.checkpointing == "selective":
-            return checkpoint(self.residuals, x, rope, layout, use_reentrant=False,
-                              context_fn=selective_checkpoint_contexts)  # fmt: skip
+            return checkpoint(
+                self.residuals,
+                x,
+                rope,
+                layout,
+                use_reentrant=False,
+                context_fn=selective_checkpoint_contexts,
+            )
         return checkpoint(self.residuals, x, rope, layout, use_reentrant=False)
 
     def residuals(self, x: torch.Tensor, rope=None, layout: Layout | None = None) -> torch.Tensor:

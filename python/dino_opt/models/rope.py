@@ -55,8 +55,10 @@ def rope_periods(
     both periods, not both)."""
     both = min_period is not None and max_period is not None
     if (base is None) == (not both) or (min_period is None) != (max_period is None):
-        raise ValueError(f"RoPE periods: give base or min_period and max_period, got base={base}, "
-                         f"min_period={min_period}, max_period={max_period}")  # fmt: skip
+        raise ValueError(
+            f"RoPE periods: give base or min_period and max_period, got base={base}, "
+            f"min_period={min_period}, max_period={max_period}"
+        )
     if head_dim % 4:
         raise ValueError(f"RoPE: head_dim must be a multiple of 4, got {head_dim}")
     n = head_dim // 4
@@ -78,8 +80,10 @@ def patch_coords(
     """Centres of an ``h`` x ``w`` grid of patches in [-1, 1], row-major,
     shape (h * w, 2) as (row, column)."""
     if normalize not in ROPE_NORMALIZATIONS:
-        raise ValueError(f"RoPE normalize_coords must be one of "
-                         f"{', '.join(ROPE_NORMALIZATIONS)}, got {normalize!r}")  # fmt: skip
+        raise ValueError(
+            f"RoPE normalize_coords must be one of "
+            f"{', '.join(ROPE_NORMALIZATIONS)}, got {normalize!r}"
+        )
     side = {"separate": (h, w), "min": (min(h, w),) * 2, "max": (max(h, w),) * 2}[normalize]
     rows = torch.arange(0.5, h, dtype=dtype, device=device) / side[0]
     cols = torch.arange(0.5, w, dtype=dtype, device=device) / side[1]
@@ -178,8 +182,9 @@ class RopePositionEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         if embed_dim % (4 * num_heads):
-            raise ValueError(f"RoPE: embed_dim {embed_dim} must be a multiple of 4 x num_heads "
-                             f"({4 * num_heads})")  # fmt: skip
+            raise ValueError(
+                f"RoPE: embed_dim {embed_dim} must be a multiple of 4 x num_heads ({4 * num_heads})"
+            )
         _check_augmentation(shift_coords, jitter_coords, rescale_coords)
         self.head_dim = embed_dim // num_heads
         self.base, self.min_period, self.max_period = base, min_period, max_period
@@ -199,8 +204,14 @@ class RopePositionEmbedding(nn.Module):
 
     def periods(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The head's ``head_dim / 4`` periods, in the module's dtype."""
-        return rope_periods(self.head_dim, self.base, self.min_period, self.max_period,
-                            dtype=self.dtype, device=device)  # fmt: skip
+        return rope_periods(
+            self.head_dim,
+            self.base,
+            self.min_period,
+            self.max_period,
+            dtype=self.dtype,
+            device=device,
+        )
 
     def forward(
         self,
@@ -219,10 +230,16 @@ class RopePositionEmbedding(nn.Module):
         return rope_sin_cos(coords, self.periods(device), work)
 
     def extra_repr(self) -> str:
-        periods = (f"base={self.base}" if self.base is not None
-                   else f"min_period={self.min_period}, max_period={self.max_period}")  # fmt: skip
-        named = (("shift", self.shift_coords), ("jitter", self.jitter_coords),
-                 ("rescale", self.rescale_coords))  # fmt: skip
+        periods = (
+            f"base={self.base}"
+            if self.base is not None
+            else f"min_period={self.min_period}, max_period={self.max_period}"
+        )
+        named = (
+            ("shift", self.shift_coords),
+            ("jitter", self.jitter_coords),
+            ("rescale", self.rescale_coords),
+        )
         augs = [f"{k}={v}" for k, v in named if v is not None]
         return ", ".join([f"head_dim={self.head_dim}", periods, self.normalize_coords, *augs])
 

@@ -163,8 +163,9 @@ class VisionTransformer(nn.Module):
             if num_register_tokens
             else None
         )
-        block = dict(proj_bias=proj_bias, ffn_bias=ffn_bias, ffn_layer=ffn_layer,
-                     init_values=layerscale_init)  # fmt: skip
+        block = dict(
+            proj_bias=proj_bias, ffn_bias=ffn_bias, ffn_layer=ffn_layer, init_values=layerscale_init
+        )
         self.blocks = nn.ModuleList(
             Block(
                 embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=r, norm_eps=norm_eps, **block
@@ -194,8 +195,10 @@ class VisionTransformer(nn.Module):
         other blocks keep their activations. Only while training with autograd
         on. Returns ``self``."""
         if policy not in CHECKPOINT_POLICIES:
-            raise ValueError(f"activation checkpointing must be one of "
-                             f"{', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")  # fmt: skip
+            raise ValueError(
+                f"activation checkpointing must be one of "
+                f"{', '.join(CHECKPOINT_POLICIES)}, got {policy!r}"
+            )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint every must be an int >= 1, got {every!r}")
         for i, block in enumerate(self.blocks):
@@ -384,8 +387,10 @@ def apply_block_options(
     "The step")."""
     if not isinstance(backbone, VisionTransformer):
         if activation_checkpointing != "none":
-            raise ValueError(f"activation checkpointing ({activation_checkpointing}) needs a "
-                             f"ViT backbone, got {type(backbone).__name__}")  # fmt: skip
+            raise ValueError(
+                f"activation checkpointing ({activation_checkpointing}) needs a "
+                f"ViT backbone, got {type(backbone).__name__}"
+            )
         if compile:
             backbone.compile(mode=compile_mode)
         return backbone
@@ -452,8 +457,10 @@ def resize_pos_embed(
         patch_pos, mode="bicubic", align_corners=False, antialias=antialias, **size
     )
     if tuple(patch_pos.shape[-2:]) != grid:
-        raise ValueError(f"interpolate_offset {offset} resizes {g}x{g} to "
-                         f"{tuple(patch_pos.shape[-2:])}, not {grid}")  # fmt: skip
+        raise ValueError(
+            f"interpolate_offset {offset} resizes {g}x{g} to "
+            f"{tuple(patch_pos.shape[-2:])}, not {grid}"
+        )
     patch_pos = patch_pos.to(pos_embed.dtype).permute(0, 2, 3, 1)
     return torch.cat((pos_embed[:, :1], patch_pos.reshape(1, grid[0] * grid[1], -1)), dim=1)
 
@@ -473,9 +480,12 @@ def _init_weights(m: nn.Module) -> None:
 def _vit(patch_size: int, dim: int, depth: int, heads: int, kwargs: dict) -> VisionTransformer:
     # a ``depth`` in kwargs replaces the size's own
     return VisionTransformer(
-        patch_size=patch_size, embed_dim=dim, num_heads=heads, mlp_ratio=4.0,
+        patch_size=patch_size,
+        embed_dim=dim,
+        num_heads=heads,
+        mlp_ratio=4.0,
         **({"depth": depth} | kwargs),
-    )  # fmt: skip
+    )
 
 
 def vit_tiny(patch_size: int = 16, **kwargs) -> VisionTransformer:

@@ -59,19 +59,29 @@ DINOV3_FFN_LAYERS = {"mlp": 0, "swiglu": 8, "swiglu32": 32, "swiglu64": 64, "swi
 #: LayerNorm eps 1e-5, masked key bias), by builder name.
 DINOV3_SIZES = {
     "vit_small_dinov3": dict(embed_dim=384, depth=12, num_heads=6, ffn_ratio=4.0, ffn_layer="mlp"),
-    "vit_small_plus_dinov3": dict(embed_dim=384, depth=12, num_heads=6, ffn_ratio=6.0,
-                                  ffn_layer="swiglu"),
+    "vit_small_plus_dinov3": dict(
+        embed_dim=384, depth=12, num_heads=6, ffn_ratio=6.0, ffn_layer="swiglu"
+    ),
     "vit_base_dinov3": dict(embed_dim=768, depth=12, num_heads=12, ffn_ratio=4.0, ffn_layer="mlp"),
-    "vit_large_dinov3": dict(embed_dim=1024, depth=24, num_heads=16, ffn_ratio=4.0,
-                             ffn_layer="mlp"),
-    "vit_large_plus_dinov3": dict(embed_dim=1024, depth=24, num_heads=16, ffn_ratio=6.0,
-                                  ffn_layer="swiglu"),
-    "vit_huge_plus_dinov3": dict(embed_dim=1280, depth=32, num_heads=20, ffn_ratio=6.0,
-                                 ffn_layer="swiglu"),
-    "vit_7b_dinov3": dict(embed_dim=4096, depth=40, num_heads=32, ffn_ratio=3.0,
-                          ffn_layer="swiglu64", qkv_bias=False,
-                          untie_global_and_local_cls_norm=True),
-}  # fmt: skip
+    "vit_large_dinov3": dict(
+        embed_dim=1024, depth=24, num_heads=16, ffn_ratio=4.0, ffn_layer="mlp"
+    ),
+    "vit_large_plus_dinov3": dict(
+        embed_dim=1024, depth=24, num_heads=16, ffn_ratio=6.0, ffn_layer="swiglu"
+    ),
+    "vit_huge_plus_dinov3": dict(
+        embed_dim=1280, depth=32, num_heads=20, ffn_ratio=6.0, ffn_layer="swiglu"
+    ),
+    "vit_7b_dinov3": dict(
+        embed_dim=4096,
+        depth=40,
+        num_heads=32,
+        ffn_ratio=3.0,
+        ffn_layer="swiglu64",
+        qkv_bias=False,
+        untie_global_and_local_cls_norm=True,
+    ),
+}
 
 
 def dinov3_swiglu_hidden_dim(mlp_hidden: int, align: int = 8) -> int:
@@ -125,8 +135,10 @@ class RopeAttention(Attention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys (B, heads, N, head_dim) with the patch tokens rotated."""
         if rope is None:
-            raise ValueError("RopeAttention needs the RoPE (sin, cos) of the patch grid; the "
-                             "DINOv3 ViT passes it (call the model or its methods)")  # fmt: skip
+            raise ValueError(
+                "RopeAttention needs the RoPE (sin, cos) of the patch grid; the "
+                "DINOv3 ViT passes it (call the model or its methods)"
+            )
         sin, cos = rope
         return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
 
@@ -153,10 +165,20 @@ class RopeBlock(Block):
         mask_k_bias: bool = False,
     ) -> None:
         if ffn_layer not in DINOV3_FFN_LAYERS:
-            raise ValueError(f"ffn_layer must be one of {', '.join(DINOV3_FFN_LAYERS)}, "
-                             f"got {ffn_layer!r}")  # fmt: skip
-        super().__init__(dim, num_heads, ffn_ratio, False, drop_path, norm_eps, proj_bias=proj_bias,
-                         ffn_bias=ffn_bias, init_values=init_values)  # fmt: skip
+            raise ValueError(
+                f"ffn_layer must be one of {', '.join(DINOV3_FFN_LAYERS)}, got {ffn_layer!r}"
+            )
+        super().__init__(
+            dim,
+            num_heads,
+            ffn_ratio,
+            False,
+            drop_path,
+            norm_eps,
+            proj_bias=proj_bias,
+            ffn_bias=ffn_bias,
+            init_values=init_values,
+        )
         self.attn = RopeAttention(dim, num_heads, qkv_bias, proj_bias, mask_k_bias)
         align = DINOV3_FFN_LAYERS[ffn_layer]
         if align:
@@ -229,24 +251,47 @@ class DinoV3VisionTransformer(VisionTransformer):
     ) -> None:
         # The parent builds the patch embedding, class / storage / mask tokens
         # and final norm (no blocks); its position table is dropped.
-        super().__init__(img_size, patch_size, in_chans, embed_dim, 0, num_heads, ffn_ratio,
-                         qkv_bias, drop_path_rate, norm_eps, proj_bias=proj_bias,
-                         ffn_bias=ffn_bias, layerscale_init=layerscale_init,
-                         num_register_tokens=n_storage_tokens, use_mask_token=use_mask_token,
-                         drop_path_uniform=drop_path_uniform)  # fmt: skip
+        super().__init__(
+            img_size,
+            patch_size,
+            in_chans,
+            embed_dim,
+            0,
+            num_heads,
+            ffn_ratio,
+            qkv_bias,
+            drop_path_rate,
+            norm_eps,
+            proj_bias=proj_bias,
+            ffn_bias=ffn_bias,
+            layerscale_init=layerscale_init,
+            num_register_tokens=n_storage_tokens,
+            use_mask_token=use_mask_token,
+            drop_path_uniform=drop_path_uniform,
+        )
         self.pos_embed = None
         self.depth = self.n_blocks = depth
         self.ffn_layer = ffn_layer
         self.n_storage_tokens = self.num_register_tokens
         self.rope_embed = RopePositionEmbedding(
-            embed_dim, num_heads, base=pos_embed_rope_base,
-            min_period=pos_embed_rope_min_period, max_period=pos_embed_rope_max_period,
+            embed_dim,
+            num_heads,
+            base=pos_embed_rope_base,
+            min_period=pos_embed_rope_min_period,
+            max_period=pos_embed_rope_max_period,
             normalize_coords=pos_embed_rope_normalize_coords,
-            shift_coords=pos_embed_rope_shift_coords, jitter_coords=pos_embed_rope_jitter_coords,
-            rescale_coords=pos_embed_rope_rescale_coords, dtype=pos_embed_rope_dtype,
-        )  # fmt: skip
-        block = dict(proj_bias=proj_bias, ffn_bias=ffn_bias, ffn_layer=ffn_layer,
-                     init_values=self.layerscale_init, mask_k_bias=mask_k_bias)  # fmt: skip
+            shift_coords=pos_embed_rope_shift_coords,
+            jitter_coords=pos_embed_rope_jitter_coords,
+            rescale_coords=pos_embed_rope_rescale_coords,
+            dtype=pos_embed_rope_dtype,
+        )
+        block = dict(
+            proj_bias=proj_bias,
+            ffn_bias=ffn_bias,
+            ffn_layer=ffn_layer,
+            init_values=self.layerscale_init,
+            mask_k_bias=mask_k_bias,
+        )
         self.blocks = nn.ModuleList(
             RopeBlock(embed_dim, num_heads, ffn_ratio, qkv_bias, r, norm_eps, **block)
             for r in drop_path_rates(drop_path_rate, depth, drop_path_uniform)
@@ -285,8 +330,10 @@ class DinoV3VisionTransformer(VisionTransformer):
             raise ValueError(f"x: images must have shape (B, {chans}, H, W), got {shape}")
         h, w = x.shape[-2:]
         if h % p or w % p or h == 0 or w == 0:
-            raise ValueError(f"x: images of shape {tuple(x.shape)}; H and W must be positive "
-                             f"multiples of the patch size {p}")  # fmt: skip
+            raise ValueError(
+                f"x: images of shape {tuple(x.shape)}; H and W must be positive "
+                f"multiples of the patch size {p}"
+            )
         return h // p, w // p
 
     def prepare_tokens_with_masks(
@@ -322,8 +369,10 @@ class DinoV3VisionTransformer(VisionTransformer):
             raise TypeError(f"masks must be a bool tensor (True: masked), got {masks.dtype}")
         masks = masks.flatten(1)
         if masks.shape != x.shape[:2]:
-            raise ValueError(f"masks: shape {tuple(masks.shape)} for {x.shape[0]} images of "
-                             f"{x.shape[1]} patches; expected (B, {x.shape[1]})")  # fmt: skip
+            raise ValueError(
+                f"masks: shape {tuple(masks.shape)} for {x.shape[0]} images of "
+                f"{x.shape[1]} patches; expected (B, {x.shape[1]})"
+            )
         return torch.where(masks.unsqueeze(-1), self.mask_token.to(x.dtype).unsqueeze(0), x)
 
     def rope(self, grid: tuple[int, int], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,8 +425,13 @@ class DinoV3VisionTransformer(VisionTransformer):
 
     def _outputs(self, x: torch.Tensor, masks: torch.Tensor | None, local_crops: bool) -> dict:
         cls_reg, patches = self.normed(x, local_crops)
-        return {"x_norm_clstoken": cls_reg[:, 0], "x_norm_regtokens": cls_reg[:, 1:],
-                "x_norm_patchtokens": patches, "x_prenorm": x, "masks": masks}  # fmt: skip
+        return {
+            "x_norm_clstoken": cls_reg[:, 0],
+            "x_norm_regtokens": cls_reg[:, 1:],
+            "x_norm_patchtokens": patches,
+            "x_prenorm": x,
+            "masks": masks,
+        }
 
     def forward_features_list(
         self, x_list: Sequence[torch.Tensor], masks_list: Sequence | None = None
@@ -465,9 +519,13 @@ def convert_timm_dinov3_state_dict(state_dict: dict) -> dict:
     for key, value in state_dict.items():
         if key.startswith(("head.", "fc_norm.", "rope.")) or key.endswith(".k_bias"):
             continue
-        for old, new in (("reg_token", "register_tokens"), ("gamma_1", "ls1.gamma"),
-                         ("gamma_2", "ls2.gamma"), ("attn.q_bias", "attn.qkv.q_bias"),
-                         ("attn.v_bias", "attn.qkv.v_bias")):  # fmt: skip
+        for old, new in (
+            ("reg_token", "register_tokens"),
+            ("gamma_1", "ls1.gamma"),
+            ("gamma_2", "ls2.gamma"),
+            ("attn.q_bias", "attn.qkv.q_bias"),
+            ("attn.v_bias", "attn.qkv.v_bias"),
+        ):
             key = key.replace(old, new)
         out[key] = value
     return _stack_swiglu(out, ("fc1_g", "fc1_x", "fc2"))

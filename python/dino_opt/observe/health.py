@@ -729,9 +729,11 @@ class TrainingHealthMonitor:
                 if self._performance is None:
                     w = th.throughput_window
                     self._performance = PerformanceMonitor(
-                        window=w, threshold=th.throughput_drop or 1.0, min_history=2 * w,
+                        window=w,
+                        threshold=th.throughput_drop or 1.0,
+                        min_history=2 * w,
                         log_alerts=False,
-                    )  # fmt: skip
+                    )
                 found = self._performance.log_performance(throughput, 0.0)
                 degraded = found is not None and th.throughput_drop > 0
                 if found is not None:

@@ -179,8 +179,10 @@ def _evaluation_lines(run: Mapping[str, Any], pictures: Sequence[str]) -> list[s
         for split, prefix in (("val", stem), ("test", stem.replace("_", "_test_", 1))):
             trained, rand = run.get(f"{prefix}_trained"), run.get(f"{prefix}_random_init")
             if trained is not None and rand is not None:
-                lines.append(f"  {label} ({split}): {_fmt(trained, '.1f')} % trained vs "
-                             f"{_fmt(rand, '.1f')} % at random init")  # fmt: skip
+                lines.append(
+                    f"  {label} ({split}): {_fmt(trained, '.1f')} % trained vs "
+                    f"{_fmt(rand, '.1f')} % at random init"
+                )
     if run.get("verdict"):
         lines.append(f"  warning: {run['verdict']}")
     if pictures:

@@ -85,8 +85,13 @@ class RunLog:
             self._tb = SummaryWriter(str(folder.tensorboard), purge_step=step + 1 if step else None)
         self._wandb = _start_wandb(cfg, folder, metadata) if log.wandb and lead else None
         self._mlflow = MlflowRun(cfg, folder, metadata) if log.mlflow and lead else None
-        self._bar = tqdm(total=total, initial=step, unit="batch", desc="train",
-                         disable=quiet or not log.progress or not lead)  # fmt: skip
+        self._bar = tqdm(
+            total=total,
+            initial=step,
+            unit="batch",
+            desc="train",
+            disable=quiet or not log.progress or not lead,
+        )
         for row in history:  # a resumed run's metrics so far, then its own
             self._write_line(row)
         self._step = step
@@ -99,11 +104,17 @@ class RunLog:
         one graph per block's crop sizes and drop-path rate, forward and
         backward), printed and written to the sinks."""
         graphs, seconds = compile_totals()
-        row = {"step": self._step, "event": "compiled", "graphs": graphs,
-               "seconds": round(seconds, 2)}  # fmt: skip
+        row = {
+            "step": self._step,
+            "event": "compiled",
+            "graphs": graphs,
+            "seconds": round(seconds, 2),
+        }
         if self.lead and not self._quiet:
-            tqdm.write(f"torch.compile: {graphs} graphs of the ViT blocks (whole, static shapes "
-                       f"per crop size) in {seconds:.1f} s, during the first step")  # fmt: skip
+            tqdm.write(
+                f"torch.compile: {graphs} graphs of the ViT blocks (whole, static shapes "
+                f"per crop size) in {seconds:.1f} s, during the first step"
+            )
         self.event(row)
         return row
 
@@ -135,8 +146,12 @@ class RunLog:
             self._mlflow.row(row)
         # memory: the GPU allocator's peak on a GPU, else the process's RSS
         mem = row.get("gpu_memory_peak_gb", row.get("host_rss_gb", 0.0))
-        self._bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}",
-                              ips=f"{row['images_per_second']:.0f}", mem=f"{mem:.2f}G")  # fmt: skip
+        self._bar.set_postfix(
+            loss=f"{row['loss']:.3f}",
+            lr=f"{row['lr']:.2e}",
+            ips=f"{row['images_per_second']:.0f}",
+            mem=f"{mem:.2f}G",
+        )
 
     def event(self, row: dict[str, Any]) -> None:
         """A row that is not a metrics row (``step``, ``epoch``, ``event`` and
@@ -153,8 +168,11 @@ class RunLog:
     def scalars(self, prefix: str, values: dict[str, Any], step: int) -> None:
         """Numbers of an evaluation (``values``), as TensorBoard scalars
         ``<prefix>/<name>`` and in W&B; other values are passed over."""
-        numbers = {f"{prefix}/{k}": v for k, v in values.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
+        numbers = {
+            f"{prefix}/{k}": v
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for k, v in numbers.items():
                 self._tb.add_scalar(k, v, step)

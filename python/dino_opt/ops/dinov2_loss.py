@@ -304,10 +304,20 @@ class iBOTPatchLoss(_CenteredLoss):  # noqa: N801 (dinov2's name)
         for the device once, as boolean indexing does)."""
         where = "iBOTPatchLoss.forward"
         _check_dim(where, "student_patch_tokens", student_patch_tokens, 3, self.out_dim)
-        _check_same_shape(where, "teacher_patch_tokens", teacher_patch_tokens,
-                          "student_patch_tokens", student_patch_tokens)  # fmt: skip
-        _check_same_shape(where, "student_masks_flat", student_masks_flat,
-                          "student_patch_tokens[..., 0]", student_patch_tokens[..., 0])  # fmt: skip
+        _check_same_shape(
+            where,
+            "teacher_patch_tokens",
+            teacher_patch_tokens,
+            "student_patch_tokens",
+            student_patch_tokens,
+        )
+        _check_same_shape(
+            where,
+            "student_masks_flat",
+            student_masks_flat,
+            "student_patch_tokens[..., 0]",
+            student_patch_tokens[..., 0],
+        )
         mask = student_masks_flat.float()
         per_image = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
         weights = (mask / (per_image * mask.shape[0])).flatten()
@@ -353,8 +363,13 @@ class iBOTPatchLoss(_CenteredLoss):  # noqa: N801 (dinov2's name)
     def reduce_center_update(self, teacher_patch_tokens: torch.Tensor) -> None:
         """The sum over the B rows of the token means, all-reduced
         asynchronously when distributed; applied by :meth:`apply_center_update`."""
-        _check_dim("iBOTPatchLoss.update_center", "teacher_patch_tokens",
-                   teacher_patch_tokens, 3, self.out_dim)  # fmt: skip
+        _check_dim(
+            "iBOTPatchLoss.update_center",
+            "teacher_patch_tokens",
+            teacher_patch_tokens,
+            3,
+            self.out_dim,
+        )
         dtype = torch.promote_types(teacher_patch_tokens.dtype, torch.float32)
         batch_sum = teacher_patch_tokens.mean(dim=1, dtype=dtype).sum(dim=0)
         self._start_center_update(batch_sum, len(teacher_patch_tokens))

@@ -79,8 +79,9 @@ def _shape(student, teacher, center, ncrops: int) -> tuple[int, int, int]:
     """(teacher views T, batch B, dim K), with the kernels' argument checks."""
     for name, t in (("student", student), ("teacher", teacher)):
         if t.dim() != 2 or t.dtype not in _FLOATS:
-            raise RuntimeError(f"dino_loss: {name} must be a 2-D float tensor, got "
-                               f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
+            raise RuntimeError(
+                f"dino_loss: {name} must be a 2-D float tensor, got {tuple(t.shape)} {t.dtype}"
+            )
     if student.dtype != teacher.dtype:
         raise RuntimeError(f"dino_loss: student is {student.dtype} but teacher is {teacher.dtype}")
     rows, dim = student.shape
@@ -136,9 +137,18 @@ def dino_loss_torch(
 
 @torch.no_grad()
 def dino_loss_backward_torch(
-    grad, student, teacher, center, student_lse, teacher_lse, student_temp, teacher_temp,
-    ncrops, view_offset=0, total_views=-1,
-):  # fmt: skip
+    grad,
+    student,
+    teacher,
+    center,
+    student_lse,
+    teacher_lse,
+    student_temp,
+    teacher_temp,
+    ncrops,
+    view_offset=0,
+    total_views=-1,
+):
     """``dino_opt::dino_loss_backward`` in plain torch: the student's gradient,
     ``scale * (w_v softmax(s_v) - P_v) / student_temp`` with ``P_v`` the
     paired teachers' probabilities and ``w_v`` their count."""
@@ -159,8 +169,10 @@ def dino_loss_backward_torch(
 def _ibot_check(op, student, targets, weights, student_temp) -> tuple[int, int]:
     """(N, M), with the kernels' argument checks."""
     if student.dim() != 2 or targets.dim() != 2:
-        raise RuntimeError(f"{op}: student and targets must be 2-D, got shapes "
-                           f"{tuple(student.shape)} and {tuple(targets.shape)}")  # fmt: skip
+        raise RuntimeError(
+            f"{op}: student and targets must be 2-D, got shapes "
+            f"{tuple(student.shape)} and {tuple(targets.shape)}"
+        )
     (n, k), m = student.shape, targets.shape[0]
     if targets.shape[1] != k or k < 1 or (n % m if m else n):
         raise RuntimeError(
@@ -170,8 +182,10 @@ def _ibot_check(op, student, targets, weights, student_temp) -> tuple[int, int]:
     if tuple(weights.shape) != (n,):
         raise RuntimeError(f"{op}: weights must have shape [{n}], got {tuple(weights.shape)}")
     if student.dtype not in _FLOATS or targets.dtype not in (student.dtype, torch.float32):
-        raise RuntimeError(f"{op}: student is {student.dtype} and targets {targets.dtype}; "
-                           "targets must be the student's dtype or float32")  # fmt: skip
+        raise RuntimeError(
+            f"{op}: student is {student.dtype} and targets {targets.dtype}; "
+            "targets must be the student's dtype or float32"
+        )
     if weights.dtype not in (torch.float32, _acc(student)):
         raise RuntimeError(f"{op}: weights has dtype {weights.dtype}; expected float32")
     if not (math.isfinite(student_temp) and student_temp > 0):
@@ -228,14 +242,19 @@ def _gram_check(op, student, teacher, remove_neg, remove_only_teacher_neg, form)
     """The kernels' argument checks."""
     if student.dim() not in (2, 3) or teacher.shape != student.shape:
         shapes = f"{tuple(student.shape)} and {tuple(teacher.shape)}"
-        raise RuntimeError(f"{op}: student and teacher must be of one shape, [B, N, D] or "
-                           f"[M, D]; got {shapes}")  # fmt: skip
+        raise RuntimeError(
+            f"{op}: student and teacher must be of one shape, [B, N, D] or [M, D]; got {shapes}"
+        )
     if student.dtype not in _FLOATS or teacher.dtype not in _FLOATS:
-        raise RuntimeError(f"{op}: student is {student.dtype} and teacher {teacher.dtype}; "
-                           "expected float64, float32, bfloat16 or float16")  # fmt: skip
+        raise RuntimeError(
+            f"{op}: student is {student.dtype} and teacher {teacher.dtype}; "
+            "expected float64, float32, bfloat16 or float16"
+        )
     if student.device != teacher.device:
-        raise RuntimeError(f"{op}: student and teacher must be on one device, got "
-                           f"{student.device} and {teacher.device}")  # fmt: skip
+        raise RuntimeError(
+            f"{op}: student and teacher must be on one device, got "
+            f"{student.device} and {teacher.device}"
+        )
     if remove_neg and remove_only_teacher_neg:
         raise RuntimeError(f"{op}: remove_neg and remove_only_teacher_neg exclude each other")
     if form not in (0, 1, 2) or (form == 1 and (remove_neg or remove_only_teacher_neg)):
@@ -269,8 +288,9 @@ def _gram_diff(student, teacher, apply_norm, remove_neg, remove_only_teacher_neg
 
 
 @torch.no_grad()
-def gram_loss_torch(student, teacher, apply_norm=True, remove_neg=False,
-                    remove_only_teacher_neg=False, form=0):  # fmt: skip
+def gram_loss_torch(
+    student, teacher, apply_norm=True, remove_neg=False, remove_only_teacher_neg=False, form=0
+):
     """``dino_opt::gram_loss`` in plain torch: the Gram matrices made whole
     (dinov3's form), in float32 (float64 for float64 students)."""
     _gram_check("gram_loss", student, teacher, remove_neg, remove_only_teacher_neg, form)
@@ -279,8 +299,9 @@ def gram_loss_torch(student, teacher, apply_norm=True, remove_neg=False,
 
 
 @torch.no_grad()
-def gram_loss_backward_torch(grad, student, teacher, apply_norm, remove_neg,
-                             remove_only_teacher_neg, form):  # fmt: skip
+def gram_loss_backward_torch(
+    grad, student, teacher, apply_norm, remove_neg, remove_only_teacher_neg, form
+):
     """``dino_opt::gram_loss_backward`` in plain torch: ``4 grad / count * (d
     dd/ds) S`` w.r.t. the normalised rows S, then through the normalisation."""
     _gram_check("gram_loss_backward", student, teacher, remove_neg, remove_only_teacher_neg, form)
@@ -295,8 +316,7 @@ def gram_loss_backward_torch(grad, student, teacher, apply_norm, remove_neg,
 
 
 @torch.no_grad()
-def gram_clamp_allowance(grad, student, teacher, apply_norm, remove_neg,
-                         remove_only_teacher_neg):  # fmt: skip
+def gram_clamp_allowance(grad, student, teacher, apply_norm, remove_neg, remove_only_teacher_neg):
     """What rounding alone may change in the clamped Gram loss and its gradient,
     in float64: (a bound on the loss, an elementwise bound on the gradient,
     the share of pairs it covers).
@@ -347,8 +367,9 @@ def _check_ema(teacher: Sequence[torch.Tensor], student: Sequence[torch.Tensor],
         if t.dtype not in _FLOATS or s.dtype not in _FLOATS:
             raise RuntimeError(f"{where} is {t.dtype} and student[{i}] {s.dtype}: floats only")
         if t.shape != s.shape:
-            raise RuntimeError(f"{where} has shape {tuple(t.shape)} but student[{i}] has "
-                               f"shape {tuple(s.shape)}")  # fmt: skip
+            raise RuntimeError(
+                f"{where} has shape {tuple(t.shape)} but student[{i}] has shape {tuple(s.shape)}"
+            )
         if t.requires_grad:
             raise RuntimeError(
                 f"{where} requires grad; the teacher is updated in place and must not "

@@ -202,8 +202,9 @@ def ibot_loss(
 
 
 @torch.library.register_fake("dino_opt::gram_loss")
-def _gram_loss_fake(student, teacher, apply_norm=True, remove_neg=False,
-                    remove_only_teacher_neg=False, form=0):  # fmt: skip
+def _gram_loss_fake(
+    student, teacher, apply_norm=True, remove_neg=False, remove_only_teacher_neg=False, form=0
+):
     torch._check(student.dim() in (2, 3), lambda: "student must be [B, N, D] or [M, D]")
     return student.new_empty((), dtype=_loss_acc_dtype(student.dtype))
 
@@ -258,9 +259,13 @@ def gram_loss(
     tensor; no rows give NaN, as the mean of nothing.
     """
     return torch.ops.dino_opt.gram_loss(
-        student, teacher.detach(), bool(apply_norm), bool(remove_neg),
-        bool(remove_only_teacher_neg), 0,
-    )  # fmt: skip
+        student,
+        teacher.detach(),
+        bool(apply_norm),
+        bool(remove_neg),
+        bool(remove_only_teacher_neg),
+        0,
+    )
 
 
 # ImageNet statistics, the normalisation of DINO's augmentation.

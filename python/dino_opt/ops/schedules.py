@@ -154,10 +154,15 @@ class Schedules:
         constant; the last layers' learning rate equal to the others' but 0
         in the first ``freeze_last_layer_epochs``."""
         dino = cls.dino(
-            base_lr=base_lr, min_lr=min_lr, weight_decay=weight_decay,
-            weight_decay_end=weight_decay_end, momentum_teacher=momentum_teacher,
-            epochs=epochs, warmup_epochs=warmup_epochs, niter_per_epoch=niter_per_epoch,
-        )  # fmt: skip
+            base_lr=base_lr,
+            min_lr=min_lr,
+            weight_decay=weight_decay,
+            weight_decay_end=weight_decay_end,
+            momentum_teacher=momentum_teacher,
+            epochs=epochs,
+            warmup_epochs=warmup_epochs,
+            niter_per_epoch=niter_per_epoch,
+        )
         warm = min(warmup_teacher_temp_epochs, epochs) * niter_per_epoch
         total = epochs * niter_per_epoch
         temp = np.full(total, float(teacher_temp))

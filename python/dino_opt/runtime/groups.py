@@ -70,8 +70,9 @@ class StudentGroups:
         for i, name in enumerate(names):
             own = i == self.index
             out[name] = loss.detach() * s if own else 0.0
-            out.update({f"{k}_{name}": (v * s if own else 0.0) for k, v in parts.items()
-                        if k != "loss"})  # fmt: skip
+            out.update(
+                {f"{k}_{name}": (v * s if own else 0.0) for k, v in parts.items() if k != "loss"}
+            )
         return loss.detach() * s, out
 
 
@@ -105,5 +106,6 @@ def student_groups(students: int, rank: int, world: int, batch_size: int) -> Stu
     for d in range(size):
         made = dist.new_group(list(range(d, world, size)))
         peers = made if rank % size == d else peers
-    return StudentGroups(students, size, rank // size, rank % size,
-                         group if size > 1 else None, peers)  # fmt: skip
+    return StudentGroups(
+        students, size, rank // size, rank % size, group if size > 1 else None, peers
+    )

@@ -117,9 +117,11 @@ def init_distributed(
         if group_alone and not dist.is_initialized():
             dist.init_process_group(
                 backend or ("nccl" if dev.type == "cuda" else "gloo"),
-                store=dist.HashStore(), rank=0, world_size=1,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
                 **({"device_id": dev} if dev.type == "cuda" else {}),
-            )  # fmt: skip
+            )
         return DistInfo(0, 1, 0, dev, dist.is_initialized())
     r, world, local = placed
     if device == "auto":
@@ -166,9 +168,11 @@ def all_reduce_metrics(metrics: dict[str, float | torch.Tensor], device=None) ->
     if not keys:
         return {}
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            is_distributed() and dist.get_backend() == "nccl"
-        ) else torch.device("cpu")  # fmt: skip
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if (is_distributed() and dist.get_backend() == "nccl")
+            else torch.device("cpu")
+        )
     values = torch.stack(
         [torch.as_tensor(metrics[k], dtype=torch.float64).to(device).reshape(()) for k in keys]
     )

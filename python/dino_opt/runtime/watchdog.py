@@ -194,8 +194,12 @@ class HangWatchdog:
     # ------------------------------------------------------------ the thread
 
     def _beacon(self, stalled: float) -> dict:
-        return {"step": self._step, "phase": self._phase, "stalled_s": stalled,
-                "beats": self._beats}  # fmt: skip
+        return {
+            "step": self._step,
+            "phase": self._phase,
+            "stalled_s": stalled,
+            "beats": self._beats,
+        }
 
     def _publish(self, stalled: float) -> None:
         self._beats += 1

@@ -68,13 +68,19 @@ def backbone_options(cfg: Config) -> dict:
     m = cfg.model
     options = recipe_of(cfg).backbone_options(cfg)
     return dict(
-        num_register_tokens=m.num_register_tokens, layerscale_init=m.layerscale_init,
-        ffn_layer=m.ffn_layer, qkv_bias=m.qkv_bias, proj_bias=m.proj_bias, ffn_bias=m.ffn_bias,
-        drop_path_uniform=m.drop_path_uniform, interpolate_offset=m.interpolate_offset,
+        num_register_tokens=m.num_register_tokens,
+        layerscale_init=m.layerscale_init,
+        ffn_layer=m.ffn_layer,
+        qkv_bias=m.qkv_bias,
+        proj_bias=m.proj_bias,
+        ffn_bias=m.ffn_bias,
+        drop_path_uniform=m.drop_path_uniform,
+        interpolate_offset=m.interpolate_offset,
         interpolate_antialias=m.interpolate_antialias,
-        img_size=m.img_size or options["img_size"], use_mask_token=options["use_mask_token"],
+        img_size=m.img_size or options["img_size"],
+        use_mask_token=options["use_mask_token"],
         depth=m.depth,
-    )  # fmt: skip
+    )
 
 
 def build_models(cfg: Config) -> tuple[nn.Module, nn.Module]:
@@ -113,16 +119,25 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     vit["in_chans"] = m.in_channels or 3
     recipe = recipe_of(cfg)
     if not recipe.builds_heads(cfg):  # the student's backbone alone
-        net, _ = build_backbone(m.backbone, patch_size=m.patch_size,
-                                drop_path_rate=m.drop_path_rate, **vit)  # fmt: skip
+        net, _ = build_backbone(
+            m.backbone, patch_size=m.patch_size, drop_path_rate=m.drop_path_rate, **vit
+        )
         apply_block_options(net, h.activation_checkpointing, h.checkpoint_every, compile=compile)
         return recipe.wrap_models(cfg, MultiCropWrapper(net, nn.Identity()), None)
     student, teacher = build_dino_models(
-        m.backbone, m.out_dim, m.patch_size, m.drop_path_rate, m.norm_last_layer,
-        m.use_bn_in_head, m.hidden_dim, m.bottleneck_dim, **vit,
-    )  # fmt: skip
-    apply_block_options(student.backbone, h.activation_checkpointing, h.checkpoint_every,
-                        compile=compile)  # fmt: skip
+        m.backbone,
+        m.out_dim,
+        m.patch_size,
+        m.drop_path_rate,
+        m.norm_last_layer,
+        m.use_bn_in_head,
+        m.hidden_dim,
+        m.bottleneck_dim,
+        **vit,
+    )
+    apply_block_options(
+        student.backbone, h.activation_checkpointing, h.checkpoint_every, compile=compile
+    )
     apply_block_options(teacher.backbone, compile=compile)  # no backward: nothing to recompute
     student, teacher = recipe.wrap_models(cfg, student, teacher)
     for net in (student, teacher):
@@ -138,8 +153,9 @@ def build_loss(cfg: Config) -> nn.Module:
     return recipe_of(cfg).build_loss(cfg)
 
 
-def attach_frozen_copies(cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
-                         reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
+def attach_frozen_copies(
+    cfg: Config, loss_fn: nn.Module, teacher: nn.Module, reader: WeightsReader | None = None
+) -> list[nn.Module]:
     """The frozen copies of ``teacher``'s backbone that ``cfg``'s recipe
     keeps in ``loss_fn`` (the dinov3 recipe's Gram teacher, its
     ``recipe.gram.ckpt`` read through ``reader``; none for the others), made now
@@ -154,8 +170,9 @@ def resolve_recipe(cfg: Config, reader: WeightsReader) -> Config:
     return recipe_of(cfg).resolve(cfg, reader)
 
 
-def attach_teacher(cfg: Config, loss_fn: nn.Module, reader: WeightsReader,
-                   device: torch.device | None = None) -> nn.Module | None:  # fmt: skip
+def attach_teacher(
+    cfg: Config, loss_fn: nn.Module, reader: WeightsReader, device: torch.device | None = None
+) -> nn.Module | None:
     """A distillation's frozen teacher opened through ``reader`` and handed
     to ``loss_fn``; its network, or None for the recipes without one. With
     ``device``, the network is placed there (:func:`place_frozen_teacher`)."""

@@ -75,8 +75,9 @@ class DINOv2Loss(nn.Module):
     ) -> None:
         super().__init__()
         if centering not in ("centering", "sinkhorn_knopp"):
-            raise ValueError(f"DINOv2Loss: centering must be centering or sinkhorn_knopp, "
-                             f"got {centering!r}")  # fmt: skip
+            raise ValueError(
+                f"DINOv2Loss: centering must be centering or sinkhorn_knopp, got {centering!r}"
+            )
         self.dino = DINOLoss(out_dim, student_temp, center_momentum)
         self.ibot = iBOTPatchLoss(ibot_out_dim, student_temp, center_momentum)
         self.koleo = KoLeoLoss()
@@ -123,13 +124,18 @@ class DINOv2Loss(nn.Module):
         parts["dino_global"] = glob * 2 / n_terms
         parts["koleo"] = sum(self.koleo(c) for c in student.global_cls.float().chunk(2))
         parts["ibot"] = self.ibot.forward_masked(
-            student.patch_logits, targets.ibot, student_masks_flat=mask_info["collated_masks"],
+            student.patch_logits,
+            targets.ibot,
+            student_masks_flat=mask_info["collated_masks"],
             n_masked_patches=len(mask_info["mask_indices_list"]),
             masks_weight=mask_info["masks_weight"],
-        )  # fmt: skip
+        )
         dino = parts.get("dino_local", 0.0) + parts["dino_global"]
-        total = (self.dino_weight * dino + self.koleo_weight * parts["koleo"]
-                 + self.ibot_weight * parts["ibot"])  # fmt: skip
+        total = (
+            self.dino_weight * dino
+            + self.koleo_weight * parts["koleo"]
+            + self.ibot_weight * parts["ibot"]
+        )
         return total, {k: v.detach() for k, v in parts.items()}
 
 
@@ -191,10 +197,15 @@ class DINOv2Wrapper(MultiCropWrapper):
         rows = [local_cls, cls] if self.ibot_head is not None else [local_cls, cls, patches]
         logits = self.head(torch.cat(rows))
         n_local, n_glob = len(local_cls), len(cls)
-        patch_logits = (self.ibot_head(patches) if self.ibot_head is not None
-                        else logits[n_local + n_glob :])  # fmt: skip
-        outputs = (logits[:n_local] if local else None, logits[n_local : n_local + n_glob],
-                   patch_logits, cls)  # fmt: skip
+        patch_logits = (
+            self.ibot_head(patches) if self.ibot_head is not None else logits[n_local + n_glob :]
+        )
+        outputs = (
+            logits[:n_local] if local else None,
+            logits[n_local : n_local + n_glob],
+            patch_logits,
+            cls,
+        )
         if self.keep_patch_tokens:
             return PatchStudentOutputs(*outputs, out["x_norm_patchtokens"])
         return StudentOutputs(*outputs)
@@ -223,8 +234,10 @@ class DINOv2Terms(StepTerms):
         if masks is None:
             raise ValueError("the dinov2 recipe needs the global crops' masks (masks=...)")
         if masks.shape[0] != 2 * crops[0].shape[0]:
-            raise ValueError(f"masks: {masks.shape[0]} rows for {crops[0].shape[0]} images; "
-                             "need one per global crop (2B)")  # fmt: skip
+            raise ValueError(
+                f"masks: {masks.shape[0]} rows for {crops[0].shape[0]} images; "
+                "need one per global crop (2B)"
+            )
         info = mask_targets(masks)
         info = dict(zip(info, trainer.to_device(list(info.values())), strict=True))
         return trainer.to_device(crops), info

@@ -67,8 +67,10 @@ def _copy_shards(target: dict, source: dict) -> None:
     communication, so every sharded tensor must be placed alike in both."""
     if target.keys() != source.keys():
         lacks, more = sorted(target.keys() - source.keys()), sorted(source.keys() - target.keys())
-        raise ValueError(f"the Gram teacher and the teacher's backbone differ: the teacher lacks "
-                         f"{lacks[:3]}, has more {more[:3]}")  # fmt: skip
+        raise ValueError(
+            f"the Gram teacher and the teacher's backbone differ: the teacher lacks "
+            f"{lacks[:3]}, has more {more[:3]}"
+        )
     for name, dst in target.items():
         src = source[name]
         alike = isinstance(dst, DTensor) == isinstance(src, DTensor) and dst.shape == src.shape

@@ -119,8 +119,9 @@ class FrozenTeacher:
         if side == images.shape[-1]:
             return images
         shrink = side < images.shape[-1]
-        return F.interpolate(images, size=(side, side), mode="bicubic", align_corners=False,
-                             antialias=shrink)  # fmt: skip
+        return F.interpolate(
+            images, size=(side, side), mode="bicubic", align_corners=False, antialias=shrink
+        )
 
 
 def _projector(width: int, out: int, hidden: int) -> nn.Module:
@@ -313,8 +314,10 @@ class FeatureDistillLoss(nn.Module):
         if self.whiteners is not None:  # before pooling: whitening is affine, pooling an average
             t = Tokens(self.whiteners["cls"](t.cls), self.whiteners["patch"](t.patches), t.grid)
         if isinstance(grid, dict):
-            return {name: Tokens(t.cls, pool_to_grid(t.patches, t.grid, g), g)
-                    for name, g in grid.items()}  # fmt: skip
+            return {
+                name: Tokens(t.cls, pool_to_grid(t.patches, t.grid, g), g)
+                for name, g in grid.items()
+            }
         return Tokens(t.cls, pool_to_grid(t.patches, t.grid, grid), grid)
 
     def forward(self, student, teacher) -> tuple[torch.Tensor, dict]:
@@ -337,8 +340,9 @@ class FeatureDistillLoss(nn.Module):
         local = student.local_cls if isinstance(student, LocalViews) else None
         student = LocalViews.global_tokens(student)
         if self.options.standardize:
-            teacher = Tokens(_standardized(teacher.cls), _standardized(teacher.patches),
-                             teacher.grid)  # fmt: skip
+            teacher = Tokens(
+                _standardized(teacher.cls), _standardized(teacher.patches), teacher.grid
+            )
         pairs = {"cls": (student.cls, teacher.cls), "patch": (student.patches, teacher.patches)}
         if local is not None:  # each local crop against each global crop of its image
             t_cls = teacher.cls.unflatten(0, (-1, local.shape[1]))  # [n_global, B, D]

@@ -31,9 +31,14 @@ def param_groups(model: nn.Module) -> list[dict]:
         (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
     return [
         {"params": decay, "lr_multiplier": 1.0, "wd_multiplier": 1.0, "is_last_layer": False},
-        {"params": no_decay, "weight_decay": 0.0, "lr_multiplier": 1.0, "wd_multiplier": 0.0,
-         "is_last_layer": False},
-    ]  # fmt: skip
+        {
+            "params": no_decay,
+            "weight_decay": 0.0,
+            "lr_multiplier": 1.0,
+            "wd_multiplier": 0.0,
+            "is_last_layer": False,
+        },
+    ]
 
 
 def layer_id(name: str, n_blocks: int) -> int:
@@ -51,8 +56,9 @@ def layer_id(name: str, n_blocks: int) -> int:
     return n_blocks + 1
 
 
-def _multipliers(name: str, n_blocks: int, decay: float, patch_mult: float,
-                 backbone_mult: float) -> tuple:  # fmt: skip
+def _multipliers(
+    name: str, n_blocks: int, decay: float, patch_mult: float, backbone_mult: float
+) -> tuple:
     lr_mult = decay ** (n_blocks + 1 - layer_id(name, n_blocks))
     if ".patch_embed." in f".{name}":
         lr_mult *= patch_mult
@@ -63,9 +69,11 @@ def _multipliers(name: str, n_blocks: int, decay: float, patch_mult: float,
 
 
 def dinov2_param_groups(
-    model: nn.Module, layerwise_decay: float = 1.0, patch_embed_lr_mult: float = 1.0,
+    model: nn.Module,
+    layerwise_decay: float = 1.0,
+    patch_embed_lr_mult: float = 1.0,
     backbone_lr_mult: float = 1.0,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """DINOv2's groups of a student (a module with ``backbone`` and heads):
     block i of n gets ``layerwise_decay ** (n + 1 - layer_id)`` times the
     learning rate, the patch embedding ``patch_embed_lr_mult`` more, every

@@ -55,8 +55,13 @@ class DINOModel(nn.Module):
     (a distillation: the EMA is only the result).
     """
 
-    def __init__(self, student: nn.Module, teacher: nn.Module, momentum_schedule=0.996,
-                 copy_buffers: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: nn.Module,
+        momentum_schedule=0.996,
+        copy_buffers: bool = False,
+    ):
         super().__init__()
         self.student = student
         self.teacher = teacher
@@ -81,8 +86,11 @@ def _last_layer_params(student: nn.Module) -> list[nn.Parameter]:
 
 
 def _backbone_params(student: nn.Module) -> list[nn.Parameter]:
-    return [p for n, p in student.named_parameters()
-            if n.removeprefix("module.").startswith("backbone.")]  # fmt: skip
+    return [
+        p
+        for n, p in student.named_parameters()
+        if n.removeprefix("module.").startswith("backbone.")
+    ]
 
 
 class StepHooks:
@@ -279,11 +287,13 @@ class MemoryOptimizedDINOTrainer:
         pinned first), so that the host never waits for the device."""
         cuda = self.device.type == "cuda"
         return [
-            (t.pin_memory() if cuda and t.device.type == "cpu" and not t.is_pinned() else t)
-            .to(self.device, non_blocking=True)
-            if isinstance(t, torch.Tensor) else t
+            (t.pin_memory() if cuda and t.device.type == "cpu" and not t.is_pinned() else t).to(
+                self.device, non_blocking=True
+            )
+            if isinstance(t, torch.Tensor)
+            else t
             for t in tensors
-        ]  # fmt: skip
+        ]
 
     def train_step_optimized(
         self, crops: Sequence[torch.Tensor], epoch: int, masks: torch.Tensor | None = None

@@ -135,8 +135,9 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
     def step() -> None:
         out = student(images, local)
         tokens = LocalViews.global_tokens(out)
-        teacher = Tokens(torch.empty_like(tokens.cls), torch.empty_like(tokens.patches),
-                         tokens.grid)  # fmt: skip
+        teacher = Tokens(
+            torch.empty_like(tokens.cls), torch.empty_like(tokens.patches), tokens.grid
+        )
         loss(out, teacher)
 
     trace = trace_saved(step, student, a)
@@ -144,13 +145,20 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
     ema_numel = parameter_numel(ema)
     casts = a * numel if a != _FP32 else 0
     return {
-        "parameters": _FP32 * numel, "gradients": _FP32 * trainable,
-        "optimizer": 2 * _FP32 * trainable, "teacher": _FP32 * ema_numel,
-        "buckets": _FP32 * trainable, "head_gradients": _FP32 * parameter_numel(student.head),
-        "parameter_count": numel, "trainable_count": trainable, "teacher_count": ema_numel,
-        "unsharded": 0, "activations": trace.total + casts, "working": 2 * trace.largest,
+        "parameters": _FP32 * numel,
+        "gradients": _FP32 * trainable,
+        "optimizer": 2 * _FP32 * trainable,
+        "teacher": _FP32 * ema_numel,
+        "buckets": _FP32 * trainable,
+        "head_gradients": _FP32 * parameter_numel(student.head),
+        "parameter_count": numel,
+        "trainable_count": trainable,
+        "teacher_count": ema_numel,
+        "unsharded": 0,
+        "activations": trace.total + casts,
+        "working": 2 * trace.largest,
         "end": trace.backward_peak(),
-    }  # fmt: skip
+    }
 
 
 def frozen_gathered(teacher: nn.Module) -> int:

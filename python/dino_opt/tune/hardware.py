@@ -221,8 +221,11 @@ def resolve_hardware(cfg: Config) -> tuple[Config, PresetChoice | None]:
         )
     except ValueError as e:
         raise ConfigError(f"hardware.preset={name}: {e}") from None
-    own = [o for o, key in zip(choice.overrides(), choice.values, strict=True)
-           if key not in cfg.given_keys]  # fmt: skip
+    own = [
+        o
+        for o, key in zip(choice.overrides(), choice.values, strict=True)
+        if key not in cfg.given_keys
+    ]
     return apply_overrides(cfg, [*own, "hardware.preset=off"]), choice
 
 

@@ -76,34 +76,73 @@ class ArchRow:
 MEMORY_ARCHS: dict[str, ArchRow] = {
     r.name: r
     for r in (
-        ArchRow("dino_vits16", "DINO ViT-S/16", None,
-                ("data.batch_size=64", "augmentation.num_local_views=10"),
-                "DINO's released ViT-S/16 run: 64 per GPU on 16 GPUs, 2 x 224 + 10 x 96"),
-        ArchRow("dino_vitb16", "DINO ViT-B/16", None,
-                ("model.backbone=vit_base", "data.batch_size=32",
-                 "augmentation.num_local_views=10"),
-                "DINO's released ViT-B/16 run: 32 per GPU on 32 GPUs, 2 x 224 + 10 x 96"),
-        ArchRow("dinov2_vits14", "DINOv2 ViT-S/14", "dinov2_vits14", (),
-                "DINOv2's default recipe: 64 per GPU, 2 x 224 + 8 x 98, shared 65536 head"),
-        ArchRow("dinov2_vitb14", "DINOv2 ViT-B/14", "dinov2_vits14",
-                ("model.backbone=vit_base",),
-                "DINOv2's default recipe on ViT-B/14: 64 per GPU, 2 x 224 + 8 x 98"),
-        ArchRow("dinov2_vitl14", "DINOv2 ViT-L/14", "dinov2_vitl14", (),
-                "DINOv2's ViT-L/14 config: 32 per GPU, SwiGLU, heads of 131072"),
-        ArchRow("dinov2_vitg14", "DINOv2 ViT-g/14", "dinov2_vitg14", (),
-                "DINOv2's ViT-g/14 config: 12 per GPU, SwiGLU, heads of 131072"),
-        ArchRow("dinov3_vitl16", "DINOv3 ViT-L/16, Gram", "dinov3_vitl16_gram_anchor",
-                ("recipe.gram.ckpt=gram.pt",),
-                "DINOv3's Gram anchoring stage on ViT-L/16: 16 per GPU, 2 x 256 + 8 x 112, "
-                "Gram teacher at 512, heads of 65536"),
-        ArchRow("dinov3_vit7b16", "DINOv3 ViT-7B/16, Gram", "dinov3_vitl16_gram_anchor",
-                ("recipe.gram.ckpt=gram.pt", "model.backbone=vit_7b_dinov3",
-                 "model.out_dim=262144", "model.hidden_dim=8192", "model.bottleneck_dim=512",
-                 "recipe.ibot.out_dim=98304"),
-                "DINOv3's ViT-7B Gram anchoring config: 16 per GPU, 2 x 256 + 8 x 112, "
-                "Gram teacher at 512, heads of 262144 and 98304"),
+        ArchRow(
+            "dino_vits16",
+            "DINO ViT-S/16",
+            None,
+            ("data.batch_size=64", "augmentation.num_local_views=10"),
+            "DINO's released ViT-S/16 run: 64 per GPU on 16 GPUs, 2 x 224 + 10 x 96",
+        ),
+        ArchRow(
+            "dino_vitb16",
+            "DINO ViT-B/16",
+            None,
+            ("model.backbone=vit_base", "data.batch_size=32", "augmentation.num_local_views=10"),
+            "DINO's released ViT-B/16 run: 32 per GPU on 32 GPUs, 2 x 224 + 10 x 96",
+        ),
+        ArchRow(
+            "dinov2_vits14",
+            "DINOv2 ViT-S/14",
+            "dinov2_vits14",
+            (),
+            "DINOv2's default recipe: 64 per GPU, 2 x 224 + 8 x 98, shared 65536 head",
+        ),
+        ArchRow(
+            "dinov2_vitb14",
+            "DINOv2 ViT-B/14",
+            "dinov2_vits14",
+            ("model.backbone=vit_base",),
+            "DINOv2's default recipe on ViT-B/14: 64 per GPU, 2 x 224 + 8 x 98",
+        ),
+        ArchRow(
+            "dinov2_vitl14",
+            "DINOv2 ViT-L/14",
+            "dinov2_vitl14",
+            (),
+            "DINOv2's ViT-L/14 config: 32 per GPU, SwiGLU, heads of 131072",
+        ),
+        ArchRow(
+            "dinov2_vitg14",
+            "DINOv2 ViT-g/14",
+            "dinov2_vitg14",
+            (),
+            "DINOv2's ViT-g/14 config: 12 per GPU, SwiGLU, heads of 131072",
+        ),
+        ArchRow(
+            "dinov3_vitl16",
+            "DINOv3 ViT-L/16, Gram",
+            "dinov3_vitl16_gram_anchor",
+            ("recipe.gram.ckpt=gram.pt",),
+            "DINOv3's Gram anchoring stage on ViT-L/16: 16 per GPU, 2 x 256 + 8 x 112, "
+            "Gram teacher at 512, heads of 65536",
+        ),
+        ArchRow(
+            "dinov3_vit7b16",
+            "DINOv3 ViT-7B/16, Gram",
+            "dinov3_vitl16_gram_anchor",
+            (
+                "recipe.gram.ckpt=gram.pt",
+                "model.backbone=vit_7b_dinov3",
+                "model.out_dim=262144",
+                "model.hidden_dim=8192",
+                "model.bottleneck_dim=512",
+                "recipe.ibot.out_dim=98304",
+            ),
+            "DINOv3's ViT-7B Gram anchoring config: 16 per GPU, 2 x 256 + 8 x 112, "
+            "Gram teacher at 512, heads of 262144 and 98304",
+        ),
     )
-}  # fmt: skip
+}
 
 
 def arch_config(name: str, batch_size: int | None = None) -> Config:
@@ -200,25 +239,34 @@ def count_model(cfg: Config) -> ModelCounts:
     """The parameters and shape of ``cfg``'s ViT student and teacher, built
     on the meta device (:func:`~dino_opt.train.build_models`)."""
     if not cfg.model.backbone.startswith("vit"):
-        raise ValueError(f"the memory model covers ViT backbones; model.backbone is "
-                         f"{cfg.model.backbone!r}")  # fmt: skip
+        raise ValueError(
+            f"the memory model covers ViT backbones; model.backbone is {cfg.model.backbone!r}"
+        )
     with torch.device("meta"):
         student, teacher = build_models(cfg)
     vit, block = student.backbone, student.backbone.blocks[0]
     mlp = block.mlp
     hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
     return ModelCounts(
-        student=parameter_numel(student), trainable=parameter_numel(student, trainable=True),
-        teacher=parameter_numel(teacher) + _frozen_copies(cfg, teacher), units=_units(student),
+        student=parameter_numel(student),
+        trainable=parameter_numel(student, trainable=True),
+        teacher=parameter_numel(teacher) + _frozen_copies(cfg, teacher),
+        units=_units(student),
         embed_dim=vit.embed_dim,
-        depth=len(vit.blocks), num_heads=vit.num_heads,
-        ffn="mlp" if hasattr(mlp, "fc1") else "swiglu", ffn_hidden=hidden,
+        depth=len(vit.blocks),
+        num_heads=vit.num_heads,
+        ffn="mlp" if hasattr(mlp, "fc1") else "swiglu",
+        ffn_hidden=hidden,
         layerscale=not isinstance(block.ls1, nn.Identity),
-        extra_tokens=1 + vit.num_register_tokens, patch_size=vit.patch_size,
-        head_weight=sum(h.last_layer.weight_v.numel() for h in _heads(student).values()
-                        if hasattr(h, "last_layer")),  # a DINO head's (not a projector's)
+        extra_tokens=1 + vit.num_register_tokens,
+        patch_size=vit.patch_size,
+        head_weight=sum(
+            h.last_layer.weight_v.numel()
+            for h in _heads(student).values()
+            if hasattr(h, "last_layer")
+        ),  # a DINO head's (not a projector's)
         frozen_copies=recipe_of(cfg).frozen_backbone_copies(cfg),
-    )  # fmt: skip
+    )
 
 
 def _frozen_copies(cfg: Config, teacher: nn.Module) -> int:
@@ -240,8 +288,11 @@ def _units(student: nn.Module) -> dict[str, tuple]:
     }
     groups.update({name: [h] for name, h in _heads(student).items()})
     seen = {id(p) for mods in groups.values() for m in mods for p in m.parameters()}
-    units = {"root": tuple((tuple(p.shape), p.requires_grad) for p in student.parameters()
-                           if id(p) not in seen)}  # fmt: skip
+    units = {
+        "root": tuple(
+            (tuple(p.shape), p.requires_grad) for p in student.parameters() if id(p) not in seen
+        )
+    }
     for name, mods in groups.items():
         units[name] = tuple((tuple(p.shape), p.requires_grad) for m in mods for p in m.parameters())
     return units
@@ -308,9 +359,13 @@ def _step(cfg: Config, counts: ModelCounts) -> _Step:
     global_side, local_side = a.largest_crop_sizes  # crop-size pairs: the largest
     g = (global_side // p) ** 2
     masked = recipe_of(cfg).masked_tokens(cfg, g)
-    return _Step(cfg.data.batch_size, g + counts.extra_tokens,
-                 (local_side // p) ** 2 + counts.extra_tokens, a.num_local_views,
-                 masked)  # fmt: skip
+    return _Step(
+        cfg.data.batch_size,
+        g + counts.extra_tokens,
+        (local_side // p) ** 2 + counts.extra_tokens,
+        a.num_local_views,
+        masked,
+    )
 
 
 def _head_rows(cfg: Config, counts: ModelCounts, s: _Step) -> tuple[int, int]:
@@ -395,8 +450,7 @@ class MemoryEstimate:
         return self.kept + self.step
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kept": self.kept, "step": self.step,
-                "peak": self.peak}  # fmt: skip
+        return {**dataclasses.asdict(self), "kept": self.kept, "step": self.step, "peak": self.peak}
 
 
 def estimate_memory(
@@ -428,17 +482,30 @@ def estimate_memory(
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if recipe_of(cfg).external_teacher:
         return estimate_distillation(
-            cfg, frozen_teacher, strategy=strategy, world_size=world_size,
-            checkpointing=checkpointing, every=every, arch=arch,
-        )  # fmt: skip
+            cfg,
+            frozen_teacher,
+            strategy=strategy,
+            world_size=world_size,
+            checkpointing=checkpointing,
+            every=every,
+            arch=arch,
+        )
     counts = counts if counts is not None else count_model(cfg)
-    return _estimate(cfg, strategy, world_size, checkpointing, every, reshard_after_forward, arch,
-                     counts)  # fmt: skip
+    return _estimate(
+        cfg, strategy, world_size, checkpointing, every, reshard_after_forward, arch, counts
+    )
 
 
-def _estimate(cfg: Config, strategy: str, world_size: int, checkpointing: str | None,
-              every: int | None, reshard_after_forward: bool, arch: str | None,
-              counts: ModelCounts) -> MemoryEstimate:  # fmt: skip
+def _estimate(
+    cfg: Config,
+    strategy: str,
+    world_size: int,
+    checkpointing: str | None,
+    every: int | None,
+    reshard_after_forward: bool,
+    arch: str | None,
+    counts: ModelCounts,
+) -> MemoryEstimate:
     """:func:`estimate_memory` of a recipe with its DINO heads (arguments checked)."""
     checkpointing, every, a = _setting(cfg, checkpointing, every)
     states = _states(counts, strategy, world_size, a)
@@ -446,14 +513,23 @@ def _estimate(cfg: Config, strategy: str, world_size: int, checkpointing: str | 
     if strategy == "ddp":  # a block's gradient of one crop size, added to the other's
         end += _FP32 * max(counts.unit_size(u) for u in counts.units if u.startswith("blocks."))
     return MemoryEstimate(
-        arch=arch or f"{cfg.model.backbone}/{counts.patch_size}", strategy=strategy,
-        world_size=world_size, batch_size=cfg.data.batch_size,
-        precision="fp32" if a == _FP32 else "16-bit", checkpointing=checkpointing, every=every,
-        reshard_after_forward=reshard_after_forward, parameter_count=counts.student,
-        trainable_count=counts.trainable, teacher_count=counts.teacher, **states,
+        arch=arch or f"{cfg.model.backbone}/{counts.patch_size}",
+        strategy=strategy,
+        world_size=world_size,
+        batch_size=cfg.data.batch_size,
+        precision="fp32" if a == _FP32 else "16-bit",
+        checkpointing=checkpointing,
+        every=every,
+        reshard_after_forward=reshard_after_forward,
+        parameter_count=counts.student,
+        trainable_count=counts.trainable,
+        teacher_count=counts.teacher,
+        **states,
         unsharded=_unsharded(counts, a, strategy, reshard_after_forward),
-        activations=acts, transient=transient, backward_end=end + states["gradients"],
-    )  # fmt: skip
+        activations=acts,
+        transient=transient,
+        backward_end=end + states["gradients"],
+    )
 
 
 def _setting(cfg: Config, checkpointing: str | None, every: int | None) -> tuple[str, int, int]:
@@ -482,16 +558,17 @@ def _states(counts: ModelCounts, strategy: str, world: int, a: int) -> dict[str,
         teacher, buckets = student + counts.local_frozen(world), 0
         gathered_root = a * counts.unit_size("root")
     else:
-        heads = sum(
-            math.prod(s) for u in counts.head_units for s, t in counts.units[u] if t
-        )  # fmt: skip
+        heads = sum(math.prod(s) for u in counts.head_units for s, t in counts.units[u] if t)
         student, trainable, teacher = counts.student, counts.trainable, counts.teacher
         buckets = trainable
     return {
-        "parameters": _FP32 * student, "gradients": _FP32 * trainable,
-        "optimizer": 2 * _FP32 * trainable, "teacher": _FP32 * teacher + gathered_root,
-        "buckets": _FP32 * buckets, "head_gradients": _FP32 * heads,
-    }  # fmt: skip
+        "parameters": _FP32 * student,
+        "gradients": _FP32 * trainable,
+        "optimizer": 2 * _FP32 * trainable,
+        "teacher": _FP32 * teacher + gathered_root,
+        "buckets": _FP32 * buckets,
+        "head_gradients": _FP32 * heads,
+    }
 
 
 def _unsharded(counts: ModelCounts, a: int, strategy: str, reshard: bool) -> int:
@@ -513,9 +590,12 @@ def _blocks_per_token(counts: ModelCounts, a: int, policy: str, every: int, resi
     blocks (0, every, 2 every, ...) by ``policy``, the others everything."""
     checkpointed = len(range(0, counts.depth, every)) if policy != "none" else 0
     plain = counts.depth - checkpointed
-    return (checkpointed * block_bytes_per_token(counts, a, policy, residual)
-            + plain * block_bytes_per_token(counts, a, "none")
-            + _FP32 * counts.embed_dim + _STATS)  # fmt: skip
+    return (
+        checkpointed * block_bytes_per_token(counts, a, policy, residual)
+        + plain * block_bytes_per_token(counts, a, "none")
+        + _FP32 * counts.embed_dim
+        + _STATS
+    )
 
 
 def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy: str) -> int:
@@ -617,8 +697,10 @@ def estimate_distillation(
     shard over the student's world_size / S ranks) and runs the teacher on
     its 1/S of the batch: the rank that holds the most is given."""
     if frozen_teacher is None:
-        raise ValueError("the memory of a distillation needs its teacher network (frozen_teacher: "
-                         "what recipe.distill.teacher opens)")  # fmt: skip
+        raise ValueError(
+            "the memory of a distillation needs its teacher network (frozen_teacher: "
+            "what recipe.distill.teacher opens)"
+        )
     heads = cfg.recipe.distill.mode == "heads"
     policy, every, a = _setting(cfg, checkpointing, every)
     frozen = parameter_numel(frozen_teacher)
@@ -633,22 +715,30 @@ def estimate_distillation(
         working += a * frozen_gathered(frozen_teacher)
     if heads:
         e = _estimate(cfg, strategy, world_size, policy, every, True, arch, count_model(cfg))
-        return dataclasses.replace(e, teacher=e.teacher + teacher_bytes,
-                                   teacher_count=e.teacher_count + frozen,
-                                   transient=max(e.transient, working))  # fmt: skip
+        return dataclasses.replace(
+            e,
+            teacher=e.teacher + teacher_bytes,
+            teacher_count=e.teacher_count + frozen,
+            transient=max(e.transient, working),
+        )
     recipe, groups = recipe_of(cfg), cfg.distributed.student_groups
     alone = [recipe.student_alone(cfg, i) for i in range(len(cfg.student_names))]
     for c in alone:
         if strategy == "fsdp" and not c.model.backbone.startswith("vit"):
-            raise ValueError(f"the memory model of a distillation under fsdp covers ViT students; "
-                             f"got {c.model.backbone!r}")  # fmt: skip
+            raise ValueError(
+                f"the memory model of a distillation under fsdp covers ViT students; "
+                f"got {c.model.backbone!r}"
+            )
     bank = len(alone) > 1 and not groups
     # on its own ranks a student is spread over its group (one rank: whole, no DDP)
     size = world_size // len(alone) if groups else world_size
     own = (strategy, size) if size > 1 or not groups else ("ddp", 1)
-    parts = [_feature_student(c, a, policy, every, own[1], own[0], bank)
-             if c.model.backbone.startswith("vit") else traced_student(c, a)
-             for c in alone]  # fmt: skip
+    parts = [
+        _feature_student(c, a, policy, every, own[1], own[0], bank)
+        if c.model.backbone.startswith("vit")
+        else traced_student(c, a)
+        for c in alone
+    ]
     setting = (a, strategy, world_size, policy, every, arch)
     if not groups:
         return _students_estimate(cfg, parts, (frozen, teacher_bytes, working), setting)
@@ -656,12 +746,14 @@ def estimate_distillation(
     share = cfg.data.batch_size // len(parts)
     share = apply_overrides(cfg, [f"data.batch_size={share}", "distributed.student_groups=false"])
     teacher = (frozen, teacher_bytes, frozen_forward_bytes(share, frozen_teacher, a))
-    return max((_students_estimate(cfg, [p], teacher, setting) for p in parts),
-               key=lambda e: e.peak)  # fmt: skip
+    return max(
+        (_students_estimate(cfg, [p], teacher, setting) for p in parts), key=lambda e: e.peak
+    )
 
 
-def _students_estimate(cfg: Config, parts: list[dict[str, int]], teacher: tuple[int, int, int],
-                       setting: tuple) -> MemoryEstimate:  # fmt: skip
+def _students_estimate(
+    cfg: Config, parts: list[dict[str, int]], teacher: tuple[int, int, int], setting: tuple
+) -> MemoryEstimate:
     """The estimate of a rank that holds the students of ``parts`` and the
     frozen ``teacher`` (its parameters, their bytes, its forward's working
     set); ``setting``: (bytes of an activation value, strategy, world size,
@@ -672,19 +764,27 @@ def _students_estimate(cfg: Config, parts: list[dict[str, int]], teacher: tuple[
     crops = _crop_bytes(cfg, a)  # the batch of crops, one for every student
     return MemoryEstimate(
         arch=arch or "+".join(cfg.student_names),
-        strategy=strategy, world_size=world_size, batch_size=cfg.data.batch_size,
-        precision="fp32" if a == _FP32 else "16-bit", checkpointing=policy, every=every,
-        reshard_after_forward=True, parameter_count=total["parameter_count"],
+        strategy=strategy,
+        world_size=world_size,
+        batch_size=cfg.data.batch_size,
+        precision="fp32" if a == _FP32 else "16-bit",
+        checkpointing=policy,
+        every=every,
+        reshard_after_forward=True,
+        parameter_count=total["parameter_count"],
         trainable_count=total["trainable_count"],
-        teacher_count=total["teacher_count"] + frozen, parameters=total["parameters"],
-        gradients=total["gradients"], optimizer=total["optimizer"],
-        teacher=total["teacher"] + teacher_bytes, buckets=total["buckets"],
+        teacher_count=total["teacher_count"] + frozen,
+        parameters=total["parameters"],
+        gradients=total["gradients"],
+        optimizer=total["optimizer"],
+        teacher=total["teacher"] + teacher_bytes,
+        buckets=total["buckets"],
         unsharded=max(p["unsharded"] for p in parts),
         activations=total["activations"] + crops,
         transient=max(working, max(p["working"] for p in parts)),
         head_gradients=total["head_gradients"],
         backward_end=_students_backward(parts) + crops,
-    )  # fmt: skip
+    )
 
 
 def _students_backward(parts: list[dict[str, int]]) -> int:
@@ -692,13 +792,17 @@ def _students_backward(parts: list[dict[str, int]]) -> int:
     student's first (its forward ran last), so while student i's runs the
     values kept by the students before it are alive and the gradients of
     those after it are made (and its own, as its ``end`` counts them)."""
-    return max(sum(p["activations"] for p in parts[:i]) + part["end"]
-               + sum(p["gradients"] for p in parts[i:])
-               for i, part in enumerate(parts))  # fmt: skip
+    return max(
+        sum(p["activations"] for p in parts[:i])
+        + part["end"]
+        + sum(p["gradients"] for p in parts[i:])
+        for i, part in enumerate(parts)
+    )
 
 
-def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, strategy: str,
-                     bank: bool) -> dict[str, int]:  # fmt: skip
+def _feature_student(
+    cfg: Config, a: int, policy: str, every: int, world: int, strategy: str, bank: bool
+) -> dict[str, int]:
     """One student of a feature distillation: its states (:func:`_states`,
     the EMA as the teacher), what its pass keeps (``activations``), the
     working set where its backward starts, FSDP's gathered units then
@@ -729,11 +833,15 @@ def _feature_student(cfg: Config, a: int, policy: str, every: int, world: int, s
     working, recompute, last = _block_backward(counts, a, policy, every, residual)
     first = block_bytes_per_token(counts, a, policy, residual)
     return {
-        **states, "parameter_count": counts.student, "trainable_count": counts.trainable,
-        "teacher_count": counts.teacher, "unsharded": unsharded,
+        **states,
+        "parameter_count": counts.student,
+        "trainable_count": counts.trainable,
+        "teacher_count": counts.teacher,
+        "unsharded": unsharded,
         "activations": tokens * per_token + rows * (projector + loss) + pairs * 2 * _FP32 * out,
-        "working": largest * (working + last), "end": largest * (first + recompute + working),
-    }  # fmt: skip
+        "working": largest * (working + last),
+        "end": largest * (first + recompute + working),
+    }
 
 
 def largest_batch(
@@ -792,9 +900,17 @@ def memory_table(
         for strategy in ("ddp",) if ddp_only else strategies:
             for world in worlds:
                 for policy in policies:
-                    rows.append(estimate_memory(
-                        cfg, strategy=strategy, world_size=world, checkpointing=policy,
-                        every=1, reshard_after_forward=reshard_after_forward, arch=name,
-                        counts=counts, frozen_teacher=frozen_teacher,
-                    ))  # fmt: skip
+                    rows.append(
+                        estimate_memory(
+                            cfg,
+                            strategy=strategy,
+                            world_size=world,
+                            checkpointing=policy,
+                            every=1,
+                            reshard_after_forward=reshard_after_forward,
+                            arch=name,
+                            counts=counts,
+                            frozen_teacher=frozen_teacher,
+                        )
+                    )
     return rows

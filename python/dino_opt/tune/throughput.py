@@ -433,9 +433,12 @@ class ThroughputOptimizer:
         else:  # the run's optimizer at its peak learning rate and first weight decay
             cfg = self._run_config or Config()
             optimizer = build_optimizer(
-                cfg, model.student, self.device, lr=effective_lr(cfg),
+                cfg,
+                model.student,
+                self.device,
+                lr=effective_lr(cfg),
                 weight_decay=cfg.optim.weight_decay,
-            )  # fmt: skip
+            )
         config = {**self.config, "accumulation_steps": 1, "freeze_last_layer": 0}
         return MemoryOptimizedDINOTrainer(model, loss_fn, optimizer, config, self.device)
 

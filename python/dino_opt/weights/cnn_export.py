@@ -49,8 +49,10 @@ def _formats(backbone: str) -> dict[str, str]:
     load = "net.load_state_dict(torch.load(path))"
     if is_external(backbone):
         source, _, name = backbone.partition(":")
-        build = {"timm": f"timm.create_model({name!r}, num_classes=0)",
-                 "torchvision": f"torchvision.models.get_model({name!r})"}  # fmt: skip
+        build = {
+            "timm": f"timm.create_model({name!r}, num_classes=0)",
+            "torchvision": f"torchvision.models.get_model({name!r})",
+        }
         out = {"dino": f"net = {build.get(source, name + '()')}; {load}"}
         if source in build:
             out[source] = out["dino"]
@@ -59,8 +61,11 @@ def _formats(backbone: str) -> dict[str, str]:
     if backbone.startswith("resnet"):
         tv = f"net = torchvision.models.{backbone}(); net.fc = torch.nn.Identity(); {load}"
         return {"dino": tv, "torchvision": tv, "timm": timm}
-    return {"dino": f"DINOv3's hub {backbone}: {load}", "timm": timm,
-            "hf": "transformers.ConvNextModel.from_pretrained(path)"}  # fmt: skip
+    return {
+        "dino": f"DINOv3's hub {backbone}: {load}",
+        "timm": timm,
+        "hf": "transformers.ConvNextModel.from_pretrained(path)",
+    }
 
 
 def save_torch(state: dict, path: Path) -> None:
@@ -91,8 +96,9 @@ def write_hf_folder(output: Path, config: dict, tensors: dict, meta: dict) -> No
     write_folder(output, fill)
 
 
-def export_cnn(fmt: str, sd: dict, backbone: str, output: Path, meta: dict,
-               prepare: Callable[[], None]) -> tuple[str, list[str]]:  # fmt: skip
+def export_cnn(
+    fmt: str, sd: dict, backbone: str, output: Path, meta: dict, prepare: Callable[[], None]
+) -> tuple[str, list[str]]:
     """Writes the state dict ``sd`` of the student ``backbone`` (a
     dino_opt backbone's: a user's network under ``net.``) as ``fmt`` to
     ``output`` (a torch file; a folder for ``hf``) with ``meta`` (the
@@ -101,8 +107,9 @@ def export_cnn(fmt: str, sd: dict, backbone: str, output: Path, meta: dict,
     ValueError naming the formats that write it for another ``fmt``."""
     formats = _formats(backbone)
     if fmt not in formats:
-        raise ValueError(f"--format {fmt} does not write a {backbone} student; "
-                         f"{' or '.join(formats)} write it")  # fmt: skip
+        raise ValueError(
+            f"--format {fmt} does not write a {backbone} student; {' or '.join(formats)} write it"
+        )
     prepare()
     notes = []
     if is_external(backbone):

@@ -167,8 +167,9 @@ class _Classifier(nn.Module):
     def __init__(self, net: nn.Module, tensors: dict, record: dict) -> None:
         super().__init__()
         self.probe = ProbeFeatures(net, record["n_blocks"])
-        self.columns = input_columns(self.probe.layout | {"dim": record["dim"]},
-                                     record["n_blocks"], record["avgpool"])  # fmt: skip
+        self.columns = input_columns(
+            self.probe.layout | {"dim": record["dim"]}, record["n_blocks"], record["avgpool"]
+        )
         self.weight, self.bias = tensors["weight"], tensors["bias"]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -52,14 +52,23 @@ __all__ = [
 ]
 
 #: (width, depth) -> (name, heads) of the ViTs dino_opt builds.
-VIT_SIZES = {(192, 12): ("vit_tiny", 3), (384, 12): ("vit_small", 6),
-             (768, 12): ("vit_base", 12), (1024, 24): ("vit_large", 16),
-             (1536, 40): ("vit_giant2", 24)}  # fmt: skip
+VIT_SIZES = {
+    (192, 12): ("vit_tiny", 3),
+    (384, 12): ("vit_small", 6),
+    (768, 12): ("vit_base", 12),
+    (1024, 24): ("vit_large", 16),
+    (1536, 40): ("vit_giant2", 24),
+}
 DINOV2_NATIVE = 518  # the input size of the published DINOv2 position tables
-_TIMM_V1 = {"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_small_patch8_224",
-            "vit_base_patch16_224", "vit_base_patch8_224", "vit_large_patch16_224"}  # fmt: skip
-_TIMM_V2 = {"vit_small": "small", "vit_base": "base", "vit_large": "large",
-            "vit_giant2": "giant"}  # fmt: skip
+_TIMM_V1 = {
+    "vit_tiny_patch16_224",
+    "vit_small_patch16_224",
+    "vit_small_patch8_224",
+    "vit_base_patch16_224",
+    "vit_base_patch8_224",
+    "vit_large_patch16_224",
+}
+_TIMM_V2 = {"vit_small": "small", "vit_base": "base", "vit_large": "large", "vit_giant2": "giant"}
 
 
 @dataclass(frozen=True)
@@ -121,13 +130,25 @@ class ViTArch:
     @property
     def dino_v1(self) -> bool:
         """DINO's ViT: no registers, no LayerScale, a GELU MLP, every bias."""
-        return (not self.num_register_tokens and not self.layerscale and not self.swiglu
-                and self.qkv_bias and self.proj_bias and self.ffn_bias)  # fmt: skip
+        return (
+            not self.num_register_tokens
+            and not self.layerscale
+            and not self.swiglu
+            and self.qkv_bias
+            and self.proj_bias
+            and self.ffn_bias
+        )
 
     def shape(self) -> tuple:
         """What must agree between weights and a model (the rest is adapted)."""
-        return (self.embed_dim, self.depth, self.patch_size, self.ffn_layer, self.mlp_hidden,
-                self.num_register_tokens)  # fmt: skip
+        return (
+            self.embed_dim,
+            self.depth,
+            self.patch_size,
+            self.ffn_layer,
+            self.mlp_hidden,
+            self.num_register_tokens,
+        )
 
     def describe(self) -> str:
         size = (
@@ -146,14 +167,24 @@ class ViTArch:
 
     def model_kwargs(self) -> dict:
         """:class:`~dino_opt.models.VisionTransformer` keywords of this architecture."""
-        return dict(img_size=self.img_size, patch_size=self.patch_size, embed_dim=self.embed_dim,
-                    depth=self.depth, num_heads=self.heads, mlp_ratio=self.mlp_ratio,
-                    qkv_bias=self.qkv_bias, proj_bias=self.proj_bias, ffn_bias=self.ffn_bias,
-                    ffn_layer=self.ffn_layer, layerscale_init=1e-5 if self.layerscale else None,
-                    num_register_tokens=self.num_register_tokens, use_mask_token=self.mask_token,
-                    interpolate_offset=self.interpolate_offset,
-                    interpolate_antialias=self.interpolate_antialias,
-                    in_chans=self.in_chans)  # fmt: skip
+        return dict(
+            img_size=self.img_size,
+            patch_size=self.patch_size,
+            embed_dim=self.embed_dim,
+            depth=self.depth,
+            num_heads=self.heads,
+            mlp_ratio=self.mlp_ratio,
+            qkv_bias=self.qkv_bias,
+            proj_bias=self.proj_bias,
+            ffn_bias=self.ffn_bias,
+            ffn_layer=self.ffn_layer,
+            layerscale_init=1e-5 if self.layerscale else None,
+            num_register_tokens=self.num_register_tokens,
+            use_mask_token=self.mask_token,
+            interpolate_offset=self.interpolate_offset,
+            interpolate_antialias=self.interpolate_antialias,
+            in_chans=self.in_chans,
+        )
 
     def replace(self, **changes) -> ViTArch:
         return dataclasses.replace(self, **changes)
@@ -215,8 +246,7 @@ def unchunk(sd: dict) -> dict:
     block index inside its chunks, so the chunk index just goes)."""
     if not is_chunked(sd):
         return sd
-    return {(f"blocks.{m[2]}.{m[3]}" if (m := _CHUNKED.match(k)) else k): v
-            for k, v in sd.items()}  # fmt: skip
+    return {(f"blocks.{m[2]}.{m[3]}" if (m := _CHUNKED.match(k)) else k): v for k, v in sd.items()}
 
 
 # ---------------------------------------------------------------- timm
@@ -304,8 +334,12 @@ def _timm_v1(arch: ViTArch, image_size: int) -> tuple[str, dict]:
         model = f"vit_{size}_patch16_224"
         if model not in _TIMM_V1:  # another width or depth: ViT-B/16's builder, reshaped
             model = "vit_base_patch16_224"
-            kwargs |= {"embed_dim": arch.embed_dim, "depth": arch.depth,
-                       "num_heads": arch.heads, "mlp_ratio": arch.mlp_ratio}  # fmt: skip
+            kwargs |= {
+                "embed_dim": arch.embed_dim,
+                "depth": arch.depth,
+                "num_heads": arch.heads,
+                "mlp_ratio": arch.mlp_ratio,
+            }
         kwargs["patch_size"] = arch.patch_size
     if image_size != 224:
         kwargs["img_size"] = image_size
@@ -320,8 +354,12 @@ def _timm_v2(arch: ViTArch, image_size: int) -> tuple[str, dict]:
     kwargs: dict = {"num_classes": 0}
     if size is None or (size == "giant") != arch.swiglu or not arch.standard_ffn:
         size = "giant" if arch.swiglu else "small"
-        kwargs |= {"embed_dim": arch.embed_dim, "depth": arch.depth, "num_heads": arch.heads,
-                   "mlp_ratio": _timm_mlp_ratio(arch)}  # fmt: skip
+        kwargs |= {
+            "embed_dim": arch.embed_dim,
+            "depth": arch.depth,
+            "num_heads": arch.heads,
+            "mlp_ratio": _timm_mlp_ratio(arch),
+        }
     if image_size != DINOV2_NATIVE:
         kwargs["img_size"] = image_size
     if arch.patch_size != 14:
@@ -370,14 +408,16 @@ def to_hf_vit(sd: dict, arch: ViTArch) -> dict:
         b, h = f"blocks.{i}.", f"encoder.layer.{i}."
         for kind in ("weight", "bias"):
             q, k, v = sd[f"{b}attn.qkv.{kind}"].chunk(3)
-            out |= {f"{h}attention.attention.query.{kind}": q,
-                    f"{h}attention.attention.key.{kind}": k,
-                    f"{h}attention.attention.value.{kind}": v,
-                    f"{h}attention.output.dense.{kind}": sd[f"{b}attn.proj.{kind}"],
-                    f"{h}intermediate.dense.{kind}": sd[f"{b}mlp.fc1.{kind}"],
-                    f"{h}output.dense.{kind}": sd[f"{b}mlp.fc2.{kind}"],
-                    f"{h}layernorm_before.{kind}": sd[f"{b}norm1.{kind}"],
-                    f"{h}layernorm_after.{kind}": sd[f"{b}norm2.{kind}"]}  # fmt: skip
+            out |= {
+                f"{h}attention.attention.query.{kind}": q,
+                f"{h}attention.attention.key.{kind}": k,
+                f"{h}attention.attention.value.{kind}": v,
+                f"{h}attention.output.dense.{kind}": sd[f"{b}attn.proj.{kind}"],
+                f"{h}intermediate.dense.{kind}": sd[f"{b}mlp.fc1.{kind}"],
+                f"{h}output.dense.{kind}": sd[f"{b}mlp.fc2.{kind}"],
+                f"{h}layernorm_before.{kind}": sd[f"{b}norm1.{kind}"],
+                f"{h}layernorm_after.{kind}": sd[f"{b}norm2.{kind}"],
+            }
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -397,12 +437,14 @@ def from_hf_vit(sd: dict) -> dict:
         b, h = f"blocks.{i}.", f"encoder.layer.{i}."
         for kind in ("weight", "bias"):
             qkv = [sd[f"{h}attention.attention.{n}.{kind}"] for n in ("query", "key", "value")]
-            out |= {f"{b}attn.qkv.{kind}": torch.cat(qkv),
-                    f"{b}attn.proj.{kind}": sd[f"{h}attention.output.dense.{kind}"],
-                    f"{b}mlp.fc1.{kind}": sd[f"{h}intermediate.dense.{kind}"],
-                    f"{b}mlp.fc2.{kind}": sd[f"{h}output.dense.{kind}"],
-                    f"{b}norm1.{kind}": sd[f"{h}layernorm_before.{kind}"],
-                    f"{b}norm2.{kind}": sd[f"{h}layernorm_after.{kind}"]}  # fmt: skip
+            out |= {
+                f"{b}attn.qkv.{kind}": torch.cat(qkv),
+                f"{b}attn.proj.{kind}": sd[f"{h}attention.output.dense.{kind}"],
+                f"{b}mlp.fc1.{kind}": sd[f"{h}intermediate.dense.{kind}"],
+                f"{b}mlp.fc2.{kind}": sd[f"{h}output.dense.{kind}"],
+                f"{b}norm1.{kind}": sd[f"{h}layernorm_before.{kind}"],
+                f"{b}norm2.{kind}": sd[f"{h}layernorm_after.{kind}"],
+            }
     return out
 
 
@@ -431,18 +473,24 @@ def hf_vit_config(arch: ViTArch, image_size: int) -> dict:
 
 def _hf_block_pairs(swiglu: bool) -> list[tuple[str, str]]:
     """(dino_opt, Hugging Face) names of a block's layers renamed one to one."""
-    ffn = [("mlp.w12", "mlp.weights_in"), ("mlp.w3", "mlp.weights_out")] if swiglu else [
-        ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")]  # fmt: skip
-    return [("norm1", "norm1"), ("attn.proj", "attention.output.dense"), ("norm2", "norm2"),
-            *ffn]  # fmt: skip
+    ffn = (
+        [("mlp.w12", "mlp.weights_in"), ("mlp.w3", "mlp.weights_out")]
+        if swiglu
+        else [("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")]
+    )
+    return [("norm1", "norm1"), ("attn.proj", "attention.output.dense"), ("norm2", "norm2"), *ffn]
 
 
-_HF_EMBEDDINGS = (("cls_token", "embeddings.cls_token"), ("mask_token", "embeddings.mask_token"),
-                  ("pos_embed", "embeddings.position_embeddings"),
-                  ("register_tokens", "embeddings.register_tokens"),
-                  ("patch_embed.proj.weight", "embeddings.patch_embeddings.projection.weight"),
-                  ("patch_embed.proj.bias", "embeddings.patch_embeddings.projection.bias"),
-                  ("norm.weight", "layernorm.weight"), ("norm.bias", "layernorm.bias"))  # fmt: skip
+_HF_EMBEDDINGS = (
+    ("cls_token", "embeddings.cls_token"),
+    ("mask_token", "embeddings.mask_token"),
+    ("pos_embed", "embeddings.position_embeddings"),
+    ("register_tokens", "embeddings.register_tokens"),
+    ("patch_embed.proj.weight", "embeddings.patch_embeddings.projection.weight"),
+    ("patch_embed.proj.bias", "embeddings.patch_embeddings.projection.bias"),
+    ("norm.weight", "layernorm.weight"),
+    ("norm.bias", "layernorm.bias"),
+)
 
 
 def to_hf_dinov2(sd: dict, arch: ViTArch) -> dict:
@@ -450,8 +498,9 @@ def to_hf_dinov2(sd: dict, arch: ViTArch) -> dict:
     keys. Their blocks always have LayerScale (1 where ours has none), the
     mask token (zero where ours has none) and biases in the output
     projection and the feed-forward layers (zero where ours have none)."""
-    sd = _zero_biases(sd, arch, ["attn.proj", *(["mlp.w12", "mlp.w3"] if arch.swiglu
-                                                else ["mlp.fc1", "mlp.fc2"])])  # fmt: skip
+    sd = _zero_biases(
+        sd, arch, ["attn.proj", *(["mlp.w12", "mlp.w3"] if arch.swiglu else ["mlp.fc1", "mlp.fc2"])]
+    )
     sd.setdefault("mask_token", sd["cls_token"].new_zeros(1, arch.embed_dim))
     out = {theirs: sd[ours] for ours, theirs in _HF_EMBEDDINGS if ours in sd}
     ones = sd["norm.weight"].new_ones(arch.embed_dim)
@@ -460,9 +509,11 @@ def to_hf_dinov2(sd: dict, arch: ViTArch) -> dict:
         kinds = ("weight", "bias") if arch.qkv_bias else ("weight",)
         for kind in kinds:
             q, k, v = sd[f"{b}attn.qkv.{kind}"].chunk(3)
-            out |= {f"{h}attention.attention.query.{kind}": q,
-                    f"{h}attention.attention.key.{kind}": k,
-                    f"{h}attention.attention.value.{kind}": v}  # fmt: skip
+            out |= {
+                f"{h}attention.attention.query.{kind}": q,
+                f"{h}attention.attention.key.{kind}": k,
+                f"{h}attention.attention.value.{kind}": v,
+            }
         for ours, theirs in _hf_block_pairs(arch.swiglu):
             out |= {f"{h}{theirs}.{kind}": sd[f"{b}{ours}.{kind}"] for kind in ("weight", "bias")}
         for n in (1, 2):
@@ -470,11 +521,13 @@ def to_hf_dinov2(sd: dict, arch: ViTArch) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-_HF_NEW_NAMES = ((".attention.q_proj.", ".attention.attention.query."),
-                 (".attention.k_proj.", ".attention.attention.key."),
-                 (".attention.v_proj.", ".attention.attention.value."),
-                 (".attention.o_proj.", ".attention.output.dense."),
-                 (".mlp.down_proj.", ".mlp.weights_out."))  # fmt: skip
+_HF_NEW_NAMES = (
+    (".attention.q_proj.", ".attention.attention.query."),
+    (".attention.k_proj.", ".attention.attention.key."),
+    (".attention.v_proj.", ".attention.attention.value."),
+    (".attention.o_proj.", ".attention.output.dense."),
+    (".mlp.down_proj.", ".mlp.weights_out."),
+)
 
 
 def _hf_published_names(sd: dict) -> dict:
@@ -494,8 +547,9 @@ def _hf_published_names(sd: dict) -> dict:
 def from_hf_dinov2(sd: dict) -> dict:
     """Dinov2Model / Dinov2WithRegistersModel keys (published or transformers
     5 names; ``dinov2.`` / ``dinov2_with_registers.`` prefix allowed) -> dino_opt's."""
-    sd = _hf_published_names({re.sub(r"^dinov2(_with_registers)?\.", "", k): v
-                              for k, v in sd.items()})  # fmt: skip
+    sd = _hf_published_names(
+        {re.sub(r"^dinov2(_with_registers)?\.", "", k): v for k, v in sd.items()}
+    )
     out = {ours: sd[theirs] for ours, theirs in _HF_EMBEDDINGS if theirs in sd}
     swiglu = any(".mlp.weights_in." in k for k in sd)
     depth = len({k.split(".")[2] for k in sd if k.startswith("encoder.layer.")})
@@ -516,8 +570,10 @@ def hf_dinov2_config(arch: ViTArch, image_size: int) -> dict:
     """config.json of the Dinov2Model (Dinov2WithRegistersModel with registers)."""
     registers, ratio = arch.num_register_tokens, arch.mlp_ratio
     if not float(ratio).is_integer():
-        raise ValueError(f"Hugging Face's Dinov2 config takes a whole mlp_ratio; an FFN of width "
-                         f"{arch.mlp_hidden} at {arch.embed_dim} channels has none")  # fmt: skip
+        raise ValueError(
+            f"Hugging Face's Dinov2 config takes a whole mlp_ratio; an FFN of width "
+            f"{arch.mlp_hidden} at {arch.embed_dim} channels has none"
+        )
     config = {
         "architectures": ["Dinov2WithRegistersModel" if registers else "Dinov2Model"],
         "model_type": "dinov2_with_registers" if registers else "dinov2",

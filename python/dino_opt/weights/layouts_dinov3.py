@@ -68,11 +68,23 @@ __all__ = [
 
 _PARAMETERS = inspect.signature(DinoV3VisionTransformer).parameters
 _DEFAULTS = {name: p.default for name, p in _PARAMETERS.items()}
-_SHOWN_ELSEWHERE = ("img_size", "patch_size", "embed_dim", "depth", "ffn_ratio", "ffn_layer",
-                    "use_mask_token")  # fmt: skip
-_TIMM_SIZES = {"vit_small_dinov3": "small", "vit_small_plus_dinov3": "small_plus",
-               "vit_base_dinov3": "base", "vit_large_dinov3": "large",
-               "vit_huge_plus_dinov3": "huge_plus", "vit_7b_dinov3": "7b"}  # fmt: skip
+_SHOWN_ELSEWHERE = (
+    "img_size",
+    "patch_size",
+    "embed_dim",
+    "depth",
+    "ffn_ratio",
+    "ffn_layer",
+    "use_mask_token",
+)
+_TIMM_SIZES = {
+    "vit_small_dinov3": "small",
+    "vit_small_plus_dinov3": "small_plus",
+    "vit_base_dinov3": "base",
+    "vit_large_dinov3": "large",
+    "vit_huge_plus_dinov3": "huge_plus",
+    "vit_7b_dinov3": "7b",
+}
 _NORM_EPS = 1e-5  # DINOv3's LayerNorm epsilon, the same in every size
 
 
@@ -132,8 +144,9 @@ class DinoV3Arch:
     def name(self) -> str | None:
         """The ``vit_*_dinov3`` size of this width, depth and FFN, or None."""
         for name, size in DINOV3_SIZES.items():
-            if ((size["embed_dim"], size["depth"]) == (self.embed_dim, self.depth)
-                    and _size_ffn(size) == (self.swiglu, self.mlp_hidden)):  # fmt: skip
+            if (size["embed_dim"], size["depth"]) == (self.embed_dim, self.depth) and _size_ffn(
+                size
+            ) == (self.swiglu, self.mlp_hidden):
                 return name
         return None
 
@@ -172,32 +185,54 @@ class DinoV3Arch:
     def model_kwargs(self) -> dict:
         """:class:`~dino_opt.models.DinoV3VisionTransformer` keywords of this architecture."""
         (ratio, layer), rope = self.ffn, self.rope_spec
-        return dict(img_size=self.img_size, patch_size=self.patch_size, embed_dim=self.embed_dim,
-                    depth=self.depth, num_heads=self.heads, ffn_ratio=ratio, qkv_bias=self.qkv_bias,
-                    proj_bias=self.proj_bias, ffn_bias=self.ffn_bias, ffn_layer=layer,
-                    layerscale_init=1e-5 if self.layerscale else None,
-                    n_storage_tokens=self.n_storage_tokens, mask_k_bias=self.mask_k_bias,
-                    untie_cls_and_patch_norms=self.untie_cls_and_patch_norms,
-                    untie_global_and_local_cls_norm=self.untie_global_and_local_cls_norm,
-                    use_mask_token=self.mask_token, pos_embed_rope_base=rope.base,
-                    pos_embed_rope_min_period=rope.min_period,
-                    pos_embed_rope_max_period=rope.max_period,
-                    pos_embed_rope_normalize_coords=rope.normalize_coords,
-                    in_chans=self.in_chans)  # fmt: skip
+        return dict(
+            img_size=self.img_size,
+            patch_size=self.patch_size,
+            embed_dim=self.embed_dim,
+            depth=self.depth,
+            num_heads=self.heads,
+            ffn_ratio=ratio,
+            qkv_bias=self.qkv_bias,
+            proj_bias=self.proj_bias,
+            ffn_bias=self.ffn_bias,
+            ffn_layer=layer,
+            layerscale_init=1e-5 if self.layerscale else None,
+            n_storage_tokens=self.n_storage_tokens,
+            mask_k_bias=self.mask_k_bias,
+            untie_cls_and_patch_norms=self.untie_cls_and_patch_norms,
+            untie_global_and_local_cls_norm=self.untie_global_and_local_cls_norm,
+            use_mask_token=self.mask_token,
+            pos_embed_rope_base=rope.base,
+            pos_embed_rope_min_period=rope.min_period,
+            pos_embed_rope_max_period=rope.max_period,
+            pos_embed_rope_normalize_coords=rope.normalize_coords,
+            in_chans=self.in_chans,
+        )
 
     def options(self) -> dict:
         """The keywords of :meth:`model_kwargs` that differ from the named
         size's builder (from DinoV3VisionTransformer's defaults without a name;
         the shape and patch size left out)."""
         defaults = _DEFAULTS | DINOV3_SIZES.get(self.name or "", {})
-        return {k: v for k, v in self.model_kwargs().items()
-                if k not in _SHOWN_ELSEWHERE and v != defaults.get(k)
-                and not (k == "num_heads" and not self.name)}  # fmt: skip
+        return {
+            k: v
+            for k, v in self.model_kwargs().items()
+            if k not in _SHOWN_ELSEWHERE
+            and v != defaults.get(k)
+            and not (k == "num_heads" and not self.name)
+        }
 
     def shape(self) -> tuple:
         """What must agree between weights and a model (the rest is adapted)."""
-        return (self.embed_dim, self.depth, self.patch_size, self.swiglu, self.mlp_hidden,
-                self.n_storage_tokens, self.untie_cls_and_patch_norms)  # fmt: skip
+        return (
+            self.embed_dim,
+            self.depth,
+            self.patch_size,
+            self.swiglu,
+            self.mlp_hidden,
+            self.n_storage_tokens,
+            self.untie_cls_and_patch_norms,
+        )
 
     def describe(self) -> str:
         if self.name:
@@ -217,8 +252,9 @@ def is_rope_vit(sd: dict) -> bool:
     return "cls_token" in sd and "pos_embed" not in sd
 
 
-def dinov3_arch(sd: dict, num_heads: int | None = None, rope: RopeSpec | None = None,
-                img_size: int = 224) -> DinoV3Arch:  # fmt: skip
+def dinov3_arch(
+    sd: dict, num_heads: int | None = None, rope: RopeSpec | None = None, img_size: int = 224
+) -> DinoV3Arch:
     """The architecture of a DINOv3 state dict in dino_opt's keys."""
     for key in ("cls_token", "patch_embed.proj.weight"):
         if key not in sd:
@@ -255,8 +291,9 @@ def module_arch(model: DinoV3VisionTransformer, sd: dict | None = None) -> DinoV
     """The architecture of a DINOv3 module: its state (or ``sd``), heads and RoPE."""
     r = model.rope_embed
     rope = RopeSpec(r.base, r.min_period, r.max_period, r.normalize_coords)
-    return dinov3_arch(model.state_dict() if sd is None else sd, model.num_heads, rope,
-                       model.img_size)  # fmt: skip
+    return dinov3_arch(
+        model.state_dict() if sd is None else sd, model.num_heads, rope, model.img_size
+    )
 
 
 def _sig(x: float) -> float:
@@ -270,8 +307,9 @@ def rope_from_periods(periods: torch.Tensor, embed_dim: int) -> tuple[int, RopeS
     p = periods.detach().double().flatten()
     head_dim, n = 4 * len(p), len(p)
     if not n or embed_dim % head_dim:
-        raise ValueError(f"{n} RoPE periods do not fit a width of {embed_dim} (heads of "
-                         f"{head_dim} channels)")  # fmt: skip
+        raise ValueError(
+            f"{n} RoPE periods do not fit a width of {embed_dim} (heads of {head_dim} channels)"
+        )
     candidates = [RopeSpec()]
     if n > 1 and p[-1] > 0:
         candidates.append(RopeSpec(_sig(float(p[-1]) ** (head_dim / (4 * (n - 1))))))
@@ -282,8 +320,10 @@ def rope_from_periods(periods: torch.Tensor, embed_dim: int) -> tuple[int, RopeS
         want = rope_periods(head_dim, *spec[:3], dtype=torch.float64)
         if torch.allclose(want, p, rtol=rtol, atol=0):
             return embed_dim // head_dim, spec
-    raise ValueError(f"RoPE periods {[round(float(x), 4) for x in p[:4]]} ... follow neither "
-                     "a base nor a period range")  # fmt: skip
+    raise ValueError(
+        f"RoPE periods {[round(float(x), 4) for x in p[:4]]} ... follow neither "
+        "a base nor a period range"
+    )
 
 
 # ---------------------------------------------------------------- reading
@@ -299,8 +339,12 @@ def dinov3_layout(sd: dict) -> str | None:
         return "hf"
     if not is_rope_vit(sd):
         return None
-    if ("storage_tokens" in sd or "rope_embed.periods" in sd or _in_blocks(sd, ".mlp.w1.weight")
-            or any(k.endswith(".bias_mask") for k in sd)):  # fmt: skip
+    if (
+        "storage_tokens" in sd
+        or "rope_embed.periods" in sd
+        or _in_blocks(sd, ".mlp.w1.weight")
+        or any(k.endswith(".bias_mask") for k in sd)
+    ):
         return "dinov3"
     if "reg_token" in sd or any(k.startswith("rope.") or k.endswith(_TIMM_MARKS) for k in sd):
         return "timm"
@@ -310,8 +354,11 @@ def dinov3_layout(sd: dict) -> str | None:
 def from_dinov3_layout(sd: dict, layout: str | None) -> dict:
     """A DINOv3 backbone of ``layout`` (see :func:`dinov3_layout`) in dino_opt's
     keys; a missing entry is a ValueError naming it."""
-    convert = {"dinov3": convert_dinov3_state_dict, "timm": convert_timm_dinov3_state_dict,
-               "hf": from_hf_dinov3}.get(layout, dict)  # fmt: skip
+    convert = {
+        "dinov3": convert_dinov3_state_dict,
+        "timm": convert_timm_dinov3_state_dict,
+        "hf": from_hf_dinov3,
+    }.get(layout, dict)
     try:
         return convert(sd)
     except KeyError as e:
@@ -329,9 +376,12 @@ def to_dinov3(sd: dict, arch: DinoV3Arch) -> dict:
     loads strictly): storage tokens, a mask token (zero where ours has none),
     the RoPE's periods, the masked qkv bias with its mask, SwiGLU's w1 / w2."""
     cls = sd["cls_token"]
-    out = {"cls_token": cls, "storage_tokens": sd.get("register_tokens"),
-           "mask_token": sd.get("mask_token", cls.new_zeros(1, arch.embed_dim)),
-           "rope_embed.periods": arch.rope_spec.periods(arch.embed_dim // arch.heads)}  # fmt: skip
+    out = {
+        "cls_token": cls,
+        "storage_tokens": sd.get("register_tokens"),
+        "mask_token": sd.get("mask_token", cls.new_zeros(1, arch.embed_dim)),
+        "rope_embed.periods": arch.rope_spec.periods(arch.embed_dim // arch.heads),
+    }
     out = {k: v for k, v in out.items() if v is not None}
     for key, value in sd.items():
         if key.endswith("qkv.q_bias"):
@@ -350,20 +400,34 @@ def dinov3_load(arch: DinoV3Arch, image_size: int) -> str:
     """How DINOv3's code builds and loads ``arch`` (its LayerNorm of eps 1e-5
     is ``layernormbf16``)."""
     (ratio, layer), rope = arch.ffn, arch.rope_spec
-    kwargs = dict(img_size=image_size, patch_size=arch.patch_size, pos_embed_rope_base=rope.base,
-                  pos_embed_rope_min_period=rope.min_period,
-                  pos_embed_rope_max_period=rope.max_period,
-                  pos_embed_rope_normalize_coords=rope.normalize_coords,
-                  pos_embed_rope_dtype="fp32", embed_dim=arch.embed_dim, depth=arch.depth,
-                  num_heads=arch.heads, ffn_ratio=ratio, qkv_bias=arch.qkv_bias,
-                  layerscale_init=1e-5 if arch.layerscale else None, norm_layer="layernormbf16",
-                  ffn_layer=layer, ffn_bias=arch.ffn_bias, proj_bias=arch.proj_bias,
-                  n_storage_tokens=arch.n_storage_tokens, mask_k_bias=arch.masked_qkv_bias,
-                  untie_cls_and_patch_norms=arch.untie_cls_and_patch_norms,
-                  untie_global_and_local_cls_norm=arch.untie_global_and_local_cls_norm)  # fmt: skip
+    kwargs = dict(
+        img_size=image_size,
+        patch_size=arch.patch_size,
+        pos_embed_rope_base=rope.base,
+        pos_embed_rope_min_period=rope.min_period,
+        pos_embed_rope_max_period=rope.max_period,
+        pos_embed_rope_normalize_coords=rope.normalize_coords,
+        pos_embed_rope_dtype="fp32",
+        embed_dim=arch.embed_dim,
+        depth=arch.depth,
+        num_heads=arch.heads,
+        ffn_ratio=ratio,
+        qkv_bias=arch.qkv_bias,
+        layerscale_init=1e-5 if arch.layerscale else None,
+        norm_layer="layernormbf16",
+        ffn_layer=layer,
+        ffn_bias=arch.ffn_bias,
+        proj_bias=arch.proj_bias,
+        n_storage_tokens=arch.n_storage_tokens,
+        mask_k_bias=arch.masked_qkv_bias,
+        untie_cls_and_patch_norms=arch.untie_cls_and_patch_norms,
+        untie_global_and_local_cls_norm=arch.untie_global_and_local_cls_norm,
+    )
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return (f"dinov3.models.vision_transformer.DinoVisionTransformer({args}).load_state_dict("
-            "torch.load(path), strict=True)")  # fmt: skip
+    return (
+        f"dinov3.models.vision_transformer.DinoVisionTransformer({args}).load_state_dict("
+        "torch.load(path), strict=True)"
+    )
 
 
 # ---------------------------------------------------------------- timm and Hugging Face
@@ -373,8 +437,9 @@ def unsupported(arch: DinoV3Arch) -> list[str]:
     """What of ``arch`` timm's and Hugging Face's DINOv3 models cannot hold."""
     rope, parts = arch.rope_spec, []
     if rope.base is None:
-        parts.append(f"RoPE periods from {rope.min_period:g} to {rope.max_period:g} (they take "
-                     "a base)")  # fmt: skip
+        parts.append(
+            f"RoPE periods from {rope.min_period:g} to {rope.max_period:g} (they take a base)"
+        )
     if rope.normalize_coords != "separate":
         parts.append(f"RoPE coordinates normalised by the {rope.normalize_coords} side")
     if arch.untie_cls_and_patch_norms:
@@ -407,15 +472,22 @@ def _unmasked_key_bias(sd: dict, arch: DinoV3Arch) -> dict:
         stem = f"blocks.{i}.attn.qkv."
         q, k, v = out.pop(stem + "bias").chunk(3)
         if k.any():
-            raise ValueError("timm's DINOv3 ViT holds no key bias; this one has a nonzero one "
-                             "(mask_k_bias=False): --format hf or dinov3 writes it")  # fmt: skip
+            raise ValueError(
+                "timm's DINOv3 ViT holds no key bias; this one has a nonzero one "
+                "(mask_k_bias=False): --format hf or dinov3 writes it"
+            )
         out[stem + "q_bias"], out[stem + "v_bias"] = q, v
     return out
 
 
-_TIMM_NAMES = (("register_tokens", "reg_token"), (".ls1.gamma", ".gamma_1"),
-               (".ls2.gamma", ".gamma_2"), (".attn.qkv.q_bias", ".attn.q_bias"),
-               (".attn.qkv.v_bias", ".attn.v_bias"), (".mlp.w3.", ".mlp.fc2."))  # fmt: skip
+_TIMM_NAMES = (
+    ("register_tokens", "reg_token"),
+    (".ls1.gamma", ".gamma_1"),
+    (".ls2.gamma", ".gamma_2"),
+    (".attn.qkv.q_bias", ".attn.q_bias"),
+    (".attn.qkv.v_bias", ".attn.v_bias"),
+    (".mlp.w3.", ".mlp.fc2."),
+)
 
 
 def to_timm_dinov3(sd: dict, arch: DinoV3Arch) -> dict:
@@ -459,20 +531,25 @@ def timm_dinov3_model(arch: DinoV3Arch, image_size: int) -> tuple[str, dict]:
     if size is None or arch.heads != DINOV3_SIZES[arch.name]["num_heads"]:
         size, kwargs = "base", kwargs | _timm_shape(arch)
     qkvb = "_qkvb" if arch.qkv_bias and size != "7b" else ""
-    changes = {"qkv_bias": (size == "7b" and arch.qkv_bias, True),
-               "num_reg_tokens": (arch.n_storage_tokens != 4, arch.n_storage_tokens),
-               "patch_size": (arch.patch_size != 16, arch.patch_size),
-               "img_size": (image_size != 224, image_size),
-               "rope_temperature": (arch.rope_spec.base != 100, arch.rope_spec.base),
-               "in_chans": (arch.in_chans != 3, arch.in_chans)}  # fmt: skip
+    changes = {
+        "qkv_bias": (size == "7b" and arch.qkv_bias, True),
+        "num_reg_tokens": (arch.n_storage_tokens != 4, arch.n_storage_tokens),
+        "patch_size": (arch.patch_size != 16, arch.patch_size),
+        "img_size": (image_size != 224, image_size),
+        "rope_temperature": (arch.rope_spec.base != 100, arch.rope_spec.base),
+        "in_chans": (arch.in_chans != 3, arch.in_chans),
+    }
     kwargs |= {k: v for k, (changed, v) in changes.items() if changed}
     return f"vit_{size}_patch16_dinov3{qkvb}", kwargs
 
 
 def _hf_block_pairs(swiglu: bool) -> list[tuple[str, str]]:
     """(dino_opt, Hugging Face) names of a block's layers renamed one to one."""
-    ffn = [("mlp.w3", "mlp.down_proj")] if swiglu else [("mlp.fc1", "mlp.up_proj"),
-                                                       ("mlp.fc2", "mlp.down_proj")]  # fmt: skip
+    ffn = (
+        [("mlp.w3", "mlp.down_proj")]
+        if swiglu
+        else [("mlp.fc1", "mlp.up_proj"), ("mlp.fc2", "mlp.down_proj")]
+    )
     return [("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "attention.o_proj"), *ffn]
 
 
@@ -488,8 +565,11 @@ def _to_hf_block(sd: dict, b: str, h: str, arch: DinoV3Arch) -> dict:
         if bias is not None:
             out[f"{h}attention.{p}_proj.bias"] = bias
     for ours, theirs in _hf_block_pairs(arch.swiglu):
-        out |= {f"{h}{theirs}.{k}": sd[f"{b}{ours}.{k}"] for k in ("weight", "bias")
-                if f"{b}{ours}.{k}" in sd}  # fmt: skip
+        out |= {
+            f"{h}{theirs}.{k}": sd[f"{b}{ours}.{k}"]
+            for k in ("weight", "bias")
+            if f"{b}{ours}.{k}" in sd
+        }
     if arch.swiglu:
         for k in ("weight", "bias") if arch.ffn_bias else ("weight",):
             gate, up = sd[f"{b}mlp.w12.{k}"].chunk(2)
@@ -505,12 +585,15 @@ def to_hf_dinov3(sd: dict, arch: DinoV3Arch) -> dict:
     has LayerScale (1 where ours has none), register tokens (none: an empty
     table) and a mask token (zero where ours has none)."""
     cls, dim = sd["cls_token"], arch.embed_dim
-    out = {"embeddings.cls_token": cls,
-           "embeddings.mask_token": sd.get("mask_token", cls.new_zeros(1, dim)).reshape(1, 1, dim),
-           "embeddings.register_tokens": sd.get("register_tokens", cls.new_zeros(1, 0, dim)),
-           "embeddings.patch_embeddings.weight": sd["patch_embed.proj.weight"],
-           "embeddings.patch_embeddings.bias": sd["patch_embed.proj.bias"],
-           "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}  # fmt: skip
+    out = {
+        "embeddings.cls_token": cls,
+        "embeddings.mask_token": sd.get("mask_token", cls.new_zeros(1, dim)).reshape(1, 1, dim),
+        "embeddings.register_tokens": sd.get("register_tokens", cls.new_zeros(1, 0, dim)),
+        "embeddings.patch_embeddings.weight": sd["patch_embed.proj.weight"],
+        "embeddings.patch_embeddings.bias": sd["patch_embed.proj.bias"],
+        "norm.weight": sd["norm.weight"],
+        "norm.bias": sd["norm.bias"],
+    }
     for i in range(arch.depth):
         out |= _to_hf_block(sd, f"blocks.{i}.", f"layer.{i}.", arch)
     return {k: v.contiguous() for k, v in out.items()}
@@ -533,8 +616,11 @@ def _from_hf_block(sd: dict, h: str, b: str) -> dict:
     out = _from_hf_attention(sd, h, b)
     swiglu = f"{h}mlp.gate_proj.weight" in sd
     for ours, theirs in _hf_block_pairs(swiglu):
-        out |= {f"{b}{ours}.{k}": sd[f"{h}{theirs}.{k}"] for k in ("weight", "bias")
-                if f"{h}{theirs}.{k}" in sd or k == "weight"}  # fmt: skip
+        out |= {
+            f"{b}{ours}.{k}": sd[f"{h}{theirs}.{k}"]
+            for k in ("weight", "bias")
+            if f"{h}{theirs}.{k}" in sd or k == "weight"
+        }
     if swiglu:
         for k in ("weight", "bias"):
             if f"{h}mlp.gate_proj.{k}" in sd or k == "weight":
@@ -551,10 +637,13 @@ def from_hf_dinov3(sd: dict) -> dict:
     something (an empty register table goes)."""
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     emb = "embeddings."
-    out = {"cls_token": sd[emb + "cls_token"],
-           "patch_embed.proj.weight": sd[emb + "patch_embeddings.weight"],
-           "patch_embed.proj.bias": sd[emb + "patch_embeddings.bias"],
-           "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}  # fmt: skip
+    out = {
+        "cls_token": sd[emb + "cls_token"],
+        "patch_embed.proj.weight": sd[emb + "patch_embeddings.weight"],
+        "patch_embed.proj.bias": sd[emb + "patch_embeddings.bias"],
+        "norm.weight": sd["norm.weight"],
+        "norm.bias": sd["norm.bias"],
+    }
     regs = sd.get(emb + "register_tokens")
     if regs is not None and regs.shape[1]:
         out["register_tokens"] = regs

@@ -101,8 +101,16 @@ def _check_data(opened: OpenedBackbone, data, folder: Path) -> Path:
 
 
 def _images(opened: OpenedBackbone, data: Path, size: int) -> torch.Tensor:
-    with EvalLoader(data, size, _CHECK_BATCH, labelled=False, mean=opened.mean, std=opened.std,
-                    pin_memory=False, image_mode=opened.image_mode) as loader:  # fmt: skip
+    with EvalLoader(
+        data,
+        size,
+        _CHECK_BATCH,
+        labelled=False,
+        mean=opened.mean,
+        std=opened.std,
+        pin_memory=False,
+        image_mode=opened.image_mode,
+    ) as loader:
         return next(iter(loader))[0]
 
 
@@ -119,9 +127,17 @@ def _trace(graph: _Graph, output: Path, size: int, dynamic_size: bool, big: bool
     example = torch.zeros(_EXAMPLE_BATCH, input_channels(graph), size, size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on decompositions
-        torch.onnx.export(graph, (example,), str(output), input_names=["images"],
-                          output_names=graph.output_names, dynamic_shapes={"images": axes},
-                          dynamo=True, external_data=big, verbose=False)  # fmt: skip
+        torch.onnx.export(
+            graph,
+            (example,),
+            str(output),
+            input_names=["images"],
+            output_names=graph.output_names,
+            dynamic_shapes={"images": axes},
+            dynamo=True,
+            external_data=big,
+            verbose=False,
+        )
 
 
 def _record(onnx, output: Path, meta: dict) -> None:

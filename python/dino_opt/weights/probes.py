@@ -50,8 +50,17 @@ from .heads import (
 from .reading import read_weights
 from .transfer import evaluation_backbone, load_strict
 
-__all__ = ["OpenedBackbone", "embed_weights", "embeddings_of", "open_backbone", "predict",
-           "probe_data", "run_dense_probe", "run_linear_probe", "show_weights"]  # fmt: skip
+__all__ = [
+    "OpenedBackbone",
+    "embed_weights",
+    "embeddings_of",
+    "open_backbone",
+    "predict",
+    "probe_data",
+    "run_dense_probe",
+    "run_linear_probe",
+    "show_weights",
+]
 
 
 class OpenedBackbone(NamedTuple):
@@ -95,8 +104,9 @@ def open_backbone(path: str | os.PathLike, which: str = "teacher") -> OpenedBack
     trained = weights.training or {"image_size": native}
     norm = {k: tuple(trained[k]) for k in ("mean", "std") if k in trained}
     norm["image_mode"] = trained.get("image_mode", "rgb")
-    return OpenedBackbone(net.eval(), trained["image_size"], weights.format, weights.backbone,
-                          cfg, **norm)  # fmt: skip
+    return OpenedBackbone(
+        net.eval(), trained["image_size"], weights.format, weights.backbone, cfg, **norm
+    )
 
 
 def probe_data(opened: OpenedBackbone, data: str | os.PathLike | None) -> tuple[Path, ...]:
@@ -137,19 +147,36 @@ def run_linear_probe(
     opened = open_backbone(path, which)
     train, val, test = probe_data(opened, data)
     size = image_size or opened.image_size
-    result = linear_probe(opened.net, ProbeData(train, val, test), size,
-                          device=resolve_device(device), keep_head=head is not None,
-                          input=_input(opened), **options)  # fmt: skip
-    result.update(weights=str(path), format=opened.format, backbone=opened.name,
-                  which=which, data={"train": str(train), "val": str(val),
-                                     "test": str(test) if test else None})  # fmt: skip
+    result = linear_probe(
+        opened.net,
+        ProbeData(train, val, test),
+        size,
+        device=resolve_device(device),
+        keep_head=head is not None,
+        input=_input(opened),
+        **options,
+    )
+    result.update(
+        weights=str(path),
+        format=opened.format,
+        backbone=opened.name,
+        which=which,
+        data={"train": str(train), "val": str(val), "test": str(test) if test else None},
+    )
     if head is not None:
         best = result.pop("head")
         dim = len(best["weight"]) // (best["n_blocks"] + int(best["avgpool"]))
         top = result["best"]
-        info = {"kind": "linear", "classes": result["classes"], "image_size": size, "dim": dim,
-                "n_blocks": best["n_blocks"], "avgpool": best["avgpool"],
-                "classifier": top["name"], "val_top1": top["val_top1"]}  # fmt: skip
+        info = {
+            "kind": "linear",
+            "classes": result["classes"],
+            "image_size": size,
+            "dim": dim,
+            "n_blocks": best["n_blocks"],
+            "avgpool": best["avgpool"],
+            "classifier": top["name"],
+            "val_top1": top["val_top1"],
+        }
         tensors = {"weight": best["weight"], "bias": best["bias"]}
         result["head"] = str(save_head(head, tensors, _record(info, opened, path, which)))
     return result
@@ -162,8 +189,13 @@ def _input(opened: OpenedBackbone) -> dict:
 
 def _record(info: dict, opened: OpenedBackbone, path, which: str) -> dict:
     """A head's record: ``info``, the normalisation and the backbone's identity."""
-    identity = {"weights": str(path), "format": opened.format, "backbone": opened.name,
-                "which": which, "fingerprint": backbone_fingerprint(opened.net)}  # fmt: skip
+    identity = {
+        "weights": str(path),
+        "format": opened.format,
+        "backbone": opened.name,
+        "which": which,
+        "fingerprint": backbone_fingerprint(opened.net),
+    }
     norm = {"mean": list(opened.mean), "std": list(opened.std), "image_mode": opened.image_mode}
     return {**info, **norm, "backbone": identity}
 
@@ -192,15 +224,28 @@ def run_dense_probe(
     if splits is None:
         raise ValueError(f"{str(root)!r} has no masks (image/mask pairs) for a dense probe")
     size = image_size or opened.image_size
-    result = dense_probe(opened.net, splits["train"], splits["val"], splits.get("test"),
-                         image_size=size, device=resolve_device(device),
-                         keep_head=head is not None, **options)  # fmt: skip
-    result.update(weights=str(path), format=opened.format, backbone=opened.name, which=which,
-                  data=str(root))  # fmt: skip
+    result = dense_probe(
+        opened.net,
+        splits["train"],
+        splits["val"],
+        splits.get("test"),
+        image_size=size,
+        device=resolve_device(device),
+        keep_head=head is not None,
+        **options,
+    )
+    result.update(
+        weights=str(path), format=opened.format, backbone=opened.name, which=which, data=str(root)
+    )
     if head is not None:
-        info = {"kind": "dense", "classes": result["classes"], "image_size": size,
-                "in_dim": result["embed_dim"], "num_classes": result["num_classes"],
-                "val_miou": result["miou"]}  # fmt: skip
+        info = {
+            "kind": "dense",
+            "classes": result["classes"],
+            "image_size": size,
+            "in_dim": result["embed_dim"],
+            "num_classes": result["num_classes"],
+            "val_miou": result["miou"],
+        }
         tensors = result.pop("head")
         result["head"] = str(save_head(head, tensors, _record(info, opened, path, which)))
     return result
@@ -212,9 +257,16 @@ def _data_root(opened: OpenedBackbone) -> Path:
     return data_roots(opened.config).train.parent
 
 
-def show_weights(path: str | os.PathLike, images, kind: str = "attention",
-                 output_dir: str | os.PathLike = ".", *, which: str = "teacher",
-                 image_size: int | None = None, **options) -> list[Path]:  # fmt: skip
+def show_weights(
+    path: str | os.PathLike,
+    images,
+    kind: str = "attention",
+    output_dir: str | os.PathLike = ".",
+    *,
+    which: str = "teacher",
+    image_size: int | None = None,
+    **options,
+) -> list[Path]:
     """:func:`~dino_opt.eval.show` of the backbone of the weights at
     ``path``: one PNG per image file of ``images``, in ``output_dir``.
     Images keep their aspect; their longer side becomes ``image_size``
@@ -329,12 +381,24 @@ def predict(
     size = record["image_size"]
     # the dense probe's images are resized whole to size x size (a square image: exactly so)
     resize = size if record["kind"] == "dense" else None
-    out = embed_images(model, data, size, device=device, batch_size=batch_size,
-                       mean=record["mean"], std=record["std"], resize_size=resize,
-                       image_mode=record.get("image_mode", "rgb"))  # fmt: skip
+    out = embed_images(
+        model,
+        data,
+        size,
+        device=device,
+        batch_size=batch_size,
+        mean=record["mean"],
+        std=record["std"],
+        resize_size=resize,
+        image_mode=record.get("image_mode", "rgb"),
+    )
     if record["kind"] == "linear":
         write_classes(Path(output), out.names, out.cls, record["classes"])
     else:
         write_masks(Path(output), out.names, out.cls, size)
-    return {"kind": record["kind"], "images": len(out.names), "failed": out.failed,
-            "output": str(output)}  # fmt: skip
+    return {
+        "kind": record["kind"],
+        "images": len(out.names),
+        "failed": out.failed,
+        "output": str(output),
+    }

@@ -61,16 +61,28 @@ from .layouts_dinov3 import (
     rope_from_periods,
 )
 
-__all__ = ["TRAINING_KEY", "ExternalWeights", "read_state_dict", "read_weights", "sub_dict",
-           "training_input", "training_sidecar", "write_training_sidecar"]  # fmt: skip
+__all__ = [
+    "TRAINING_KEY",
+    "ExternalWeights",
+    "read_state_dict",
+    "read_weights",
+    "sub_dict",
+    "training_input",
+    "training_sidecar",
+    "write_training_sidecar",
+]
 
 #: Where an export keeps the input its network was trained at: a safetensors
 #: metadata key, a Hugging Face config.json key, the key of a torch file's
 #: sidecar (:func:`training_sidecar`).
 TRAINING_KEY = "dino_opt_training"
 
-_HF_PREFIXES = ("embeddings.", "vit.embeddings.", "dinov2.embeddings.",
-                "dinov2_with_registers.embeddings.")  # fmt: skip
+_HF_PREFIXES = (
+    "embeddings.",
+    "vit.embeddings.",
+    "dinov2.embeddings.",
+    "dinov2_with_registers.embeddings.",
+)
 
 
 @dataclass
@@ -342,8 +354,7 @@ def _timm_kwargs(meta: dict, path: Path) -> dict:
 
 def _dino_opt_interp(ckpt: dict) -> tuple[float, bool]:
     model = (ckpt.get("config") or {}).get("model") or {}
-    return (float(model.get("interpolate_offset") or 0.0),
-            bool(model.get("interpolate_antialias")))  # fmt: skip
+    return (float(model.get("interpolate_offset") or 0.0), bool(model.get("interpolate_antialias")))
 
 
 def _training_checkpoint(state: dict, path: Path) -> _Raw | None:
@@ -351,8 +362,15 @@ def _training_checkpoint(state: dict, path: Path) -> _Raw | None:
     if "student" in state and "teacher" in state:
         kind, loss = ("dino_opt", "loss") if "config" in state else ("dino-full", "dino_loss")
         center = (state.get(loss) or {}).get("center")
-        return _Raw(kind, _split(state["student"]), _split(state["teacher"]), center, None,
-                    _dino_opt_interp(state), training=_run_training(state, path))  # fmt: skip
+        return _Raw(
+            kind,
+            _split(state["student"]),
+            _split(state["teacher"]),
+            center,
+            None,
+            _dino_opt_interp(state),
+            training=_run_training(state, path),
+        )
     teacher = state.get("teacher")
     model = state.get("model")
     if isinstance(model, dict) and any(k.startswith("teacher.backbone.") for k in model):
@@ -380,8 +398,15 @@ def _read_raw(path: Path) -> _Raw:
     if path.is_dir():  # a dino_opt run folder or checkpoints/ folder
         ckpt = load_checkpoint(path, keys=("student", "teacher"))
         center = ckpt.get("loss", {}).get("center")
-        return _Raw("dino_opt", _split(ckpt["student"]), _split(ckpt["teacher"]), center, None,
-                    _dino_opt_interp(ckpt), training=_run_training(ckpt, path))  # fmt: skip
+        return _Raw(
+            "dino_opt",
+            _split(ckpt["student"]),
+            _split(ckpt["teacher"]),
+            center,
+            None,
+            _dino_opt_interp(ckpt),
+            training=_run_training(ckpt, path),
+        )
     if _is_safetensors(path):
         sd, meta = _read_safetensors(path)
         kwargs = _timm_kwargs(meta, path)
@@ -406,8 +431,10 @@ def _in_dinov3_keys(raw: _Raw) -> _Raw:
     if "rope_embed.periods" in bb:
         heads, rope = rope_from_periods(bb["rope_embed.periods"], bb["cls_token"].shape[-1])
     fmt = raw.format if raw.format in ("dino_opt", "dino-full") else layout
-    student, teacher = ({**net, "backbone": from_dinov3_layout(net["backbone"], layout)}
-                        for net in (raw.student, raw.teacher))  # fmt: skip
+    student, teacher = (
+        {**net, "backbone": from_dinov3_layout(net["backbone"], layout)}
+        for net in (raw.student, raw.teacher)
+    )
     return raw._replace(format=fmt, student=student, teacher=teacher, heads=heads, rope=rope)
 
 
@@ -447,5 +474,14 @@ def read_weights(path: str | os.PathLike) -> ExternalWeights:
     if isinstance(arch, ViTArch):
         offset, antialias = raw.interpolation
         arch = arch.replace(interpolate_offset=offset, interpolate_antialias=antialias)
-    return ExternalWeights(path, raw.format, raw.student, raw.teacher, name, patch, raw.center,
-                           arch, raw.training or _recorded_training(path))  # fmt: skip
+    return ExternalWeights(
+        path,
+        raw.format,
+        raw.student,
+        raw.teacher,
+        name,
+        patch,
+        raw.center,
+        arch,
+        raw.training or _recorded_training(path),
+    )

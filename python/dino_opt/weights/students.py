@@ -69,8 +69,10 @@ def student_starts(cfg: Config) -> list[str | None]:
     ``recipe.distill.students_init_from`` for the others; None for one
     from random initialisation (``none``, or no starts given)."""
     others = cfg.recipe.distill.students_init_from or [None] * (len(cfg.student_names) - 1)
-    return [cfg.model.init_from,
-            *(None if s is None or str(s).lower() == "none" else s for s in others)]  # fmt: skip
+    return [
+        cfg.model.init_from,
+        *(None if s is None or str(s).lower() == "none" else s for s in others),
+    ]
 
 
 def _members(cfg: Config, student: nn.Module, ema: nn.Module, index: int | None):
@@ -82,15 +84,18 @@ def _members(cfg: Config, student: nn.Module, ema: nn.Module, index: int | None)
     starts = [None, *student_starts(cfg)[1:]]
     bank, bank_ema = unwrap(student), unwrap(ema)
     if isinstance(bank, StudentBank):
-        held = [(s, bank.members[k], bank_ema.members[k])
-                for s, k in zip(starts, cfg.student_keys, strict=True)]  # fmt: skip
+        held = [
+            (s, bank.members[k], bank_ema.members[k])
+            for s, k in zip(starts, cfg.student_keys, strict=True)
+        ]
     else:
         held = [(starts[index], bank, bank_ema)] if index is not None else []
     return [(s, m, e) for s, m, e in held if s is not None]
 
 
-def start_students(cfg: Config, student: nn.Module, ema: nn.Module,
-                   index: int | None = None) -> list[str]:  # fmt: skip
+def start_students(
+    cfg: Config, student: nn.Module, ema: nn.Module, index: int | None = None
+) -> list[str]:
     """A fresh distillation's students (and their EMAs) from
     ``recipe.distill.students_init_from`` (``index``: the student of this
     process on a group of ranks, None with all of them in one process);

@@ -56,9 +56,14 @@ def _with_heads(path: Path, trust_code: bool) -> OpenedTeacher:
         teacher = DINOv2Wrapper(teacher.backbone, teacher.head, None)
     ibot = teacher.ibot_head if teacher.ibot_head is not None else teacher.head
     backbone = teacher.backbone
-    return OpenedTeacher(teacher, getattr(backbone, "patch_size", 1), feature_width(backbone),
-                         teacher.head.last_layer.out_features, ibot.last_layer.out_features,
-                         "dino_opt")  # fmt: skip
+    return OpenedTeacher(
+        teacher,
+        getattr(backbone, "patch_size", 1),
+        feature_width(backbone),
+        teacher.head.last_layer.out_features,
+        ibot.last_layer.out_features,
+        "dino_opt",
+    )
 
 
 def open_teacher(
@@ -79,8 +84,9 @@ def open_teacher(
     else:
         o = open_backbone(path)
         net = o.net
-        opened = OpenedTeacher(net, getattr(net, "patch_size", 1), feature_width(net), None, None,
-                               o.format)  # fmt: skip
+        opened = OpenedTeacher(
+            net, getattr(net, "patch_size", 1), feature_width(net), None, None, o.format
+        )
     opened.network.requires_grad_(False).eval()
     return opened
 

@@ -151,8 +151,10 @@ def _resized(sd: dict, arch: ViTArch, image_size: int, interp: tuple) -> tuple[d
         return sd, []
     how = f"offset {interp[0]}" if interp[0] else "to the grid"
     how += ", anti-aliased" if interp[1] else ""
-    note = (f"position embeddings resized from {old[0]}x{old[1]} to {grid[0]}x{grid[1]} patches "
-            f"for {image_size}-pixel inputs (bicubic {how}, as dino_opt resizes them)")  # fmt: skip
+    note = (
+        f"position embeddings resized from {old[0]}x{old[1]} to {grid[0]}x{grid[1]} patches "
+        f"for {image_size}-pixel inputs (bicubic {how}, as dino_opt resizes them)"
+    )
     return {**sd, "pos_embed": resize_pos_embed(sd["pos_embed"], grid, *interp)}, [note]
 
 
@@ -175,19 +177,31 @@ def _export_hf(sd: dict, arch: ViTArch, output: Path, image_size: int, meta: dic
 
 
 def _dinov2_load(arch: ViTArch, image_size: int, interp: tuple) -> str:
-    kwargs = dict(patch_size=arch.patch_size, img_size=image_size,
-                  init_values=1e-5 if arch.layerscale else None, ffn_layer=arch.ffn_layer,
-                  block_chunks=0, num_register_tokens=arch.num_register_tokens,
-                  interpolate_offset=interp[0], interpolate_antialias=interp[1])  # fmt: skip
+    kwargs = dict(
+        patch_size=arch.patch_size,
+        img_size=image_size,
+        init_values=1e-5 if arch.layerscale else None,
+        ffn_layer=arch.ffn_layer,
+        block_chunks=0,
+        num_register_tokens=arch.num_register_tokens,
+        interpolate_offset=interp[0],
+        interpolate_antialias=interp[1],
+    )
     kwargs |= {k: False for k in ("qkv_bias", "proj_bias", "ffn_bias") if not getattr(arch, k)}
     builder = arch.name or "DinoVisionTransformer"
     if builder == "vit_tiny" or not arch.name or not arch.standard_ffn:
         builder = "DinoVisionTransformer"
-        kwargs |= dict(embed_dim=arch.embed_dim, depth=arch.depth, num_heads=arch.heads,
-                       mlp_ratio=arch.mlp_ratio)  # fmt: skip
+        kwargs |= dict(
+            embed_dim=arch.embed_dim,
+            depth=arch.depth,
+            num_heads=arch.heads,
+            mlp_ratio=arch.mlp_ratio,
+        )
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return (f"dinov2.models.vision_transformer.{builder}({args}).load_state_dict("
-            "torch.load(path), strict=True)")  # fmt: skip
+    return (
+        f"dinov2.models.vision_transformer.{builder}({args}).load_state_dict("
+        "torch.load(path), strict=True)"
+    )
 
 
 def _export_dinov2(sd: dict, arch: ViTArch, output: Path, image_size: int, interp) -> str:
@@ -199,8 +213,15 @@ def _export_dinov2(sd: dict, arch: ViTArch, output: Path, image_size: int, inter
     return _dinov2_load(arch, image_size, interp)
 
 
-def _export_vit(fmt: str, sd: dict, output: Path, image_size: int | None, meta: dict,
-                interp: tuple, heads: int | None) -> tuple[str, list[str], int]:  # fmt: skip
+def _export_vit(
+    fmt: str,
+    sd: dict,
+    output: Path,
+    image_size: int | None,
+    meta: dict,
+    interp: tuple,
+    heads: int | None,
+) -> tuple[str, list[str], int]:
     """Writes a ViT backbone state ``sd`` as ``fmt``; (load, notes, image size)."""
     arch = vit_arch(sd, heads)
     image_size = image_size or arch.img_size
@@ -272,8 +293,15 @@ def _check_request(fmt: str, which: str, full: bool) -> None:
         raise ValueError("full=True (--full) applies to --format dino only")
 
 
-def _write_backbone(fmt: str, sd: dict, output: Path, image_size: int | None, meta: dict,
-                    interp: tuple, heads: int | None) -> tuple[str, list[str], int]:  # fmt: skip
+def _write_backbone(
+    fmt: str,
+    sd: dict,
+    output: Path,
+    image_size: int | None,
+    meta: dict,
+    interp: tuple,
+    heads: int | None,
+) -> tuple[str, list[str], int]:
     if fmt == "dino":
         return _export_dino(sd, output, image_size)
     return _export_vit(fmt, sd, output, image_size, meta, interp, heads)
@@ -293,12 +321,15 @@ def _check_dinov3_export(fmt: str, arch: DinoV3Arch, image_size: int) -> None:
     missing = unsupported(arch) if fmt in ("timm", "hf") else []
     if missing:
         target = "timm's" if fmt == "timm" else "Hugging Face's"
-        raise ValueError(f"--format {fmt}: {target} DINOv3 ViT has no {'; no '.join(missing)}; "
-                         "--format dinov3 writes this one")  # fmt: skip
+        raise ValueError(
+            f"--format {fmt}: {target} DINOv3 ViT has no {'; no '.join(missing)}; "
+            "--format dinov3 writes this one"
+        )
 
 
-def _dinov3_files(fmt: str, sd: dict, arch: DinoV3Arch, image_size: int,
-                  meta: dict) -> tuple[dict, dict, str]:  # fmt: skip
+def _dinov3_files(
+    fmt: str, sd: dict, arch: DinoV3Arch, image_size: int, meta: dict
+) -> tuple[dict, dict, str]:
     """(tensors, metadata, load) of a DINOv3 backbone in ``fmt``."""
     if fmt == "dinov3":
         return to_dinov3(sd, arch), meta, dinov3_load(arch, image_size)
@@ -337,8 +368,10 @@ def _export_dinov3(
 
 def _refuse_dinov3_format(fmt: str, what: str) -> None:
     if fmt == "dinov3":
-        raise ValueError(f"--format dinov3 writes DINOv3's ViT (model.backbone vit_*_dinov3); "
-                         f"{what} is not one: --format dinov2, timm or hf write it")  # fmt: skip
+        raise ValueError(
+            f"--format dinov3 writes DINOv3's ViT (model.backbone vit_*_dinov3); "
+            f"{what} is not one: --format dinov2, timm or hf write it"
+        )
 
 
 def _student_prefix(cfg: Config, student: str | None, source, full: bool) -> tuple[str, str]:
@@ -386,8 +419,12 @@ def export_weights(
     model = cfg.model
     backbone, prefix = _student_prefix(cfg, student, source, full)
     output, sd = Path(output), sub_dict(ckpt[which], prefix)
-    meta = {"format": "pt", "dino_opt_source": str(source), "dino_opt_which": which,
-            TRAINING_KEY: json.dumps(training_input(cfg))}  # fmt: skip
+    meta = {
+        "format": "pt",
+        "dino_opt_source": str(source),
+        "dino_opt_which": which,
+        TRAINING_KEY: json.dumps(training_input(cfg)),
+    }
     if not backbone.startswith("vit") and not full:  # a ResNet, a ConvNeXt, a user's network
         prepare = functools.partial(check_output, output, force, (source,))
         load, notes = export_cnn(fmt, sd, backbone, output, meta, prepare)
@@ -404,10 +441,16 @@ def export_weights(
     check_output(output, force, (source,))
     if full:
         save_torch(_dino_full(ckpt), output)
-        return _recorded(ExportResult(output, "dino-full", which, backbone, _DINO_SIZE,
-                                      "main_dino.py --resume", []), meta)  # fmt: skip
-    interp = (getattr(model, "interpolate_offset", 0.0) or 0.0,
-              bool(getattr(model, "interpolate_antialias", False)))  # fmt: skip
+        return _recorded(
+            ExportResult(
+                output, "dino-full", which, backbone, _DINO_SIZE, "main_dino.py --resume", []
+            ),
+            meta,
+        )
+    interp = (
+        getattr(model, "interpolate_offset", 0.0) or 0.0,
+        bool(getattr(model, "interpolate_antialias", False)),
+    )
     load, notes, size = _write_backbone(fmt, sd, output, image_size, meta, interp, None)
     return _recorded(ExportResult(output, fmt, which, backbone, size, load, notes), meta)
 
@@ -443,15 +486,17 @@ def export_backbone(
     sd = {k: v.detach().cpu() for k, v in backbone.state_dict().items()}
     if isinstance(backbone, DinoV3VisionTransformer):
         arch = module_arch(backbone, sd)
-        load, notes, size = _export_dinov3(fmt, sd, arch, output, image_size, {"format": "pt"},
-                                           force)  # fmt: skip
+        load, notes, size = _export_dinov3(
+            fmt, sd, arch, output, image_size, {"format": "pt"}, force
+        )
         return ExportResult(output, fmt, "backbone", arch.name or "vit_dinov3", size, load, notes)
     _refuse_dinov3_format(fmt, f"a {type(backbone).__name__}")
     check_output(output, force)
     interp = (backbone.interpolate_offset, backbone.interpolate_antialias) if vit else (0.0, False)
     heads = backbone.num_heads if vit else None
-    load, notes, size = _write_backbone(fmt, sd, output, image_size, {"format": "pt"}, interp,
-                                        heads)  # fmt: skip
+    load, notes, size = _write_backbone(
+        fmt, sd, output, image_size, {"format": "pt"}, interp, heads
+    )
     name = (vit_arch(sd).name or "vit") if vit else type(backbone).__name__.lower()
     return ExportResult(output, fmt, "backbone", name, size, load, notes)
 
@@ -472,8 +517,10 @@ def _fit_pos_embed(sd: dict, model: nn.Module, notes: list[str]) -> dict:
     mine, theirs = pos_embed_grid(model.pos_embed), pos_embed_grid(sd["pos_embed"])
     if mine == theirs:
         return sd
-    _note(notes, f"position embeddings resized from {theirs[0]}x{theirs[1]} to "
-                 f"{mine[0]}x{mine[1]} patches")  # fmt: skip
+    _note(
+        notes,
+        f"position embeddings resized from {theirs[0]}x{theirs[1]} to {mine[0]}x{mine[1]} patches",
+    )
     interp = (
         getattr(model, "interpolate_offset", 0.0),
         getattr(model, "interpolate_antialias", False),
@@ -487,8 +534,10 @@ def _adapt_layerscale(sd: dict, theirs: ViTArch, mine: ViTArch, path, notes) -> 
     if theirs.layerscale:
         gammas = [k for k in sd if re.search(r"\.ls[12]\.gamma$", k)]
         if not all(bool((sd[k] == 1).all()) for k in gammas):
-            raise ValueError(f"{path}: the weights have LayerScale, the model has none "
-                             "(set model.layerscale_init)")  # fmt: skip
+            raise ValueError(
+                f"{path}: the weights have LayerScale, the model has none "
+                "(set model.layerscale_init)"
+            )
         _note(notes, "LayerScale of 1 left out (the model has none; the same function)")
         return {k: v for k, v in sd.items() if k not in gammas}
     _note(notes, "LayerScale set to 1 (the weights have none; the same function)")
@@ -502,8 +551,11 @@ def _bias_keys(arch: ViTArch | DinoV3Arch) -> dict[str, list[str]]:
     ffn = ["mlp.w12", "mlp.w3"] if arch.swiglu else ["mlp.fc1", "mlp.fc2"]
     masked = isinstance(arch, DinoV3Arch) and arch.masked_qkv_bias
     qkv = ["attn.qkv.q_bias", "attn.qkv.v_bias"] if masked else ["attn.qkv.bias"]
-    return {"qkv_bias": qkv, "proj_bias": ["attn.proj.bias"],
-            "ffn_bias": [f"{layer}.bias" for layer in ffn]}  # fmt: skip
+    return {
+        "qkv_bias": qkv,
+        "proj_bias": ["attn.proj.bias"],
+        "ffn_bias": [f"{layer}.bias" for layer in ffn],
+    }
 
 
 def _zero_bias(sd: dict, key: str) -> torch.Tensor | None:
@@ -528,8 +580,9 @@ def _adapt_biases(sd: dict, theirs, mine, path, notes) -> dict:
             sd = {k: v for k, v in sd.items() if k not in keys}
             _note(notes, f"zero {flag} left out (the model has none; the same function)")
         else:
-            raise ValueError(f"{path}: the weights have {flag}, the model has none "
-                             f"(set model.{flag})")  # fmt: skip
+            raise ValueError(
+                f"{path}: the weights have {flag}, the model has none (set model.{flag})"
+            )
     return sd
 
 
@@ -553,8 +606,10 @@ def _adapt_key_bias(sd: dict, theirs: DinoV3Arch, mine: DinoV3Arch, path, notes)
         if mine.mask_k_bias:
             q, k, v = out.pop(stem + "bias").chunk(3)
             if k.any():
-                raise ValueError(f"{path}: the weights have a key bias, the model holds it at "
-                                 "zero (DINOv3's mask_k_bias)")  # fmt: skip
+                raise ValueError(
+                    f"{path}: the weights have a key bias, the model holds it at "
+                    "zero (DINOv3's mask_k_bias)"
+                )
             out[stem + "q_bias"], out[stem + "v_bias"] = q, v
         else:
             q, v = out.pop(stem + "q_bias"), out.pop(stem + "v_bias")
@@ -631,19 +686,26 @@ def _check_dinov3(weights: ExternalWeights, backbone: nn.Module) -> None:
     if theirs is None or mine is None:
         held = theirs.describe() if theirs else _describe(weights.backbone, weights.patch_size)
         model = mine.describe() if mine else _describe(*_module_name(backbone.state_dict()))
-        raise ValueError(f"{weights.path}: the weights hold {held}, the model is {model}; "
-                         "DINOv3's ViT (RoPE, model.backbone vit_*_dinov3) and the other "
-                         "backbones do not load into each other")  # fmt: skip
+        raise ValueError(
+            f"{weights.path}: the weights hold {held}, the model is {model}; "
+            "DINOv3's ViT (RoPE, model.backbone vit_*_dinov3) and the other "
+            "backbones do not load into each other"
+        )
     if theirs.shape() != mine.shape():
-        raise ValueError(f"{weights.path}: the weights hold {theirs.describe()}, the model is "
-                         f"{mine.describe()} (set model.backbone, model.patch_size and "
-                         "model.depth to match)")  # fmt: skip
+        raise ValueError(
+            f"{weights.path}: the weights hold {theirs.describe()}, the model is "
+            f"{mine.describe()} (set model.backbone, model.patch_size and "
+            "model.depth to match)"
+        )
     if theirs.num_heads and theirs.num_heads != mine.heads:
-        raise ValueError(f"{weights.path}: the weights have {theirs.num_heads} heads, the "
-                         f"model {mine.heads}")  # fmt: skip
+        raise ValueError(
+            f"{weights.path}: the weights have {theirs.num_heads} heads, the model {mine.heads}"
+        )
     if theirs.rope is not None and theirs.rope != mine.rope_spec:
-        raise ValueError(f"{weights.path}: the weights' RoPE has {theirs.rope.describe()}, the "
-                         f"model's {mine.rope_spec.describe()}")  # fmt: skip
+        raise ValueError(
+            f"{weights.path}: the weights' RoPE has {theirs.rope.describe()}, the "
+            f"model's {mine.rope_spec.describe()}"
+        )
 
 
 def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
@@ -660,8 +722,10 @@ def _check_architecture(weights: ExternalWeights, backbone: nn.Module) -> None:
                 "and model.num_register_tokens and model.ffn_layer, to match)"
             )
         if theirs.num_heads and theirs.num_heads != backbone.num_heads:
-            raise ValueError(f"{weights.path}: the weights have {theirs.num_heads} heads, the "
-                             f"model {backbone.num_heads}")  # fmt: skip
+            raise ValueError(
+                f"{weights.path}: the weights have {theirs.num_heads} heads, the "
+                f"model {backbone.num_heads}"
+            )
         return
     mine = _module_name(backbone.state_dict())
     if mine != (weights.backbone, weights.patch_size):
@@ -774,10 +838,17 @@ def evaluate_weights(
     if "val" not in splits or not (root / "train").is_dir():
         raise FileNotFoundError(f"data folder {str(root)!r} needs train/ and val/ folders")
     dev = resolve_device(device)
-    results = knn_evaluate_splits(net.to(dev), root / "train", splits, image_size, dev, k=k,
-                                  temperature=temperature)  # fmt: skip
-    out = {"weights": str(path), "format": weights.format, "backbone": weights.backbone,
-           "which": which, "image_size": image_size, "device": str(dev)}  # fmt: skip
+    results = knn_evaluate_splits(
+        net.to(dev), root / "train", splits, image_size, dev, k=k, temperature=temperature
+    )
+    out = {
+        "weights": str(path),
+        "format": weights.format,
+        "backbone": weights.backbone,
+        "which": which,
+        "image_size": image_size,
+        "device": str(dev),
+    }
     for split, r in results.items():
         prefix = "" if split == "val" else f"{split}_"
         out |= {f"{prefix}top1": r["top1"], f"{prefix}top5": r["top5"]}

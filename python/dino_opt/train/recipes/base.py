@@ -96,8 +96,13 @@ class Recipe(ABC):
         """The one-step engine's class."""
 
     @abstractmethod
-    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
-                      reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
+    def frozen_copies(
+        self,
+        cfg: Config,
+        loss_fn: nn.Module,
+        teacher: nn.Module,
+        reader: WeightsReader | None = None,
+    ) -> list[nn.Module]:
         """Makes the frozen copies of ``teacher``'s backbone that ``loss_fn``
         (the recipe's loss) keeps, :meth:`frozen_backbone_copies` of them,
         with the weights of files read through ``reader`` where the config

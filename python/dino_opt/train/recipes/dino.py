@@ -29,10 +29,15 @@ class DINORecipe(Recipe):
     def build_loss(self, cfg: Config) -> nn.Module:
         s = cfg.schedule
         return DINOLoss(
-            cfg.model.out_dim, 2 + cfg.augmentation.num_local_views, s.warmup_teacher_temp,
-            s.teacher_temp, s.warmup_teacher_temp_epochs, s.epochs, s.student_temp,
+            cfg.model.out_dim,
+            2 + cfg.augmentation.num_local_views,
+            s.warmup_teacher_temp,
+            s.teacher_temp,
+            s.warmup_teacher_temp_epochs,
+            s.epochs,
+            s.student_temp,
             s.center_momentum,
-        )  # fmt: skip
+        )
 
     def loader_masks(self, cfg: Config) -> dict | None:
         return None
@@ -43,17 +48,23 @@ class DINORecipe(Recipe):
         multiplier other than 1 asks for them."""
         o = cfg.optim
         if (o.layerwise_decay, o.patch_embed_lr_mult, o.backbone_lr_mult) != (1.0, 1.0, 1.0):
-            return dinov2_param_groups(student, o.layerwise_decay, o.patch_embed_lr_mult,
-                                       o.backbone_lr_mult)  # fmt: skip
+            return dinov2_param_groups(
+                student, o.layerwise_decay, o.patch_embed_lr_mult, o.backbone_lr_mult
+            )
         return param_groups(student)
 
     def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):
         s, o = cfg.schedule, cfg.optim
         return Schedules.dino(
-            base_lr=base_lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            weight_decay_end=o.weight_decay_end, momentum_teacher=s.momentum_teacher,
-            epochs=s.epochs, warmup_epochs=s.warmup_epochs, niter_per_epoch=niter_per_epoch,
-        )  # fmt: skip
+            base_lr=base_lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            weight_decay_end=o.weight_decay_end,
+            momentum_teacher=s.momentum_teacher,
+            epochs=s.epochs,
+            warmup_epochs=s.warmup_epochs,
+            niter_per_epoch=niter_per_epoch,
+        )
 
     def freeze_last_layer(self, cfg: Config) -> int:
         return cfg.optim.freeze_last_layer
@@ -61,8 +72,13 @@ class DINORecipe(Recipe):
     def trainer_class(self, cfg: Config) -> type:
         return MemoryOptimizedDINOTrainer
 
-    def frozen_copies(self, cfg: Config, loss_fn: nn.Module, teacher: nn.Module,
-                      reader: WeightsReader | None = None) -> list[nn.Module]:  # fmt: skip
+    def frozen_copies(
+        self,
+        cfg: Config,
+        loss_fn: nn.Module,
+        teacher: nn.Module,
+        reader: WeightsReader | None = None,
+    ) -> list[nn.Module]:
         return []
 
     def resolve(self, cfg: Config, reader: WeightsReader) -> Config:

@@ -86,19 +86,26 @@ class DINOv2Recipe(DINORecipe):
 
     def param_groups(self, cfg: Config, student: nn.Module) -> list[dict]:
         o = cfg.optim
-        return dinov2_param_groups(student, o.layerwise_decay, o.patch_embed_lr_mult,
-                                   o.backbone_lr_mult)  # fmt: skip
+        return dinov2_param_groups(
+            student, o.layerwise_decay, o.patch_embed_lr_mult, o.backbone_lr_mult
+        )
 
     def build_schedules(self, cfg: Config, niter_per_epoch: int, base_lr: float):
         s, o = cfg.schedule, cfg.optim
         return Schedules.dinov2(
-            base_lr=base_lr, min_lr=o.min_lr,
-            weight_decay=o.weight_decay, weight_decay_end=o.weight_decay_end,
-            momentum_teacher=s.momentum_teacher, warmup_teacher_temp=s.warmup_teacher_temp,
-            teacher_temp=s.teacher_temp, warmup_teacher_temp_epochs=s.warmup_teacher_temp_epochs,
-            freeze_last_layer_epochs=o.freeze_last_layer, epochs=s.epochs,
-            warmup_epochs=s.warmup_epochs, niter_per_epoch=niter_per_epoch,
-        )  # fmt: skip
+            base_lr=base_lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            weight_decay_end=o.weight_decay_end,
+            momentum_teacher=s.momentum_teacher,
+            warmup_teacher_temp=s.warmup_teacher_temp,
+            teacher_temp=s.teacher_temp,
+            warmup_teacher_temp_epochs=s.warmup_teacher_temp_epochs,
+            freeze_last_layer_epochs=o.freeze_last_layer,
+            epochs=s.epochs,
+            warmup_epochs=s.warmup_epochs,
+            niter_per_epoch=niter_per_epoch,
+        )
 
     def freeze_last_layer(self, cfg: Config) -> int:
         return 0  # the last layers are frozen by their learning-rate schedule
