@@ -33,7 +33,8 @@ from dino_opt.tune import (
     memory_table,
 )
 from dino_opt.tune.distill_memory import trace_saved
-from dist_memory_worker import (
+from gloo_ranks import run_ranks
+from workers.dist_memory_worker import (
     MEMORY_RUN,
     _distill_step,
     _forward_backward,
@@ -42,7 +43,6 @@ from dist_memory_worker import (
     distill_teacher,
     heads_teacher,
 )
-from gloo_ranks import run_ranks
 
 HERE = Path(__file__).parent
 WORLDS = (1, 2, 8, 64, 1024)

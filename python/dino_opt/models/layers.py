@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -282,14 +281,24 @@ class LayerScale(nn.Module):
         return f"init_values={self.init_values}"
 
 
+#: The largest score matrix (bytes) the CPU's bfloat16 attention forms; past
+#: it, the flash kernel, which never forms it.
+CPU_SCORES_BYTES = 256 * 2**20
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``scaled_dot_product_attention(q, k, v)``; on the CPU in bfloat16 or
-    float16 through torch's math backend, whose matrix products run at the
-    CPU's bfloat16 rate where its flash kernel does not (docs/training.md,
-    "The step")."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v)
+    """``scaled_dot_product_attention(q, k, v)``. On the CPU in bfloat16 or
+    float16 as two matrix products in that dtype around a softmax (whose
+    kernel accumulates in float32): they run at the CPU's bfloat16 rate,
+    where its flash kernel and the math backend (which computes in float32)
+    do not (docs/training.md, "The step"); only up to
+    :data:`CPU_SCORES_BYTES` of scores."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if half and q.device.type == "cpu":
+        scores = q.shape[:-1].numel() * k.shape[-2] * q.element_size()
+        if scores <= CPU_SCORES_BYTES:
+            weights = torch.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1), dim=-1)
+            return weights @ v
     return F.scaled_dot_product_attention(q, k, v)
 
 
