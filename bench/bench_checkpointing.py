@@ -1,6 +1,7 @@
 """Activation checkpointing policies: peak memory and step time of a DINO
-training step with none (the baseline), full, selective and every-2nd-block
-checkpointing, beside the memory model's prediction
+training step with none (the baseline), full, selective, every-2nd-block
+checkpointing and selective at each rung of ``auto``'s ladder (rising
+``recompute_threshold``), beside the memory model's prediction
 (dino_opt.tune.estimate_memory).
 
     python bench/bench_checkpointing.py [--backbone vit_tiny] [--batch-size 16]
@@ -47,13 +48,13 @@ from dino_opt.train import (  # noqa: E402
     build_optimizer,
     build_trainer,
 )
-from dino_opt.tune import estimate_memory  # noqa: E402
+from dino_opt.tune import checkpointing_ladder, estimate_memory  # noqa: E402
 
 POLICIES = [("none", 1), ("full", 1), ("selective", 1), ("full", 2), ("selective", 2)]
 MIB = 2**20
 
 
-def config(args, policy: str, every: int, compiled: bool):
+def config(args, policy: str, every: int, compiled: bool, threshold: float = 0.0):
     return load_config(
         None,
         [
@@ -68,6 +69,7 @@ def config(args, policy: str, every: int, compiled: bool):
             "hardware.precision=fp32",
             f"hardware.activation_checkpointing={policy}",
             f"hardware.checkpoint_every={every}",
+            f"hardware.recompute_threshold={threshold!r}",
             f"hardware.compile={str(compiled).lower()}",
             "optim.freeze_last_layer=0",
         ],
@@ -125,6 +127,15 @@ def predicted(cfg) -> int:
     return e.peak - e.buckets
 
 
+def case_name(row: dict) -> str:
+    name = row["policy"]
+    if row["recompute_threshold"]:
+        name += f" >= {row['recompute_threshold']:.1f} FLOP/B"
+    if row["every"] != 1:
+        name += f" every {row['every']}"
+    return name + (" + compile" if row["compile"] else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backbone", default="vit_tiny")
@@ -136,24 +147,24 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also each policy compiled")
     parser.add_argument("--json", type=Path, help="default docs/results/checkpointing_cpu.json")
     args = parser.parse_args()
-    cases = [(p, e, False) for p, e in POLICIES]
-    cases += [(p, e, True) for p, e in POLICIES if args.compile and e == 1]
+    cases = [(p, e, False, 0.0) for p, e in POLICIES]
+    ladder = checkpointing_ladder(config(args, "none", 1, False))
+    cases += [(p, 1, False, t) for p, t in ladder if p == "selective"]
+    cases += [(p, e, True, 0.0) for p, e in POLICIES if args.compile and e == 1]
     torch.set_num_threads(args.threads)
-    cfgs = [config(args, p, e, c) for p, e, c in cases]
+    cfgs = [config(args, *case) for case in cases]
     results = []
-    for (policy, every, compiled), cfg in zip(cases, cfgs, strict=True):
+    for (policy, every, compiled, threshold), cfg in zip(cases, cfgs, strict=True):
         row = {
             "policy": policy,
             "every": every,
             "compile": compiled,
+            "recompute_threshold": threshold,
             "model_peak_bytes": predicted(cfg),
             **measure_memory(cfg),
         }
         results.append(row)
-        print(
-            f"{policy} every {every} compile {compiled}: {row['peak_bytes'] / MIB:.1f} MiB",
-            flush=True,
-        )
+        print(f"{case_name(row)}: {row['peak_bytes'] / MIB:.1f} MiB", flush=True)
     for row, times in zip(results, measure_times(cfgs, args.steps), strict=True):
         row.update(step_ms=statistics.median(times), step_ms_all=times)
     base = results[0]
@@ -168,8 +179,7 @@ def main() -> None:
     ]
     rows = [
         [
-            f"{r['policy']}{'' if r['every'] == 1 else ' every ' + str(r['every'])}"
-            f"{' +compile' if r['compile'] else ''}",
+            case_name(r),
             r["peak_bytes"] / MIB,
             r["model_peak_bytes"] / MIB,
             r["model_peak_bytes"] / r["peak_bytes"],

@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from dino_opt.config import load_config
-from dino_opt.models import CHECKPOINT_POLICIES, VisionTransformer, apply_block_options
+from dino_opt.models import (
+    CHECKPOINT_POLICIES,
+    VisionTransformer,
+    apply_block_options,
+    recompute_flops_per_byte,
+)
 from dino_opt.models import layers as layers_module
+from dino_opt.models.layers import Block
+from dino_opt.observe import AllocationTrace
 from dino_opt.train import build_models
 from gloo_ranks import run_ranks
 from torch import nn
@@ -108,9 +115,9 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops(policy: str) -> Counter:
+def _ops(policy: str, threshold: float = 0.0) -> Counter:
     model = _randomize(dino_vit(drop_path_rate=0.0)).train()
-    model.set_activation_checkpointing(policy)
+    model.set_activation_checkpointing(policy, 1, threshold)
     x = torch.randn(4, 3, 32, 32)
     with _OpCounter() as counter:
         model(x).sum().backward()
@@ -128,6 +135,75 @@ def test_selective_keeps_the_matrix_products_and_recomputes_the_rest():
     # norms and GELU are recomputed by both
     for op in ("native_layer_norm", "gelu"):
         assert selective[op] == full[op] > none[op], op
+
+
+# dino_vit in float32: linear layers of input width 32 cost 2 * 32 / 4 = 16
+# FLOPs per byte to recompute, the MLP's fc2 (input 128) 64, attention over
+# 17 keys of 8 per head 4 * 17 * 8 / (8 * 4 + 4) = 15.1.
+LINEAR, FC2, ATTENTION = 16.0, 64.0, 4 * 17 * 8 / 36
+
+
+@pytest.mark.parametrize("kind", ["dino", "dinov2"])
+@pytest.mark.parametrize("threshold", [1.0, ATTENTION + 0.1, LINEAR + 1])
+def test_a_recompute_threshold_gives_the_same_loss_and_gradients(kind, threshold):
+    model = _randomize(dino_vit() if kind == "dino" else dinov2_vit()).double().train()
+    ref_loss, ref = _loss_and_grads(model, kind)
+    model.set_activation_checkpointing("selective", 1, threshold)
+    assert all(b.recompute_threshold == threshold for b in model.blocks)
+    loss, got = _loss_and_grads(model, kind)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for name, g in got.items():
+        torch.testing.assert_close(g, ref[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_cost_of_recomputing_an_output():
+    x = torch.randn(10, 32)
+    w1, w2 = torch.randn(32, 128), torch.randn(128, 32)
+    assert recompute_flops_per_byte(torch.ops.aten.mm.default, x, w1) == LINEAR
+    assert recompute_flops_per_byte(torch.ops.aten.mm.default, x @ w1, w2) == FC2
+    bias = torch.zeros(128, dtype=torch.bfloat16)
+    x16, w16 = x.bfloat16(), w1.bfloat16()
+    assert recompute_flops_per_byte(torch.ops.aten.addmm.default, bias, x16, w16) == 32.0
+    q = torch.randn(2, 4, 17, 8)
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert recompute_flops_per_byte(attention, q, q, q) == pytest.approx(ATTENTION)
+    assert recompute_flops_per_byte(torch.ops.aten.gelu.default, x) is None
+
+
+def test_the_threshold_drops_the_cheapest_outputs_first():
+    """What a step recomputes, counted: above attention's cost, attention is
+    recomputed and the linear layers are not; above theirs, they are too."""
+    none = _ops("none")
+    counts = {t: _ops("selective", t) for t in (0.0, ATTENTION + 0.1, LINEAR + 1)}
+    attention = "_scaled_dot_product_flash_attention_for_cpu"
+
+    def matmuls(ops):
+        return ops["mm"] + ops["addmm"]
+
+    assert counts[0.0][attention] == none[attention] == 4
+    assert counts[ATTENTION + 0.1][attention] == 8
+    assert matmuls(counts[ATTENTION + 0.1]) == matmuls(none) == matmuls(counts[0.0])
+    assert matmuls(counts[LINEAR + 1]) > matmuls(counts[ATTENTION + 0.1])
+
+
+@pytest.mark.parametrize("layerscale", [None, 0.1])
+def test_above_zero_an_output_no_backward_reads_is_not_kept(layerscale):
+    """The feed-forward network's last output is read by nothing in the
+    backward without LayerScale: threshold 0 keeps it (every matrix
+    product's output), any threshold above does not."""
+    block = Block(32, 4, init_values=layerscale).train()
+    block.checkpointing = "selective"
+    x = torch.randn(64, 17, 32, requires_grad=True)
+
+    def kept(threshold: float) -> int:
+        block.recompute_threshold = threshold
+        with AllocationTrace() as trace:
+            out = block(x)
+        del out
+        return trace.live()[-1][1]
+
+    fc2_output = 64 * 17 * 32 * 4
+    assert kept(0.0) - kept(1.0) == (0 if layerscale else fc2_output)
 
 
 def test_checkpointing_only_while_training_with_autograd(monkeypatch):
@@ -157,6 +233,8 @@ def test_bad_options_are_refused():
         model.set_activation_checkpointing("partial")
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         model.set_activation_checkpointing("full", 0)
+    with pytest.raises(ValueError, match="recompute_threshold must be >= 0, got -1"):
+        model.set_activation_checkpointing("selective", 1, -1)
     with pytest.raises(ValueError, match="needs a ViT backbone, got Sequential"):
         apply_block_options(nn.Sequential(nn.Linear(2, 2)), "full")
     assert CHECKPOINT_POLICIES == ("none", "full", "selective")

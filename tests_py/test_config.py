@@ -693,7 +693,7 @@ def test_activation_checkpointing_keys():
     )
     assert (c.hardware.activation_checkpointing, c.hardware.checkpoint_every) == ("selective", 2)
     assert c.hardware.grad_checkpointing is True  # read-only: whether any block is checkpointed
-    with pytest.raises(ConfigError, match="none, full, selective; got 'partial'"):
+    with pytest.raises(ConfigError, match="none, full, selective, auto; got 'partial'"):
         load_config(None, ["hardware.activation_checkpointing=partial"])
     with pytest.raises(ConfigError, match="hardware.checkpoint_every must be >= 1, got 0"):
         load_config(None, ["hardware.checkpoint_every=0"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dino_opt.cli import main
-from dino_opt.config import load_config
+from dino_opt.config import apply_overrides, load_config
 from dino_opt.models import VisionTransformer
 from dino_opt.observe import AllocationTrace
 from dino_opt.train import (
@@ -27,10 +27,13 @@ from dino_opt.train.distill import FrozenTeacher
 from dino_opt.tune import (
     MEMORY_ARCHS,
     arch_config,
+    block_bytes_per_token,
     count_model,
     estimate_memory,
     largest_batch,
     memory_table,
+    selective_outputs,
+    sequence_lengths,
 )
 from dino_opt.tune.distill_memory import trace_saved
 from gloo_ranks import run_ranks
@@ -124,6 +127,30 @@ def test_checkpointing_shrinks_activations(counts):
             cfg, strategy="fsdp", world_size=8, counts=c, reshard_after_forward=False
         )
         assert kept.unsharded > resharded.unsharded
+
+
+def test_a_recompute_threshold_keeps_less(counts):
+    """Selective checkpointing at a rising threshold keeps less, and past
+    every output's cost keeps what full checkpointing keeps."""
+    for name, c in counts.items():
+        cfg = arch_config(name)
+        tokens = sequence_lengths(cfg, c)[0]
+        costs = sorted(cost for _, cost in selective_outputs(c, 2, tokens).values())
+        kept = [
+            block_bytes_per_token(c, 2, "selective", tokens=tokens, threshold=t)
+            for t in (0.0, *costs, costs[-1] + 1)
+        ]
+        assert kept[0] == kept[1] and kept == sorted(kept, reverse=True), name
+        assert kept[-1] == block_bytes_per_token(c, 2, "full") < kept[-2], name
+        peaks = [
+            estimate_memory(
+                apply_overrides(cfg, [f"hardware.recompute_threshold={t}"]),
+                checkpointing="selective",
+                counts=c,
+            ).peak
+            for t in (0.0, costs[-1])
+        ]
+        assert peaks[0] > peaks[1], name
 
 
 def test_batch_and_crops_scale_activations():
@@ -262,8 +289,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("policy, every", [("full", 1), ("selective", 1), ("full", 2)])
-def test_one_process_step_within_10_percent(policy, every, one_thread):
+# MEMORY_RUN's vit_tiny in float32: attention over a local crop's 5 keys
+# costs 4.9 FLOPs per byte to recompute, over a global crop's 17 16.7, its
+# linear layers 96 and fc2 384. 10: the local crops' attention recomputed;
+# 100: only fc2 kept.
+@pytest.mark.parametrize(
+    "policy, every, threshold",
+    [
+        ("full", 1, 0),
+        ("selective", 1, 0),
+        ("full", 2, 0),
+        ("selective", 1, 10),
+        ("selective", 1, 100),
+    ],
+)
+def test_one_process_step_within_10_percent(policy, every, threshold, one_thread):
     torch.manual_seed(0)
     cfg = load_config(
         None,
@@ -271,6 +311,7 @@ def test_one_process_step_within_10_percent(policy, every, one_thread):
             *MEMORY_RUN,
             f"hardware.activation_checkpointing={policy}",
             f"hardware.checkpoint_every={every}",
+            f"hardware.recompute_threshold={threshold}",
         ],
     )
     student, teacher = build_models(cfg)

@@ -339,9 +339,19 @@ class HardwareConfig:
         "none",
         "ViT blocks whose activations are recomputed in backward to save memory: none; full "
         "(keep only each block's input); selective (keep the linear layers' and attention's "
-        "outputs, recompute norms, activations, drop path). The old key "
-        "hardware.grad_checkpointing: true reads as full",
-        choices=("none", "full", "selective"),
+        "outputs, recompute norms, activations, drop path); auto: on a GPU, the first of none, "
+        "selective at rising recompute_threshold, full whose memory estimate fits the device "
+        "(resolved at start), none on the CPU. The old key hardware.grad_checkpointing: true "
+        "reads as full",
+        choices=("none", "full", "selective", "auto"),
+    )
+    recompute_threshold: float = _opt(
+        0.0,
+        "selective checkpointing keeps a matrix product's or attention's output only where "
+        "recomputing it costs at least this many FLOPs per byte kept (a linear layer's "
+        "2 x its input width / bytes per value; attention's about 2 x its keys), and recomputes "
+        "the others; 0 keeps them all",
+        ge=0,
     )
     checkpoint_every: int = _opt(
         1, "checkpoint every N-th block (blocks 0, N, 2N, ...); the others keep theirs", ge=1

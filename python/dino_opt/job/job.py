@@ -55,7 +55,7 @@ from ..runtime import (
     init_distributed,
 )
 from ..train import resolve_epochs, resolve_input, resolve_recipe
-from ..tune import resolve_hardware
+from ..tune import resolve_checkpointing, resolve_hardware
 from ..weights import init_from, start_students, weights_reader
 from .checkpoints import RunCheckpoints
 from .evaluation import Evaluator
@@ -180,6 +180,9 @@ class CheckpointedDINOTrainer:
                 print(self.epochs_choice, file=sys.stderr)
             self.config = resolve_recipe(self.config, self.reader)  # e.g. a teacher's widths
             self.config = resolve_input(self.config)  # the data's channels and normalisation
+            self.config, checkpointing = resolve_checkpointing(self.config, self.world)
+            if checkpointing is not None:
+                print(checkpointing.reason, file=sys.stderr)
         self.config = broadcast_object(self.config)
         if self.world > 1:  # rank 0's run folder (a default name holds the time it was made)
             self._set_output_dir(Path(gather_objects(str(self.output_dir))[0]))

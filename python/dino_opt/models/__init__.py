@@ -21,7 +21,7 @@ from .convnext import (
 )
 from .external import ExternalBackbone, build_external
 from .head import DINOHead, WeightNormLinear
-from .layers import CHECKPOINT_POLICIES, FFN_LAYERS
+from .layers import CHECKPOINT_POLICIES, FFN_LAYERS, recompute_flops_per_byte
 from .modes import eval_mode, running_stats_kept
 from .rope import RopePositionEmbedding
 from .tokens import Tokens, backbone_tokens, feature_width, pool_to_grid
@@ -55,6 +55,7 @@ __all__ = [
     "CONVNEXT_SIZES",
     "DINOV3_SIZES",
     "FFN_LAYERS",
+    "recompute_flops_per_byte",
     "VIT_OPTIONS",
     "ConvNeXt",
     "DINOHead",

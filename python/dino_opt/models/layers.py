@@ -22,6 +22,7 @@ as they are: ``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1.gamma``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "kept_rows",
     "kept_samples",
     "pack",
+    "recompute_flops_per_byte",
     "residual_subset",
     "selective_checkpoint_contexts",
     "swiglu_hidden_dim",
@@ -112,20 +114,20 @@ FFN_LAYERS = ("mlp", "swiglu", "swiglufused")
 #: Activation checkpointing of a block (``Block.checkpointing``): ``none``
 #: keeps every activation its backward needs; ``full`` keeps only the block's
 #: input and recomputes the block in the backward pass; ``selective`` keeps
-#: the outputs of the matrix products (linear layers) and of attention, and
-#: recomputes the cheap rest (norms, GELU/SiLU, LayerScale, drop path, adds).
+#: the outputs of the matrix products (linear layers) and of attention whose
+#: recomputation costs at least the block's ``recompute_threshold`` FLOPs
+#: per byte kept (0: all of them), and recomputes the cheap rest (norms,
+#: GELU/SiLU, LayerScale, drop path, adds).
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 
-# The operators whose outputs selective checkpointing keeps: what a linear
-# layer and scaled_dot_product_attention lower to below autograd, on every
-# device (the math attention of float64 and of masks lowers to bmm and softmax).
-_SAVED_OPS = frozenset(
+_MATMULS = frozenset(
+    getattr(torch.ops.aten, name).default for name in ("mm", "addmm", "bmm", "baddbmm")
+)
+# What scaled_dot_product_attention lowers to below autograd, on every device
+# (the math attention of float64 and of masks lowers to bmm and softmax).
+_ATTENTION = frozenset(
     getattr(torch.ops.aten, name).default
     for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_efficient_attention",
@@ -136,15 +138,49 @@ _SAVED_OPS = frozenset(
 )
 
 
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def recompute_flops_per_byte(op, *args) -> float | None:
+    """What recomputing ``op``'s output costs per byte of it kept: a matrix
+    product's ``2 K / s`` (K its reduction's length, s the bytes of a value:
+    2 M N K FLOPs for M N values); attention's ``4 Nk d / (d s + 4)`` per
+    head and query (its two products over Nk keys, for the output row and
+    its float32 log-sum-exp). None for every other operator (elementwise,
+    norms: a few FLOPs a value, always recomputed by ``selective``)."""
+    if op in _MATMULS:
+        a = (
+            args[1]
+            if op in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+            else args[0]
+        )
+        return 2.0 * a.shape[-1] / a.element_size()
+    if op in _ATTENTION:
+        q, k = args[0], args[1]
+        d = q.shape[-1]
+        return 4.0 * k.shape[-2] * d / (d * q.element_size() + 4)
+    return None
 
 
-def selective_checkpoint_contexts():
+def _keep_intensive(
+    threshold: float, unread: frozenset, ctx, op, *args, **kwargs
+) -> CheckpointPolicy:
+    cost = recompute_flops_per_byte(op, *args)
+    if cost is None or cost < threshold:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if threshold > 0 and op in _MATMULS and (args[-2].shape[-1], args[-1].shape[-1]) in unread:
+        return CheckpointPolicy.PREFER_RECOMPUTE  # kept, it would save no recomputation
+    return CheckpointPolicy.MUST_SAVE
+
+
+def selective_checkpoint_contexts(threshold: float = 0.0, unread: frozenset = frozenset()):
     """The context pair of torch's selective activation checkpointing
-    (``checkpoint(..., context_fn=selective_checkpoint_contexts)``) that keeps
-    the matrix products' and attention's outputs and recomputes the rest."""
-    return create_selective_checkpoint_contexts(_keep_matmuls)
+    (``checkpoint(..., context_fn=...)``). At ``threshold`` 0 it keeps every
+    matrix product's and attention's output; above, those whose
+    recomputation costs at least ``threshold`` FLOPs per byte kept
+    (:func:`recompute_flops_per_byte`) and that the backward reads: not the
+    products of input and output widths in ``unread`` (a block's last
+    feed-forward layer without LayerScale, whose output only the residual
+    add takes). It recomputes the rest."""
+    policy = functools.partial(_keep_intensive, threshold, frozenset(unread))
+    return create_selective_checkpoint_contexts(policy)
 
 
 def drop_path(x: torch.Tensor, p: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -404,6 +440,7 @@ class Block(nn.Module):
         self.mlp = _ffn(ffn_layer, dim, mlp_ratio, ffn_bias)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.checkpointing = "none"
+        self.recompute_threshold = 0.0  # selective: FLOPs per byte an output must cost to be kept
 
     def forward(self, x: torch.Tensor, rope=None, layout: Layout | None = None) -> torch.Tensor:
         """The block over a batch (B, N, C), or over the packed rows (T, C) of
@@ -417,9 +454,20 @@ class Block(nn.Module):
                 rope,
                 layout,
                 use_reentrant=False,
-                context_fn=selective_checkpoint_contexts,
+                context_fn=functools.partial(
+                    selective_checkpoint_contexts, self.recompute_threshold, self._unread_outputs()
+                ),
             )
         return checkpoint(self.residuals, x, rope, layout, use_reentrant=False)
+
+    def _unread_outputs(self) -> frozenset:
+        """(input, output) widths of the matrix products whose outputs the
+        backward does not read: the feed-forward network's last layer,
+        unless LayerScale (whose weight's gradient needs it) follows."""
+        if not isinstance(self.ls2, nn.Identity):
+            return frozenset()
+        last = self.mlp.w3 if isinstance(self.mlp, SwiGLUFFN) else self.mlp.fc2
+        return frozenset({(last.in_features, last.out_features)})
 
     def residuals(self, x: torch.Tensor, rope=None, layout: Layout | None = None) -> torch.Tensor:
         """The block without checkpointing: attention, then feed-forward
@@ -436,6 +484,8 @@ class Block(nn.Module):
         return self.drop_path.add(x, lambda t, _: self.ls2(self.mlp(self.norm2(t))), layout)
 
     def extra_repr(self) -> str:
+        if self.checkpointing == "selective" and self.recompute_threshold:
+            return f"checkpointing=selective, recompute_threshold={self.recompute_threshold:g}"
         return "" if self.checkpointing == "none" else f"checkpointing={self.checkpointing}"
 
 

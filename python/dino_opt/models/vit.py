@@ -186,14 +186,15 @@ class VisionTransformer(nn.Module):
             nn.init.normal_(self.register_tokens, std=1e-6)
 
     def set_activation_checkpointing(
-        self, policy: str = "full", every: int = 1
+        self, policy: str = "full", every: int = 1, recompute_threshold: float = 0.0
     ) -> VisionTransformer:
         """Checkpoint every ``every``-th block (blocks 0, every, 2 every, ...)
         with ``policy`` (one of :data:`CHECKPOINT_POLICIES`: ``full``
-        recomputes the block in the backward pass, ``selective`` keeps its
-        matrix products' and attention's outputs and recomputes the rest); the
-        other blocks keep their activations. Only while training with autograd
-        on. Returns ``self``."""
+        recomputes the block in the backward pass, ``selective`` keeps the
+        outputs of its matrix products and attention whose recomputation
+        costs at least ``recompute_threshold`` FLOPs per byte kept, and
+        recomputes the rest); the other blocks keep their activations. Only
+        while training with autograd on. Returns ``self``."""
         if policy not in CHECKPOINT_POLICIES:
             raise ValueError(
                 f"activation checkpointing must be one of "
@@ -201,8 +202,11 @@ class VisionTransformer(nn.Module):
             )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint every must be an int >= 1, got {every!r}")
+        if not recompute_threshold >= 0:
+            raise ValueError(f"recompute_threshold must be >= 0, got {recompute_threshold!r}")
         for i, block in enumerate(self.blocks):
             block.checkpointing = policy if i % every == 0 else "none"
+            block.recompute_threshold = float(recompute_threshold)
         return self
 
     def set_grad_checkpointing(self, enable: bool = True) -> VisionTransformer:
@@ -370,12 +374,14 @@ def apply_block_options(
     every: int = 1,
     compile: bool = False,
     compile_mode: str | None = None,
+    recompute_threshold: float = 0.0,
 ) -> nn.Module:
     """The per-block training options of a backbone, in place, in the order
     that composes with sharding (which comes after): activation checkpointing
     of every ``every``-th block with ``activation_checkpointing`` (one of
     :data:`CHECKPOINT_POLICIES`; see
-    :meth:`VisionTransformer.set_activation_checkpointing`), then
+    :meth:`VisionTransformer.set_activation_checkpointing`; ``selective``
+    with ``recompute_threshold``), then
     ``torch.compile`` of each block in place (``block.compile()``), so that a
     block's checkpoint is inside its compiled graph and ``state_dict`` keys
     keep their names. A backbone other than a ViT takes no checkpointing and
@@ -394,7 +400,7 @@ def apply_block_options(
         if compile:
             backbone.compile(mode=compile_mode)
         return backbone
-    backbone.set_activation_checkpointing(activation_checkpointing, every)
+    backbone.set_activation_checkpointing(activation_checkpointing, every, recompute_threshold)
     if compile:
         limit = 2 * MAX_CROP_SIZES * len(backbone.blocks) + 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)

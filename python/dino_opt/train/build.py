@@ -115,6 +115,9 @@ def build_student(cfg: Config, index: int) -> tuple[nn.Module, nn.Module]:
 def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
     m, h = cfg.model, cfg.hardware
     compile = h.compile is True  # null (not resolved by a run): off
+    # auto (not resolved by a run): none
+    policy = "none" if h.activation_checkpointing == "auto" else h.activation_checkpointing
+    checkpointing = (policy, h.checkpoint_every)
     vit = backbone_options(cfg) if m.backbone.startswith("vit") else {}
     vit["in_chans"] = m.in_channels or 3
     recipe = recipe_of(cfg)
@@ -122,7 +125,9 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
         net, _ = build_backbone(
             m.backbone, patch_size=m.patch_size, drop_path_rate=m.drop_path_rate, **vit
         )
-        apply_block_options(net, h.activation_checkpointing, h.checkpoint_every, compile=compile)
+        apply_block_options(
+            net, *checkpointing, compile=compile, recompute_threshold=h.recompute_threshold
+        )
         return recipe.wrap_models(cfg, MultiCropWrapper(net, nn.Identity()), None)
     student, teacher = build_dino_models(
         m.backbone,
@@ -136,7 +141,7 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
         **vit,
     )
     apply_block_options(
-        student.backbone, h.activation_checkpointing, h.checkpoint_every, compile=compile
+        student.backbone, *checkpointing, compile=compile, recompute_threshold=h.recompute_threshold
     )
     apply_block_options(teacher.backbone, compile=compile)  # no backward: nothing to recompute
     student, teacher = recipe.wrap_models(cfg, student, teacher)

@@ -1,6 +1,12 @@
 """Fast on this machine: model speed-ups, the batch-size search, the hardware
-preset, the per-rank memory model."""
+preset, the per-rank memory model and the checkpointing it chooses."""
 
+from .checkpointing import (
+    MEMORY_FRACTION,
+    CheckpointingChoice,
+    checkpointing_ladder,
+    resolve_checkpointing,
+)
 from .hardware import (
     PresetChoice,
     detect_device_memory,
@@ -13,10 +19,13 @@ from .memory_model import (
     STRATEGIES,
     MemoryEstimate,
     arch_config,
+    block_bytes_per_token,
     count_model,
     estimate_memory,
     largest_batch,
     memory_table,
+    selective_outputs,
+    sequence_lengths,
 )
 from .optimize import (
     COMPILE_MODES,
@@ -35,6 +44,7 @@ __all__ = [
     "COMPILE_MODES",
     "CONFIG_KEYS",
     "MEMORY_ARCHS",
+    "MEMORY_FRACTION",
     "STRATEGIES",
     "MemoryEstimate",
     "ModelOptimizer",
@@ -42,7 +52,10 @@ __all__ = [
     "PresetChoice",
     "SDPAForward",
     "ThroughputOptimizer",
+    "CheckpointingChoice",
     "arch_config",
+    "block_bytes_per_token",
+    "checkpointing_ladder",
     "count_model",
     "detect_device_memory",
     "dynamic_batch_size",
@@ -54,7 +67,10 @@ __all__ = [
     "optimize_attention",
     "optimize_model",
     "optimize_model_report",
+    "resolve_checkpointing",
     "resolve_hardware",
     "resolve_preset",
     "restore_attention",
+    "selective_outputs",
+    "sequence_lengths",
 ]

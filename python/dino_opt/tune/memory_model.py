@@ -46,6 +46,8 @@ __all__ = [
     "ModelCounts",
     "arch_config",
     "block_bytes_per_token",
+    "selective_outputs",
+    "sequence_lengths",
     "count_model",
     "estimate_distillation",
     "estimate_memory",
@@ -302,7 +304,13 @@ def _units(student: nn.Module) -> dict[str, tuple]:
 
 
 def block_bytes_per_token(
-    counts: ModelCounts, act_bytes: int, policy: str = "none", input_bytes: int = _FP32
+    counts: ModelCounts,
+    act_bytes: int,
+    policy: str = "none",
+    input_bytes: int = _FP32,
+    *,
+    tokens: int = 0,
+    threshold: float = 0.0,
 ) -> int:
     """Bytes one transformer block keeps per token for its backward pass.
 
@@ -313,7 +321,9 @@ def block_bytes_per_token(
     hidden activations (GELU's input and output; SwiGLU's fused projection,
     SiLU output and gated product) and, with LayerScale, the scaled branches.
     ``full``: the block input only. ``selective``: the block input and the
-    outputs of the matrix products and of attention."""
+    outputs of the matrix products and of attention (every one at
+    ``threshold`` 0; above, those that save at least ``threshold`` FLOPs
+    per byte, :func:`selective_outputs`, over sequences of ``tokens``)."""
     if policy not in CHECKPOINT_POLICIES:
         raise ValueError(f"policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")
     c, h, a = counts.embed_dim, counts.ffn_hidden, act_bytes
@@ -321,12 +331,33 @@ def block_bytes_per_token(
     if policy == "full":
         return input_bytes * c
     if policy == "selective":
-        ffn = (2 * a * h if counts.ffn == "swiglu" else a * h) + a * c  # fc1 / w12, fc2 / w3
-        return input_bytes * c + 3 * a * c + a * c + heads_lse + a * c + ffn
+        outputs = selective_outputs(counts, a, tokens).values()
+        kept = (b for b, cost in outputs if cost >= threshold and (cost > 0 or threshold == 0))
+        return input_bytes * c + sum(kept)
     ffn = 4 * a * h if counts.ffn == "swiglu" else 2 * a * h
     layerscale = 2 * a * c if counts.layerscale else 0
     norms = 2 * (_FP32 * c + _STATS)
     return norms + a * c + 3 * a * c + a * c + heads_lse + a * c + ffn + layerscale
+
+
+def selective_outputs(counts: ModelCounts, act_bytes: int, tokens: int) -> dict[str, tuple]:
+    """The outputs selective checkpointing may keep in a block, by name:
+    (bytes per token, FLOPs keeping it saves per byte), the latter as
+    :func:`~dino_opt.models.recompute_flops_per_byte` finds it at run time
+    (a linear layer's ``2 K / a``; attention over ``tokens`` keys, its
+    output and float32 log-sum-exp per head). The feed-forward network's
+    last output saves nothing without LayerScale: only the residual add
+    reads it, and the backward never recomputes it."""
+    c, h, a = counts.embed_dim, counts.ffn_hidden, act_bytes
+    d = c // counts.num_heads
+    linear = 2.0 * c / a
+    return {
+        "qkv": (3 * a * c, linear),
+        "attention": (a * c + _FP32 * counts.num_heads, 4.0 * tokens * d / (d * a + _FP32)),
+        "proj": (a * c, linear),
+        "fc1": (2 * a * h if counts.ffn == "swiglu" else a * h, linear),  # SwiGLU's w12
+        "fc2": (a * c, 2.0 * h / a if counts.layerscale else 0.0),  # SwiGLU's w3
+    }
 
 
 def _ffn_grad(counts: ModelCounts, a: int) -> int:
@@ -352,6 +383,13 @@ class _Step:
     def largest_group(self) -> int:
         """Tokens of the larger backbone call (all global or all local crops)."""
         return self.batch * max(2 * self.global_tokens, self.n_local * self.local_tokens)
+
+
+def sequence_lengths(cfg: Config, counts: ModelCounts) -> tuple[int, int]:
+    """Tokens of a global and of a local crop's sequence (the largest sizes),
+    the class and register tokens included."""
+    s = _step(cfg, counts)
+    return s.global_tokens, s.local_tokens
 
 
 def _step(cfg: Config, counts: ModelCounts) -> _Step:
@@ -537,6 +575,11 @@ def _setting(cfg: Config, checkpointing: str | None, every: int | None) -> tuple
     arguments, or the config's ``hardware`` keys; 4 bytes in fp32, else 2."""
     h = cfg.hardware
     checkpointing = h.activation_checkpointing if checkpointing is None else checkpointing
+    if checkpointing == "auto":
+        raise ValueError(
+            "activation checkpointing 'auto' is chosen when a run starts, from the device's "
+            "memory (dino_opt.tune.resolve_checkpointing); estimate none, full or selective"
+        )
     every = h.checkpoint_every if every is None else every
     return checkpointing, every, _FP32 if h.precision == "fp32" else 2
 
@@ -585,13 +628,23 @@ def _unsharded(counts: ModelCounts, a: int, strategy: str, reshard: bool) -> int
     return gathered + reduce
 
 
-def _blocks_per_token(counts: ModelCounts, a: int, policy: str, every: int, residual: int) -> int:
-    """What all blocks and the final norm keep per token: the checkpointed
-    blocks (0, every, 2 every, ...) by ``policy``, the others everything."""
+def _blocks_per_token(
+    counts: ModelCounts,
+    a: int,
+    policy: str,
+    every: int,
+    residual: int,
+    tokens: int = 0,
+    threshold: float = 0.0,
+) -> int:
+    """What all blocks and the final norm keep per token of a sequence of
+    ``tokens``: the checkpointed blocks (0, every, 2 every, ...) by
+    ``policy`` (``threshold``: selective's), the others everything."""
     checkpointed = len(range(0, counts.depth, every)) if policy != "none" else 0
     plain = counts.depth - checkpointed
+    kept = block_bytes_per_token(counts, a, policy, residual, tokens=tokens, threshold=threshold)
     return (
-        checkpointed * block_bytes_per_token(counts, a, policy, residual)
+        checkpointed * kept
         + plain * block_bytes_per_token(counts, a, "none")
         + _FP32 * counts.embed_dim
         + _STATS
@@ -633,35 +686,54 @@ def _activations(
     s = _step(cfg, counts)
     # At block boundaries the residual stream is float32 (autocast) or FSDP's 16-bit.
     residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
-    per_token = _blocks_per_token(counts, a, policy, every, residual)
+    setting = (counts, a, policy, every, residual)
+    threshold = cfg.hardware.recompute_threshold
+    groups = _crop_groups(s)
     crops = _crop_bytes(cfg, a)
-    kept = s.tokens * per_token + crops + _outside_blocks(cfg, counts, s, a, strategy)
+    blocks = sum(n * _blocks_per_token(*setting, t, threshold) for n, t in groups)
+    kept = blocks + crops + _outside_blocks(cfg, counts, s, a, strategy)
     # A block's backward: the residual's gradient and the widest gradients,
     # after recomputing what a checkpointed block did not keep. The backward
     # starts at the last block and ends at block 0 (always checkpointed).
-    working, recompute, last = _block_backward(counts, a, policy, every, residual)
+    backward = [(n, _block_backward(*setting, t, threshold)) for n, t in groups]
+    start = max(n * (working + last) for n, (working, _, last) in backward)
     rows, ibot_rows = _head_rows(cfg, counts, s)
     patch_dim = recipe_of(cfg).patch_head_dim(cfg)
     logits = (rows * cfg.model.out_dim + ibot_rows * patch_dim) * (_FP32 + a)
-    global_tokens = 2 * s.batch * s.global_tokens
-    end = global_tokens * (per_token + working + recompute) + crops
-    return kept, max(s.largest_group * (working + last), logits), end
+    (global_tokens, g), (_, (working, recompute, _)) = groups[0], backward[0]
+    end = global_tokens * (_blocks_per_token(*setting, g, threshold) + working + recompute) + crops
+    return kept, max(start, logits), end
 
 
 def _block_backward(
-    counts: ModelCounts, a: int, policy: str, every: int, residual: int
+    counts: ModelCounts,
+    a: int,
+    policy: str,
+    every: int,
+    residual: int,
+    tokens: int = 0,
+    threshold: float = 0.0,
 ) -> tuple[int, int, int]:
-    """Per token: a block's backward working set (the residual's gradient
-    and the widest gradients), what recomputing a checkpointed block adds,
-    and that for the last block (where the backward starts)."""
+    """Per token of a sequence of ``tokens``: a block's backward working set
+    (the residual's gradient and the widest gradients), what recomputing a
+    checkpointed block adds, and that for the last block (where the
+    backward starts)."""
     working = residual * counts.embed_dim + _ffn_grad(counts, a)
     recompute = 0
     if policy != "none":
-        recompute = block_bytes_per_token(counts, a, "none") - block_bytes_per_token(
-            counts, a, policy, residual
+        kept = block_bytes_per_token(
+            counts, a, policy, residual, tokens=tokens, threshold=threshold
         )
+        recompute = block_bytes_per_token(counts, a, "none") - kept
     last = recompute if (counts.depth - 1) % every == 0 else 0
     return working, recompute, last
+
+
+def _crop_groups(s: _Step, local: bool = True) -> list[tuple[int, int]]:
+    """(tokens of the step, tokens of a sequence) of the global crops and,
+    with ``local``, of the local crops."""
+    groups = [(2 * s.batch * s.global_tokens, s.global_tokens)]
+    return groups + [(s.batch * s.n_local * s.local_tokens, s.local_tokens)] if local else groups
 
 
 # ---------------------------------------------------------------- distillation
@@ -820,26 +892,32 @@ def _feature_student(
         unsharded -= a * counts.unit_size("root") if bank else 0
     s = _step(cfg, counts)
     residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
-    per_token = _blocks_per_token(counts, a, policy, every, residual)
+    setting = (counts, a, policy, every, residual)
+    threshold = cfg.hardware.recompute_threshold
     local = int(cfg.recipe.distill.local_weight > 0)  # the local crops' pass, their class rows
     rows = 2 * s.batch * (1 + s.global_tokens - counts.extra_tokens) + local * s.n_local * s.batch
-    tokens = s.tokens if local else 2 * s.batch * s.global_tokens
-    largest, pairs = (s.largest_group if local else tokens), 2 * local * s.n_local * s.batch
+    groups = _crop_groups(s, bool(local))
+    blocks = sum(n * _blocks_per_token(*setting, t, threshold) for n, t in groups)
+    pairs = 2 * local * s.n_local * s.batch
     hidden = cfg.recipe.distill.projector_hidden
     width, out = counts.embed_dim, cfg.recipe.distill.teacher_dim
     cast = a * width if a != _FP32 else 0  # the projector's 16-bit input
     projector = cast + (2 * a * hidden if hidden > 0 else 0)
     loss = 2 * (a + (_FP32 if a != _FP32 else 0)) * out  # student's and teacher's, and float32
-    working, recompute, last = _block_backward(counts, a, policy, every, residual)
-    first = block_bytes_per_token(counts, a, policy, residual)
+    # the backward starts at the larger group's last block
+    backward = [(n, _block_backward(*setting, t, threshold)) for n, t in groups]
+    start = max(n * (working + last) for n, (working, _, last) in backward)
+    largest, t = max(groups)
+    working, recompute, _ = _block_backward(*setting, t, threshold)
+    first = block_bytes_per_token(counts, a, policy, residual, tokens=t, threshold=threshold)
     return {
         **states,
         "parameter_count": counts.student,
         "trainable_count": counts.trainable,
         "teacher_count": counts.teacher,
         "unsharded": unsharded,
-        "activations": tokens * per_token + rows * (projector + loss) + pairs * 2 * _FP32 * out,
-        "working": largest * (working + last),
+        "activations": blocks + rows * (projector + loss) + pairs * 2 * _FP32 * out,
+        "working": start,
         "end": largest * (first + recompute + working),
     }
 
