@@ -127,7 +127,7 @@ from dino_opt.train import (
     build_trainer,
     param_groups,
 )
-from dino_opt.tune import resolve_hardware
+from dino_opt.tune import checkpointing_ladder, resolve_hardware
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -159,6 +159,7 @@ CASES = (
     "strong",
     "default",
     "default_fp32",
+    "default_lean",
     "dino_opt",
     *TOGGLES,
     "all_no_ckpt",
@@ -167,6 +168,7 @@ CASES = (
 )
 DEFAULT = "default"  # the default row's marker: built from the config as `dino-opt train` builds it
 FP32 = "fp32"  # with DEFAULT: hardware.precision=fp32 (the default step without bfloat16)
+LEAN = "lean"  # with DEFAULT: selective checkpointing at the first rung of auto's ladder
 ON_DEVICE = "on_device"  # the model_step row's marker: crops made on the device
 ON_DEVICE_BATCHES = 4  # random batches the model_step row cycles through
 # An end-to-end step this much slower than the model step is bound by its input;
@@ -177,6 +179,7 @@ LABELS = {
     "strong": "strong baseline: + bf16, compiled blocks, fused AdamW, foreach EMA",
     "default": "dino-opt train's step: its defaults, native loader",
     "default_fp32": "dino-opt train's step, precision fp32",
+    "default_lean": "dino-opt train's step, selective checkpointing",
     "dino_opt": "dino_opt trainer, switches off",
     "loader": "+ native loader",
     "fused_loss": "+ fused loss",
@@ -304,6 +307,8 @@ def case_toggles(case: str, available: list[str]) -> list[str] | None:
         return [DEFAULT, "loader"]
     if case == "default_fp32":
         return [DEFAULT, "loader", FP32]
+    if case == "default_lean":
+        return [DEFAULT, "loader", LEAN]
     if case == "all":
         return list(available)
     if case == "all_no_ckpt":
@@ -330,11 +335,13 @@ def model_config(s: dict):
     )
 
 
-def recipe_defaults(s: dict):
+def recipe_defaults(s: dict, lean: bool = False):
     """The config `dino-opt train` would run for the row's settings: its
     defaults (precision, optimizer, loss, EMA, drop path, compile) with the
     row's model, crops and batch, resolved for the row's device as a run
-    resolves it (``hardware.compile: null`` becomes on for a GPU)."""
+    resolves it (``hardware.compile: null`` becomes on for a GPU); ``lean``:
+    with selective checkpointing at the first rung of ``auto``'s ladder
+    (every output the backward reads kept)."""
     cfg = apply_overrides(
         model_config(s),
         [
@@ -346,7 +353,17 @@ def recipe_defaults(s: dict):
             f"data.batch_size={s.get('batch_size') or 1}",
         ],
     )
-    return resolve_hardware(cfg)[0]
+    cfg = resolve_hardware(cfg)[0]
+    if not lean:
+        return cfg
+    _, threshold = checkpointing_ladder(cfg)[1]
+    return apply_overrides(
+        cfg,
+        [
+            "hardware.activation_checkpointing=selective",
+            f"hardware.recompute_threshold={threshold!r}",
+        ],
+    )
 
 
 def compile_models(student, teacher, dynamic: bool | None, per_block: bool = False) -> None:
@@ -384,7 +401,8 @@ class Job:
         default = DEFAULT in use
         # the default row's models as `dino-opt train` builds them (its
         # attention, its blocks compiled where its config says so)
-        student, teacher = build_models(recipe_defaults(s) if default else model_config(s))
+        lean = LEAN in use
+        student, teacher = build_models(recipe_defaults(s, lean) if default else model_config(s))
         if not default:  # the published model: its head, plain attention unless switched
             for net in (student, teacher):
                 set_published_head(net)
@@ -426,7 +444,7 @@ class Job:
             )
             return
         if DEFAULT in use:
-            cfg = recipe_defaults(dict(s, batch_size=batch_size))
+            cfg = recipe_defaults(dict(s, batch_size=batch_size), lean)
             if FP32 in use:
                 cfg = apply_overrides(cfg, ["hardware.precision=fp32"])
             model = DINOModel(student, teacher, self.schedules.momentum)

@@ -358,6 +358,10 @@ def test_bench_quick_smoke_in_process(tmp_path):
     # the default rows: the step dino-opt train builds from its config
     assert results["default"]["toggles"] == ["default", "loader"]
     assert results["default_fp32"]["toggles"] == ["default", "loader", "fp32"]
+    # selective checkpointing recomputes, it does not change the losses
+    assert results["default_lean"]["toggles"] == ["default", "loader", "lean"]
+    lean, default = results["default_lean"]["losses"], results["default"]["losses"]
+    assert lean == pytest.approx(default, rel=1e-3)
     # Same init, same PIL crops, no drop path (--quick): the first loss (before
     # any update) agrees between the baseline and every row on the PIL loader.
     base = results["baseline"]["losses"][0]
