@@ -14,7 +14,7 @@ import yaml
 from dino_opt.cli import main
 from dino_opt.weights import open_backbone
 from PIL import Image
-from tiny import TINY
+from tiny import TINY, ranks_env, read_run
 
 # what differs between two runs of one training: where and how long
 _PLACE = ("train_seconds", "run_folder", "checkpoint", "profile")
@@ -38,6 +38,22 @@ def test_train_gives_the_report_of_the_command(one_epoch, tmp_path):
             pytest.approx(expected[key], abs=1e-6) if number else expected[key]
         ), key
     assert report["run_folder"] == str(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_nproc_starts_the_processes_of_the_command(one_epoch, tmp_path, monkeypatch):
+    root, _ = one_epoch
+    for key, value in ranks_env().items():
+        monkeypatch.setenv(key, value)
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    options = _as_keywords([*TINY, "schedule.epochs=1", "schedule.warmup_epochs=0"])
+    report = dino_opt.train(root / "train", out=tmp_path / "run", nproc=2, **options)
+    assert report["run_folder"] == str(tmp_path / "run")
+    run = read_run(tmp_path / "run")
+    assert run["report"] == report and run["state"]["world_size"] == 2
+    with pytest.raises(ValueError, match="nproc must be an int >= 1, got 0"):
+        dino_opt.train(root / "train", nproc=0)
 
 
 def test_sections_and_dotted_keys_are_overrides(tmp_path):

@@ -27,6 +27,7 @@ from PIL import Image
 from torch import nn
 
 from .config import Config, load_config
+from .distributed import launch_distributed_training
 from .eval import Embeddings, check_embeddings_output, write_embeddings
 from .job import run_training
 from .runtime import resolve_device
@@ -126,6 +127,7 @@ def train(
     config: str | os.PathLike | None = None,
     trust_code: bool = False,
     quiet: bool = False,
+    nproc: int = 1,
     **overrides,
 ) -> dict:
     """Trains as ``dino-opt train`` does and returns its report.
@@ -140,7 +142,12 @@ def train(
     ``model`` may also be the model section itself (``model={"backbone":
     "vit_tiny", "depth": 4}``). ``overrides``: any other key, as
     ``section={"key": value}`` or ``**{"section.key": value}`` (the data
-    section's keys only dotted: ``data`` is the images)."""
+    section's keys only dotted: ``data`` is the images). ``nproc``: the
+    processes of this node, as ``dino-opt train --nproc`` starts them (one
+    per GPU, or gloo processes on the CPU; a failed one restarts them all
+    from the last checkpoint); the report is rank 0's."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     keys = [_override("data.root", str(data))] if data is not None else []
     adapt = None
     if isinstance(model, Mapping):  # the section, as the other sections are given
@@ -159,6 +166,8 @@ def train(
         trust_code,
         [*keys, *_keyword_overrides(overrides)],
     )
+    if nproc > 1:
+        return launch_distributed_training(cfg, nproc, output_dir=out)
     return run_training(cfg, output_dir=out, quiet=quiet)
 
 
