@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 from dino_opt.cli import main
-from dino_opt.config import Config, ConfigError, apply_overrides
+from dino_opt.config import Config, ConfigError, apply_overrides, load_config
 from dino_opt.data import builtin_dataset
+from dino_opt.data.segmentation import segmentation_splits
+from dino_opt.eval.evaluate import evaluate_backbone
 from dino_opt.models import (
     VisionTransformer,
     adapt_input_weight,
@@ -20,7 +22,7 @@ from dino_opt.models import (
     build_dino_models,
     input_channels,
 )
-from dino_opt.train import resolve_input
+from dino_opt.train import data_roots, resolve_input
 from dino_opt.weights import init_from
 from dino_opt.weights.layouts import hf_vit_config, timm_model, vit_arch
 from dino_opt.weights.layouts_dinov3 import dinov3_arch, timm_dinov3_model
@@ -130,3 +132,24 @@ def test_architectures_read_from_weights_carry_the_channels():
     assert arch3.in_chans == 2 and timm_dinov3_model(arch3, 224)[1]["in_chans"] == 2
     rgb, _ = build_backbone("vit_tiny", patch_size=8, img_size=32, depth=1)
     assert vit_arch(rgb.state_dict()).in_chans == 3
+
+
+def test_the_end_of_run_evaluation_reads_native_images(tmp_path_factory):
+    """k-NN and the linear probe on the 1-channel 16-bit variant, whose
+    segmentation masks the dense probe (8-bit RGB through PIL) leaves."""
+    root = variant_root(tmp_path_factory, "gray16")
+    assert segmentation_splits(root) is not None  # the variant has masks
+    cfg = load_config(
+        None,
+        [
+            *NATIVE,
+            f"data.root={root / 'train'}",
+            "eval.linear=true",
+            "eval.linear_epochs=2",
+            "eval.dense=true",
+        ],
+    )
+    cfg = resolve_input(cfg)
+    net = build_backbone("vit_tiny", patch_size=8, in_chans=1, depth=2)[0]
+    out = evaluate_backbone(cfg, data_roots(cfg), net, torch.device("cpu"))
+    assert np.isfinite(out["knn"]["val"]["top1"]) and "linear" in out and "dense" not in out

@@ -233,8 +233,9 @@ def evaluate_backbone(
 ) -> dict:
     """One backbone's evaluation on a run's data: ``knn`` (val, test),
     ``linear`` (the grid and the logistic regression on features extracted
-    once; ``cfg.eval.linear``), ``dense`` (where the data has masks;
-    ``cfg.eval.dense``), and the val ``features``/``labels`` for plots."""
+    once; ``cfg.eval.linear``), ``dense`` (where the data has masks and
+    is read as RGB; ``cfg.eval.dense``), and the val ``features``/``labels``
+    for plots."""
     size, splits = _train_size(cfg), _splits(roots)
     probe = ProbeFeatures(net).to(device).eval()
     start = time.perf_counter()
@@ -255,7 +256,10 @@ def evaluate_backbone(
             cached=feats,
             seed=cfg.hardware.seed,
         )
-    masks = segmentation_splits(Path(roots.train).parent) if dense and cfg.eval.dense else None
+    # the dense probe reads its images and masks through PIL, as 8-bit RGB
+    rgb = cfg.data.image_mode == "rgb"
+    wanted = dense and cfg.eval.dense and rgb
+    masks = segmentation_splits(Path(roots.train).parent) if wanted else None
     if masks is not None and "val" in masks and probe.tokens:
         out["dense"] = dense_probe(
             net,
