@@ -28,11 +28,13 @@ add_library(dino_opt_loader_core STATIC
     ${DINO_OPT_LOADER_DIR}/sample_source.cpp
     ${DINO_OPT_LOADER_DIR}/shard_source.cpp)
 
-# The photometric kernel, once per instruction set (photometric.cpp picks one
-# at run time). -ffp-contract=off: a*b + c rounds twice, as in the CUDA kernel
-# (-fmad=false), so that CPU and GPU augmentations are bit-identical; FMA is
+# The photometric kernels (RGB and per-channel), once per instruction set
+# (photometric.cpp picks one at run time). -ffp-contract=off: a*b + c rounds
+# twice, as in the CUDA kernel (-fmad=false), so that CPU and GPU augmentations are bit-identical; FMA is
 # therefore not enabled. -fno-trapping-math changes no value; it lets the
 # compiler evaluate both sides of a select (solarise, hue) and so vectorise.
+# -fno-math-errno changes no value either: sqrt becomes one instruction, so
+# that the noise field's loop (channel_noise.h) vectorises.
 set(DINO_OPT_PHOTOMETRIC_ISAS default)
 set(DINO_OPT_PHOTOMETRIC_FLAGS_default "")
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
@@ -40,10 +42,11 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
   set(DINO_OPT_PHOTOMETRIC_FLAGS_avx2 -mavx2)
 endif()
 foreach(isa IN LISTS DINO_OPT_PHOTOMETRIC_ISAS)
-  add_library(dino_opt_photometric_${isa} OBJECT ${DINO_OPT_LOADER_DIR}/photometric_kernels.cpp)
+  add_library(dino_opt_photometric_${isa} OBJECT ${DINO_OPT_LOADER_DIR}/photometric_kernels.cpp
+              ${DINO_OPT_LOADER_DIR}/channel_photometric_kernels.cpp)
   target_include_directories(dino_opt_photometric_${isa} PRIVATE "${DINO_OPT_LOADER_DIR}/..")
   target_compile_options(dino_opt_photometric_${isa} PRIVATE -Wall -Wextra -ffp-contract=off
-                         -fno-trapping-math ${DINO_OPT_PHOTOMETRIC_FLAGS_${isa}})
+                         -fno-trapping-math -fno-math-errno ${DINO_OPT_PHOTOMETRIC_FLAGS_${isa}})
   target_compile_definitions(dino_opt_photometric_${isa} PRIVATE
                              DINO_OPT_PHOTOMETRIC_ISA=photometric_${isa})
   set_target_properties(dino_opt_photometric_${isa} PROPERTIES POSITION_INDEPENDENT_CODE ON)

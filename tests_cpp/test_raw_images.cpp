@@ -6,6 +6,7 @@
 // run; the NumPy references of the crops are in tests_py/test_raw_images.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,10 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "loader/channel_noise.h"
 #include "loader/channel_photometric.h"
 #include "loader/image_decode.h"
 #include "loader/multicrop_pipeline.h"
 #include "loader/npy_format.h"
+#include "loader/photometric_isa.h"
 #include "loader/resample.h"
 #include "loader/resample_raw.h"
 
@@ -290,6 +293,87 @@ TEST(RawImages, IdentityChannelStageIsScaleAndNormalise) {
     }
   }
 }
+
+// The loader's float32 evaluation of the noise field against its float64
+// definition, on the extreme hashes (u1 next to 0 and to 1, u2 on and next
+// to every quarter turn) and on random ones.
+TEST(RawImages, ChannelNoiseInFloat32IsTheFloat64Field) {
+  namespace nm = dl::channel_noise_math;
+  auto reference = [](uint32_t a, uint32_t b) {
+    const double u1 = (static_cast<double>(a) + 0.5) / 4294967296.0;
+    const double u2 = static_cast<double>(b) / 4294967296.0;
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  };
+  std::vector<uint32_t> as = {0u,          1u,          2u,          1000u,       0x7FFFFFFFu,
+                              0x80000000u, 0xB504F333u, 0xFFFFF000u, 0xFFFFFFFEu, 0xFFFFFFFFu};
+  std::vector<uint32_t> bs;
+  for (uint32_t q = 0; q < 8; ++q) {
+    const uint32_t at = q << 29;  // multiples of an eighth turn
+    for (uint32_t d : {0u, 1u, 0xFFFFFFFFu}) bs.push_back(at + d);
+  }
+  std::mt19937 rng(std::random_device{}());
+  for (int i = 0; i < 200; ++i) {
+    as.push_back(static_cast<uint32_t>(rng()));
+    bs.push_back(static_cast<uint32_t>(rng()));
+  }
+  double worst = 0.0;
+  for (uint32_t a : as) {
+    for (uint32_t b : bs) {
+      const double want = reference(a, b);
+      const double err = std::abs(static_cast<double>(nm::noise_f32(a, b)) - want);
+      worst = std::max(worst, err / (1.0 + std::abs(want)));
+    }
+  }
+  EXPECT_LT(worst, 1e-6);
+  // The hashes are the field's.
+  for (uint64_t index : {uint64_t{0}, uint64_t{77}, (uint64_t{1} << 33) + 5}) {
+    const float z = nm::noise_f32(nm::noise_hash_a(9u, index), nm::noise_hash_b(9u, index));
+    EXPECT_NEAR(z, dl::channel_noise(9u, index), 1e-5);
+  }
+}
+
+#if DINO_OPT_PHOTOMETRIC_HAS_AVX2
+// The per-channel stage's instruction-set variants compute the same bits.
+TEST(RawImages, ChannelStageVariantsAgreeBitForBit) {
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int c : {1, 3, 13}) {
+    for (auto type : {dl::SampleType::kU8, dl::SampleType::kU16, dl::SampleType::kF32}) {
+      for (auto [h, w] : {std::pair{96, 96}, std::pair{37, 61}, std::pair{2, 3}}) {
+        const dl::RawImage im = random_image(rng, w, h, {c, type});
+        dl::ChannelParams p;
+        p.flip = rng() & 1;
+        p.blur_sigma = rng() % 3 == 0 ? 0.0f : 0.1f + 1.9f * u(rng);
+        p.noise_std = rng() % 3 == 0 ? 0.0f : 0.2f * u(rng);
+        p.noise_key = static_cast<uint32_t>(rng());
+        dl::ChannelNormalization norm;
+        for (int i = 0; i < c; ++i) {
+          p.brightness.push_back(rng() % 4 == 0 ? 1.0f : 0.6f + 0.8f * u(rng));
+          p.contrast.push_back(rng() % 4 == 0 ? 1.0f : 0.6f + 0.8f * u(rng));
+          norm.mean.push_back(0.2f + 0.4f * u(rng));
+          norm.std.push_back(0.1f + 0.3f * u(rng));
+        }
+        for (auto out_type : {dl::OutputType::kFloat32, dl::OutputType::kBFloat16}) {
+          for (bool channels_last : {false, true}) {
+            std::vector<float> a(static_cast<size_t>(c) * h * w), b(a.size());
+            std::vector<float> scratch(dl::channel_scratch_floats(h, w, c));
+            dl::PlanarOutput o{a.data(), out_type, channels_last ? 1 : int64_t{h} * w,
+                               channels_last ? int64_t{w} * c : w, channels_last ? c : 1};
+            dl::photometric_default::apply_channel_photometric_kernel(
+                im.bytes.data(), im.layout, h, w, p, norm, o, scratch.data());
+            o.data = b.data();
+            dl::photometric_avx2::apply_channel_photometric_kernel(im.bytes.data(), im.layout, h, w,
+                                                                   p, norm, o, scratch.data());
+            ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                << c << " " << dl::sample_type_name(type) << " " << h << "x" << w;
+          }
+        }
+      }
+    }
+  }
+}
+#endif
 
 #if DINO_OPT_TEST_IMGCODECS
 TEST(RawImages, PngAndTiffRoundTripAtTheirDepth) {

@@ -65,7 +65,10 @@ size_t channel_scratch_floats(int height, int width, int channels);
 // (a float64 sum), each clamped to [0, 1] for integer samples (not for float
 // ones); the blur as the RGB stage's (2 ceil(3 sigma) + 1 taps clamped per
 // axis, reflect padding, vertical then horizontal); (x - mean_c) / std_c;
-// plus noise_std * channel_noise(key, c h w + y w + x); flipped when writing.
+// plus noise_std * z with z sample c h w + y w + x of the field channel_noise
+// defines, evaluated in float32 (channel_noise.h: within a few float ulps of
+// channel_noise's value); flipped when writing. Vectorised and run for the
+// instruction set the RGB stage runs (photometric_isa).
 void apply_channel_photometric(const uint8_t* src, ImageLayout layout, int height, int width,
                                const ChannelParams& params, const ChannelNormalization& norm,
                                const PlanarOutput& out, float* scratch);
