@@ -204,6 +204,46 @@ def test_linear_probe_end_to_end(tiny_data):
     assert not calls and again["n_train"] == 8 and "logreg" not in again
 
 
+def test_augmented_probe_reads_native_images_as_the_training_loader(tmp_path):
+    """16-bit grey images, image_mode native: the augmented crops reach the
+    backbone with one channel at their depth and the run's normalisation."""
+    root = builtin_dataset(
+        tmp_path / "gray16",
+        image_size=32,
+        train_per_class=2,
+        val_per_class=1,
+        test_per_class=0,
+        variant="gray16",
+    )
+    torch.manual_seed(0)
+    vit = VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, in_chans=1
+    )
+    seen = []
+    vit.patch_embed.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    # mean 0, std 1 / 65535: the crops arrive in uint16 units.
+    native = {"image_mode": "native", "mean": [0.0], "std": [1.0 / 65535]}
+    data = ProbeData(root / "train", root / "val")
+    out = linear_probe(
+        vit,
+        data,
+        32,
+        mode="augmented",
+        epochs=1,
+        batch_size=8,
+        learning_rates=(0.1,),
+        input=native,
+        logreg=False,
+    )
+    assert out["steps"] >= 1 and seen
+    crops = torch.cat([x for x in seen if x.shape[0] > 0])
+    assert crops.shape[1] == 1
+    # The gray16 scenes span about 600 levels around 30,000 (docs/loader.md):
+    # at 8 bits they would be 2 to 3 distinct values, here hundreds.
+    assert 28_000 < crops.mean().item() < 32_000
+    assert torch.unique(crops.round()).numel() > 50
+
+
 def test_bad_input(tiny_data, tmp_path):
     vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2)
     data = ProbeData(tiny_data / "train", tiny_data / "val")

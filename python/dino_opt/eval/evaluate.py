@@ -255,6 +255,7 @@ def evaluate_backbone(
             device=device,
             cached=feats,
             seed=cfg.hardware.seed,
+            input=loader_input(cfg),
         )
     # the dense probe reads its images and masks through PIL, as 8-bit RGB
     rgb = cfg.data.image_mode == "rgb"

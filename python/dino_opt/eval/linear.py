@@ -431,9 +431,13 @@ def _augmented_batches(
     seed: int,
     device: torch.device,
     amp: bool,
+    input: dict | None = None,
 ):
     """Random-resized crops (scale 0.08-1) with flips from the native loader
-    (two crops per image per epoch), through the frozen backbone."""
+    (two crops per image per epoch), through the frozen backbone; ``input``:
+    the loader's image mode and normalisation, as for the features of val
+    and test (:func:`probe_features`), so that images that are not 8-bit RGB
+    are read as the training loader read them."""
     loader = MultiCropLoader(
         source,
         batch_size=max(1, batch_size // 2),
@@ -444,6 +448,7 @@ def _augmented_batches(
         seed=seed,
         augment=AUGMENT_FLIP_ONLY,
         group_by_resolution=True,
+        **(input or {}),
     )
     dtype = torch.bfloat16 if amp else None
 
@@ -459,7 +464,8 @@ def _augmented_batches(
     return epoch, len(loader), loader
 
 
-#: The loader's photometric options for the probe's training crops: flips only.
+#: The loader's photometric options for the probe's training crops: flips
+#: only (no noise either, for images that are not 8-bit RGB).
 AUGMENT_FLIP_ONLY = {
     "flip_p": 0.5,
     "jitter_p": 0.0,
@@ -468,6 +474,7 @@ AUGMENT_FLIP_ONLY = {
     "blur_p_global2": 0.0,
     "blur_p_local": 0.0,
     "solarize_p_global2": 0.0,
+    "noise_p": 0.0,
 }
 
 
@@ -501,7 +508,7 @@ def linear_probe(
     ``cached`` (``{"train": (x, y), ...}``) reuses extracted probe features.
     ``keep_head``: ``head`` holds the best classifier (:func:`best_classifier`;
     tensors, not JSON). ``input``: the loader's image mode and normalisation
-    (:func:`probe_features`)."""
+    (:func:`probe_features`), for the features and the augmented crops alike."""
     if mode not in ("fast", "augmented"):
         raise ValueError(f"mode must be 'fast' or 'augmented', got {mode!r}")
     epochs = EPOCHS[mode] if epochs is None and mode in EPOCHS else epochs
@@ -529,7 +536,7 @@ def linear_probe(
         )
     else:
         batches, steps, loader = _augmented_batches(
-            probe, sources["train"], image_size, batch_size, seed, device, amp
+            probe, sources["train"], image_size, batch_size, seed, device, amp, input
         )
         with loader:
             fit = fit_grid(grid, batches, epochs, steps, device)
