@@ -393,7 +393,14 @@ void check_bmp_complete(const uint8_t* d, size_t n, const ImageHeader& header) {
   }
 }
 
-ImageHeader tiff_header(const uint8_t* d, size_t n) {
+// The first IFD's size and SamplesPerPixel, and whether its first extra
+// sample is unassociated alpha (ExtraSamples, 338, = 2).
+struct TiffInfo {
+  ImageHeader header;
+  bool unassociated_alpha = false;
+};
+
+TiffInfo tiff_info(const uint8_t* d, size_t n) {
   const ImageFormat f = ImageFormat::kTiff;
   const bool little = d[0] == 'I';
   const bool big_tiff = (little ? d[2] : d[3]) == 43;
@@ -422,10 +429,20 @@ ImageHeader tiff_header(const uint8_t* d, size_t n) {
   uint64_t side[2] = {0, 0};  // ImageWidth (256), ImageLength (257)
   bool found[2] = {false, false};
   uint64_t samples = 1;  // SamplesPerPixel (277), 1 when absent (TIFF 6.0)
+  bool unassociated_alpha = false;
   for (uint64_t i = 0; i < count; ++i) {
     const size_t e = entries_at + i * entry_size;
     const uint32_t tag = u16(e), type = u16(e + 2);
     if (tag == 277 && type == 3) samples = u16(e + value_at);
+    if (tag == 338 && type == 3) {
+      // The first SHORT: in the value field when the values fit there, else at its offset.
+      const uint64_t n_values = big_tiff ? u64(e + 4) : u32(e + 4);
+      uint64_t at = e + value_at;
+      if (n_values * 2 > entry_size - value_at) {
+        at = big_tiff ? u64(e + value_at) : u32(e + value_at);
+      }
+      unassociated_alpha = n_values > 0 && at <= n - 2 && u16(at) == 2;
+    }
     if (tag != 256 && tag != 257) continue;
     uint64_t v = 0;
     if (type == 3) {
@@ -444,8 +461,11 @@ ImageHeader tiff_header(const uint8_t* d, size_t n) {
     corrupt_header(f, "no ImageWidth or ImageLength tag in the first IFD");
   }
   if (side[0] > INT32_MAX || side[1] > INT32_MAX) corrupt_header(f, "side above 2^31 - 1");
-  return {f, static_cast<int>(side[0]), static_cast<int>(side[1]), static_cast<int>(samples)};
+  return {{f, static_cast<int>(side[0]), static_cast<int>(side[1]), static_cast<int>(samples)},
+          unassociated_alpha};
 }
+
+ImageHeader tiff_header(const uint8_t* d, size_t n) { return tiff_info(d, n).header; }
 
 void check_max_pixels(const DecodeOptions& options) {
   if (options.max_pixels <= 0) {
@@ -658,6 +678,14 @@ RawImage raw_with_opencv(const uint8_t* data, size_t size, const ImageHeader& he
     default:
       throw ImageError(name + " image with " + depth_name(decoded.depth()) +
                        " samples (uint8, uint16 and float32 are read)");
+  }
+  // OpenCV reads 8-bit RGBA TIFFs through libtiff's RGBA interface, which
+  // premultiplies unassociated alpha into the colours: not the stored values.
+  if (f == ImageFormat::kTiff && layout.channels == 4 && layout.type == SampleType::kU8 &&
+      tiff_info(data, size).unassociated_alpha) {
+    throw ImageError(
+        "8-bit TIFF with unassociated alpha, whose colours OpenCV returns multiplied by the "
+        "alpha: save it as a PNG or a .npy array (H, W, C) instead");
   }
   // OpenCV's PNG decoder turns gray + alpha into BGRA: back to (gray, alpha).
   const bool gray_alpha = f == ImageFormat::kPng && header.channels == 2 && layout.channels == 4;
