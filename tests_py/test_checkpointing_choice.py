@@ -5,7 +5,7 @@ on the CPU; a distillation refused with one line."""
 import pytest
 from dino_opt.config import ConfigError, apply_overrides, load_config
 from dino_opt.tune import (
-    MEMORY_FRACTION,
+    USABLE_MEMORY_FRACTION,
     checkpointing_ladder,
     estimate_memory,
     resolve_checkpointing,
@@ -49,7 +49,7 @@ def test_auto_takes_the_first_setting_that_fits():
     peaks = [_peak(cfg, p, t) for p, t in ladder]
     for i in range(1, len(ladder)):
         # memory between this rung's peak and the one before's: this rung
-        gib = (peaks[i] + peaks[i - 1]) / 2 / MEMORY_FRACTION / 2**30
+        gib = (peaks[i] + peaks[i - 1]) / 2 / USABLE_MEMORY_FRACTION / 2**30
         resolved, choice = resolve_checkpointing(cfg, memory_gib=gib)
         policy, threshold = ladder[i]
         assert (choice.policy, choice.threshold, choice.peak) == (policy, threshold, peaks[i])

@@ -15,6 +15,7 @@ from ..train import recipe_of, resolve_recipe
 from ..tune import (
     MEMORY_ARCHS,
     STRATEGIES,
+    USABLE_MEMORY_FRACTION,
     arch_config,
     largest_batch,
     measure_batch_size,
@@ -119,7 +120,7 @@ def _memory_model(args: argparse.Namespace) -> int:
         overrides=tuple(args.overrides),
         frozen_teacher=teacher,
     )
-    usable = None if args.memory is None else args.memory * 2**30 * _USABLE
+    usable = None if args.memory is None else args.memory * 2**30 * USABLE_MEMORY_FRACTION
     out = [r.to_dict() for r in rows]
     if usable:
         configs = {r.arch: arch_config(r.arch) if r.arch in MEMORY_ARCHS else config for r in rows}
@@ -142,9 +143,6 @@ def _memory_model(args: argparse.Namespace) -> int:
         return 0
     _print_memory(rows, out, usable)
     return 0
-
-
-_USABLE = 0.9  # of a GPU's memory: the rest for the CUDA context and fragmentation
 
 
 def _print_memory(rows, out: list[dict], usable: float | None) -> None:
@@ -178,8 +176,8 @@ def _print_memory(rows, out: list[dict], usable: float | None) -> None:
     )
     if usable:
         print(
-            f"fits / max batch (per GPU): peak <= {_USABLE:.0%} of --memory (the rest for the "
-            "CUDA context and fragmentation)."
+            f"fits / max batch (per GPU): peak <= {USABLE_MEMORY_FRACTION:.0%} of --memory "
+            "(the rest for the CUDA context and fragmentation)."
         )
 
 

@@ -2,7 +2,6 @@
 preset, the per-rank memory model and the checkpointing it chooses."""
 
 from .checkpointing import (
-    MEMORY_FRACTION,
     CheckpointingChoice,
     checkpointing_ladder,
     resolve_checkpointing,
@@ -38,14 +37,19 @@ from .optimize import (
     optimize_model_report,
     restore_attention,
 )
-from .throughput import OptimizedDataLoader, ThroughputOptimizer, dynamic_batch_size
+from .throughput import (
+    USABLE_MEMORY_FRACTION,
+    OptimizedDataLoader,
+    ThroughputOptimizer,
+    dynamic_batch_size,
+)
 
 __all__ = [
     "COMPILE_MODES",
     "CONFIG_KEYS",
     "MEMORY_ARCHS",
-    "MEMORY_FRACTION",
     "STRATEGIES",
+    "USABLE_MEMORY_FRACTION",
     "MemoryEstimate",
     "ModelOptimizer",
     "OptimizedDataLoader",

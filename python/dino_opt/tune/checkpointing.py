@@ -9,7 +9,7 @@ goes, then over a global crop's, then the linear layers of input width C;
 with LayerScale the feed-forward network's last, of input width 4C,
 last); ``full`` last. The
 first whose peak (:func:`~dino_opt.tune.estimate_memory`, at the run's
-strategy and world size) is within :data:`MEMORY_FRACTION` of the GPU's
+strategy and world size) is within :data:`USABLE_MEMORY_FRACTION` of the GPU's
 memory is chosen. On the CPU, where the memory model is not calibrated and
 memory rarely binds, ``auto`` is ``none``.
 """
@@ -21,18 +21,20 @@ from typing import NamedTuple
 from ..config import Config, ConfigError, apply_overrides
 from ..train import recipe_of
 from .hardware import detect_device_memory
-from .memory_model import count_model, estimate_memory, selective_outputs, sequence_lengths
+from .memory_model import (
+    activation_bytes,
+    count_model,
+    estimate_memory,
+    selective_outputs,
+    sequence_lengths,
+)
+from .throughput import USABLE_MEMORY_FRACTION
 
 __all__ = [
-    "MEMORY_FRACTION",
     "CheckpointingChoice",
     "checkpointing_ladder",
     "resolve_checkpointing",
 ]
-
-#: The share of a GPU's memory the estimated peak may take (the allocator's
-#: fragmentation and the CUDA context take the rest).
-MEMORY_FRACTION = 0.9
 
 
 class CheckpointingChoice(NamedTuple):
@@ -50,7 +52,7 @@ def checkpointing_ladder(cfg: Config) -> list[tuple[str, float]]:
     most, at ``cfg``'s shapes and precision; every selective step drops
     at least one kind of output."""
     counts = count_model(cfg)
-    a = 4 if cfg.hardware.precision == "fp32" else 2
+    a = activation_bytes(cfg)
     costs = {
         cost
         for tokens in sequence_lengths(cfg, counts)
@@ -84,10 +86,10 @@ def resolve_checkpointing(
             "hardware.activation_checkpointing=auto: a distillation's memory depends on its "
             "teacher; choose none, selective or full (dino-opt memory estimates each)"
         )
-    budget = MEMORY_FRACTION * memory_gib * 2**30
+    budget = USABLE_MEMORY_FRACTION * memory_gib * 2**30
     strategy = cfg.distributed.strategy
-    tried = []
-    for policy, threshold in checkpointing_ladder(cfg):
+    ladder = checkpointing_ladder(cfg)
+    for policy, threshold in ladder:
         candidate = apply_overrides(
             cfg,
             [
@@ -96,14 +98,14 @@ def resolve_checkpointing(
             ],
         )
         peak = estimate_memory(candidate, strategy=strategy, world_size=world_size).peak
-        tried.append(peak)
         if peak <= budget:
             break
+    rejected = ladder.index((policy, threshold))  # the rungs before: they did not fit
     setting = policy if policy != "selective" else f"selective, recompute_threshold {threshold:g}"
     fits = "fits" if peak <= budget else "does not fit even so"
     reason = (
         f"activation checkpointing auto: {setting} (estimated peak {peak / 2**30:.1f} GiB "
-        f"{fits} in {MEMORY_FRACTION:.0%} of {memory_gib:.1f} GiB; "
-        f"{len(tried) - 1} setting(s) with less recomputation did not)"
+        f"{fits} in {USABLE_MEMORY_FRACTION:.0%} of {memory_gib:.1f} GiB; "
+        f"{rejected} setting(s) with less recomputation did not)"
     )
     return candidate, CheckpointingChoice(policy, threshold, peak, reason)

@@ -45,6 +45,7 @@ __all__ = [
     "MemoryEstimate",
     "ModelCounts",
     "arch_config",
+    "activation_bytes",
     "block_bytes_per_token",
     "selective_outputs",
     "sequence_lengths",
@@ -570,6 +571,12 @@ def _estimate(
     )
 
 
+def activation_bytes(cfg: Config) -> int:
+    """Bytes of an activation value under ``cfg``'s precision: 4 in fp32,
+    else 2 (16-bit autocast)."""
+    return _FP32 if cfg.hardware.precision == "fp32" else 2
+
+
 def _setting(cfg: Config, checkpointing: str | None, every: int | None) -> tuple[str, int, int]:
     """(checkpointing policy, every, bytes per activation value): the
     arguments, or the config's ``hardware`` keys; 4 bytes in fp32, else 2."""
@@ -581,7 +588,7 @@ def _setting(cfg: Config, checkpointing: str | None, every: int | None) -> tuple
             "memory (dino_opt.tune.resolve_checkpointing); estimate none, full or selective"
         )
     every = h.checkpoint_every if every is None else every
-    return checkpointing, every, _FP32 if h.precision == "fp32" else 2
+    return checkpointing, every, activation_bytes(cfg)
 
 
 def _states(counts: ModelCounts, strategy: str, world: int, a: int) -> dict[str, int]:

@@ -41,7 +41,12 @@ from ..ops import DINOLoss
 from ..ops.native import _C
 from ..train import DINOModel, MemoryOptimizedDINOTrainer, build_optimizer, trainer_options
 
-__all__ = ["OptimizedDataLoader", "ThroughputOptimizer", "dynamic_batch_size"]
+__all__ = [
+    "USABLE_MEMORY_FRACTION",
+    "OptimizedDataLoader",
+    "ThroughputOptimizer",
+    "dynamic_batch_size",
+]
 
 
 # ---------------------------------------------------------------- out of memory
@@ -496,7 +501,9 @@ _ACTIVATION_VALUES = 16
 # gradients and AdamW's two moments (16) and the teacher's weights (4).
 _BYTES_PER_PARAMETER = 20
 _CONTEXT_BYTES = 0.5 * GB  # CUDA context and workspace
-_USABLE_FRACTION = 0.9  # allocator fragmentation headroom
+#: The share of a GPU's memory a step's estimated peak may take: the rest for
+#: the CUDA context and the caching allocator's fragmentation.
+USABLE_MEMORY_FRACTION = 0.9
 # DINO's head: hidden 2048, bottleneck 256, 65536 prototypes.
 _HEAD_HIDDEN, _HEAD_BOTTLENECK, _HEAD_OUT = 2048, 256, 65536
 
@@ -580,7 +587,7 @@ def dynamic_batch_size(
     head += _HEAD_BOTTLENECK * _HEAD_OUT
     params = 12 * depth * dim**2 + 3 * patch_size**2 * dim + head
     fixed = _BYTES_PER_PARAMETER * params + _CONTEXT_BYTES
-    available = _USABLE_FRACTION * gpu_memory_gb * GB - fixed
+    available = USABLE_MEMORY_FRACTION * gpu_memory_gb * GB - fixed
     return _round_batch(int(available // per_image) if available > 0 else 1)
 
 
