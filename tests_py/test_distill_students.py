@@ -16,7 +16,7 @@ import torchvision
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, apply_overrides, load_config, save_config
 from dino_opt.train import build_models
-from dino_opt.tune.memory_model import estimate_memory
+from dino_opt.tune.memory.model import estimate_memory
 from gloo_ranks import run_ranks
 from tiny import TINY, TINY_DEPTH, distill_teacher_net
 

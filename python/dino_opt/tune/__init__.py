@@ -14,8 +14,9 @@ from .hardware import (
     resolve_hardware,
     resolve_preset,
 )
-from .memory_model import (
+from .memory import (
     MEMORY_ARCHS,
+    MEMORY_TERMS,
     STRATEGIES,
     MemoryEstimate,
     arch_config,
@@ -26,6 +27,7 @@ from .memory_model import (
     memory_table,
     selective_outputs,
     sequence_lengths,
+    terms_of,
 )
 from .optimize import (
     COMPILE_MODES,
@@ -44,6 +46,7 @@ __all__ = [
     "COMPILE_MODES",
     "CONFIG_KEYS",
     "MEMORY_ARCHS",
+    "MEMORY_TERMS",
     "MEMORY_FRACTION",
     "STRATEGIES",
     "MemoryEstimate",
@@ -73,4 +76,5 @@ __all__ = [
     "restore_attention",
     "selective_outputs",
     "sequence_lengths",
+    "terms_of",
 ]
