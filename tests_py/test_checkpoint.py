@@ -20,6 +20,8 @@ from dino_opt.checkpoint import (
     capture_rng_state,
     restore_rng_state,
     run_metadata,
+    write_file,
+    write_folder,
 )
 from dino_opt.checkpoint import files as ckpt
 from dino_opt.runtime import GracefulStop
@@ -411,6 +413,19 @@ def test_unpicklable_state_raises_write_error(tmp_path):
     with pytest.raises(CheckpointWriteError, match="checkpoint-e0000-s00000000.pth"):
         mgr.save({"f": lambda: None}, epoch=0, step=0)
     assert _files(tmp_path) == []
+
+
+def test_checkpoints_and_outputs_are_as_readable_as_the_umask_allows(tmp_path):
+    """Not mkstemp's 0600 (nor mkdtemp's 0700): the group sees what a run wrote."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    mgr = CheckpointManager(tmp_path / "run")
+    path = mgr.save({"x": 1}, epoch=0, step=0)
+    out = write_file(tmp_path / "e.csv", lambda f: f.write(b"1"))
+    folder = write_folder(tmp_path / "masks", lambda d: (d / "a.png").write_bytes(b"m"))
+    for file in (path, mgr.sidecar_path(path), out):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
 
 
 def test_permission_denied_creating_temp_file(tmp_path, monkeypatch):

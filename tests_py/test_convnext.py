@@ -28,8 +28,8 @@ from dino_opt.models import (
     convert_timm_convnext_state_dict,
     vit_tiny,
 )
-from dino_opt.weights.cnn_export import export_cnn
-from dino_opt.weights.reading import TRAINING_KEY, training_sidecar
+from dino_opt.weights.export.cnn import export_cnn
+from dino_opt.weights.load.reading import TRAINING_KEY, training_sidecar
 from tiny import TINY
 from torch import nn
 

@@ -15,7 +15,7 @@ from dino_opt.cli import main
 from dino_opt.config import ConfigError, GramConfig, load_config
 from dino_opt.data import MultiCropDataset, MultiCropLoader, builtin_dataset
 from dino_opt.train import GramTeacher, build_models
-from dino_opt.tune.memory_model import estimate_memory
+from dino_opt.tune.memory.model import estimate_memory
 from tiny import (
     RESUMABLE,
     TINY,

@@ -20,8 +20,8 @@ from dino_opt.models.external import unreached_parameters
 from dino_opt.models.vit import resize_pos_embed
 from dino_opt.train import build_models
 from dino_opt.weights import start_students
-from dino_opt.weights.cnn_export import export_cnn
-from dino_opt.weights.reading import TRAINING_KEY, training_sidecar
+from dino_opt.weights.export.cnn import export_cnn
+from dino_opt.weights.load.reading import TRAINING_KEY, training_sidecar
 from tiny import TINY, final_state
 from torch import nn
 

@@ -5,18 +5,15 @@ trained together in one process, resumed bit for bit after a killed rank,
 resumed from the other layout's checkpoint, evaluated and exported; bad
 layouts in one line."""
 
-import json
 from pathlib import Path
 
 import pytest
 import tiny
 import torch
-import torchvision
-from dino_opt.cli import main
 from dino_opt.config import ConfigError, apply_overrides, default_config
 from dino_opt.runtime import student_groups
 from gloo_ranks import run_ranks
-from test_distill_students import STUDENTS, _tensors
+from test_distill_students import STUDENTS, _tensors, check_each_student_is_evaluated_and_exported
 
 HERE = Path(__file__).parent
 GROUPS = "distributed.student_groups=true"
@@ -133,34 +130,7 @@ def test_groups_train_each_student_as_one_process_trains_them_all(grouped, toget
     for x, y in zip(a, b, strict=True):
         for key in ("loss", "loss_vit_tiny", "loss_resnet18", "loss_distill_cls_cosine_resnet18"):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (x["step"], key)
-    report, out = grouped["report"], grouped["out"]
-    between = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    between = [r for r in between if r.get("event") == "evaluation"]
-    assert {"knn_top1_teacher", "knn_top1_student_resnet18"} <= set(between[0]) | set(between[1])
-    assert {"knn_top1_trained"} <= set(report["students"]["resnet18"])
-    assert (out / "students" / "resnet18" / "evaluation.json").is_file()
-    assert "knn_top1_trained" in report
-    target = out.parent / "resnet18.pth"
-    assert (
-        main(
-            [
-                "export",
-                str(out),
-                "--format",
-                "dino",
-                "--output",
-                str(target),
-                "--student",
-                "resnet18",
-            ]
-        )
-        == 0
-    )
-    net = torchvision.models.resnet18(weights=None)
-    net.fc = torch.nn.Identity()
-    net.load_state_dict(torch.load(target, weights_only=True))
-    key = "members.resnet18.backbone.conv1.weight"
-    assert torch.equal(net.conv1.weight, grouped["state"]["teacher"][key])
+    check_each_student_is_evaluated_and_exported(grouped, grouped["out"].parent)
 
 
 def test_a_killed_rank_resumes_grouped_students_bit_for_bit(

@@ -16,7 +16,7 @@ import torchvision
 from dino_opt.cli import main
 from dino_opt.config import ConfigError, apply_overrides, load_config, save_config
 from dino_opt.train import build_models
-from dino_opt.tune.memory_model import estimate_memory
+from dino_opt.tune.memory.model import estimate_memory
 from gloo_ranks import run_ranks
 from tiny import TINY, TINY_DEPTH, distill_teacher_net
 
@@ -46,17 +46,35 @@ def reference(distill_data, distill_teacher, tmp_path_factory):
     return _train(tmp_path_factory.mktemp("ref") / "run", distill_data, distill_teacher)
 
 
-def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, capsys):
-    rows, report, out = reference["rows"], reference["report"], reference["out"]
-    assert rows and all("loss_vit_tiny" in r and "loss_resnet18" in r for r in rows)
-    assert "knn_top1_trained" in report  # the first student: the run's own evaluation
-    resnet = report["students"]["resnet18"]
-    assert {"knn_top1_trained", "knn_top1_random_init"} <= set(resnet)
+def check_each_student_is_evaluated_and_exported(run: dict, folder: Path) -> None:
+    """Every student evaluated between epochs and at the end (the first one
+    as the run's own evaluation); ``export --student resnet18`` of the run
+    into ``folder`` loads into torchvision's ResNet-18 with its EMA weights."""
+    report, out = run["report"], run["out"]
+    assert "knn_top1_trained" in report
+    assert {"knn_top1_trained"} <= set(report["students"]["resnet18"])
     assert (out / "students" / "resnet18" / "evaluation.json").is_file()
     lines = (out / "metrics.jsonl").read_text().splitlines()
     between = [r for r in map(json.loads, lines) if r.get("event") == "evaluation"]
-    assert len(between) == 2 and between[0]["epoch"] == between[1]["epoch"] == 1  # every student
     assert {"knn_top1_teacher", "knn_top1_student_resnet18"} <= set(between[0]) | set(between[1])
+    target = folder / "resnet18.pth"
+    export = ["export", str(out), "--format", "dino", "--output", str(target)]
+    assert main([*export, "--student", "resnet18"]) == 0
+    net = torchvision.models.resnet18(weights=None)
+    net.fc = torch.nn.Identity()
+    net.load_state_dict(torch.load(target, weights_only=True))
+    key = "members.resnet18.backbone.conv1.weight"
+    assert torch.equal(net.conv1.weight, run["state"]["teacher"][key])
+
+
+def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, capsys):
+    rows, report, out = reference["rows"], reference["report"], reference["out"]
+    assert rows and all("loss_vit_tiny" in r and "loss_resnet18" in r for r in rows)
+    check_each_student_is_evaluated_and_exported(reference, tmp_path)
+    assert "knn_top1_random_init" in report["students"]["resnet18"]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    between = [r for r in map(json.loads, lines) if r.get("event") == "evaluation"]
+    assert len(between) == 2 and between[0]["epoch"] == between[1]["epoch"] == 1  # every student
     teacher = reference["state"]["teacher"]
     assert teacher["members.resnet18.head.patch.weight"].shape == (384, 512)
     assert teacher["members.vit_tiny.head.patch.weight"].shape == (384, 192)
@@ -64,26 +82,6 @@ def test_each_student_is_trained_evaluated_and_exported(reference, tmp_path, cap
     student = reference["state"]["student"]
     key = "members.resnet18.backbone.layer1.0.bn1.running_mean"
     assert torch.equal(teacher[key], student[key]) and teacher[key].abs().sum() > 0
-    target = tmp_path / "resnet18.pth"
-    assert (
-        main(
-            [
-                "export",
-                str(out),
-                "--format",
-                "dino",
-                "--output",
-                str(target),
-                "--student",
-                "resnet18",
-            ]
-        )
-        == 0
-    )
-    net = torchvision.models.resnet18(weights=None)
-    net.fc = torch.nn.Identity()
-    net.load_state_dict(torch.load(target, weights_only=True))
-    assert torch.equal(net.conv1.weight, teacher["members.resnet18.backbone.conv1.weight"])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(

@@ -1,4 +1,4 @@
-"""Weights by name (dino_opt.weights.hub), never touching the network: the
+"""Weights by name (dino_opt.weights.load.hub), never touching the network: the
 torch.hub, Hugging Face and timm caches are populated by the test in each
 library's own layout with small weights it writes, and the libraries are
 offline (HF_HUB_OFFLINE). A name resolves to its cached file and reads as

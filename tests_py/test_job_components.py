@@ -13,7 +13,7 @@ from dino_opt.job import ResumeError
 from dino_opt.job import evaluation as evaluation_module
 from dino_opt.job.checkpoints import RunCheckpoints
 from dino_opt.job.evaluation import Evaluator
-from dino_opt.job.rollback import Rollback
+from dino_opt.job.rollback import Rollback, RollbackSignal
 from dino_opt.observe import CollapseError, HealthAlert, NonFiniteError
 from dino_opt.runtime import HangWatchdog
 
@@ -36,7 +36,7 @@ def _rollback(checkpoints, accumulation=1, collectives=None, **health) -> Rollba
 
 def _signal(rollback: Rollback, *args):
     """The signal to go back that ``rollback.on_nonfinite(*args)`` raises."""
-    with pytest.raises(Exception) as e:
+    with pytest.raises(RollbackSignal) as e:
         rollback.on_nonfinite(*args)
     return e.value
 
@@ -105,7 +105,7 @@ def test_a_sustained_collapse_raises_the_signal_and_one_that_cannot_roll_back_gi
     rollback.on_collapse(False, [])  # the streak starts again
     assert not rollback.collapse_pending
     rollback.on_collapse(True, [alert])
-    with pytest.raises(Exception) as e:
+    with pytest.raises(RollbackSignal) as e:
         rollback.on_collapse(True, [alert])
     assert e.value.reason == "collapse" and "collapse_constant" in e.value.detail
     with pytest.raises(CollapseError, match="max_rollbacks=0") as given_up:

@@ -1,4 +1,4 @@
-"""The per-rank memory model (dino_opt.tune.memory_model): its parameter
+"""The per-rank memory model (dino_opt.tune.memory.model): its parameter
 counts are the real modules', FSDP's per-rank state shrinks with the world
 size, checkpointing shrinks activations, ``dino-opt presets --memory-model``
 prints it (table and JSON), and its predictions agree within 10 % with what
@@ -35,7 +35,7 @@ from dino_opt.tune import (
     selective_outputs,
     sequence_lengths,
 )
-from dino_opt.tune.distill_memory import trace_saved
+from dino_opt.tune.memory.distill import trace_saved
 from gloo_ranks import run_ranks
 from workers.dist_memory_worker import (
     MEMORY_RUN,

@@ -24,8 +24,8 @@ from dino_opt.models import (
 )
 from dino_opt.train import data_roots, resolve_input
 from dino_opt.weights import init_from
-from dino_opt.weights.layouts import hf_vit_config, timm_model, vit_arch
-from dino_opt.weights.layouts_dinov3 import dinov3_arch, timm_dinov3_model
+from dino_opt.weights.layouts.dinov3 import dinov3_arch, timm_dinov3_model
+from dino_opt.weights.layouts.vit import hf_vit_config, timm_model, vit_arch
 from tiny import (
     RESUMABLE,
     TINY,

@@ -13,7 +13,7 @@ import pytest
 from dino_opt.checkpoint import check_output, write_file, write_files, write_folder
 from dino_opt.cli import main
 from dino_opt.eval.pictures import write_pictures
-from dino_opt.weights import onnx_export
+from dino_opt.weights.export import onnx as onnx_export
 from PIL import Image
 from tiny import error_line
 

@@ -9,13 +9,14 @@ import pytest
 from dino_opt.config import RECIPE_NEEDS, apply_overrides, default_config, load_config
 from dino_opt.train import DEMO_PRESETS, RECIPES, build_loss, build_models, recipe_of
 from dino_opt.train.recipes import DINORecipe, register
+from dino_opt.tune import MEMORY_TERMS, terms_of
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "dino_opt"
 NAME_TEST = re.compile(r"\b(recipe|r)\.name\s*(==|!=|\bin\b)")
 
 
 def test_the_config_and_the_registry_name_the_same_recipes():
-    assert set(RECIPE_NEEDS) == set(RECIPES) == set(DEMO_PRESETS)
+    assert set(RECIPE_NEEDS) == set(RECIPES) == set(DEMO_PRESETS) == set(MEMORY_TERMS)
     for name, recipe in RECIPES.items():
         assert recipe.name == name
         # a distillation's demo names its teacher on the command line
@@ -55,3 +56,9 @@ def test_a_name_is_registered_once_and_an_unknown_one_is_named():
     object.__setattr__(cfg.recipe, "name", "dinov9")
     with pytest.raises(ValueError, match="unknown recipe 'dinov9'; registered: "):
         recipe_of(cfg)
+
+
+def test_a_recipe_without_memory_terms_is_named(monkeypatch):
+    monkeypatch.delitem(MEMORY_TERMS, "dino")
+    with pytest.raises(ValueError, match="memory model has no terms for recipe 'dino'"):
+        terms_of(default_config())

@@ -25,7 +25,7 @@ from dino_opt.models.rope import (
     patch_coords,
     rope_periods,
 )
-from dino_opt.weights.layouts_dinov3 import from_hf_dinov3
+from dino_opt.weights.layouts.dinov3 import from_hf_dinov3
 from torch import nn
 
 F64 = torch.float64

@@ -27,7 +27,7 @@ from dino_opt.weights import (
     open_backbone,
     read_weights,
 )
-from dino_opt.weights.layouts_dinov3 import from_hf_dinov3, rope_from_periods
+from dino_opt.weights.layouts.dinov3 import from_hf_dinov3, rope_from_periods
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

@@ -10,7 +10,13 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["CheckpointWriteError", "atomic_write", "fsync_dir"]
+__all__ = [
+    "CheckpointWriteError",
+    "atomic_write",
+    "fsync_dir",
+    "temporary_file",
+    "temporary_folder",
+]
 
 # The process's umask, read once (os.umask can only be read by setting it).
 _UMASK = os.umask(0o022)
@@ -115,25 +121,56 @@ def _unlink_quietly(path: str | Path | None) -> None:
         os.unlink(path)
 
 
-def atomic_write(path: Path, write) -> _HashingWriter:
-    """Write a file atomically: ``write(hashing_writer)`` fills a temporary
-    file next to ``path``, which is fsync-ed and renamed onto ``path``. The
-    directory fsync is left to the caller, which may batch several renames.
-    On any failure the temporary file is removed and the exception
-    re-raised; ``path`` is untouched."""
+def temporary_file(path: Path, write) -> Path:
+    """``write(file)`` (a binary file object) fills a temporary file beside
+    ``path`` (``.NAME.*.tmp``, readable as the umask allows), which is
+    flushed and fsync-ed; returns its path, for the caller to rename. On any
+    failure the temporary file is removed and the exception re-raised."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide checkpoints from the group
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide the file from the group
         with os.fdopen(fd, "wb") as f:
-            w = _HashingWriter(f)
-            write(w)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return Path(tmp)
+
+
+def temporary_folder(path: Path) -> Path:
+    """A new empty folder beside ``path`` (``.NAME.*.tmp``, readable as the
+    umask allows, not mkdtemp's 0700), to fill and rename onto it."""
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        os.chmod(tmp, 0o777 & ~_UMASK)
+    except BaseException:
+        tmp.rmdir()
+        raise
+    return tmp
+
+
+def atomic_write(path: Path, write) -> _HashingWriter:
+    """Write a file atomically: ``write(hashing_writer)`` fills a temporary
+    file next to ``path`` (:func:`temporary_file`), which is renamed onto
+    ``path``. The directory fsync is left to the caller, which may batch
+    several renames. On any failure the temporary file is removed and the
+    exception re-raised; ``path`` is untouched."""
+    writer = None
+
+    def hashed(f) -> None:
+        nonlocal writer
+        writer = _HashingWriter(f)
+        write(writer)
+
+    tmp = temporary_file(path, hashed)
+    try:
         os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    return w
+    return writer
 
 
 def _file_sha256(path: Path) -> tuple[str, int]:

@@ -68,7 +68,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -84,6 +83,7 @@ from .files import (
     _unlink_quietly,
     atomic_write,
     fsync_dir,
+    temporary_file,
 )
 from .sharded import SHARDED_SUFFIX, manifest, manifest_problem, read_sharded
 
@@ -401,26 +401,20 @@ class CheckpointManager:
         """1. The checkpoint bytes go to a temporary file beside ``path``,
         hashed as written; nothing visible changes. Returns (temporary file,
         SHA-256, size)."""
+        writer = None
+
+        def save(f) -> None:
+            nonlocal writer
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
-        except Exception as e:
-            raise CheckpointWriteError(path, e) from e
-        writer = None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                writer = _HashingWriter(f)
-                torch.save(state, writer)
-                f.flush()
-                os.fsync(f.fileno())
-        except Exception as e:
-            _unlink_quietly(tmp)
+            tmp = temporary_file(path, save)
+        except Exception as e:  # the temporary file is already removed
             cause = writer.error if writer is not None and writer.error is not None else e
             raise CheckpointWriteError(path, cause) from e
-        except BaseException:  # KeyboardInterrupt mid-write: still no litter
-            _unlink_quietly(tmp)
-            raise
-        return tmp, writer.sha.hexdigest(), writer.size
+        return os.fspath(tmp), writer.sha.hexdigest(), writer.size
 
     def _publish(self, tmp: str, record: CheckpointRecord) -> None:
         """2. Sidecar first, then the checkpoint: a checkpoint is never

@@ -21,11 +21,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from .files import _UMASK, _unlink_quietly, fsync_dir
+from .files import _unlink_quietly, fsync_dir, temporary_file, temporary_folder
 
 __all__ = ["check_output", "replace_with", "write_file", "write_files", "write_folder"]
 
@@ -98,28 +97,12 @@ def replace_with(new: Path, path: Path) -> None:
         _remove(aside)
 
 
-def _temporary(path: Path, write: Callable) -> Path:
-    """``write(file)`` (a binary file object) into a fsync-ed temporary file
-    beside ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide the output from the group
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    return Path(tmp)
-
-
 def write_file(path: str | os.PathLike, write: Callable) -> Path:
     """``write(file)`` (a binary file object) fills ``path`` atomically (the
     module docstring), replacing whatever was there once it is complete."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    replace_with(_temporary(path, write), path)
+    replace_with(temporary_file(path, write), path)
     return path
 
 
@@ -133,7 +116,7 @@ def write_files(files: Mapping, stale: Iterable = ()) -> list[Path]:
         for path, write in files.items():
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            done.append((_temporary(path, write), path))
+            done.append((temporary_file(path, write), path))
     except BaseException:
         for tmp, _ in done:
             _unlink_quietly(tmp)
@@ -155,9 +138,8 @@ def write_folder(path: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
     it, which then replaces ``path`` whole (the old one removed after)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = temporary_folder(path)
     try:
-        os.chmod(tmp, 0o777 & ~_UMASK)
         fill(tmp)
         for file in tmp.rglob("*"):
             if file.is_file():

@@ -30,7 +30,8 @@ from .fields import (
     RecipeConfig,
     ScheduleConfig,
 )
-from .names import is_external, student_key
+from .names import student_key
+from .recipe import distill_conflicts, gram_conflicts
 from .specs import _GROUPS, _SPECS, _flatten, _nest, _Spec
 
 __all__ = ["Config", "default_config", "validate"]
@@ -518,8 +519,9 @@ def _check_relations(cfg: Config) -> None:
             f"model.backbone is {m.backbone!r}"
         )
     errors += _sharding_conflicts(cfg)
-    errors += _gram_conflicts(cfg)
-    errors += _distill_conflicts(cfg)
+    needs = RECIPE_NEEDS[cfg.recipe.name]
+    errors += gram_conflicts(cfg, needs)
+    errors += distill_conflicts(cfg, needs)
     h = cfg.health
     if h.on_collapse == "rollback" and h.rollback_lr_scale >= 1:
         errors.append(
@@ -551,180 +553,6 @@ def _crop_pair_conflicts(a: AugmentationConfig) -> list[str]:
             f"augmentation.crop_size_ratios must sum to 1, got {sum(ratios):g} ({list(ratios)})"
         ]
     return []
-
-
-def _gram_sizes_conflicts(sizes: tuple[int, ...], pairs: list, patch: int) -> list[str]:
-    """A list of Gram teacher crop sides: one per crop-size pair, multiples of
-    the patch size, one side per global crop size (the step knows its pair by
-    its global crops' side)."""
-    key = "recipe.gram.teacher_crop_size"
-    if len(sizes) != len(pairs):
-        return [
-            f"{key} has {len(sizes)} sizes for {len(pairs)} crop-size pair(s) "
-            "(augmentation.global_crop_size / local_crop_size)"
-        ]
-    bad = [v for v in sizes if v % patch]
-    if bad:
-        return [f"{key} {list(sizes)}: {bad[0]} must be a multiple of model.patch_size ({patch})"]
-    by_global: dict[int, int] = {}
-    for (glob, _), side in zip(pairs, sizes, strict=True):
-        if by_global.setdefault(glob, side) != side:
-            return [
-                f"{key} {list(sizes)} gives the global crop size {glob} two sides "
-                f"({by_global[glob]} and {side}); pairs with one global size need one"
-            ]
-    return []
-
-
-def _gram_conflicts(cfg: Config) -> list[str]:
-    """The ``recipe.gram`` keys of a recipe with a Gram teacher, checked together."""
-    name, g = cfg.recipe.name, cfg.recipe.gram
-    needs = RECIPE_NEEDS[name].get("gram_teacher")
-    if not needs or not g.use_loss:
-        return []
-    errors = []
-    if g.ckpt is None and g.it_load_ema_teacher < 0:
-        errors.append(
-            f"recipe.name={name} needs weights for its Gram teacher: set recipe.gram.ckpt, "
-            "or recipe.gram.it_load_ema_teacher >= 0 (it is -1)"
-        )
-    if g.remove_neg and g.remove_only_teacher_neg:
-        errors.append(
-            "recipe.gram.remove_neg and recipe.gram.remove_only_teacher_neg exclude each other"
-        )
-    if g.tokens_used != "all" and g.img_level:
-        errors.append(
-            f"recipe.gram.tokens_used={g.tokens_used} needs recipe.gram.img_level=false "
-            "(a crop's masked or unmasked tokens vary in number: one Gram matrix over the batch)"
-        )
-    size, patch = g.teacher_crop_size, cfg.model.patch_size
-    if isinstance(size, int) and size % patch:
-        errors.append(
-            f"recipe.gram.teacher_crop_size ({size}) must be a multiple of model.patch_size "
-            f"({patch})"
-        )
-    if isinstance(size, tuple):
-        errors += _gram_sizes_conflicts(size, cfg.augmentation.crop_size_pairs, patch)
-    cosine = g.loss_weight_cosine_epochs or 0
-    if cfg.schedule.epochs != "auto" and g.loss_weight_warmup_epochs + cosine > cfg.schedule.epochs:
-        errors.append(
-            f"recipe.gram.loss_weight_warmup_epochs ({g.loss_weight_warmup_epochs}) plus "
-            f"recipe.gram.loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "
-            f"({cfg.schedule.epochs})"
-        )
-    return errors
-
-
-def _distill_conflicts(cfg: Config) -> list[str]:
-    """The ``recipe.distill`` keys of a recipe with an external teacher."""
-    name, d = cfg.recipe.name, cfg.recipe.distill
-    if not RECIPE_NEEDS[name].get("external_teacher"):
-        if is_external(cfg.model.backbone):
-            return [
-                f"model.backbone={cfg.model.backbone!r}: a network of your own is a student "
-                f"of recipe.name=distill (features), not of {name}"
-            ]
-        if d.students or d.students_init_from:
-            return [f"recipe.distill.students is for recipe.name=distill, not {name}"]
-        if cfg.distributed.student_groups:
-            return [f"distributed.student_groups is for recipe.name=distill, not {name}"]
-        return []
-    errors = _students_conflicts(cfg) + _groups_conflicts(cfg)
-    if d.teacher is None:
-        errors.append(
-            f"recipe.name={name} needs its teacher: set recipe.distill.teacher (a dino_opt run "
-            "or checkpoint, or weights in any format model.init_from reads)"
-        )
-    starts = d.students_init_from
-    if starts and len(starts) != len(d.students):
-        errors.append(
-            f"recipe.distill.students_init_from names {len(starts)} start(s) for "
-            f"{len(d.students)} student(s) of recipe.distill.students, one each in its order "
-            "('none': random initialisation)"
-        )
-    if d.mode == "heads" and not cfg.model.backbone.startswith("vit"):
-        errors.append(
-            f"recipe.distill.mode=heads trains a ViT student (its iBOT loss is over masked patch "
-            f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill.mode=features)"
-        )
-    return errors + _features_conflicts(cfg)
-
-
-def _features_conflicts(cfg: Config) -> list[str]:
-    """``recipe.distill.standardize`` or ``whiten`` (one of them): a features
-    distillation; ``recipe.distill.local_weight``: a features distillation
-    with local crops."""
-    d = cfg.recipe.distill
-    for key, value in (("standardize", d.standardize), ("whiten", d.whiten)):
-        if value and d.mode != "features":
-            return [
-                f"recipe.distill.{key} is for recipe.distill.mode=features (heads matches the "
-                "teacher's head outputs, not its tokens)"
-            ]
-    if d.standardize and d.whiten:
-        return [
-            f"recipe.distill.standardize and recipe.distill.whiten={d.whiten:g} both rescale "
-            "the teacher's tokens; choose one"
-        ]
-    if d.local_weight == 0:
-        return []
-    if d.mode != "features":
-        return [
-            f"recipe.distill.local_weight={d.local_weight:g} is for recipe.distill.mode=features "
-            "(heads trains on the local crops with DINOv2's losses already)"
-        ]
-    if cfg.augmentation.num_local_views == 0:
-        return [
-            f"recipe.distill.local_weight={d.local_weight:g} needs local crops; "
-            "augmentation.num_local_views is 0"
-        ]
-    return []
-
-
-def _students_conflicts(cfg: Config) -> list[str]:
-    """``recipe.distill.students``: distinct backbones beside
-    ``model.backbone``, in a features distillation."""
-    students = cfg.recipe.distill.students
-    if not students:
-        return []
-    names = cfg.student_names
-    if len(set(names)) < len(names):
-        return [
-            f"recipe.distill.students {list(students)} with model.backbone={cfg.model.backbone} "
-            "names a backbone twice; each student is named by its backbone"
-        ]
-    if cfg.recipe.distill.mode != "features":
-        return [
-            "recipe.distill.students trains several students with recipe.distill.mode="
-            f"features; got {cfg.recipe.distill.mode}"
-        ]
-    return []
-
-
-def _groups_conflicts(cfg: Config) -> list[str]:
-    """``distributed.student_groups``: two students or more, a batch the
-    students' ranks can split, no ``model.init_from`` (fsdp: ViT students,
-    :func:`_sharding_conflicts`)."""
-    if not cfg.distributed.student_groups:
-        return []
-    n = len(cfg.student_names)
-    if n < 2:
-        return [
-            "distributed.student_groups puts each student on its own group of ranks; name more "
-            "students with recipe.distill.students"
-        ]
-    errors = []
-    if cfg.data.batch_size % n:
-        errors.append(
-            f"distributed.student_groups splits each batch's teacher forward over the {n} "
-            f"students' ranks: data.batch_size ({cfg.data.batch_size}) must be a multiple of {n}"
-        )
-    if cfg.model.init_from is not None:
-        errors.append(
-            "model.init_from starts one network; with distributed.student_groups each rank "
-            "trains one of several (set it to null)"
-        )
-    return errors
 
 
 def _sharding_conflicts(cfg: Config) -> list[str]:

@@ -67,7 +67,6 @@ from .parts import (
     ResumeError,
     _config_of,
     _Parts,
-    _Rollback,
     build_parts,
 )
 from .restarts import (
@@ -78,7 +77,7 @@ from .restarts import (
     read_restarts,
     rows_to_log,
 )
-from .rollback import Rollback
+from .rollback import Rollback, RollbackSignal
 from .sharding import (
     SHARDED_KEYS,
     load_loss_state,
@@ -463,10 +462,10 @@ class CheckpointedDINOTrainer:
                     if stopped_by is not None:
                         return stopped_by
                 return None
-            except _Rollback as r:
+            except RollbackSignal as r:
                 self._roll_back(r)
 
-    def _roll_back(self, r: _Rollback) -> None:
+    def _roll_back(self, r: RollbackSignal) -> None:
         """Back to the last good checkpoint (:meth:`Rollback.roll_back
         <dino_opt.job.rollback.Rollback.roll_back>`), every rank at once: the
         events after it again in the history, the accumulation discarded,

@@ -1,5 +1,5 @@
-"""The job's small pieces: the objects of a run, the resume error, the
-rollback signal, and the profiled phases."""
+"""The job's small pieces: the objects of a run, the resume error and the
+profiled phases."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ from torch import nn
 
 from ..config import Config, apply_overrides, default_config, load_config
 from ..data import MultiCropLoader
-from ..observe import (
-    NonFiniteError,
-)
 from ..ops import DINOLoss, Schedules
 from ..runtime import StudentGroups, data_place
 from ..train import (
@@ -49,21 +46,6 @@ _NEVER_HELD_BACK = ("final", "nonfinite")
 
 class ResumeError(ValueError):
     """A checkpoint cannot continue this run (another config, a bad file)."""
-
-
-class _Rollback(Exception):
-    """Raised inside the epoch loop to go back to the last good checkpoint.
-    ``iterations``: the (first, last) optimizer iterations to skip, or None."""
-
-    def __init__(
-        self,
-        reason: str,
-        iterations: tuple[int, int] | None,
-        detail: str,
-        error: NonFiniteError | None = None,
-    ):
-        super().__init__(detail)
-        self.reason, self.iterations, self.detail, self.error = reason, iterations, detail, error
 
 
 def _config_of(source, overrides: list[str]) -> Config:

@@ -1,8 +1,8 @@
 """The job's recovery from failed steps (``health.on_nonfinite``,
 ``health.on_collapse``): :class:`Rollback` decides when to go back to the
-last good checkpoint, finds it, and keeps the rollbacks so far, which the
-checkpoints carry: the optimizer iterations they skip and the
-learning-rate scale."""
+last good checkpoint (it raises :class:`RollbackSignal`, which the job
+catches), finds it, and keeps the rollbacks so far, which the checkpoints
+carry: the optimizer iterations they skip and the learning-rate scale."""
 
 from __future__ import annotations
 
@@ -14,9 +14,25 @@ from ..config import HealthConfig
 from ..observe import CollapseError, HealthAlert, NonFiniteError
 from ..runtime import gather_objects
 from .checkpoints import RunCheckpoints
-from .parts import _Rollback
 
-__all__ = ["Rollback"]
+__all__ = ["Rollback", "RollbackSignal"]
+
+
+class RollbackSignal(Exception):
+    """Raised inside the epoch loop (by :meth:`Rollback.on_nonfinite` and
+    :meth:`Rollback.on_collapse`) to go back to the last good checkpoint;
+    the job catches it and hands it to :meth:`Rollback.roll_back`.
+    ``iterations``: the (first, last) optimizer iterations to skip, or None."""
+
+    def __init__(
+        self,
+        reason: str,
+        iterations: tuple[int, int] | None,
+        detail: str,
+        error: NonFiniteError | None = None,
+    ):
+        super().__init__(detail)
+        self.reason, self.iterations, self.detail, self.error = reason, iterations, detail, error
 
 
 class Rollback:
@@ -93,7 +109,7 @@ class Rollback:
         detail = f"{error.consecutive} consecutive non-finite steps"
         if error.last_step is not None:
             detail += f" (steps {error.first_step}-{error.last_step})"
-        raise _Rollback("nonfinite", self._failed_iterations(diverged, step), detail, error)
+        raise RollbackSignal("nonfinite", self._failed_iterations(diverged, step), detail, error)
 
     def on_collapse(self, collapsed: bool, alerts: list[HealthAlert]) -> None:
         """``health.on_collapse`` after a logging step where the ranks did
@@ -108,10 +124,10 @@ class Rollback:
                 f"collapse ({', '.join(names) or 'on another rank'}) for "
                 f"{self.collapse_streak} logging intervals"
             )
-            raise _Rollback("collapse", None, detail)
+            raise RollbackSignal("collapse", None, detail)
 
     def roll_back(
-        self, r: _Rollback, step: int, restore: Callable[[dict], None]
+        self, r: RollbackSignal, step: int, restore: Callable[[dict], None]
     ) -> tuple[dict, list[dict]]:
         """Back to the newest checkpoint before the failure ``r`` seen at
         ``step``, every rank at once: ``restore`` (the job's
@@ -162,7 +178,7 @@ class Rollback:
         """The rollbacks of a checkpoint's state (none in one written before any)."""
         self.rollbacks = list(state.get("rollbacks", []))
 
-    def _target(self, limit: int, r: _Rollback) -> tuple[dict, str]:
+    def _target(self, limit: int, r: RollbackSignal) -> tuple[dict, str]:
         """The state and file name of the newest checkpoint that loads and
         was written at step ``limit`` or before."""
         for record in reversed(self.checkpoints.manager.checkpoints()):
@@ -171,7 +187,7 @@ class Rollback:
                     return self.checkpoints.read(record.path), record.path.name
         self._give_up(r, f"no checkpoint written before step {limit + 1} loads")
 
-    def _give_up(self, r: _Rollback, why: str | None = None):
+    def _give_up(self, r: RollbackSignal, why: str | None = None):
         why = why or f"health.max_rollbacks={self.health.max_rollbacks} rollbacks done"
         records = self.checkpoints.manager.checkpoints()
         kept = f"; the last good checkpoint is kept: {records[-1].path}" if records else ""

@@ -13,8 +13,9 @@ from .hardware import (
     resolve_hardware,
     resolve_preset,
 )
-from .memory_model import (
+from .memory import (
     MEMORY_ARCHS,
+    MEMORY_TERMS,
     STRATEGIES,
     MemoryEstimate,
     arch_config,
@@ -25,6 +26,7 @@ from .memory_model import (
     memory_table,
     selective_outputs,
     sequence_lengths,
+    terms_of,
 )
 from .optimize import (
     COMPILE_MODES,
@@ -48,6 +50,7 @@ __all__ = [
     "COMPILE_MODES",
     "CONFIG_KEYS",
     "MEMORY_ARCHS",
+    "MEMORY_TERMS",
     "STRATEGIES",
     "USABLE_MEMORY_FRACTION",
     "MemoryEstimate",
@@ -77,4 +80,5 @@ __all__ = [
     "restore_attention",
     "selective_outputs",
     "sequence_lengths",
+    "terms_of",
 ]

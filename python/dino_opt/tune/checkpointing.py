@@ -21,7 +21,7 @@ from typing import NamedTuple
 from ..config import Config, ConfigError, apply_overrides
 from ..train import recipe_of
 from .hardware import detect_device_memory
-from .memory_model import (
+from .memory import (
     activation_bytes,
     count_model,
     estimate_memory,

@@ -1,39 +1,47 @@
-"""Weights in and out: timm, Hugging Face, DINO, DINOv2, DINOv3 and ONNX, exported and loaded."""
+"""Weights in and out: timm, Hugging Face, DINO, DINOv2, DINOv3 and ONNX; ``load/`` reads
+them in (files, hub names), ``export/`` writes them out, ``layouts/`` maps their keys both
+ways; the probes of any weights and their kept heads."""
 
-from .hub import (
+from .export import (
+    FORMATS,
+    ONNX_TOLERANCE,
+    ExportResult,
+    export_backbone,
+    export_onnx,
+    export_weights,
+)
+from .layouts import DinoV3Arch, ViTArch
+from .load import (
     RELEASED,
+    ExternalWeights,
+    OpenedBackbone,
+    OpenedTeacher,
     Released,
     WeightsNameError,
     format_models,
+    init_from,
     is_weights_name,
+    load_backbone,
+    load_student_start,
     model_rows,
+    open_backbone,
+    open_teacher,
+    read_state_dict,
+    read_weights,
+    start_students,
+    student_starts,
     weights_location,
+    weights_reader,
 )
-from .layouts import ViTArch
-from .layouts_dinov3 import DinoV3Arch
-from .onnx_export import ONNX_TOLERANCE, export_onnx
 from .probes import (
-    OpenedBackbone,
     embed_weights,
     embeddings_of,
-    open_backbone,
+    evaluate_weights,
     predict,
     probe_data,
     run_dense_probe,
     run_linear_probe,
     show_weights,
-)
-from .reading import ExternalWeights, read_state_dict, read_weights
-from .students import load_student_start, start_students, student_starts
-from .teacher import OpenedTeacher, open_teacher, weights_reader
-from .transfer import (
-    FORMATS,
-    ExportResult,
-    evaluate_weights,
-    export_backbone,
-    export_weights,
-    init_from,
-    load_backbone,
 )
 
 __all__ = [

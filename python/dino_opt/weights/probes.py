@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..checkpoint import check_output
-from ..config import Config
 from ..data import segmentation_splits, source_exists
 from ..eval import (
     Embeddings,
@@ -29,12 +26,11 @@ from ..eval import (
     check_embeddings_output,
     dense_probe,
     embed_images,
+    knn_evaluate_splits,
     linear_probe,
-    load_checkpoint,
     show,
     write_embeddings,
 )
-from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
 from ..runtime import resolve_device
 from ..train import data_roots
 from .heads import (
@@ -47,66 +43,19 @@ from .heads import (
     write_classes,
     write_masks,
 )
-from .reading import read_weights
-from .transfer import evaluation_backbone, load_strict
+from .load.backbone import OpenedBackbone, evaluation_backbone, load_strict, open_backbone
+from .load.reading import read_weights
 
 __all__ = [
-    "OpenedBackbone",
     "embed_weights",
     "embeddings_of",
-    "open_backbone",
+    "evaluate_weights",
     "predict",
     "probe_data",
     "run_dense_probe",
     "run_linear_probe",
     "show_weights",
 ]
-
-
-class OpenedBackbone(NamedTuple):
-    """A backbone with its weights loaded: ``net``, the input ``image_size``
-    it was trained at (where the run or the export says it, else the size
-    its position table was made for), the weights' ``format`` and ``name``,
-    the run's ``config`` where the weights came from dino_opt training, and
-    the normalisation's ``mean`` and ``std``."""
-
-    net: nn.Module
-    image_size: int
-    format: str
-    name: str
-    config: Config | None
-    mean: tuple[float, ...] = IMAGENET_MEAN
-    std: tuple[float, ...] = IMAGENET_STD
-    image_mode: str = "rgb"  # "native": images read at their stored depth and channels
-
-
-def _run_config(path: Path) -> Config | None:
-    """The config of a dino_opt run folder or checkpoint file (None for other weights)."""
-    try:
-        ckpt = load_checkpoint(path, keys=("config",))
-    except (ValueError, FileNotFoundError, RuntimeError, OSError):
-        return None
-    try:
-        return Config.from_dict(ckpt["config"])
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"checkpoint {str(path)!r}: its config is not valid: {e}") from e
-
-
-def open_backbone(path: str | os.PathLike, which: str = "teacher") -> OpenedBackbone:
-    """The ``which`` backbone (teacher or student) of the weights at ``path``."""
-    if which not in ("teacher", "student"):
-        raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
-    weights = read_weights(path)
-    sd = (weights.teacher if which == "teacher" else weights.student)["backbone"]
-    net, native = evaluation_backbone(weights, sd)
-    load_strict(net, sd, "backbone", weights.path)
-    cfg = _run_config(Path(path)) if weights.format == "dino_opt" else None
-    trained = weights.training or {"image_size": native}
-    norm = {k: tuple(trained[k]) for k in ("mean", "std") if k in trained}
-    norm["image_mode"] = trained.get("image_mode", "rgb")
-    return OpenedBackbone(
-        net.eval(), trained["image_size"], weights.format, weights.backbone, cfg, **norm
-    )
 
 
 def probe_data(opened: OpenedBackbone, data: str | os.PathLike | None) -> tuple[Path, ...]:
@@ -402,3 +351,47 @@ def predict(
         "failed": out.failed,
         "output": str(output),
     }
+
+
+def evaluate_weights(
+    path: str | os.PathLike,
+    data: str | os.PathLike,
+    image_size: int | None = None,
+    k: int = 20,
+    temperature: float = 0.07,
+    device: str = "auto",
+    which: str = "teacher",
+) -> dict:
+    """k-NN top-1/top-5 of the backbone of the weights at ``path`` (any
+    format :func:`read_weights` reads) on ``data/train`` vs ``data/val``,
+    and ``data/test`` where it exists. ``image_size`` defaults to the size
+    the network was trained at where the weights say it (a dino_opt run or
+    export), else to the size a ViT's position table was made for (224 for
+    a ResNet)."""
+    if which not in ("teacher", "student"):
+        raise ValueError(f"which must be 'teacher' or 'student', got {which!r}")
+    weights = read_weights(path)
+    sd = (weights.teacher if which == "teacher" else weights.student)["backbone"]
+    net, native = evaluation_backbone(weights, sd)
+    image_size = image_size or (weights.training or {}).get("image_size") or native
+    load_strict(net, sd, "backbone", weights.path)
+    root = Path(data)
+    splits = {s: root / s for s in ("val", "test") if (root / s).is_dir()}
+    if "val" not in splits or not (root / "train").is_dir():
+        raise FileNotFoundError(f"data folder {str(root)!r} needs train/ and val/ folders")
+    dev = resolve_device(device)
+    results = knn_evaluate_splits(
+        net.to(dev), root / "train", splits, image_size, dev, k=k, temperature=temperature
+    )
+    out = {
+        "weights": str(path),
+        "format": weights.format,
+        "backbone": weights.backbone,
+        "which": which,
+        "image_size": image_size,
+        "device": str(dev),
+    }
+    for split, r in results.items():
+        prefix = "" if split == "val" else f"{split}_"
+        out |= {f"{prefix}top1": r["top1"], f"{prefix}top5": r["top5"]}
+    return out

@@ -2,8 +2,8 @@
 concern: the DINOv2 losses (:mod:`.losses`), Gram anchoring (:mod:`.gram`),
 distillation (:mod:`.distill`)."""
 
-from .distill import DistillConfig
-from .gram import GramConfig
+from .distill import DistillConfig, distill_conflicts
+from .gram import GramConfig, gram_conflicts
 from .losses import DINOConfig, IBOTConfig, KoLeoConfig
 from .section import RECIPE_NEEDS, RecipeConfig
 
@@ -15,4 +15,6 @@ __all__ = [
     "IBOTConfig",
     "KoLeoConfig",
     "RecipeConfig",
+    "distill_conflicts",
+    "gram_conflicts",
 ]

@@ -1,15 +1,17 @@
 """``recipe.distill``: a distillation from a frozen teacher (the distill
 recipe; dinov3's ``distillation:`` section), read as it is by the
-distillation's losses, its student projectors and the memory model."""
+distillation's losses, its student projectors and the memory model, and
+checked together and against the rest of the run when a config is read
+(:func:`distill_conflicts`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..names import BACKBONE_NAMES
+from ..names import BACKBONE_NAMES, is_external
 from ..option import option
 
-__all__ = ["DistillConfig"]
+__all__ = ["DistillConfig", "distill_conflicts"]
 
 
 @dataclass
@@ -78,3 +80,119 @@ class DistillConfig:
         "each of recipe.distill.students' first weights, in order (any file model.init_from "
         "reads; a network of your own: its state dict); none: random init; empty: all random",
     )
+
+
+def distill_conflicts(cfg, needs: dict) -> list[str]:
+    """The ``recipe.distill`` keys (and ``distributed.student_groups``) of a
+    recipe with an external teacher (``needs``: the recipe's row of
+    ``RECIPE_NEEDS``), checked together and against the run's backbone,
+    crops, batch and start (``cfg``: the whole config); refused for another
+    recipe."""
+    name, d = cfg.recipe.name, cfg.recipe.distill
+    if not needs.get("external_teacher"):
+        if is_external(cfg.model.backbone):
+            return [
+                f"model.backbone={cfg.model.backbone!r}: a network of your own is a student "
+                f"of recipe.name=distill (features), not of {name}"
+            ]
+        if d.students or d.students_init_from:
+            return [f"recipe.distill.students is for recipe.name=distill, not {name}"]
+        if cfg.distributed.student_groups:
+            return [f"distributed.student_groups is for recipe.name=distill, not {name}"]
+        return []
+    errors = _students_conflicts(cfg) + _groups_conflicts(cfg)
+    if d.teacher is None:
+        errors.append(
+            f"recipe.name={name} needs its teacher: set recipe.distill.teacher (a dino_opt run "
+            "or checkpoint, or weights in any format model.init_from reads)"
+        )
+    starts = d.students_init_from
+    if starts and len(starts) != len(d.students):
+        errors.append(
+            f"recipe.distill.students_init_from names {len(starts)} start(s) for "
+            f"{len(d.students)} student(s) of recipe.distill.students, one each in its order "
+            "('none': random initialisation)"
+        )
+    if d.mode == "heads" and not cfg.model.backbone.startswith("vit"):
+        errors.append(
+            f"recipe.distill.mode=heads trains a ViT student (its iBOT loss is over masked patch "
+            f"tokens); model.backbone is {cfg.model.backbone!r} (use recipe.distill.mode=features)"
+        )
+    return errors + _features_conflicts(cfg)
+
+
+def _features_conflicts(cfg) -> list[str]:
+    """``recipe.distill.standardize`` or ``whiten`` (one of them): a features
+    distillation; ``recipe.distill.local_weight``: a features distillation
+    with local crops."""
+    d = cfg.recipe.distill
+    for key, value in (("standardize", d.standardize), ("whiten", d.whiten)):
+        if value and d.mode != "features":
+            return [
+                f"recipe.distill.{key} is for recipe.distill.mode=features (heads matches the "
+                "teacher's head outputs, not its tokens)"
+            ]
+    if d.standardize and d.whiten:
+        return [
+            f"recipe.distill.standardize and recipe.distill.whiten={d.whiten:g} both rescale "
+            "the teacher's tokens; choose one"
+        ]
+    if d.local_weight == 0:
+        return []
+    if d.mode != "features":
+        return [
+            f"recipe.distill.local_weight={d.local_weight:g} is for recipe.distill.mode=features "
+            "(heads trains on the local crops with DINOv2's losses already)"
+        ]
+    if cfg.augmentation.num_local_views == 0:
+        return [
+            f"recipe.distill.local_weight={d.local_weight:g} needs local crops; "
+            "augmentation.num_local_views is 0"
+        ]
+    return []
+
+
+def _students_conflicts(cfg) -> list[str]:
+    """``recipe.distill.students``: distinct backbones beside
+    ``model.backbone``, in a features distillation."""
+    students = cfg.recipe.distill.students
+    if not students:
+        return []
+    names = cfg.student_names
+    if len(set(names)) < len(names):
+        return [
+            f"recipe.distill.students {list(students)} with model.backbone={cfg.model.backbone} "
+            "names a backbone twice; each student is named by its backbone"
+        ]
+    if cfg.recipe.distill.mode != "features":
+        return [
+            "recipe.distill.students trains several students with recipe.distill.mode="
+            f"features; got {cfg.recipe.distill.mode}"
+        ]
+    return []
+
+
+def _groups_conflicts(cfg) -> list[str]:
+    """``distributed.student_groups``: two students or more, a batch the
+    students' ranks can split, no ``model.init_from`` (fsdp: ViT students,
+    :func:`_sharding_conflicts`)."""
+    if not cfg.distributed.student_groups:
+        return []
+    n = len(cfg.student_names)
+    if n < 2:
+        return [
+            "distributed.student_groups puts each student on its own group of ranks; name more "
+            "students with recipe.distill.students"
+        ]
+    errors = []
+    if cfg.data.batch_size % n:
+        errors.append(
+            f"distributed.student_groups splits each batch's teacher forward over the {n} "
+            f"students' ranks: data.batch_size ({cfg.data.batch_size}) must be a multiple of {n}"
+        )
+    if cfg.model.init_from is not None:
+        errors.append(
+            "model.init_from starts one network; with distributed.student_groups each rank "
+            "trains one of several (set it to null)"
+        )
+    return errors

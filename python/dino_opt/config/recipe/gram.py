@@ -2,7 +2,9 @@
 2025), the student's patch-to-patch similarities kept near those of a Gram
 teacher, a frozen copy of the teacher's backbone; its options as dinov3's
 ``gram:`` section names them, read as they are by
-:class:`~dino_opt.train.DINOv3Loss` and its Gram teacher."""
+:class:`~dino_opt.train.DINOv3Loss` and its Gram teacher, and checked
+together and against the run's crops when a config is read
+(:func:`gram_conflicts`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 from ..option import option
 
-__all__ = ["GramConfig"]
+__all__ = ["GramConfig", "gram_conflicts"]
 
 
 @dataclass
@@ -98,3 +100,66 @@ class GramConfig:
                 f"{len(crop_size_pairs)} crop-size pair(s)"
             )
         return {g: s for (g, _), s in zip(crop_size_pairs, size, strict=True)}
+
+
+def _sizes_conflicts(sizes: tuple[int, ...], pairs: list, patch: int) -> list[str]:
+    """A list of Gram teacher crop sides: one per crop-size pair, multiples of
+    the patch size, one side per global crop size (the step knows its pair by
+    its global crops' side)."""
+    key = "recipe.gram.teacher_crop_size"
+    if len(sizes) != len(pairs):
+        return [
+            f"{key} has {len(sizes)} sizes for {len(pairs)} crop-size pair(s) "
+            "(augmentation.global_crop_size / local_crop_size)"
+        ]
+    bad = [v for v in sizes if v % patch]
+    if bad:
+        return [f"{key} {list(sizes)}: {bad[0]} must be a multiple of model.patch_size ({patch})"]
+    by_global: dict[int, int] = {}
+    for (glob, _), side in zip(pairs, sizes, strict=True):
+        if by_global.setdefault(glob, side) != side:
+            return [
+                f"{key} {list(sizes)} gives the global crop size {glob} two sides "
+                f"({by_global[glob]} and {side}); pairs with one global size need one"
+            ]
+    return []
+
+
+def gram_conflicts(cfg, needs: dict) -> list[str]:
+    """The ``recipe.gram`` keys of a recipe with a Gram teacher (``needs``:
+    the recipe's row of ``RECIPE_NEEDS``), checked together and against the
+    run's crops, patch size and epochs (``cfg``: the whole config)."""
+    name, g = cfg.recipe.name, cfg.recipe.gram
+    if not needs.get("gram_teacher") or not g.use_loss:
+        return []
+    errors = []
+    if g.ckpt is None and g.it_load_ema_teacher < 0:
+        errors.append(
+            f"recipe.name={name} needs weights for its Gram teacher: set recipe.gram.ckpt, "
+            "or recipe.gram.it_load_ema_teacher >= 0 (it is -1)"
+        )
+    if g.remove_neg and g.remove_only_teacher_neg:
+        errors.append(
+            "recipe.gram.remove_neg and recipe.gram.remove_only_teacher_neg exclude each other"
+        )
+    if g.tokens_used != "all" and g.img_level:
+        errors.append(
+            f"recipe.gram.tokens_used={g.tokens_used} needs recipe.gram.img_level=false "
+            "(a crop's masked or unmasked tokens vary in number: one Gram matrix over the batch)"
+        )
+    size, patch = g.teacher_crop_size, cfg.model.patch_size
+    if isinstance(size, int) and size % patch:
+        errors.append(
+            f"recipe.gram.teacher_crop_size ({size}) must be a multiple of model.patch_size "
+            f"({patch})"
+        )
+    if isinstance(size, tuple):
+        errors += _sizes_conflicts(size, cfg.augmentation.crop_size_pairs, patch)
+    cosine = g.loss_weight_cosine_epochs or 0
+    if cfg.schedule.epochs != "auto" and g.loss_weight_warmup_epochs + cosine > cfg.schedule.epochs:
+        errors.append(
+            f"recipe.gram.loss_weight_warmup_epochs ({g.loss_weight_warmup_epochs}) plus "
+            f"recipe.gram.loss_weight_cosine_epochs ({cosine}) must be <= schedule.epochs "
+            f"({cfg.schedule.epochs})"
+        )
+    return errors

@@ -4,8 +4,9 @@ A recipe is one object that says everything it changes of a run: the
 backbone options it needs (the position-embedding grid, a mask token), the
 heads it wraps around student and teacher, its loss, the loader's masks, its
 parameter groups, schedules and frozen last layer, its trainer step, the
-frozen copies of the teacher's backbone its loss keeps, its terms of the
-memory model and its demo preset. The builders, the job and the memory
+frozen copies of the teacher's backbone its loss keeps and its demo preset
+(its terms of the memory model are the memory model's:
+:mod:`dino_opt.tune.memory.recipes`). The builders, the job and the memory
 model ask :func:`recipe_of` and never test a recipe's name. Its configuration
 keys (the ``recipe`` section) and what it needs of the rest of the
 configuration are in :mod:`dino_opt.config`, which parses without building
@@ -22,9 +23,7 @@ from torch import nn
 
 from ...config import Config
 
-__all__ = ["FP32", "RECIPES", "Recipe", "WeightsReader", "recipe_of", "register"]
-
-FP32 = 4  # bytes of a float32
+__all__ = ["RECIPES", "Recipe", "WeightsReader", "recipe_of", "register"]
 
 
 class WeightsReader(NamedTuple):
@@ -143,38 +142,16 @@ class Recipe(ABC):
         of :meth:`student_configs`, for the recipes with several students."""
         raise ValueError(f"recipe {self.name} trains one student, got {len(pairs)}")
 
-    # ---------------------------------------------------------- memory model terms
-
-    @abstractmethod
-    def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
-        """The most masked patch tokens of a batch (rows of a patch loss)."""
-
-    @abstractmethod
-    def head_rows(self, rows: int, masked: int, separate_patch_head: bool) -> tuple[int, int]:
-        """(rows through the DINO head, rows through a separate patch head),
-        given the class-token rows and the masked tokens."""
+    # ---------------------------------------------------------- patch head, frozen copies
 
     @abstractmethod
     def patch_head_dim(self, cfg: Config) -> int:
         """Output dimension of the separate patch head (when there is one)."""
 
     @abstractmethod
-    def loss_bytes_per_logit(self, a: int) -> int:
-        """What the loss keeps per head logit besides the logits in the
-        autocast dtype (``a`` bytes)."""
-
-    @abstractmethod
-    def teacher_output_bytes(self, cfg: Config, global_rows: int, masked: int, a: int) -> int:
-        """What the teacher's pass leaves for the student's."""
-
-    @abstractmethod
     def frozen_backbone_copies(self, cfg: Config) -> int:
         """Frozen copies of the teacher's backbone the recipe keeps besides
         the teacher (DINOv3: its Gram teacher)."""
-
-    @abstractmethod
-    def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
-        """What those copies' passes leave for the student's loss."""
 
 
 RECIPES: dict[str, Recipe] = {}

@@ -10,7 +10,7 @@ from ...config import Config
 from ...ops import DINOLoss, Schedules
 from ..param_groups import dinov2_param_groups, param_groups
 from ..trainer import MemoryOptimizedDINOTrainer
-from .base import FP32, Recipe, WeightsReader, register
+from .base import Recipe, WeightsReader, register
 
 __all__ = ["DINORecipe"]
 
@@ -87,26 +87,10 @@ class DINORecipe(Recipe):
     def attach_teacher(self, cfg: Config, loss_fn: nn.Module, reader: WeightsReader):
         return None
 
-    def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
-        return 0
-
-    def head_rows(self, rows: int, masked: int, separate_patch_head: bool) -> tuple[int, int]:
-        return rows, 0
-
     def patch_head_dim(self, cfg: Config) -> int:
         return 0
 
-    def loss_bytes_per_logit(self, a: int) -> int:
-        return a + FP32  # the fused loss's float32 copy of the logits
-
-    def teacher_output_bytes(self, cfg: Config, global_rows: int, masked: int, a: int) -> int:
-        # the teacher's logits of the global crops, autocast dtype and float32
-        return global_rows * cfg.model.out_dim * (a + FP32)
-
     def frozen_backbone_copies(self, cfg: Config) -> int:
-        return 0
-
-    def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
         return 0
 
 

@@ -11,12 +11,11 @@ import copy
 from torch import nn
 
 from ...config import Config
-from ...data import mask_upperbound
 from ...models import DINOHead
 from ...ops import Schedules
 from ..dinov2 import DINOv2Loss, DINOv2Trainer, DINOv2Wrapper
 from ..param_groups import dinov2_param_groups
-from .base import FP32, register
+from .base import register
 from .dino import DINORecipe
 
 __all__ = ["DINOv2Recipe"]
@@ -113,29 +112,9 @@ class DINOv2Recipe(DINORecipe):
     def trainer_class(self, cfg: Config) -> type:
         return DINOv2Trainer
 
-    def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
-        ibot = cfg.recipe.ibot
-        return mask_upperbound(
-            2 * cfg.data.batch_size,
-            global_tokens,
-            tuple(ibot.mask_ratio_min_max),
-            ibot.mask_sample_probability,
-        )
-
-    def head_rows(self, rows: int, masked: int, separate_patch_head: bool) -> tuple[int, int]:
-        return (rows, masked) if separate_patch_head else (rows + masked, 0)
-
     def patch_head_dim(self, cfg: Config) -> int:
         ibot = cfg.recipe.ibot
         return ibot.out_dim if ibot.separate_head else cfg.model.out_dim
-
-    def loss_bytes_per_logit(self, a: int) -> int:
-        return a + 2 * FP32  # DINOv2's loss also keeps its float32 log-probabilities
-
-    def teacher_output_bytes(self, cfg: Config, global_rows: int, masked: int, a: int) -> int:
-        # float32 targets and logits of the class tokens, the masked tokens' iBOT targets
-        k = cfg.model.out_dim
-        return global_rows * k * 2 * FP32 + masked * self.patch_head_dim(cfg) * FP32
 
 
 register(DINOv2Recipe())

@@ -15,7 +15,7 @@ from torch import nn
 from ...config import Config
 from ...ops import warmup_cosine_constant
 from ..dinov3 import DINOv3Loss, DINOv3Trainer
-from .base import FP32, WeightsReader, register
+from .base import WeightsReader, register
 from .dinov2 import DINOv2Recipe
 
 __all__ = ["DINOv3Recipe", "gram_weight_schedule"]
@@ -91,13 +91,6 @@ class DINOv3Recipe(DINOv2Recipe):
 
     def frozen_backbone_copies(self, cfg: Config) -> int:
         return int(cfg.recipe.gram.use_loss)  # the Gram teacher
-
-    def frozen_copy_output_bytes(self, cfg: Config, embed_dim: int, batch: int) -> int:
-        if not cfg.recipe.gram.use_loss:
-            return 0
-        # the Gram teacher's patch tokens of the global crops, float32, kept for the Gram loss
-        side = cfg.augmentation.largest_crop_sizes[0] // cfg.model.patch_size  # the largest pair
-        return 2 * batch * side * side * embed_dim * FP32
 
 
 register(DINOv3Recipe())

@@ -76,9 +76,6 @@ class DistillRecipe(DINOv2Recipe):
     ema_copies_buffers = True
     external_teacher = True
 
-    def masked_tokens(self, cfg: Config, global_tokens: int) -> int:
-        return super().masked_tokens(cfg, global_tokens) if _heads(cfg) else 0  # no masks
-
     def backbone_options(self, cfg: Config) -> dict:
         # DINOv2's (the global crops' grid, a mask token); no mask token without masks
         return {**super().backbone_options(cfg), "use_mask_token": _heads(cfg)}

@@ -18,12 +18,12 @@ import os
 import torch
 from torch import nn
 
-from ..config import Config
-from ..models import ExternalBackbone
-from ..ops import unwrap
-from ..train import StudentBank
+from ...config import Config
+from ...models import ExternalBackbone
+from ...ops import unwrap
+from ...train import StudentBank
+from .backbone import load_backbone
 from .reading import read_state_dict
-from .transfer import load_backbone
 
 __all__ = ["load_student_start", "start_students", "student_starts"]
 

@@ -12,13 +12,12 @@ from typing import NamedTuple
 
 from torch import nn
 
-from ..config import Config, refuse_code
-from ..eval import load_checkpoint
-from ..models import feature_width
-from ..train import DINOv2Wrapper, WeightsReader, build_models
+from ...config import Config, refuse_code
+from ...eval import load_checkpoint
+from ...models import feature_width
+from ...train import DINOv2Wrapper, WeightsReader, build_models
+from .backbone import load_backbone, open_backbone
 from .hub import weights_location
-from .probes import open_backbone
-from .transfer import load_backbone
 
 __all__ = ["OpenedTeacher", "open_teacher", "weights_reader"]
 
@@ -75,7 +74,7 @@ def open_teacher(
     the user's leave to build a network the run's config names as
     ``package.module:function`` (heads only: a backbone is read from its
     weights' keys, never from a config). ``path`` may name released weights
-    (:func:`~dino_opt.weights.hub.weights_location`)."""
+    (:func:`~dino_opt.weights.load.hub.weights_location`)."""
     path = weights_location(path)
     if not path.exists():
         raise FileNotFoundError(f"recipe.distill.teacher={str(path)!r} does not exist")

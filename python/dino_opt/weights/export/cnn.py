@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from ..checkpoint import write_file, write_folder
-from ..config import is_external
-from ..models.convnext import (
+from ...checkpoint import write_file, write_folder
+from ...config import is_external
+from ...models.convnext import (
     hf_convnext_config,
     to_hf_convnext_state_dict,
     to_timm_convnext_state_dict,
 )
-from .reading import TRAINING_KEY, write_training_sidecar
+from ..load.reading import TRAINING_KEY, write_training_sidecar
 
 __all__ = ["CNN_FORMATS", "export_cnn", "save_safetensors", "save_torch", "write_hf_folder"]
 

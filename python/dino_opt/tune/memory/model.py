@@ -27,16 +27,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import Config, apply_overrides, load_config
-from ..models import CHECKPOINT_POLICIES
-from ..train import build_models, recipe_of
-from .distill_memory import (
+from ...config import Config, apply_overrides, load_config
+from ...models import CHECKPOINT_POLICIES
+from ...train import build_models, recipe_of
+from .distill import (
+    FP32,
     frozen_forward_bytes,
     frozen_gathered,
     parameter_numel,
     traced_student,
     whitening_state_bytes,
 )
+from .recipes import terms_of
 
 __all__ = [
     "MEMORY_ARCHS",
@@ -59,7 +61,6 @@ __all__ = [
 #: How the student is replicated over processes.
 STRATEGIES = ("ddp", "fsdp")
 
-_FP32 = 4
 _STATS = 8  # a LayerNorm's mean and reciprocal deviation of one token, float32
 
 
@@ -308,7 +309,7 @@ def block_bytes_per_token(
     counts: ModelCounts,
     act_bytes: int,
     policy: str = "none",
-    input_bytes: int = _FP32,
+    input_bytes: int = FP32,
     *,
     tokens: int = 0,
     threshold: float = 0.0,
@@ -328,7 +329,7 @@ def block_bytes_per_token(
     if policy not in CHECKPOINT_POLICIES:
         raise ValueError(f"policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {policy!r}")
     c, h, a = counts.embed_dim, counts.ffn_hidden, act_bytes
-    heads_lse = _FP32 * counts.num_heads
+    heads_lse = FP32 * counts.num_heads
     if policy == "full":
         return input_bytes * c
     if policy == "selective":
@@ -337,7 +338,7 @@ def block_bytes_per_token(
         return input_bytes * c + sum(kept)
     ffn = 4 * a * h if counts.ffn == "swiglu" else 2 * a * h
     layerscale = 2 * a * c if counts.layerscale else 0
-    norms = 2 * (_FP32 * c + _STATS)
+    norms = 2 * (FP32 * c + _STATS)
     return norms + a * c + 3 * a * c + a * c + heads_lse + a * c + ffn + layerscale
 
 
@@ -354,7 +355,7 @@ def selective_outputs(counts: ModelCounts, act_bytes: int, tokens: int) -> dict[
     linear = 2.0 * c / a
     return {
         "qkv": (3 * a * c, linear),
-        "attention": (a * c + _FP32 * counts.num_heads, 4.0 * tokens * d / (d * a + _FP32)),
+        "attention": (a * c + FP32 * counts.num_heads, 4.0 * tokens * d / (d * a + FP32)),
         "proj": (a * c, linear),
         "fc1": (2 * a * h if counts.ffn == "swiglu" else a * h, linear),  # SwiGLU's w12
         "fc2": (a * c, 2.0 * h / a if counts.layerscale else 0.0),  # SwiGLU's w3
@@ -397,7 +398,7 @@ def _step(cfg: Config, counts: ModelCounts) -> _Step:
     a, p = cfg.augmentation, counts.patch_size
     global_side, local_side = a.largest_crop_sizes  # crop-size pairs: the largest
     g = (global_side // p) ** 2
-    masked = recipe_of(cfg).masked_tokens(cfg, g)
+    masked = terms_of(cfg).masked_tokens(cfg, g)
     return _Step(
         cfg.data.batch_size,
         g + counts.extra_tokens,
@@ -410,7 +411,7 @@ def _step(cfg: Config, counts: ModelCounts) -> _Step:
 def _head_rows(cfg: Config, counts: ModelCounts, s: _Step) -> tuple[int, int]:
     """(rows through the DINO head, rows through a separate patch (iBOT) head)."""
     rows = s.batch * (2 + s.n_local)
-    return recipe_of(cfg).head_rows(rows, s.masked, "ibot_head" in counts.units)
+    return terms_of(cfg).head_rows(rows, s.masked, "ibot_head" in counts.units)
 
 
 def _head_bytes_per_row(cfg: Config, counts: ModelCounts, a: int, out_dim: int) -> int:
@@ -419,15 +420,15 @@ def _head_bytes_per_row(cfg: Config, counts: ModelCounts, a: int, out_dim: int) 
     autocast dtype and as the loss's float32 copy (DINOv2's loss also keeps
     its float32 log-probabilities)."""
     m = cfg.model
-    mlp = a * counts.embed_dim + 4 * a * m.hidden_dim + (2 * a + 3 * _FP32) * m.bottleneck_dim
-    return mlp + recipe_of(cfg).loss_bytes_per_logit(a) * out_dim
+    mlp = a * counts.embed_dim + 4 * a * m.hidden_dim + (2 * a + 3 * FP32) * m.bottleneck_dim
+    return mlp + terms_of(cfg).loss_bytes_per_logit(a) * out_dim
 
 
 def _teacher_outputs(cfg: Config, s: _Step, a: int) -> int:
     """What the teacher's pass leaves for the student's: its logits of the
     global crops (autocast dtype and float32; DINOv2: float32 targets and
     logits, and the iBOT targets of the masked tokens)."""
-    return recipe_of(cfg).teacher_output_bytes(cfg, 2 * s.batch, s.masked, a)
+    return terms_of(cfg).teacher_output_bytes(cfg, 2 * s.batch, s.masked, a)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -550,13 +551,13 @@ def _estimate(
     states = _states(counts, strategy, world_size, a)
     acts, transient, end = _activations(cfg, counts, a, strategy, checkpointing, every)
     if strategy == "ddp":  # a block's gradient of one crop size, added to the other's
-        end += _FP32 * max(counts.unit_size(u) for u in counts.units if u.startswith("blocks."))
+        end += FP32 * max(counts.unit_size(u) for u in counts.units if u.startswith("blocks."))
     return MemoryEstimate(
         arch=arch or f"{cfg.model.backbone}/{counts.patch_size}",
         strategy=strategy,
         world_size=world_size,
         batch_size=cfg.data.batch_size,
-        precision="fp32" if a == _FP32 else "16-bit",
+        precision="fp32" if a == FP32 else "16-bit",
         checkpointing=checkpointing,
         every=every,
         reshard_after_forward=reshard_after_forward,
@@ -574,7 +575,7 @@ def _estimate(
 def activation_bytes(cfg: Config) -> int:
     """Bytes of an activation value under ``cfg``'s precision: 4 in fp32,
     else 2 (16-bit autocast)."""
-    return _FP32 if cfg.hardware.precision == "fp32" else 2
+    return FP32 if cfg.hardware.precision == "fp32" else 2
 
 
 def _setting(cfg: Config, checkpointing: str | None, every: int | None) -> tuple[str, int, int]:
@@ -612,12 +613,12 @@ def _states(counts: ModelCounts, strategy: str, world: int, a: int) -> dict[str,
         student, trainable, teacher = counts.student, counts.trainable, counts.teacher
         buckets = trainable
     return {
-        "parameters": _FP32 * student,
-        "gradients": _FP32 * trainable,
-        "optimizer": 2 * _FP32 * trainable,
-        "teacher": _FP32 * teacher + gathered_root,
-        "buckets": _FP32 * buckets,
-        "head_gradients": _FP32 * heads,
+        "parameters": FP32 * student,
+        "gradients": FP32 * trainable,
+        "optimizer": 2 * FP32 * trainable,
+        "teacher": FP32 * teacher + gathered_root,
+        "buckets": FP32 * buckets,
+        "head_gradients": FP32 * heads,
     }
 
 
@@ -631,7 +632,7 @@ def _unsharded(counts: ModelCounts, a: int, strategy: str, reshard: bool) -> int
         return 0
     root, largest = counts.unit_size("root"), counts.largest_unit
     gathered = a * (counts.student if not reshard else root + counts.largest_pair)
-    reduce = a * largest + (_FP32 * largest if a != _FP32 else 0)
+    reduce = a * largest + (FP32 * largest if a != FP32 else 0)
     return gathered + reduce
 
 
@@ -653,7 +654,7 @@ def _blocks_per_token(
     return (
         checkpointed * kept
         + plain * block_bytes_per_token(counts, a, "none")
-        + _FP32 * counts.embed_dim
+        + FP32 * counts.embed_dim
         + _STATS
     )
 
@@ -666,9 +667,9 @@ def _outside_blocks(cfg: Config, counts: ModelCounts, s: _Step, a: int, strategy
     heads = rows * _head_bytes_per_row(cfg, counts, a, cfg.model.out_dim)
     heads += ibot_rows * _head_bytes_per_row(cfg, counts, a, recipe_of(cfg).patch_head_dim(cfg))
     weights = a * counts.head_weight  # the heads' weight-normalised last layers
-    if strategy == "ddp" and a != _FP32:
+    if strategy == "ddp" and a != FP32:
         weights += a * (counts.student - counts.head_weight)  # autocast's cached casts
-    frozen = recipe_of(cfg).frozen_copy_output_bytes(cfg, counts.embed_dim, s.batch)
+    frozen = terms_of(cfg).frozen_copy_output_bytes(cfg, counts.embed_dim, s.batch)
     return heads + weights + _teacher_outputs(cfg, s, a) + frozen
 
 
@@ -677,7 +678,7 @@ def _crop_bytes(cfg: Config, a: int) -> int:
     global_side, local_side = cfg.augmentation.largest_crop_sizes
     n_local = cfg.augmentation.num_local_views
     values = cfg.data.batch_size * 3 * (2 * global_side**2 + n_local * local_side**2)
-    return values * (_FP32 + (a if a != _FP32 else 0))
+    return values * (FP32 + (a if a != FP32 else 0))
 
 
 def _activations(
@@ -692,7 +693,7 @@ def _activations(
     last, after the local crops' has made every block's gradient."""
     s = _step(cfg, counts)
     # At block boundaries the residual stream is float32 (autocast) or FSDP's 16-bit.
-    residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
+    residual = 2 if (strategy == "fsdp" and a == 2) else FP32
     setting = (counts, a, policy, every, residual)
     threshold = cfg.hardware.recompute_threshold
     groups = _crop_groups(s)
@@ -706,7 +707,7 @@ def _activations(
     start = max(n * (working + last) for n, (working, _, last) in backward)
     rows, ibot_rows = _head_rows(cfg, counts, s)
     patch_dim = recipe_of(cfg).patch_head_dim(cfg)
-    logits = (rows * cfg.model.out_dim + ibot_rows * patch_dim) * (_FP32 + a)
+    logits = (rows * cfg.model.out_dim + ibot_rows * patch_dim) * (FP32 + a)
     (global_tokens, g), (_, (working, recompute, _)) = groups[0], backward[0]
     end = global_tokens * (_blocks_per_token(*setting, g, threshold) + working + recompute) + crops
     return kept, max(start, logits), end
@@ -770,7 +771,7 @@ def estimate_distillation(
     and what the loss keeps of them and of the teacher's tokens; for a
     student without blocks (a ResNet, a ConvNeXt; DDP) the same parts, what
     its pass keeps traced on the meta device
-    (:func:`~dino_opt.tune.distill_memory.traced_student`); the crops once.
+    (:func:`~dino_opt.tune.memory.distill.traced_student`); the crops once.
     The students' backward passes run one after the other. With
     ``distributed.student_groups`` each rank holds one student (DDP, or its
     shard over the student's world_size / S ranks) and runs the teacher on
@@ -787,7 +788,7 @@ def estimate_distillation(
     backbone = getattr(frozen_teacher, "backbone", frozen_teacher)  # sharded; its heads whole
     local = frozen - parameter_numel(backbone)
     local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
-    tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else _FP32
+    tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else FP32
     teacher_bytes = tb * (local if sharded else frozen) + whitening_state_bytes(cfg, frozen_teacher)
     working = frozen_forward_bytes(cfg, frozen_teacher, a)
     if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
@@ -846,7 +847,7 @@ def _students_estimate(
         strategy=strategy,
         world_size=world_size,
         batch_size=cfg.data.batch_size,
-        precision="fp32" if a == _FP32 else "16-bit",
+        precision="fp32" if a == FP32 else "16-bit",
         checkpointing=policy,
         every=every,
         reshard_after_forward=True,
@@ -895,10 +896,10 @@ def _feature_student(
     states = _states(counts, strategy, world, a)
     unsharded = _unsharded(counts, a, strategy, True)
     if strategy == "fsdp":
-        states["teacher"] = _FP32 * counts.local(world)
+        states["teacher"] = FP32 * counts.local(world)
         unsharded -= a * counts.unit_size("root") if bank else 0
     s = _step(cfg, counts)
-    residual = 2 if (strategy == "fsdp" and a == 2) else _FP32
+    residual = 2 if (strategy == "fsdp" and a == 2) else FP32
     setting = (counts, a, policy, every, residual)
     threshold = cfg.hardware.recompute_threshold
     local = int(cfg.recipe.distill.local_weight > 0)  # the local crops' pass, their class rows
@@ -908,9 +909,9 @@ def _feature_student(
     pairs = 2 * local * s.n_local * s.batch
     hidden = cfg.recipe.distill.projector_hidden
     width, out = counts.embed_dim, cfg.recipe.distill.teacher_dim
-    cast = a * width if a != _FP32 else 0  # the projector's 16-bit input
+    cast = a * width if a != FP32 else 0  # the projector's 16-bit input
     projector = cast + (2 * a * hidden if hidden > 0 else 0)
-    loss = 2 * (a + (_FP32 if a != _FP32 else 0)) * out  # student's and teacher's, and float32
+    loss = 2 * (a + (FP32 if a != FP32 else 0)) * out  # student's and teacher's, and float32
     # the backward starts at the larger group's last block
     backward = [(n, _block_backward(*setting, t, threshold)) for n, t in groups]
     start = max(n * (working + last) for n, (working, _, last) in backward)
@@ -923,7 +924,7 @@ def _feature_student(
         "trainable_count": counts.trainable,
         "teacher_count": counts.teacher,
         "unsharded": unsharded,
-        "activations": blocks + rows * (projector + loss) + pairs * 2 * _FP32 * out,
+        "activations": blocks + rows * (projector + loss) + pairs * 2 * FP32 * out,
         "working": start,
         "end": largest * (first + recompute + working),
     }

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.layers import swiglu_hidden_dim
-from ..models.vit import pos_embed_grid
+from ...models.layers import swiglu_hidden_dim
+from ...models.vit import pos_embed_grid
 
 __all__ = [
     "DINOV2_NATIVE",
+    "DINO_IMAGE_SIZE",
     "VIT_SIZES",
     "ViTArch",
     "from_hf_dinov2",
@@ -50,6 +51,9 @@ __all__ = [
     "unchunk",
     "vit_arch",
 ]
+
+#: The input size of DINO's position tables (and of a ResNet's evaluation).
+DINO_IMAGE_SIZE = 224
 
 #: (width, depth) -> (name, heads) of the ViTs dino_opt builds.
 VIT_SIZES = {

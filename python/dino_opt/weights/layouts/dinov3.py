@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..models.rope import rope_periods
-from ..models.vit_dinov3 import (
+from ...models.rope import rope_periods
+from ...models.vit_dinov3 import (
     DINOV3_FFN_LAYERS,
     DINOV3_SIZES,
     DinoV3VisionTransformer,
@@ -44,7 +44,7 @@ from ..models.vit_dinov3 import (
     convert_timm_dinov3_state_dict,
     dinov3_swiglu_hidden_dim,
 )
-from .layouts import _first, _in_blocks, _zero_biases
+from .vit import _first, _in_blocks, _zero_biases
 
 __all__ = [
     "DinoV3Arch",

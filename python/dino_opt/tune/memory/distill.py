@@ -1,5 +1,5 @@
 """The memory of a distillation's networks that the ViT formulas of
-:mod:`~dino_opt.tune.memory_model` do not cover: the frozen teacher's forward
+:mod:`~dino_opt.tune.memory.model` do not cover: the frozen teacher's forward
 pass (no gradients, a block at a time) and a student that is not a ViT (a
 ResNet, a ConvNeXt), measured by tracing instead of modelled by formula:
 the student is built on the meta device (no memory, no compute) and its
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import Config, DistillConfig
-from ..models import Tokens, feature_width
-from ..train import FeatureDistillLoss, LocalViews, build_models, teacher_side
+from ...config import Config, DistillConfig
+from ...models import Tokens, feature_width
+from ...train import FeatureDistillLoss, LocalViews, build_models, teacher_side
 
 __all__ = [
+    "FP32",
     "SavedTrace",
     "frozen_forward_bytes",
     "frozen_gathered",
@@ -30,7 +31,7 @@ __all__ = [
     "whitening_state_bytes",
 ]
 
-_FP32 = 4
+FP32 = 4  # bytes of a float32
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -71,7 +72,7 @@ class SavedTrace:
         return best
 
 
-def trace_saved(run, model: nn.Module, a: int = _FP32) -> SavedTrace:
+def trace_saved(run, model: nn.Module, a: int = FP32) -> SavedTrace:
     """The :class:`SavedTrace` of ``run()`` (a forward pass through ``model``
     and what follows it), leaving out ``model``'s parameters. Floating-point
     values count ``a`` bytes each (the 16-bit copies autocast makes where
@@ -82,7 +83,7 @@ def trace_saved(run, model: nn.Module, a: int = _FP32) -> SavedTrace:
         key = _storage(t)
         if key not in seen:
             seen.add(key)
-            per = a if t.is_floating_point() and t.element_size() == _FP32 else t.element_size()
+            per = a if t.is_floating_point() and t.element_size() == FP32 else t.element_size()
             trace.kept.append(
                 (len(trace.kept), t.untyped_storage().nbytes() // t.element_size() * per)
             )
@@ -92,7 +93,7 @@ def trace_saved(run, model: nn.Module, a: int = _FP32) -> SavedTrace:
         own = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
         if own and module not in started:
             started.add(module)
-            trace.grads.append((len(trace.kept), _FP32 * own))
+            trace.grads.append((len(trace.kept), FP32 * own))
 
     started: set[nn.Module] = set()
     hooks = [m.register_forward_pre_hook(begins) for m in model.modules()]
@@ -143,14 +144,14 @@ def traced_student(cfg: Config, a: int) -> dict[str, int]:
     trace = trace_saved(step, student, a)
     numel, trainable = parameter_numel(student), parameter_numel(student, trainable=True)
     ema_numel = parameter_numel(ema)
-    casts = a * numel if a != _FP32 else 0
+    casts = a * numel if a != FP32 else 0
     return {
-        "parameters": _FP32 * numel,
-        "gradients": _FP32 * trainable,
-        "optimizer": 2 * _FP32 * trainable,
-        "teacher": _FP32 * ema_numel,
-        "buckets": _FP32 * trainable,
-        "head_gradients": _FP32 * parameter_numel(student.head),
+        "parameters": FP32 * numel,
+        "gradients": FP32 * trainable,
+        "optimizer": 2 * FP32 * trainable,
+        "teacher": FP32 * ema_numel,
+        "buckets": FP32 * trainable,
+        "head_gradients": FP32 * parameter_numel(student.head),
         "parameter_count": numel,
         "trainable_count": trainable,
         "teacher_count": ema_numel,
@@ -191,10 +192,10 @@ def frozen_forward_bytes(cfg: Config, teacher: nn.Module, a: int) -> int:
     out = 3 * tokens * width + 3 * width * width if cfg.recipe.distill.whiten else tokens * width
     blocks = getattr(teacher, "blocks", None)
     if not blocks:
-        return out * _FP32
+        return out * FP32
     mlp = blocks[0].mlp
     hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
-    return max(tokens * (2 * _FP32 * width + a * (width + 2 * hidden)), out * _FP32)
+    return max(tokens * (2 * FP32 * width + a * (width + 2 * hidden)), out * FP32)
 
 
 def whitening_state_bytes(cfg: Config, teacher: nn.Module) -> int:

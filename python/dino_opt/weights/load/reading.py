@@ -28,7 +28,7 @@ format         what it is
 
 A ViT without a position table is DINOv3's (RoPE): it is read in
 :class:`~dino_opt.models.DinoV3VisionTransformer`'s keys with a
-:class:`~dino_opt.weights.layouts_dinov3.DinoV3Arch` (its ``vit_*_dinov3``
+:class:`~dino_opt.weights.layouts.dinov3.DinoV3Arch` (its ``vit_*_dinov3``
 size and options; the heads and RoPE from DINOv3's periods or the Hugging
 Face config).
 """
@@ -45,13 +45,11 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import atomic_write
-from ..config import Config
-from ..eval import load_checkpoint
-from ..ops.library import IMAGENET_MEAN, IMAGENET_STD
-from .hub import weights_location
-from .layouts import ViTArch, from_hf_dinov2, from_hf_vit, from_timm, is_chunked, unchunk, vit_arch
-from .layouts_dinov3 import (
+from ...checkpoint import atomic_write
+from ...config import Config
+from ...eval import load_checkpoint
+from ...ops.library import IMAGENET_MEAN, IMAGENET_STD
+from ..layouts.dinov3 import (
     DinoV3Arch,
     RopeSpec,
     dinov3_arch,
@@ -60,6 +58,16 @@ from .layouts_dinov3 import (
     is_rope_vit,
     rope_from_periods,
 )
+from ..layouts.vit import (
+    ViTArch,
+    from_hf_dinov2,
+    from_hf_vit,
+    from_timm,
+    is_chunked,
+    unchunk,
+    vit_arch,
+)
+from .hub import weights_location
 
 __all__ = [
     "TRAINING_KEY",
@@ -455,7 +463,7 @@ def read_weights(path: str | os.PathLike) -> ExternalWeights:
     Dinov2 with registers, DINOv3), an original DINO, DINOv2 or DINOv3
     backbone or training checkpoint, or a dino_opt checkpoint or run folder,
     detected from the content (see the module docstring), in dino_opt's keys;
-    or any of those by name (:mod:`~dino_opt.weights.hub`: ``dinov2_vits14``,
+    or any of those by name (:mod:`~dino_opt.weights.load.hub`: ``dinov2_vits14``,
     ``hf:ORG/NAME``, ``timm:NAME``), from its library's cache."""
     path = weights_location(path)
     if not path.exists():

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import check_output, replace_with
-from ..data import builtin_dataset, source_exists
-from ..eval import EvalLoader
-from ..models import input_channels
-from ..train import data_roots
-from .probes import OpenedBackbone, open_backbone
-from .reading import TRAINING_KEY
+from ...checkpoint import check_output, replace_with
+from ...data import builtin_dataset, source_exists
+from ...eval import EvalLoader
+from ...models import input_channels
+from ...train import data_roots
+from ..load.backbone import OpenedBackbone, open_backbone
+from ..load.reading import TRAINING_KEY
 
 __all__ = ["ONNX_TOLERANCE", "export_onnx"]
 
