@@ -160,6 +160,7 @@ CASES = (
     "default",
     "default_fp32",
     "default_lean",
+    "default_graphs",
     "dino_opt",
     *TOGGLES,
     "all_no_ckpt",
@@ -169,6 +170,7 @@ CASES = (
 DEFAULT = "default"  # the default row's marker: built from the config as `dino-opt train` builds it
 FP32 = "fp32"  # with DEFAULT: hardware.precision=fp32 (the default step without bfloat16)
 LEAN = "lean"  # with DEFAULT: selective checkpointing at the first rung of auto's ladder
+GRAPHS = "graphs"  # with DEFAULT: hardware.compile_mode=reduce-overhead (CUDA graphs on a GPU)
 ON_DEVICE = "on_device"  # the model_step row's marker: crops made on the device
 ON_DEVICE_BATCHES = 4  # random batches the model_step row cycles through
 # An end-to-end step this much slower than the model step is bound by its input;
@@ -180,6 +182,7 @@ LABELS = {
     "default": "dino-opt train's step: its defaults, native loader",
     "default_fp32": "dino-opt train's step, precision fp32",
     "default_lean": "dino-opt train's step, selective checkpointing",
+    "default_graphs": "dino-opt train's step, CUDA graphs (reduce-overhead)",
     "dino_opt": "dino_opt trainer, switches off",
     "loader": "+ native loader",
     "fused_loss": "+ fused loss",
@@ -309,6 +312,8 @@ def case_toggles(case: str, available: list[str]) -> list[str] | None:
         return [DEFAULT, "loader", FP32]
     if case == "default_lean":
         return [DEFAULT, "loader", LEAN]
+    if case == "default_graphs":
+        return [DEFAULT, "loader", GRAPHS]
     if case == "all":
         return list(available)
     if case == "all_no_ckpt":
@@ -335,13 +340,15 @@ def model_config(s: dict):
     )
 
 
-def recipe_defaults(s: dict, lean: bool = False):
+def recipe_defaults(s: dict, lean: bool = False, graphs: bool = False):
     """The config `dino-opt train` would run for the row's settings: its
     defaults (precision, optimizer, loss, EMA, drop path, compile) with the
     row's model, crops and batch, resolved for the row's device as a run
     resolves it (``hardware.compile: null`` becomes on for a GPU); ``lean``:
     with selective checkpointing at the first rung of ``auto``'s ladder
-    (every output the backward reads kept)."""
+    (every output the backward reads kept); ``graphs``: compiled in
+    ``reduce-overhead`` mode (CUDA graphs on a GPU; where compile is off, as
+    on the CPU, the default row)."""
     cfg = apply_overrides(
         model_config(s),
         [
@@ -354,6 +361,8 @@ def recipe_defaults(s: dict, lean: bool = False):
         ],
     )
     cfg = resolve_hardware(cfg)[0]
+    if graphs:
+        cfg = apply_overrides(cfg, ["hardware.compile_mode=reduce-overhead"])
     if not lean:
         return cfg
     _, threshold = checkpointing_ladder(cfg)[1]
@@ -401,8 +410,10 @@ class Job:
         default = DEFAULT in use
         # the default row's models as `dino-opt train` builds them (its
         # attention, its blocks compiled where its config says so)
-        lean = LEAN in use
-        student, teacher = build_models(recipe_defaults(s, lean) if default else model_config(s))
+        lean, graphs = LEAN in use, GRAPHS in use
+        student, teacher = build_models(
+            recipe_defaults(s, lean, graphs) if default else model_config(s)
+        )
         if not default:  # the published model: its head, plain attention unless switched
             for net in (student, teacher):
                 set_published_head(net)
@@ -444,7 +455,7 @@ class Job:
             )
             return
         if DEFAULT in use:
-            cfg = recipe_defaults(dict(s, batch_size=batch_size), lean)
+            cfg = recipe_defaults(dict(s, batch_size=batch_size), lean, graphs)
             if FP32 in use:
                 cfg = apply_overrides(cfg, ["hardware.precision=fp32"])
             model = DINOModel(student, teacher, self.schedules.momentum)

@@ -355,14 +355,16 @@ stage_rest() {
 # The whole training step, settled: DINO's ViT-S/16 recipe at batch 64, the
 # published step, the strong baseline (bf16, compiled blocks, fused AdamW,
 # foreach EMA), dino_opt's rows without and with checkpointing (the default
-# step with selective checkpointing at auto's first rung last), and the model
-# step on crops already on the GPU (what bounds the step), in 3 interleaved
+# step with selective checkpointing at auto's first rung, then the default
+# step replayed as CUDA graphs, last), and the model step on crops already on
+# the GPU (what bounds the step), in 3 interleaved
 # rounds, with MFU; the rows that do not fit the budget are reported as not run.
 stage_step() {
   ensure_built || return 1
   # the default row last in each round: its first round compiles every block
   # (a graph per crop size and drop-path rate), which must not starve the others
-  local train=(--config recipe --only baseline,strong,all_no_ckpt,all,model_step,default,default_lean
+  local train=(--config recipe
+               --only baseline,strong,all_no_ckpt,all,model_step,default,default_lean,default_graphs
                --steps 60 --warmup 10 --repeats 3)
   [ "$QUICK" = 1 ] && train=(--config cpu --quick --only baseline,strong,all_no_ckpt,model_step,default,default_lean)
   bench_step bench_step 450 bench/bench_train.py "${train[@]}" --time-budget 430

@@ -19,6 +19,8 @@ from dino_opt.data import (
     MultiCropLoader,
     find_images,
 )
+from dino_opt.data import loader as loader_module
+from dino_opt.data.ahead import one_ahead
 from PIL import Image
 
 SMALL = dict(global_size=32, local_size=16, n_local=2)  # fast crops for behaviour tests
@@ -332,6 +334,90 @@ def test_resume_mid_epoch_gives_the_remaining_batches(image_folder):
     with MultiCropLoader(image_folder, **dict(kw, batch_size=4)) as other:
         with pytest.raises(ValueError, match="batch_size"):
             other.load_state_dict(state)
+
+
+def test_one_ahead_starts_the_next_item_before_yielding_this_one():
+    events = []
+
+    def start(item):
+        events.append(f"start {item}")
+        return item * 10
+
+    for item, started in one_ahead(iter([1, 2, 3]), start):
+        events.append(f"use {item} {started}")
+    assert events == [
+        "start 1",
+        "start 2",
+        "use 1 10",
+        "start 3",
+        "use 2 20",
+        "use 3 30",
+    ]
+    assert list(one_ahead([], start)) == [] and list(one_ahead([4], start)) == [(4, 40)]
+
+
+class _CopyOnTheCPU:
+    """DeviceCopy's stand-in on the CPU: the copies are the tensors
+    themselves, counted, with wait() handing them over."""
+
+    made: list = []
+
+    def __init__(self, tensors, device, stream):
+        self.tensors = [None if t is None else t.clone() for t in tensors]
+        _CopyOnTheCPU.made.append(self)
+
+    def wait(self):
+        return self.tensors
+
+
+def test_a_loader_copying_ahead_gives_the_same_batches_and_resume_position(
+    image_folder, monkeypatch
+):
+    """The copy-ahead path (a GPU's; here with a stand-in copy on the CPU):
+    the batches of the plain path, each batch's copy started before the one
+    before it is yielded, and ``state_dict`` at the batch yielded, not the
+    one copied ahead (so a resume repeats and skips nothing)."""
+    kw = dict(num_threads=2, seed=9, batch_size=3, photometric="gpu", device="cpu", **SMALL)
+    masks = dict(patch_size=16)
+    with MultiCropLoader(image_folder, masks=masks, **kw) as plain:
+        assert not plain.copies_ahead  # the CPU: nothing to overlap
+        plain.set_epoch(1)
+        expected = [(b, b.masks.clone()) for b in plain]
+    monkeypatch.setattr(loader_module, "DeviceCopy", _CopyOnTheCPU)
+    monkeypatch.setattr(loader_module.torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(MultiCropLoader, "copies_ahead", property(lambda self: True))
+    _CopyOnTheCPU.made.clear()
+    with MultiCropLoader(image_folder, masks=masks, **kw) as ahead:
+        ahead.set_epoch(1)
+        it = iter(ahead)
+        first = next(it)
+        assert len(_CopyOnTheCPU.made) == 2  # this batch's copy and the next one's
+        second = next(it)
+        state = ahead.state_dict()
+        rest = list(it)
+    assert state["next_batch"] == 2 and state["epoch"] == 1
+    got = [first, second, *rest]
+    assert len(got) == len(expected) == len(_CopyOnTheCPU.made)
+    for b, (e, e_masks) in zip(got, expected, strict=True):
+        assert torch.equal(b.indices, e.indices) and torch.equal(b.masks, e_masks)
+        for x, y in zip(b.crops, e.crops, strict=True):
+            assert torch.equal(x, y)
+    assert ahead.state_dict()["next_batch"] == 0  # the epoch iterated to its end
+
+
+@pytest.mark.cuda
+def test_a_loader_on_cuda_copies_ahead_and_gives_the_plain_batches(image_folder, monkeypatch):
+    kw = dict(num_threads=2, seed=7, batch_size=6, photometric="gpu", **SMALL)
+    with MultiCropLoader(image_folder, **kw) as ahead:
+        assert ahead.copies_ahead
+        got = [[c.cpu() for c in b.crops] for b in ahead]
+    monkeypatch.setattr(MultiCropLoader, "copies_ahead", property(lambda self: False))
+    with MultiCropLoader(image_folder, **kw) as plain:
+        expected = [[c.cpu() for c in b.crops] for b in plain]
+    assert len(got) == len(expected) > 1
+    for a, b in zip(got, expected, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
 
 
 # ---------------------------------------------------------------- bad input

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from dino_opt import train as train_module
-from dino_opt.config import load_config
+from dino_opt.config import ConfigError, load_config
 from dino_opt.models.layers import Block, DropPath, kept_samples, residual_subset
 from dino_opt.models.vit import vit_tiny
 from dino_opt.models.vit_dinov3 import RopeBlock
@@ -559,6 +559,37 @@ def test_compiled_blocks_and_heads_have_no_graph_break_and_never_recompile(monke
         else:
             assert made == [0, 0, 0]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["dino", "dinov2"])
+def test_compile_mode_reaches_every_compiled_block_and_head(monkeypatch, recipe):
+    """``hardware.compile_mode`` is the mode of every torch.compile a run
+    makes (student and teacher blocks, heads), except a head with dynamic
+    rows (DINOv2's), which keeps the default under reduce-overhead (a CUDA
+    graph per count of masked patches); the trainer replays CUDA graphs only
+    where compile is on in reduce-overhead mode."""
+    modes = []
+    real = torch.compile
+
+    def recording(*args, **kwargs):
+        modes.append((kwargs.get("mode"), kwargs.get("dynamic")))
+        return real(*args, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    for mode in ("default", "reduce-overhead"):
+        modes.clear()
+        overrides = [*TINY, *RECIPES[recipe], "hardware.compile=true"]
+        trainer = _trainer([*overrides, f"hardware.compile_mode={mode}"])
+        depth = len(trainer.model.student.backbone.blocks)
+        blocks, heads = modes[: 2 * depth], modes[2 * depth :]
+        assert blocks == [(mode, False)] * (2 * depth)
+        rows_fixed = recipe == "dino"
+        head_mode = mode if rows_fixed else "default"
+        assert heads and set(heads) == {(head_mode, not rows_fixed)}, heads
+        assert trainer.cuda_graphs is (mode == "reduce-overhead")
+    assert _trainer([*TINY, "hardware.compile_mode=reduce-overhead"]).cuda_graphs is False
+    with pytest.raises(ConfigError, match="hardware.compile_mode"):
+        load_config(None, [*TINY, "hardware.compile_mode=fast"])
 
 
 @pytest.mark.parametrize("compiled", [True, False])

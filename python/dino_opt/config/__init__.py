@@ -2,6 +2,7 @@
 the demo preset, what a resume may change, the docs' key tables."""
 
 from .fields import (
+    COMPILE_MODES,
     RECIPE_NEEDS,
     AugmentationConfig,
     CheckpointConfig,
@@ -52,6 +53,7 @@ from .tables import key_table
 
 __all__ = [
     "BACKBONE_NAMES",
+    "COMPILE_MODES",
     "DEMO_PRESET",
     "EXTERNAL_FORMS",
     "RECIPE_NEEDS",

@@ -13,6 +13,7 @@ from .presets import PRESET_NAMES
 from .recipe import RECIPE_NEEDS, RecipeConfig
 
 __all__ = [
+    "COMPILE_MODES",
     "RECIPE_NEEDS",
     "AugmentationConfig",
     "CheckpointConfig",
@@ -29,6 +30,10 @@ __all__ = [
     "RecipeConfig",
     "ScheduleConfig",
 ]
+
+
+#: torch.compile's modes, for ``hardware.compile_mode`` and ``optimize_model``.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 class ConfigError(ValueError):
@@ -371,6 +376,14 @@ class HardwareConfig:
         None,
         "torch.compile each ViT block in place (whole graph, static shapes, its checkpointing "
         "inside), student and teacher; a ResNet whole; null: on a GPU, off on a CPU",
+    )
+    compile_mode: str = _opt(
+        "default",
+        "torch.compile's mode for what hardware.compile compiles: default; reduce-overhead "
+        "(on a GPU each compiled graph replayed as a CUDA graph: fewer launches, more memory; "
+        "on a CPU the same as default); max-autotune (also searches kernel configurations: "
+        "minutes more at start)",
+        choices=COMPILE_MODES,
     )
     gc_every_steps: int = _opt(
         50, "Python's garbage collector off in training: run every N steps; 0: automatic", ge=0

@@ -23,6 +23,7 @@ import torch
 from ..ops.channel_photometric_torch import channel_photometric_torch
 from ..ops.library import IMAGENET_MEAN, IMAGENET_STD, multicrop_photometric
 from ..ops.native import _C
+from .ahead import DeviceCopy, one_ahead
 from .channels import RGB_ONLY_AUGMENT_KEYS, ImageLayout, data_set_layout, normalisation
 from .masking import mask_options, mask_targets
 from .sources import open_source
@@ -169,6 +170,11 @@ def crop_size_pairs(
             f"crop_size_ratios must be probabilities (each >= 0) summing to 1, got {ratios}"
         )
     return pairs, ratios
+
+
+def _split_copied(tensors: list, n_groups: int) -> tuple[list, list, torch.Tensor | None]:
+    """(groups, params, masks) of a :class:`DeviceCopy` of ``[*groups, *params, masks]``."""
+    return tensors[:n_groups], tensors[n_groups : 2 * n_groups], tensors[2 * n_groups]
 
 
 def _native_loader(
@@ -510,20 +516,36 @@ class MultiCropLoader(NativeLoaderHandle):
         epoch = self._epoch if epoch is None else int(epoch)
         return tuple(native.size_pair(native.size_pair_of(epoch, int(batch))))
 
+    @property
+    def copies_ahead(self) -> bool:
+        """Whether a batch's uint8 crops go to the GPU a batch ahead, on a
+        stream of their own (:mod:`dino_opt.data.ahead`): with the
+        photometric stage on a CUDA device, from pinned memory."""
+        return self.photometric == "gpu" and self.device.type == "cuda" and self.pin_memory
+
     def __iter__(self) -> Iterator[Batch]:
         native = self._require_open()
         native.start_epoch(self._epoch, self._next_batch)
-        while True:
-            raw = native.next()
-            if raw is None:
-                self._next_batch = 0
-                return
-            groups, params, labels, indices, batch_index, masks = raw
-            self._next_batch = batch_index + 1
-            yield self._finish(groups, params, labels, indices, masks)
+        raws = iter(native.next, None)
+        if self.copies_ahead:
+            stream = torch.cuda.Stream(self.device)
+            for raw, copy in one_ahead(raws, lambda raw: self._copy(raw, stream)):
+                groups, params, masks = _split_copied(copy.wait(), len(raw[0]))
+                self._next_batch = raw[4] + 1  # the batch yielded, not the one copied ahead
+                yield self._finish(groups, params, raw[2], raw[3], masks)
+        else:
+            for groups, params, labels, indices, batch_index, masks in raws:
+                self._next_batch = batch_index + 1
+                yield self._finish(groups, params, labels, indices, masks)
+        self._next_batch = 0
+
+    def _copy(self, raw: tuple, stream: torch.cuda.Stream) -> DeviceCopy:
+        """The copy to the device of a raw batch's crops, parameters and masks."""
+        groups, params, masks = raw[0], raw[1], raw[5]
+        return DeviceCopy([*groups, *params, masks], self.device, stream)
 
     def _finish(self, groups, params, labels, indices, masks) -> Batch:
-        if self.photometric == "gpu":
+        if self.photometric == "gpu":  # (tensors already on the device: no copy)
             non_blocking = self.pin_memory and self.device.type == "cuda"
             if masks is not None:
                 masks = masks.to(self.device, non_blocking=non_blocking)

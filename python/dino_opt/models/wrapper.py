@@ -39,11 +39,16 @@ class MultiCropWrapper(nn.Module):
         """``torch.compile`` of each head with parameters (``head``, and an
         ``ibot_head`` where there is one) in place, whole (``fullgraph``):
         static shapes where ``head_rows_fixed``, else the rows dynamic (one
-        graph for every count of masked patches)."""
+        graph for every count of masked patches). Dynamic rows keep the
+        default mode where ``mode`` is ``reduce-overhead``: a CUDA graph is
+        recorded per shape, so one per count of masked patches."""
+        dynamic = not self.head_rows_fixed
+        if dynamic and mode == "reduce-overhead":
+            mode = "default"
         for name in ("head", "ibot_head"):
             head = getattr(self, name, None)
             if isinstance(head, nn.Module) and any(True for _ in head.parameters()):
-                head.compile(mode=mode, fullgraph=True, dynamic=not self.head_rows_fixed)
+                head.compile(mode=mode, fullgraph=True, dynamic=dynamic)
 
     @staticmethod
     def resolution_groups(crops: Sequence[torch.Tensor]) -> list[tuple[int, int]]:

@@ -126,7 +126,11 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
             m.backbone, patch_size=m.patch_size, drop_path_rate=m.drop_path_rate, **vit
         )
         apply_block_options(
-            net, *checkpointing, compile=compile, recompute_threshold=h.recompute_threshold
+            net,
+            *checkpointing,
+            compile=compile,
+            compile_mode=h.compile_mode,
+            recompute_threshold=h.recompute_threshold,
         )
         return recipe.wrap_models(cfg, MultiCropWrapper(net, nn.Identity()), None)
     student, teacher = build_dino_models(
@@ -141,13 +145,18 @@ def _one_pair(cfg: Config) -> tuple[nn.Module, nn.Module]:
         **vit,
     )
     apply_block_options(
-        student.backbone, *checkpointing, compile=compile, recompute_threshold=h.recompute_threshold
+        student.backbone,
+        *checkpointing,
+        compile=compile,
+        compile_mode=h.compile_mode,
+        recompute_threshold=h.recompute_threshold,
     )
-    apply_block_options(teacher.backbone, compile=compile)  # no backward: nothing to recompute
+    # the teacher runs no backward: nothing to recompute
+    apply_block_options(teacher.backbone, compile=compile, compile_mode=h.compile_mode)
     student, teacher = recipe.wrap_models(cfg, student, teacher)
     for net in (student, teacher):
         if compile and isinstance(net, MultiCropWrapper):
-            net.compile_heads()
+            net.compile_heads(h.compile_mode)
     return student, teacher
 
 
@@ -208,13 +217,14 @@ def place_frozen_teacher(cfg: Config, network: nn.Module, device: torch.device) 
     bfloat16 autocast its parameters are stored in bfloat16 (half its
     memory; autocast computes its matrix products in bfloat16 anyway; its
     buffers, e.g. RoPE's periods, stay float32); each ViT block compiled
-    with ``hardware.compile`` (another network whole)."""
+    with ``hardware.compile`` in ``hardware.compile_mode`` (another network whole)."""
     network.to(device)
     dtype = frozen_teacher_dtype(cfg, device)
     if dtype is not None:
         parameters_in(network, dtype)
     if cfg.hardware.compile is True:
-        apply_block_options(getattr(network, "backbone", network), compile=True)
+        backbone = getattr(network, "backbone", network)
+        apply_block_options(backbone, compile=True, compile_mode=cfg.hardware.compile_mode)
     return network
 
 
@@ -381,8 +391,10 @@ def build_schedules(cfg: Config, niter_per_epoch: int, world_size: int = 1) -> S
 def trainer_options(cfg: Config) -> dict:
     """The :class:`~dino_opt.train.MemoryOptimizedDINOTrainer` config of
     ``cfg``: precision, crop batching, accumulation, gradient clipping and
-    the frozen last layer (activation checkpointing is the model's:
+    the frozen last layer, and whether compiled graphs replay as CUDA graphs
+    (activation checkpointing and compilation are the model's:
     :func:`build_models`)."""
+    h = cfg.hardware
     return {
         "precision": cfg.hardware.precision,
         "crop_batch_size": cfg.hardware.crop_batch_size,
@@ -390,6 +402,7 @@ def trainer_options(cfg: Config) -> dict:
         "gradient_clip": cfg.optim.clip_grad,
         "freeze_last_layer": recipe_of(cfg).freeze_last_layer(cfg),
         "freeze_backbone": cfg.optim.freeze_backbone_epochs,
+        "cuda_graphs": h.compile is True and h.compile_mode == "reduce-overhead",
     }
 
 

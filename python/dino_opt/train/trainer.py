@@ -212,7 +212,9 @@ class MemoryOptimizedDINOTrainer:
     ``precision`` ('auto'; with ``use_amp=False``, float32),
     ``freeze_last_layer`` (epochs, 1), ``freeze_backbone`` (epochs the
     student's backbone is not updated while its heads warm up, 0),
-    ``n_global`` (teacher views, 2). ``terms``: the recipe's part of the step
+    ``n_global`` (teacher views, 2), ``cuda_graphs`` (the networks' compiled
+    graphs replay as CUDA graphs, ``reduce-overhead``: each optimizer step
+    starts a new generation of them; False). ``terms``: the recipe's part of the step
     (:class:`StepTerms`; DINO's by default), ``extra_terms`` added to it
     (:class:`StepHooks`).
     """
@@ -249,6 +251,7 @@ class MemoryOptimizedDINOTrainer:
         self.freeze_last_layer = int(self.config.get("freeze_last_layer", 1))
         self.freeze_backbone = int(self.config.get("freeze_backbone", 0))
         self.n_global = int(self.config.get("n_global", 2))
+        self.cuda_graphs = bool(self.config.get("cuda_graphs", False))
         if self.gradient_checkpointing:
             self._enable_gradient_checkpointing()
         self.epoch = 0
@@ -305,6 +308,10 @@ class MemoryOptimizedDINOTrainer:
         synchronisation) and metrics that are also device tensors."""
         self.epoch = epoch
         if self.at_step_boundary:
+            if self.cuda_graphs and self.device.type == "cuda":
+                # the last step's graph outputs are dead (its gradients stepped and
+                # freed): their memory may be replayed into; on a CPU nothing replays
+                torch.compiler.cudagraph_mark_step_begin()
             for t in self._all_terms:
                 t.before_step(self)
         inputs = self.terms.inputs(self, crops, masks)

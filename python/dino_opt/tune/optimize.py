@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import COMPILE_MODES
 from ..models.vit import Attention as _OwnAttention
 
 __all__ = [
@@ -46,8 +47,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 # Keys of the ``optimize_model`` configuration and their defaults (everything off).
 CONFIG_KEYS = {
