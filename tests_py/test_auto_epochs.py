@@ -7,6 +7,7 @@ value beside a number."""
 import pytest
 from dino_opt.config import ConfigError, load_config
 from dino_opt.train import auto_epochs, resolve_epochs
+from dino_opt.train.epochs import MIN_STEPS
 
 
 def _listed(tmp_path, n: int):
@@ -15,8 +16,9 @@ def _listed(tmp_path, n: int):
     return path
 
 
-# images -> (epochs, optimizer steps) at batch 64 (docs/training.md's table)
-TABLE = {200: (1250, 5000), 2_000: (157, 5024), 200_000: (100, 312_500)}
+# images -> (epochs, optimizer steps) at batch 64 (docs/training.md's table); an
+# epoch is images // 64 steps, as the training loader drops the last partial batch
+TABLE = {200: (1667, 5001), 2_000: (162, 5022), 200_000: (100, 312_500)}
 
 
 @pytest.mark.parametrize("images", sorted(TABLE))
@@ -38,6 +40,7 @@ def test_the_documented_choice_for_a_file_list(images, tmp_path):
     assert s.warmup_teacher_temp_epochs == round(30 * epochs / 100)
     assert resolved.optim.freeze_last_layer == max(1, round(epochs / 100))
     assert line.startswith(f"schedule.epochs=auto: {epochs} epochs, {steps} optimizer steps")
+    assert steps == epochs * (images // 64) >= MIN_STEPS
     assert f"({images} images" in line and "\n" not in line
 
 
@@ -46,6 +49,11 @@ def test_the_rule_beyond_imagenet_and_with_ranks():
     # 8 ranks of 64 and 2 accumulated batches: 1,000-image steps
     one = auto_epochs(200_000, 64 * 8, accumulation=2)
     assert (one.steps_per_epoch, one.epochs) == (195, 100)
+    # each rank's share padded to 25,000 images: 390 full batches of 64, 195 steps
+    assert auto_epochs(200_000, 64 * 8, accumulation=2, world_size=8).steps == 19_500
+    # 2,000 images on 3 ranks of 64: 667 a rank, 10 full batches each
+    three = auto_epochs(2_000, 64 * 3, world_size=3)
+    assert (three.steps_per_epoch, three.epochs) == (10, 500)
 
 
 def test_a_number_is_kept_and_other_words_refused(tmp_path):

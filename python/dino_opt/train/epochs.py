@@ -6,7 +6,8 @@ and a large one is not cut short.
                  ceil(REFERENCE_EPOCHS * min(images, REFERENCE_IMAGES) / images))
 
 ``steps_per_epoch`` is optimizer steps (the global batch is
-``data.batch_size`` x ranks x ``optim.accumulation_steps``). The first term
+``data.batch_size`` x ranks x ``optim.accumulation_steps``; a rank's last
+partial batch is dropped, as the training loader drops it). The first term
 gives every run at least :data:`MIN_STEPS` optimizer steps (a few hundred
 images would otherwise train for a few dozen steps); the second is DINO's
 100 epochs for any set up to ImageNet-1k's size, and beyond it the images
@@ -53,17 +54,22 @@ class EpochChoice(NamedTuple):
     reason: str
 
 
-def auto_epochs(images: int, global_batch: int, accumulation: int = 1) -> EpochChoice:
+def auto_epochs(
+    images: int, global_batch: int, accumulation: int = 1, world_size: int = 1
+) -> EpochChoice:
     """The epochs for ``images`` images at ``global_batch`` images a loader
-    batch (all ranks), ``accumulation`` batches an optimizer step (the
-    module docstring's rule)."""
-    if images < 1 or global_batch < 1 or accumulation < 1:
+    batch (all ``world_size`` ranks), ``accumulation`` batches an optimizer
+    step (the module docstring's rule). An epoch's batches are counted as
+    the training loader makes them: each rank's share of the images (padded
+    to equal shares), its last partial batch dropped."""
+    if images < 1 or global_batch < 1 or accumulation < 1 or world_size < 1:
         raise ValueError(
-            f"auto epochs need images, a batch and accumulation >= 1, got "
-            f"{images}, {global_batch}, {accumulation}"
+            f"auto epochs need images, a batch, accumulation and ranks >= 1, got "
+            f"{images}, {global_batch}, {accumulation}, {world_size}"
         )
-    per_epoch = max(1, math.ceil(images / global_batch) // accumulation)
-    by_steps = math.ceil(MIN_STEPS / per_epoch)
+    per_rank = max(1, global_batch // world_size)
+    batches = max(1, math.ceil(images / world_size) // per_rank)
+    by_steps = math.ceil(MIN_STEPS * accumulation / batches)
     by_images = math.ceil(REFERENCE_EPOCHS * min(images, REFERENCE_IMAGES) / images)
     epochs = max(by_steps, by_images)
     if by_steps > by_images:
@@ -72,7 +78,7 @@ def auto_epochs(images: int, global_batch: int, accumulation: int = 1) -> EpochC
         reason = f"the images seen in {REFERENCE_EPOCHS} epochs of ImageNet-1k"
     else:
         reason = f"{REFERENCE_EPOCHS} epochs, DINO's, reach {MIN_STEPS} steps or more"
-    return EpochChoice(epochs, epochs * per_epoch, per_epoch, reason)
+    return EpochChoice(epochs, epochs * batches // accumulation, batches // accumulation, reason)
 
 
 def _scaled(value: int, epochs: int) -> int:
@@ -89,7 +95,7 @@ def resolve_epochs(cfg: Config, world_size: int = 1) -> tuple[Config, str | None
         return cfg, None
     images = len(build_source(cfg, data_roots(cfg).train))
     batch = cfg.data.batch_size * world_size
-    choice = auto_epochs(images, batch, cfg.optim.accumulation_steps)
+    choice = auto_epochs(images, batch, cfg.optim.accumulation_steps, world_size)
     s, o = cfg.schedule, cfg.optim
     schedule = replace(
         s,
