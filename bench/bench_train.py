@@ -79,8 +79,8 @@ memory: the CUDA caching allocator's peak allocation over the row (models,
 optimizer state and activations) on a GPU; on the CPU the peak resident set
 of the training process (DataLoader worker processes are not in it; the
 native loader's threads and buffers are). ops/step (kernels/step on a GPU):
-``BUSY_STEPS`` more steps under torch.profiler, the aten operators dispatched
-(every level) or the kernels and copies launched, per step. Losses are read
+``BUSY_STEPS`` more steps (one with ``--quick``) under torch.profiler, the aten
+operators dispatched (every level) or the kernels and copies launched, per step. Losses are read
 at the end (for dino_opt's rows from device tensors); steps 1, 10 and the
 last are in the table, all in the JSON. With ``--time-budget``, a row is started only while at least
 ``MIN_ROW_SECONDS`` of the budget are left and is stopped when it runs out;
@@ -248,8 +248,11 @@ PRESETS = {
 }
 # The quick run (a smoke test) without drop path, so that every row's first
 # loss is the baseline's: dino_opt's ViT packs the crop sizes into one pass
-# and draws the dropped samples in another order than the published forward.
-QUICK = dict(steps=2, warmup=1, drop_path_rate=0.0)
+# and draws the dropped samples in another order than the published forward;
+# one profiled step, not BUSY_STEPS: on the CPU, reading the profiler's
+# events took 2 of a row's 3 s per step profiled (bench_train's 14 rows in
+# the tests: 86 s in all, docs/testing.md).
+QUICK = dict(steps=2, warmup=1, drop_path_rate=0.0, busy_steps=1)
 MIN_ROW_SECONDS = 15  # with --time-budget: less than this left, a row is not started
 QUICK_CPU_BATCH = 4
 SEARCH_START, SEARCH_GRANULARITY = 64, 32
@@ -753,8 +756,8 @@ def covered_fraction(intervals, start: float, end: float) -> float:
     return covered / (end - start) if end > start else 0.0
 
 
-def profiled_steps(job, stream, first_step: int, device: torch.device) -> tuple:
-    """BUSY_STEPS more steps (data included) under torch.profiler: the share
+def profiled_steps(job, stream, first_step: int, steps: int, device: torch.device) -> tuple:
+    """``steps`` more steps (data included) under torch.profiler: the share
     of their wall time during which the GPU ran a kernel or a copy (the union
     of the device activity CUPTI records, over the window's host time; None
     on the CPU), and the operators per step: on a GPU the kernels and copies
@@ -766,17 +769,17 @@ def profiled_steps(job, stream, first_step: int, device: torch.device) -> tuple:
         torch.cuda.synchronize()
     with profile(activities=activities) as prof:
         with record_function("bench_window"):
-            for i in range(BUSY_STEPS):
+            for i in range(steps):
                 job.step(next(stream), first_step + i)
             if cuda:
                 torch.cuda.synchronize()
     events = prof.events()
     if not cuda:
         ops = sum(1 for e in events if e.name.startswith("aten::"))
-        return None, ops / BUSY_STEPS
+        return None, ops / steps
     work = device_work(events, DeviceType.CUDA)
     window = next(e for e in events if e.name == "bench_window").time_range
-    return covered_fraction(work, window.start, window.end), len(work) / BUSY_STEPS
+    return covered_fraction(work, window.start, window.end), len(work) / steps
 
 
 def device_work(events, device_type) -> list[tuple[float, float]]:
@@ -818,7 +821,7 @@ def measure(s: dict, case: str, toggles: list[str] | None, batch_size: int) -> d
         t_end = time.perf_counter()
         graphs, compile_s = compile_totals()  # the row's own process: its compilation
         loader_stats = stats_fn() if stats_fn is not None else None
-        busy, ops = profiled_steps(job, stream, s["steps"], device)
+        busy, ops = profiled_steps(job, stream, s["steps"], s["busy_steps"], device)
     finally:
         close()
     losses = [float(x) for x in losses]  # dino_opt: device tensors, read now
@@ -997,6 +1000,7 @@ def settings_for(config: str, args, device: torch.device) -> dict:
         epoch=args.epoch,
         photometric=args.photometric,
         workers=args.workers,
+        busy_steps=BUSY_STEPS,
     )
     if args.quick:
         s.update(QUICK)
@@ -1195,7 +1199,7 @@ def run_config(config: str, args, device: torch.device, cases: list[str]) -> Non
             if device.type == "cuda"
             else "ops/step: the aten operators a step dispatches (every level)"
         )
-        + f", counted by torch.profiler over {BUSY_STEPS} steps after the timed ones",
+        + f", counted by torch.profiler over {s['busy_steps']} steps after the timed ones",
         "compile s: the seconds torch.compile spent in the row's process (forward and "
         "backward graphs, in its warm-up steps; 0: nothing compiled)",
         "the baseline clips each parameter's gradient to norm 3 on its own (DINO), dino_opt "

@@ -13,10 +13,19 @@
 #   - CMake told to ignore the system prefixes / and /usr
 #     (CMAKE_IGNORE_PREFIX_PATH), so the system's OpenCV, libjpeg-turbo and
 #     GoogleTest cannot stand in for missing ones;
-#   - a build folder of its own; small bench sizes (GPU_CHECK_QUICK=1);
+#   - a build folder of its own, build/gpu-rehearsal-build: as deep under
+#     the checkout as `make setup`'s (build/cp311-torch...), so that the
+#     paths ccache keys on (relative to CCACHE_BASEDIR, from the build
+#     folder) are the same and the objects compiled with the same flags (the
+#     core, the CPU kernels, the bindings: all but the loader's library and
+#     the C++ tests, which are built without OpenCV here) come from the
+#     cache once `make setup` compiled them (CI of 541db19: its build step
+#     219 s, one folder deeper, with those recompiled after a change to the
+#     loader's sources); small bench sizes (GPU_CHECK_QUICK=1);
 #     with this checkout's torch, the CUDA architectures of this checkout's
-#     own build (not the GPU's alone, 90, as there), so that ccache hands it
-#     the CUDA objects `make setup` compiled (CI: ~400 s less on 2 cores);
+#     own build (not the GPU's alone, 90, as there), so that the CUDA
+#     compiles, keyed also on the build folder's absolute path, come from
+#     this folder's previous build (CI: ~400 s less on 2 cores);
 #     the GPU machine's torch (REHEARSAL_TORCH) compiles anew anyway and
 #     keeps 90.
 # Each stage is a separate run, as each is a separate call there: by default
@@ -32,6 +41,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 TORCH=${REHEARSAL_TORCH:-}
 ROOT=build/gpu-rehearsal${TORCH:+-torch$TORCH}
+BUILD=$ROOT-build
 REPORT_DIR=$(realpath -m "${REPORT_DIR:-$ROOT/report}")
 STAGES=${STAGE:-all}
 if [ "$STAGES" = all ]; then
@@ -93,7 +103,7 @@ rm -rf "$REPORT_DIR"
 IFS=, read -r -a stages <<<"$STAGES"
 for stage in "${stages[@]}"; do
   PYTHON=$venv/bin/python STAGE=$stage REPORT_DIR=$REPORT_DIR GPU_CHECK_QUICK=1 \
-    GPU_CHECK_BUILD_DIR=$ROOT/build GPU_CHECK_PREFIX=$ROOT/prefix GPU_CHECK_CARRY=$CARRY \
+    GPU_CHECK_BUILD_DIR=$BUILD GPU_CHECK_PREFIX=$ROOT/prefix GPU_CHECK_CARRY=$CARRY \
     GPU_CHECK_CMAKE_DEFINES="CMAKE_IGNORE_PREFIX_PATH=/usr;/" \
     bash scripts/gpu_check.sh || true
 done
@@ -102,8 +112,8 @@ carry_paths=(third_party/debs)
 [ -f "$CARRY/digest" ] && carry_paths+=("$CARRY")
 carried=$(du -scb "${carry_paths[@]}" | tail -n 1 | cut -f1)
 echo "carried: ${carry_paths[*]}, $carried bytes"
-build_dir=$ROOT/build
-[[ ,$STAGES, == *,carry,* ]] && build_dir=$ROOT/build-carry
+build_dir=$BUILD
+[[ ,$STAGES, == *,carry,* ]] && build_dir=$BUILD-carry
 "$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$build_dir" \
   --venv "$venv" --prefix "$ROOT/prefix" --carried-bytes "$carried"
 echo "gpu-rehearsal: $((SECONDS - start)) s"

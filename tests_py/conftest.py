@@ -14,16 +14,19 @@ DEADLINE_ENV = "DINO_OPT_TEST_DEADLINE"
 NOT_RUN = "not run: the run's time cap ({}) was reached"
 
 
-# The test files that train on several processes, longest first (their
-# test-seconds in a whole run, docs/testing.md). Under pytest-xdist (`make
-# test-py`: --dist loadscope --no-loadscope-reorder, each file on one worker,
-# handed out in this order) they start first, so that the workers end
-# together instead of one running the last long file alone.
+# The test files that train on several processes, and the two longest that
+# do not, longest first (their test-seconds in a whole run, docs/testing.md).
+# Under pytest-xdist (`make test-py`: --dist loadscope --no-loadscope-reorder,
+# each file on one worker, handed out in this order) they start first, so
+# that the workers end together instead of one running the last long file
+# alone.
 LONGEST_FIRST = (
     "test_fsdp.py",
     "test_distill_groups.py",
     "test_memory_model.py",
     "test_distill_students.py",
+    "test_reference_trainer.py",  # one process, but the bench's 14 rows in it
+    "test_throughput.py",
     "test_notebooks.py",
     "test_fault_tolerance.py",
     "test_resume.py",
