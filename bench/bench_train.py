@@ -250,8 +250,7 @@ PRESETS = {
 # loss is the baseline's: dino_opt's ViT packs the crop sizes into one pass
 # and draws the dropped samples in another order than the published forward;
 # one profiled step, not BUSY_STEPS: on the CPU, reading the profiler's
-# events took 2 of a row's 3 s per step profiled (bench_train's 14 rows in
-# the tests: 86 s in all, docs/testing.md).
+# events took about 1.1 s of a row's time per step profiled (docs/testing.md).
 QUICK = dict(steps=2, warmup=1, drop_path_rate=0.0, busy_steps=1)
 MIN_ROW_SECONDS = 15  # with --time-budget: less than this left, a row is not started
 QUICK_CPU_BATCH = 4

@@ -25,7 +25,7 @@ LONGEST_FIRST = (
     "test_distill_groups.py",
     "test_memory_model.py",
     "test_distill_students.py",
-    "test_reference_trainer.py",  # one process, but the bench's 14 rows in it
+    "test_reference_trainer.py",  # one process, but every row of the bench in it
     "test_throughput.py",
     "test_notebooks.py",
     "test_fault_tolerance.py",
