@@ -293,7 +293,7 @@ headline() {
 stage_proof() {
   ensure_built || return 1
   # The first check a user runs: every fused operator on the device against its plain form.
-  step doctor 30 -- "$PY" -m dino_opt.doctor
+  step doctor 30 -- "$PY" -m dino_opt.cli doctor
   cpp_tests
   cuda_tests 130
   headline
@@ -331,7 +331,7 @@ TINY=(hardware.device=cpu augmentation.global_crop_size=32 augmentation.local_cr
 # The proof's tests alone, with more time for the `cuda` tests, and the NCCL job.
 stage_tests() {
   ensure_built || return 1
-  step doctor 30 -- "$PY" -m dino_opt.doctor
+  step doctor 30 -- "$PY" -m dino_opt.cli doctor
   cpp_tests
   cuda_tests 220
   fsdp_job

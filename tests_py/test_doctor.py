@@ -12,7 +12,7 @@ from dino_opt.cli import main as cli_main
 
 def test_the_command_reports_and_passes_on_this_machine():
     out = subprocess.run(
-        [sys.executable, "-m", "dino_opt.doctor", "--seed", "3"],
+        [sys.executable, "-m", "dino_opt.cli", "doctor", "--seed", "3"],
         capture_output=True,
         text=True,
         check=False,
@@ -35,7 +35,7 @@ def test_the_command_reports_and_passes_on_this_machine():
     assert "8 passed, 0 failed" in text
 
 
-def test_the_cli_subcommand_is_the_same(capsys):
+def test_the_cli_subcommand_on_a_device_named(capsys):
     assert cli_main(["doctor", "--device", "cpu"]) == 0
     assert "self-check on cpu" in capsys.readouterr().out
 
@@ -45,7 +45,7 @@ def test_a_wrong_operator_fails_with_exit_1(monkeypatch, capsys):
     # reference that is off by a factor in the loss's gradient.
     real = doctor.dino_loss_backward_torch
     monkeypatch.setattr(doctor, "dino_loss_backward_torch", lambda *a: real(*a) * 1.01)
-    assert doctor.main(["--device", "cpu"]) == 1
+    assert cli_main(["doctor", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL dino_loss fwd+bwd float32" in out
     assert "ok   ema_update_" in out
@@ -55,7 +55,7 @@ def test_a_wrong_operator_fails_with_exit_1(monkeypatch, capsys):
 def test_a_wrong_ibot_operator_fails_with_exit_1(monkeypatch, capsys):
     real = doctor.ibot_loss_torch
     monkeypatch.setattr(doctor, "ibot_loss_torch", lambda *a: (real(*a)[0] * 1.01, real(*a)[1]))
-    assert doctor.main(["--device", "cpu"]) == 1
+    assert cli_main(["doctor", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL ibot_loss fwd+bwd float32" in out and "ok   dino_loss fwd+bwd float32" in out
 
@@ -63,7 +63,7 @@ def test_a_wrong_ibot_operator_fails_with_exit_1(monkeypatch, capsys):
 def test_a_wrong_gram_operator_fails_with_exit_1(monkeypatch, capsys):
     real = doctor.gram_loss_backward_torch
     monkeypatch.setattr(doctor, "gram_loss_backward_torch", lambda *a: real(*a) * 1.001)
-    assert doctor.main(["--device", "cpu"]) == 1
+    assert cli_main(["doctor", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL gram_loss fwd+bwd float32" in out and "ok   ibot_loss fwd+bwd float32" in out
 

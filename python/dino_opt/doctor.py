@@ -1,23 +1,23 @@
-"""``dino-opt doctor`` (or ``python -m dino_opt.doctor``): what this install
-is and whether its operators are right on this machine, in a few seconds.
+"""The install's self-check behind ``dino-opt doctor`` (:mod:`dino_opt.cli.doctor`):
+what this install is and whether its operators are right on this machine,
+in a few seconds.
 
 It prints the versions (dino_opt, torch running and built against, CUDA,
 the driver), which kernels the build compiled for which devices, the device,
 then runs every fused operator on the device against its plain-torch form on
 fresh random inputs, values and gradients, one line per check. Where the
 device has no compiled kernel (the operator runs its plain-torch form), the
-check compares with the CPU kernel instead. Exit status 1 on any mismatch.
+check compares with the CPU kernel instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -34,9 +34,8 @@ from .ops import (
     ibot_loss_torch,
     photometric_torch,
 )
-from .runtime import resolve_device
 
-__all__ = ["Check", "add_arguments", "environment", "kernel_table", "main", "run", "run_checks"]
+__all__ = ["Check", "environment", "kernel_table", "run_checks"]
 
 
 @dataclasses.dataclass
@@ -325,43 +324,3 @@ def run_checks(device: torch.device, seed: int = 0) -> list[Check]:
         checks.append(_check_ema(device, dtype, gen, 1 << 16))
     checks.append(_check_photometric(device, gen, 96 if device.type != "cpu" else 32))
     return checks
-
-
-def _print_rows(title: str, rows: Sequence[tuple[str, str]]) -> None:
-    print(title)
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="auto (CUDA when there is one), cpu, cuda, cuda:N, mps, xpu",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Prints the report; 0 when every check passed, else 1."""
-    device = resolve_device("auto") if args.device == "auto" else torch.device(args.device)
-    _print_rows("dino_opt doctor", environment(device))
-    _print_rows("kernels", kernel_table(device))
-    print(f"self-check on {device} (seed {args.seed}):")
-    checks = run_checks(device, args.seed)
-    for check in checks:
-        print("  " + check.line())
-    failed = [c.name for c in checks if not c.ok]
-    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dino-opt doctor", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
