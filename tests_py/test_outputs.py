@@ -62,6 +62,9 @@ def _killed_mid_write(path, *, folder: bool = False, sig=signal.SIGKILL) -> None
     pid = os.fork()
     if pid == 0:  # the writer
         os.close(ready_r)
+        # Python's own SIGINT handler even where the test was started with SIGINT
+        # ignored (a background job of a shell without job control): else it pauses forever
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def write(f):
             f.write(b"new" * 1000)
