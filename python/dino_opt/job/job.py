@@ -8,7 +8,8 @@ steps of :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`, logging
 (:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
 (the final checkpoint, profile, curves, evaluation, ``report.json``). The
 job holds a component per concern that it calls at its boundaries: its
-checkpoints (:mod:`~dino_opt.job.checkpoints`), the rollbacks
+checkpoints (:mod:`~dino_opt.job.checkpoints`), the logging steps' metrics
+and health checks (:mod:`~dino_opt.job.metrics`), the rollbacks
 (:mod:`~dino_opt.job.rollback`), the hang report (:mod:`~dino_opt.job.hang`)
 and the evaluations (:mod:`~dino_opt.job.evaluation`).
 """
@@ -105,7 +106,8 @@ class CheckpointedDINOTrainer:
     at set-up), its rollbacks (:class:`~dino_opt.job.rollback.Rollback`,
     at set-up), the hang report (:class:`~dino_opt.job.hang.HangReporter`)
     and the evaluations (:class:`~dino_opt.job.evaluation.Evaluator`), once
-    it trains.
+    it trains, and the metrics and health checks of its logging steps
+    (:class:`~dino_opt.job.metrics.MetricsLogger`), at each start of logging.
     """
 
     def __init__(
