@@ -248,21 +248,31 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         if spec.optional:
             return None
         raise ConfigError(f"{key} must be {_KIND_NAMES[spec.kind]}, got null")
-    meta = spec.meta
-    expected = _KIND_NAMES[spec.kind] + (" or null" if spec.optional else "")
-    bad_type = ConfigError(f"{key} must be {expected}, got {value!r}")
-
     if spec.kind == "bool":
         if not isinstance(value, bool):
-            raise bad_type
+            raise _bad_type(key, spec, value)
         return value
+    if spec.kind == "count" and value == "auto":
+        return value  # resolved when the data is known (schedule.epochs: auto)
+    out = _typed(key, spec, value)
+    _check_value(key, spec, out)
+    return out
+
+
+def _bad_type(key: str, spec: _Spec, value: Any) -> ConfigError:
+    expected = _KIND_NAMES[spec.kind] + (" or null" if spec.optional else "")
+    return ConfigError(f"{key} must be {expected}, got {value!r}")
+
+
+def _typed(key: str, spec: _Spec, value: Any) -> Any:
+    """``value`` (not None) as the field's type (``str``, ``int``,
+    ``count``, ``float``, ``sizes``, ``floats``, ``names``, ``pair``)."""
+    bad_type = _bad_type(key, spec, value)
     if spec.kind == "str":
         if not isinstance(value, str):
             raise bad_type
         out: Any = value
     elif spec.kind in ("int", "count"):
-        if spec.kind == "count" and value == "auto":
-            return value  # resolved when the data is known (schedule.epochs: auto)
         # bool is an int subclass, but `batch_size: true` is a mistake.
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_type
@@ -302,7 +312,13 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         if lo is None or hi is None:
             raise bad_type
         out = (lo, hi)
+    return out
 
+
+def _check_value(key: str, spec: _Spec, out: Any) -> None:
+    """The field's choices, bounds and own check (``scale``, ``pair``,
+    ``device``, ``nonempty``) on its converted value ``out``."""
+    meta = spec.meta
     choices = meta["choices"]
     for item in out if spec.kind == "names" else ():
         _check_choice(key, item, choices)
@@ -326,7 +342,6 @@ def _convert(key: str, spec: _Spec, value: Any) -> Any:
         raise ConfigError(f"{key} must be auto, cpu, cuda or cuda:N (N a GPU index), got {out!r}")
     if check == "nonempty" and not out.strip():
         raise ConfigError(f"{key} must be a non-empty string or null, got {out!r}")
-    return out
 
 
 # ---------------------------------------------------------------------------

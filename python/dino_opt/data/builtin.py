@@ -617,6 +617,21 @@ def _generate(tasks: Sequence[tuple], workers: int) -> None:
             pass
 
 
+def _refuse_foreign(root: Path) -> None:
+    """Raises FileExistsError when ``root`` is a file, or a folder that
+    holds files but no data set made here: never overwritten."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise FileExistsError(f"built-in data set root {str(root)!r} is a file")
+    ours = (_read_manifest(root) or {}).get("generator") == _GENERATOR
+    if not ours and any(os.scandir(root)):
+        raise FileExistsError(
+            f"built-in data set root {str(root)!r} exists and holds other files; "
+            "choose an empty or new directory (root=..., or $DINO_OPT_DATA)"
+        )
+
+
 def builtin_dataset(
     root: str | os.PathLike | None = None,
     train_per_class: int = 200,
@@ -671,16 +686,7 @@ def builtin_dataset(
 
     if _is_complete(root, manifest):
         return root
-    if root.exists():
-        if not root.is_dir():
-            raise FileExistsError(f"built-in data set root {str(root)!r} is a file")
-        ours = (_read_manifest(root) or {}).get("generator") == _GENERATOR
-        if not ours and any(os.scandir(root)):
-            raise FileExistsError(
-                f"built-in data set root {str(root)!r} exists and holds other files; "
-                "choose an empty or new directory (root=..., or $DINO_OPT_DATA)"
-            )
-
+    _refuse_foreign(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
     try:

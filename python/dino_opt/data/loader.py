@@ -177,6 +177,39 @@ def _split_copied(tensors: list, n_groups: int) -> tuple[list, list, torch.Tenso
     return tensors[:n_groups], tensors[n_groups : 2 * n_groups], tensors[2 * n_groups]
 
 
+def _augment_options(
+    augment: dict | None,
+    *,
+    global_size: int | Sequence[int],
+    local_size: int | Sequence[int],
+    n_local: int,
+    global_scale,
+    local_scale,
+    crop_size_ratios: Sequence[float] | None,
+) -> tuple[dict, list, list]:
+    """The native loader's ``augment`` options (known keys; the pairs
+    checked) with the crops' first sizes and scales, and the crop-size
+    pairs and their probabilities where lists give several (else empty)."""
+    options = dict(augment or {})
+    unknown = sorted(set(options) - set(AUGMENT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(AUGMENT_KEYS)}")
+    for key in ("blur_sigma", "noise_std"):
+        if key in options:
+            options[key] = _pair(f"augment[{key!r}]", options[key])
+    pairs, ratios = crop_size_pairs(global_size, local_size, crop_size_ratios)
+    several = _sizes("global_size", global_size) is not None
+    several = several or _sizes("local_size", local_size) is not None
+    options.update(
+        global_size=pairs[0][0],
+        local_size=pairs[0][1],
+        n_local=int(n_local),
+        global_scale=_pair("global_scale", global_scale),
+        local_scale=_pair("local_scale", local_scale),
+    )
+    return options, (pairs if several else []), (ratios if several else [])
+
+
 def _native_loader(
     source,
     labels,
@@ -222,22 +255,14 @@ def _native_loader(
         )
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    options = dict(augment or {})
-    unknown = sorted(set(options) - set(AUGMENT_KEYS))
-    if unknown:
-        raise ValueError(f"unknown augment keys {unknown}; known: {', '.join(AUGMENT_KEYS)}")
-    for key in ("blur_sigma", "noise_std"):
-        if key in options:
-            options[key] = _pair(f"augment[{key!r}]", options[key])
-    pairs, ratios = crop_size_pairs(global_size, local_size, crop_size_ratios)
-    several = _sizes("global_size", global_size) is not None
-    several = several or _sizes("local_size", local_size) is not None
-    options.update(
-        global_size=pairs[0][0],
-        local_size=pairs[0][1],
-        n_local=int(n_local),
-        global_scale=_pair("global_scale", global_scale),
-        local_scale=_pair("local_scale", local_scale),
+    options, pairs, ratios = _augment_options(
+        augment,
+        global_size=global_size,
+        local_size=local_size,
+        n_local=n_local,
+        global_scale=global_scale,
+        local_scale=local_scale,
+        crop_size_ratios=crop_size_ratios,
     )
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
         raise ValueError(f"shuffle_buffer must be a positive int, got {shuffle_buffer!r}")
@@ -271,8 +296,8 @@ def _native_loader(
         dct_scaling=bool(dct_scaling),
         masks=mask_options(masks),
         shuffle_buffer=shuffle_buffer,
-        size_pairs=pairs if several else [],
-        size_probs=ratios if several else [],
+        size_pairs=pairs,
+        size_probs=ratios,
         image_mode=image_mode,
     )
     return native, data, mean, std

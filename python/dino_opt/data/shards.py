@@ -105,6 +105,22 @@ class _ShardWriter:
             Path(self._file.name).unlink(missing_ok=True)
 
 
+def _clear_shards(out: Path, prefix: str, overwrite: bool) -> None:
+    """The folder ``out`` made, and its shards named ``prefix-*`` (and
+    their index files) removed; FileExistsError when it holds some and
+    ``overwrite`` is off."""
+    out.mkdir(parents=True, exist_ok=True)
+    old = sorted(out.glob(f"{prefix}-*.tar"))
+    if old and not overwrite:
+        raise FileExistsError(
+            f"{str(out)!r} already holds shards ({old[0].name}, ...); overwrite them with "
+            "overwrite=True (--overwrite)"
+        )
+    for path in old:
+        path.unlink()
+        Path(f"{path}.idx").unlink(missing_ok=True)
+
+
 def write_shards(
     source,
     dst: str | os.PathLike,
@@ -142,16 +158,7 @@ def write_shards(
         raise ValueError(f"quality must be in [1, 100], got {quality}")
     data = open_source(source, format=source_format)
     out = Path(dst)
-    out.mkdir(parents=True, exist_ok=True)
-    old = sorted(out.glob(f"{prefix}-*.tar"))
-    if old and not overwrite:
-        raise FileExistsError(
-            f"{str(out)!r} already holds shards ({old[0].name}, ...); overwrite them with "
-            "overwrite=True (--overwrite)"
-        )
-    for path in old:
-        path.unlink()
-        Path(f"{path}.idx").unlink(missing_ok=True)
+    _clear_shards(out, prefix, overwrite)
     n = len(data)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
     writer = _ShardWriter(out, prefix, int(shard_size_mb * 1e6))

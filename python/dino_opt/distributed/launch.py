@@ -28,6 +28,7 @@ model, sharded loader, metric reduction, rank-0 checkpoint) and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -171,6 +172,21 @@ _LAUNCHER_SIGNALS = tuple(
 )
 
 
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """This process's handlers of the launcher's signals, put back after it:
+    the launcher installs its own and leaves them there (a notebook's kernel
+    then cannot be interrupted)."""
+    kept = {}
+    if threading.current_thread() is threading.main_thread():
+        kept = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
 def launch_distributed_training(
     config_path: str | os.PathLike | dict | Config | None,
     num_gpus: int,
@@ -228,13 +244,8 @@ def launch_distributed_training(
             "the same path) and the rendezvous port (--master-port)"
         )
     out = out or time.strftime("runs/%Y%m%d-%H%M%S")  # one run folder for all ranks and attempts
-    # The launcher installs its own handlers for these signals in this process
-    # and leaves them there (a notebook's kernel then cannot be interrupted).
-    kept = {}
-    if threading.current_thread() is threading.main_thread():
-        kept = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
     folder = RunFolder(out)
-    try:
+    with _signal_handlers_kept():
         results = run_agent(
             _train_entry,
             (cfg, str(out)),
@@ -247,9 +258,6 @@ def launch_distributed_training(
             max_restarts=cfg.distributed.max_restarts,
             verbose=verbose,
         )
-    finally:
-        for sig, handler in kept.items():
-            signal.signal(sig, handler)
     if 0 in results:
         return results[0]
     return json.loads(folder.report.read_text())

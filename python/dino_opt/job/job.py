@@ -8,7 +8,8 @@ steps of :class:`~dino_opt.train.MemoryOptimizedDINOTrainer`, logging
 (:meth:`CheckpointedDINOTrainer.state_dict`, collective), and the finish
 (the final checkpoint, profile, curves, evaluation, ``report.json``). The
 job holds a component per concern that it calls at its boundaries: its
-checkpoints (:mod:`~dino_opt.job.checkpoints`), the rollbacks
+checkpoints (:mod:`~dino_opt.job.checkpoints`), the logging steps' metrics
+and health checks (:mod:`~dino_opt.job.metrics`), the rollbacks
 (:mod:`~dino_opt.job.rollback`), the hang report (:mod:`~dino_opt.job.hang`)
 and the evaluations (:mod:`~dino_opt.job.evaluation`).
 """
@@ -33,8 +34,6 @@ from ..checkpoint import (
 )
 from ..config import apply_overrides, resume_differences, save_config
 from ..observe import (
-    HealthThresholds,
-    MemoryTracker,
     NonFiniteError,
     Profiler,
     RunFolder,
@@ -42,7 +41,6 @@ from ..observe import (
     TrainingHealthMonitor,
     plot_training_curves,
     profile_summary,
-    teacher_entropy_per_row,
 )
 from ..runtime import (
     GracefulStop,
@@ -61,6 +59,7 @@ from .checkpoints import RunCheckpoints
 from .evaluation import Evaluator
 from .groups import group_state, load_group_state
 from .hang import HangReporter, injected_hang, start_watchdog
+from .metrics import MetricsLogger
 from .parts import (
     _NEVER_HELD_BACK,
     PROFILE_PHASES,
@@ -107,7 +106,8 @@ class CheckpointedDINOTrainer:
     at set-up), its rollbacks (:class:`~dino_opt.job.rollback.Rollback`,
     at set-up), the hang report (:class:`~dino_opt.job.hang.HangReporter`)
     and the evaluations (:class:`~dino_opt.job.evaluation.Evaluator`), once
-    it trains.
+    it trains, and the metrics and health checks of its logging steps
+    (:class:`~dino_opt.job.metrics.MetricsLogger`), at each start of logging.
     """
 
     def __init__(
@@ -389,8 +389,7 @@ class CheckpointedDINOTrainer:
         ``health.on_collapse=rollback``) a collapse, so saves wait."""
         if self.monitor is None:
             return False
-        local = self.monitor.current_streak() > 0
-        local |= self.rollback.collapse_pending
+        local = self.metrics.in_nonfinite_streak or self.rollback.collapse_pending
         with self._collective("health"):
             return all_reduce_metrics({"unhealthy": float(local)})["unhealthy"] > 0
 
@@ -512,11 +511,9 @@ class CheckpointedDINOTrainer:
     # ------------------------------------------------------------ steps
 
     def _start_logging(self) -> None:
+        """The run's log and what writes its rows (:class:`~dino_opt.job.metrics.MetricsLogger`:
+        fresh health streaks), and the profiler: at the start and after a rollback."""
         cfg = self.config
-        self.tracker = MemoryTracker(device=self.device)
-        self.monitor = None
-        if cfg.health.enabled:
-            self.monitor = TrainingHealthMonitor(HealthThresholds.from_config(cfg.health))
         self.log = RunLog(
             cfg,
             self.folder,
@@ -533,7 +530,15 @@ class CheckpointedDINOTrainer:
         self.profiler = Profiler(self.device) if cfg.logging.profile and self.lead else None
         self._first_step = self.step
         self._started = time.perf_counter()
-        self._window = (self._started, self.step)
+        self.metrics = MetricsLogger(
+            cfg,
+            self.log,
+            self.history,
+            device=self.device,
+            groups=self.parts.groups,
+            step=self.step,
+            collective=self._collective,
+        )
         self._pending_stop: str | None = None
 
     def _phase(self, name: str):
@@ -613,74 +618,37 @@ class CheckpointedDINOTrainer:
         if self.profiler is not None:
             self.profiler.step(cfg.data.batch_size)
 
+    @property
+    def monitor(self) -> TrainingHealthMonitor | None:
+        """The health monitor of the steps (None: health checks off)."""
+        return self.metrics.monitor
+
     def _observe_health(self, loss: torch.Tensor, epoch: int) -> None:
-        trainer, loss_fn = self.trainer, self.parts.loss_fn
-        extra = {}
-        if trainer.captured:
-            c = trainer.captured
-            extra = dict(
-                teacher_logits=c["teacher_logits"],
-                student_logits=c["student_logits"],
-                teacher_temp=c.get("teacher_temp") or loss_fn.teacher_temp(epoch),
-                student_temp=loss_fn.student_temp,
-                center=loss_fn.center,
-                features=c.get("features"),
-            )
-        self.monitor.observe(loss=loss, grad_norm=trainer.last_grad_norm, step=self.step, **extra)
-        if extra and self.config.logging.histograms and self.log.histograms:
-            entropy = teacher_entropy_per_row(
-                extra["teacher_logits"], loss_fn.center, extra["teacher_temp"]
-            )
-            self.log.histogram("health/teacher_entropy_per_image", entropy, self.step)
-        trainer.captured = {}
+        self.metrics.observe(loss, self.trainer, self.parts.loss_fn, epoch, self.step)
 
     def _log_row(self, loss: torch.Tensor, epoch: int, it: int, stop: GracefulStop) -> None:
-        """The metrics of a logging step: this rank's health check, then one
-        all-reduce (and host sync) for the mean loss over ranks, whether any
-        rank got a signal, diverged or sees a collapse; then the health
-        policy acts on what the ranks saw together."""
-        cfg, s = self.config, self.parts.schedules
-        now = time.perf_counter()
-        ips = (self.step - self._window[1]) * cfg.data.batch_size / max(now - self._window[0], 1e-9)
-        health, alerts, diverged = self._check_health(loss, ips)
-        collapsed = any(a.name.startswith("collapse") for a in alerts)
+        """The metrics row of a logging step (:meth:`MetricsLogger.row
+        <dino_opt.job.metrics.MetricsLogger.row>`, one all-reduce over
+        ranks); then the stop signal any rank got, and the health policy,
+        act on what the ranks saw together."""
         injected_hang(self.config.debug, self.step, self.rank, len(self.restarts))
-        metrics, groups = self._step_metrics, self.parts.groups
-        if groups is not None:  # this rank's student's, placed for the mean over all ranks
-            loss, metrics = groups.metrics(list(cfg.student_keys), loss, metrics)
-        parts = {f"loss_{k}": v for k, v in metrics.items() if k != "loss"}
-        with self._collective("metrics"):
-            reduced = all_reduce_metrics(
-                {
-                    "loss": loss,
-                    "stop": float(stop.requested),
-                    "diverged": float(diverged is not None),
-                    "collapsed": float(collapsed),
-                    **parts,
-                }
-            )
-        if reduced["stop"] > 0 and self._pending_stop is None:
-            self._pending_stop = stop.signal_name or "SIGTERM"
-        row = {
-            "step": self.step,
-            "epoch": epoch,
-            "loss": reduced["loss"],
+        s = self.parts.schedules
+        rates = {
             "lr": float(s.lr[it]) * self.rollback.lr_scale,
             "weight_decay": float(s.weight_decay[it]),
             "momentum": float(s.momentum[it]),
-            "images_per_second": ips,
-            **{k: reduced[k] for k in parts},
         }
-        if len(cfg.augmentation.crop_size_pairs) > 1:
-            row["global_crop_size"], row["local_crop_size"] = self._crop_sides
-        row.update(self.tracker.get_memory_stats())
-        row.update({k: v for k, v in health.items() if k not in row})
-        if alerts:
-            row["alerts"] = [a.name for a in alerts]
-        self._window = (now, self.step)
-        self.history.append(row)
-        self.log.write(row)
-        self.log.alerts([a.message for a in alerts], self.step)
+        reduced, diverged = self.metrics.row(
+            loss,
+            self._step_metrics,
+            step=self.step,
+            epoch=epoch,
+            rates=rates,
+            crop_sides=self._crop_sides,
+            stop=stop.requested,
+        )
+        if reduced["stop"] > 0 and self._pending_stop is None:
+            self._pending_stop = stop.signal_name or "SIGTERM"
         self._act_on_health(reduced, diverged)
 
     def _act_on_health(self, reduced: dict, diverged: NonFiniteError | None) -> None:
@@ -693,21 +661,7 @@ class CheckpointedDINOTrainer:
             if error is not None:
                 self._save("nonfinite", wait=True)
                 raise error
-        alerts = self.monitor.last_alerts if self.monitor is not None else []
-        self.rollback.on_collapse(bool(reduced.get("collapsed")), alerts)
-
-    def _check_health(self, loss: torch.Tensor, ips: float):
-        """This rank's health diagnostics of the window, the alerts they
-        raise, and the NonFiniteError when the non-finite streak is too long
-        (returned, not raised: the ranks decide together)."""
-        if self.monitor is None:
-            return {}, [], None
-        health = self.monitor.summary()
-        try:
-            alerts = self.monitor.check_training_health({**health, "loss": loss, "throughput": ips})
-        except NonFiniteError as e:
-            return health, self.monitor.last_alerts, e
-        return health, alerts, None
+        self.rollback.on_collapse(bool(reduced.get("collapsed")), self.metrics.last_alerts)
 
     def _at_step_boundary(self, stop: GracefulStop) -> str | None:
         """After an optimizer step: act on a stop signal (alone at once; with

@@ -208,6 +208,154 @@ def _trailing_mean(values: Sequence[float], k: int) -> list[float]:
 # ----------------------------------------------------------------- analyzer
 
 
+def _scan_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One pass over the logged rows: the finite losses and their steps,
+    whether the last logged loss was finite (None: none logged), the
+    non-finite losses and steps, and the alerts by name."""
+    steps: list[int] = []
+    losses: list[float] = []
+    bad_rows, bad_steps_total, first_bad = 0, 0.0, None
+    last_loss_finite = None
+    alerts: dict[str, dict[str, int]] = {}
+    for i, row in enumerate(rows):
+        step = _row_step(row, i)
+        bad = False
+        if "loss" in row:
+            value = _finite(row["loss"])
+            last_loss_finite = value is not None
+            if value is None:
+                bad_rows += 1
+                bad = True
+            else:
+                steps.append(step)
+                losses.append(value)
+        skipped = _finite(row.get("nonfinite_steps"))
+        if skipped:
+            bad_steps_total += skipped
+            bad = True
+        if bad and first_bad is None:
+            first_bad = step
+        names = row.get("alerts")
+        for name in names if isinstance(names, list) else []:
+            new = {"count": 0, "first_step": step, "last_step": step}
+            entry = alerts.setdefault(str(name), new)
+            entry["count"] += 1
+            entry["last_step"] = step
+    nonfinite = {
+        "seen": first_bad is not None,
+        "first_step": first_bad,
+        "rows_with_nonfinite_loss": bad_rows,
+        "nonfinite_steps": bad_steps_total,
+    }
+    return {
+        "steps": steps,
+        "losses": losses,
+        "last_loss_finite": last_loss_finite,
+        "nonfinite": nonfinite,
+        "alerts": alerts,
+    }
+
+
+def _trend(steps: Sequence[int], losses: Sequence[float]) -> dict[str, Any] | None:
+    """The least-squares slope of loss against step, per 1,000 steps, and
+    the steps it spans; None with fewer than two distinct steps."""
+    xs, ys = np.asarray(steps, np.float64), np.asarray(losses, np.float64)
+    if len(xs) < 2 or not float(np.ptp(xs)) > 0:
+        return None
+    dx = xs - xs.mean()
+    slope = float(dx @ (ys - ys.mean()) / (dx @ dx))
+    return {
+        "per_1k_steps": slope * 1000.0,
+        "from_step": int(xs[0]),
+        "to_step": int(xs[-1]),
+        "points": len(xs),
+    }
+
+
+def _plateau(
+    steps: Sequence[int],
+    losses: Sequence[float],
+    window: int | None,
+    smoothing: int,
+    threshold: float,
+) -> tuple[dict[str, Any] | None, float | None]:
+    """The plateau of the loss (see :meth:`DINOTrainingAnalyzer.analyze_convergence`)
+    and how much the smoothed loss rose over its window; (None, None) with
+    fewer than two points."""
+    n = len(losses)
+    if n < 2:
+        return None, None
+    w_used = min(window if window is not None else max(3, n // 4), n)
+    smooth = _trailing_mean(losses, smoothing)
+    start, end = smooth[n - w_used], smooth[-1]
+    improvement = _ratio(start - end, abs(start))
+    plateau = {
+        "detected": improvement is not None and improvement < threshold,
+        "relative_improvement": improvement,
+        "window_points": w_used,
+        "from_step": steps[n - w_used],
+        "to_step": steps[-1],
+        "threshold": threshold,
+        "smoothing": smoothing,
+    }
+    return plateau, end - start
+
+
+def _checkpoint_weights(
+    manager: CheckpointManager, path: Path, row: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """The student's and the teacher's floating-point weights of the
+    checkpoint at ``path``, read on the CPU, and into its ``row`` whether it
+    verified, its epoch and step as the state holds them and why it was
+    saved; None (the row says why it was skipped) when it fails
+    verification, cannot be loaded or holds no student weights."""
+    reason = manager.verify_reason(path)
+    row["verified"] = reason is None
+    state = None
+    if reason is None:
+        try:
+            state = manager.load(path, map_location="cpu", verify=False)
+        except (ValueError, OSError) as e:
+            reason = str(e)
+    if state is not None and not _float_tensors(state.get("student")):
+        reason = "it holds no student weights"
+    if reason is not None:
+        row.update(skipped=True, reason=reason)
+        return None
+    student = _float_tensors(state["student"])
+    teacher = _float_tensors(state.get("teacher"))
+    for key in ("epoch", "step"):
+        value = state.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            row[key] = value
+    if isinstance(state.get("reason"), str):
+        row["saved_because"] = state["reason"]
+    return student, teacher  # the optimizer state and the rest: not kept
+
+
+def _add_distance(
+    row: dict[str, Any],
+    modules: dict[str, dict[str, float | None]],
+    label: str,
+    student: Mapping[str, torch.Tensor],
+    ref: Mapping[str, torch.Tensor] | None,
+) -> None:
+    """``|student - ref| / |ref|`` as ``row[label]`` and per module in
+    ``modules``, over the tensors both hold with the same shape; None
+    without ``ref`` or where they share none."""
+    if ref is None:
+        row[label] = None
+        for entry in modules.values():
+            entry[label] = None
+        return
+    diff, base, _ = _diff_by_module(student, ref)
+    row[label] = (
+        _ratio(math.sqrt(sum(diff.values())), math.sqrt(sum(base.values()))) if diff else None
+    )
+    for m, entry in modules.items():
+        entry[label] = _ratio(math.sqrt(diff[m]), math.sqrt(base[m])) if m in diff else None
+
+
 class DINOTrainingAnalyzer:
     """Analyses a training run after (or while) it ran.
 
@@ -325,51 +473,17 @@ class DINOTrainingAnalyzer:
         if not threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
         rows = self.rows
-        steps: list[int] = []
-        losses: list[float] = []
-        bad_rows, bad_steps_total, first_bad = 0, 0.0, None
-        last_loss_finite = None
-        alerts: dict[str, dict[str, int]] = {}
-        for i, row in enumerate(rows):
-            step = _row_step(row, i)
-            bad = False
-            if "loss" in row:
-                value = _finite(row["loss"])
-                last_loss_finite = value is not None
-                if value is None:
-                    bad_rows += 1
-                    bad = True
-                else:
-                    steps.append(step)
-                    losses.append(value)
-            skipped = _finite(row.get("nonfinite_steps"))
-            if skipped:
-                bad_steps_total += skipped
-                bad = True
-            if bad and first_bad is None:
-                first_bad = step
-            names = row.get("alerts")
-            for name in names if isinstance(names, list) else []:
-                entry = alerts.setdefault(
-                    str(name), {"count": 0, "first_step": step, "last_step": step}
-                )
-                entry["count"] += 1
-                entry["last_step"] = step
-
+        scan = _scan_rows(rows)
+        steps, losses = scan["steps"], scan["losses"]
         n = len(losses)
         result: dict[str, Any] = {
             "rows": len(rows),
             "metrics": self.metrics_source,
             "loss": {"points": n, "first": None, "last": None, "min": None},
-            "trend": None,
+            "trend": _trend(steps[n // 2 :], losses[n // 2 :]),
             "plateau": None,
-            "nonfinite": {
-                "seen": first_bad is not None,
-                "first_step": first_bad,
-                "rows_with_nonfinite_loss": bad_rows,
-                "nonfinite_steps": bad_steps_total,
-            },
-            "alerts": alerts,
+            "nonfinite": scan["nonfinite"],
+            "alerts": scan["alerts"],
         }
         if n:
             i_min = min(range(n), key=losses.__getitem__)
@@ -378,39 +492,14 @@ class DINOTrainingAnalyzer:
                 last={"step": steps[-1], "value": losses[-1]},
                 min={"step": steps[i_min], "value": losses[i_min]},
             )
-        half = n // 2
-        xs, ys = np.asarray(steps[half:], np.float64), np.asarray(losses[half:], np.float64)
-        if len(xs) >= 2 and float(np.ptp(xs)) > 0:
-            dx = xs - xs.mean()
-            slope = float(dx @ (ys - ys.mean()) / (dx @ dx))
-            result["trend"] = {
-                "per_1k_steps": slope * 1000.0,
-                "from_step": int(xs[0]),
-                "to_step": int(xs[-1]),
-                "points": len(xs),
-            }
-        w = window if window is not None else max(3, n // 4)
-        improvement = start = end = None
-        if n >= 2:
-            w_used = min(w, n)
-            smooth = _trailing_mean(losses, smoothing)
-            start, end = smooth[n - w_used], smooth[-1]
-            improvement = _ratio(start - end, abs(start))
-            result["plateau"] = {
-                "detected": improvement is not None and improvement < threshold,
-                "relative_improvement": improvement,
-                "window_points": w_used,
-                "from_step": steps[n - w_used],
-                "to_step": steps[-1],
-                "threshold": threshold,
-                "smoothing": smoothing,
-            }
-        if last_loss_finite is False:
+        result["plateau"], rise = _plateau(steps, losses, window, smoothing, threshold)
+        improvement = result["plateau"]["relative_improvement"] if n >= 2 else None
+        if scan["last_loss_finite"] is False:
             verdict = "diverging"
         elif n < max(min_points, 2):
             verdict = "too short to tell"
         elif improvement is None:  # the smoothed loss started at 0 and moved
-            verdict = "diverging" if end > start else "decreasing"
+            verdict = "diverging" if rise > 0 else "decreasing"
         elif improvement < -threshold:
             verdict = "diverging"
         elif result["plateau"]["detected"]:
@@ -453,30 +542,11 @@ class DINOTrainingAnalyzer:
                     "step": record.step,
                     "milestone": record.milestone,
                 }
-                reason = manager.verify_reason(record.path)
-                row["verified"] = reason is None
-                state = None
-                if reason is None:
-                    try:
-                        state = manager.load(record.path, map_location="cpu", verify=False)
-                    except (ValueError, OSError) as e:
-                        reason = str(e)
-                if state is not None and not _float_tensors(state.get("student")):
-                    reason = "it holds no student weights"
-                if reason is not None:
-                    row.update(skipped=True, reason=reason)
-                    rows.append(row)
+                loaded = _checkpoint_weights(manager, record.path, row)
+                rows.append(row)
+                if loaded is None:
                     continue
-                student = _float_tensors(state["student"])
-                teacher = _float_tensors(state.get("teacher"))
-                for key in ("epoch", "step"):
-                    value = state.get(key)
-                    if isinstance(value, int) and not isinstance(value, bool):
-                        row[key] = value
-                if isinstance(state.get("reason"), str):
-                    row["saved_because"] = state["reason"]
-                del state  # the optimizer state and the rest: not needed
-
+                student, teacher = loaded
                 norms = _norms_by_module(student)
                 modules: dict[str, dict[str, float | None]] = {
                     m: {"norm": math.sqrt(v)} for m, v in norms.items()
@@ -489,24 +559,9 @@ class DINOTrainingAnalyzer:
                     ("drift_from_first", first),
                     ("teacher_student_distance", teacher or None),
                 ):
-                    if ref is None:
-                        row[label] = None
-                        for entry in modules.values():
-                            entry[label] = None
-                        continue
-                    diff, base, _ = _diff_by_module(student, ref)
-                    row[label] = (
-                        _ratio(math.sqrt(sum(diff.values())), math.sqrt(sum(base.values())))
-                        if diff
-                        else None
-                    )
-                    for m, entry in modules.items():
-                        entry[label] = (
-                            _ratio(math.sqrt(diff[m]), math.sqrt(base[m])) if m in diff else None
-                        )
+                    _add_distance(row, modules, label, student, ref)
                 row["previous_step"] = previous_step
                 row["modules"] = modules
-                rows.append(row)
                 previous, previous_step = student, row["step"]
                 del teacher
         return rows

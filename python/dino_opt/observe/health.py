@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -304,6 +304,120 @@ def teacher_entropy_per_row(
     ``softmax((T - c) / temp)``, on the CPU (for a histogram per image)."""
     p = torch.softmax((teacher_logits.float() - center) / temp, dim=-1)
     return torch.special.entr(p).sum(-1).cpu()
+
+
+_Reader = Callable[..., "float | None"]
+
+
+def _reader(m: Mapping[str, Any]) -> _Reader:
+    """``get(*names)``: the first of ``names`` that ``m`` holds (not None),
+    as a float (numbers or tensors); None when it holds none."""
+
+    def get(*names: str) -> float | None:
+        for name in names:
+            if name in m and m[name] is not None:
+                value = m[name]
+                return float(value.item() if isinstance(value, torch.Tensor) else value)
+        return None
+
+    return get
+
+
+def _nonfinite_alert(get: _Reader) -> HealthAlert | None:
+    """A non-finite loss or gradient norm now (error), or non-finite steps
+    in the window (warning)."""
+    loss = get("loss")
+    grad = get("grad_norm")
+    bad = [(n, v) for n, v in (("loss", loss), ("grad_norm", grad)) if v is not None]
+    bad = [(n, v) for n, v in bad if not math.isfinite(v)]
+    nonfinite = get("nonfinite_steps") or 0.0
+    if not (bad or nonfinite > 0):
+        return None
+    what = ", ".join(f"{n} is {v}" for n, v in bad) or (
+        f"{nonfinite:g} step(s) with a non-finite loss or gradient norm in the window"
+    )
+    return HealthAlert(
+        "nonfinite",
+        "error" if bad else "warning",
+        f"{what}; such steps must be skipped (see step_is_finite)",
+        float(nonfinite) if not bad else bad[0][1],
+        0.0,
+    )
+
+
+def _collapse_alerts(get: _Reader, th: HealthThresholds) -> list[HealthAlert]:
+    """DINO's three collapses: a constant feature, a uniform teacher, one
+    dominant dimension."""
+    alerts = []
+    diversity = get("feature_std_normalised", "feature_diversity")
+    if diversity is None:
+        raw, dim = get("feature_std"), get("feature_dim")
+        diversity = raw * math.sqrt(dim) if raw is not None and dim is not None else raw
+    if diversity is not None and diversity < th.feature_std_min:
+        alerts.append(
+            HealthAlert(
+                "collapse_constant",
+                "error",
+                f"mode collapse: feature diversity (per-dimension std of the normalised "
+                f"features, x sqrt(dim)) is {diversity:.4g} < {th.feature_std_min:g}; the "
+                "backbone maps all images to nearly the same feature",
+                diversity,
+                th.feature_std_min,
+            )
+        )
+    entropy = get("teacher_entropy_normalised")
+    if entropy is not None and entropy > th.entropy_uniform_max:
+        alerts.append(
+            HealthAlert(
+                "collapse_uniform",
+                "error",
+                f"uniform collapse: teacher entropy is {entropy:.4g} of log(out_dim) > "
+                f"{th.entropy_uniform_max:g}; the teacher's output is nearly uniform (too "
+                "little sharpening: lower the teacher temperature)",
+                entropy,
+                th.entropy_uniform_max,
+            )
+        )
+    mean_entropy = get("teacher_mean_entropy")
+    if mean_entropy is not None and mean_entropy < th.entropy_dominant_min:
+        alerts.append(
+            HealthAlert(
+                "collapse_dominant",
+                "error",
+                f"dominant-dimension collapse: the batch-mean teacher distribution has entropy "
+                f"{mean_entropy:.4g} nats < {th.entropy_dominant_min:g} (about "
+                f"{math.exp(mean_entropy):.3g} prototypes in use); check the centering "
+                "(center_momentum) and the teacher temperature",
+                mean_entropy,
+                th.entropy_dominant_min,
+            )
+        )
+    return alerts
+
+
+def _gradient_alert(get: _Reader, th: HealthThresholds) -> HealthAlert | None:
+    grad = get("grad_norm")
+    if grad is None or not (math.isfinite(grad) and grad > th.grad_norm_max):
+        return None
+    return HealthAlert(
+        "gradient_explosion",
+        "warning",
+        f"gradient explosion: gradient norm {grad:.4g} > {th.grad_norm_max:g}; lower the "
+        "learning rate or clip gradients (optim.clip_grad)",
+        grad,
+        th.grad_norm_max,
+    )
+
+
+def _streak_error(get: _Reader, th: HealthThresholds) -> NonFiniteError | None:
+    """The error of a non-finite streak longer than ``max_nonfinite_steps``."""
+    streak = get("nonfinite_streak_max", "nonfinite_streak")
+    if streak is None or not streak > th.max_nonfinite_steps:
+        return None
+    last = get("nonfinite_streak_step")
+    last = int(last) if last is not None and last >= 0 else None
+    first = last - int(streak) + 1 if last is not None else None
+    return NonFiniteError(int(streak), first, last, th.max_nonfinite_steps)
 
 
 class TrainingHealthMonitor:
@@ -640,129 +754,61 @@ class TrainingHealthMonitor:
         than ``max_nonfinite_steps`` consecutive non-finite steps were seen.
         """
         m = self.summary() if metrics is None else dict(metrics)
+        get, th = _reader(m), self.thresholds
+        found = [
+            _nonfinite_alert(get),
+            *_collapse_alerts(get, th),
+            _gradient_alert(get, th),
+            self._throughput_alert(get),
+        ]
+        alerts = [a for a in found if a is not None]
+        self._log_new(alerts)
+        error = _streak_error(get, th)
+        if error is not None:
+            log.error("%s", error)
+            raise error
+        return alerts
+
+    def _throughput_alert(self, get: _Reader) -> HealthAlert | None:
+        """A drop of the throughput below ``throughput_drop`` x the
+        baseline: the one given, else the first window's (the profiler's
+        :class:`~dino_opt.observe.profiler.PerformanceMonitor`)."""
         th = self.thresholds
-        alerts: list[HealthAlert] = []
-
-        def get(*names: str) -> float | None:
-            for name in names:
-                if name in m and m[name] is not None:
-                    value = m[name]
-                    return float(value.item() if isinstance(value, torch.Tensor) else value)
-            return None
-
-        def alert(name, severity, message, value, threshold):
-            alerts.append(HealthAlert(name, severity, message, value, threshold))
-
-        loss = get("loss")
-        grad = get("grad_norm")
-        bad = [(n, v) for n, v in (("loss", loss), ("grad_norm", grad)) if v is not None]
-        bad = [(n, v) for n, v in bad if not math.isfinite(v)]
-        nonfinite = get("nonfinite_steps") or 0.0
-        if bad or nonfinite > 0:
-            what = ", ".join(f"{n} is {v}" for n, v in bad) or (
-                f"{nonfinite:g} step(s) with a non-finite loss or gradient norm in the window"
-            )
-            alert(
-                "nonfinite",
-                "error" if bad else "warning",
-                f"{what}; such steps must be skipped (see step_is_finite)",
-                float(nonfinite) if not bad else bad[0][1],
-                0.0,
-            )
-
-        diversity = get("feature_std_normalised", "feature_diversity")
-        if diversity is None:
-            raw, dim = get("feature_std"), get("feature_dim")
-            diversity = raw * math.sqrt(dim) if raw is not None and dim is not None else raw
-        if diversity is not None and diversity < th.feature_std_min:
-            alert(
-                "collapse_constant",
-                "error",
-                f"mode collapse: feature diversity (per-dimension std of the normalised "
-                f"features, x sqrt(dim)) is {diversity:.4g} < {th.feature_std_min:g}; the "
-                "backbone maps all images to nearly the same feature",
-                diversity,
-                th.feature_std_min,
-            )
-
-        entropy = get("teacher_entropy_normalised")
-        if entropy is not None and entropy > th.entropy_uniform_max:
-            alert(
-                "collapse_uniform",
-                "error",
-                f"uniform collapse: teacher entropy is {entropy:.4g} of log(out_dim) > "
-                f"{th.entropy_uniform_max:g}; the teacher's output is nearly uniform (too "
-                "little sharpening: lower the teacher temperature)",
-                entropy,
-                th.entropy_uniform_max,
-            )
-
-        mean_entropy = get("teacher_mean_entropy")
-        if mean_entropy is not None and mean_entropy < th.entropy_dominant_min:
-            alert(
-                "collapse_dominant",
-                "error",
-                f"dominant-dimension collapse: the batch-mean teacher distribution has entropy "
-                f"{mean_entropy:.4g} nats < {th.entropy_dominant_min:g} (about "
-                f"{math.exp(mean_entropy):.3g} prototypes in use); check the centering "
-                "(center_momentum) and the teacher temperature",
-                mean_entropy,
-                th.entropy_dominant_min,
-            )
-
-        if grad is not None and math.isfinite(grad) and grad > th.grad_norm_max:
-            alert(
-                "gradient_explosion",
-                "warning",
-                f"gradient explosion: gradient norm {grad:.4g} > {th.grad_norm_max:g}; lower the "
-                "learning rate or clip gradients (optim.clip_grad)",
-                grad,
-                th.grad_norm_max,
-            )
-
         throughput = get("throughput")
-        if throughput is not None and math.isfinite(throughput) and throughput > 0:
-            if self.throughput_baseline is not None:  # the lesson's rule: a given baseline
-                recent, baseline = throughput, self.throughput_baseline
-                degraded = throughput < th.throughput_drop * baseline
-            else:  # the profiler's PerformanceMonitor: first window vs last window
-                if self._performance is None:
-                    w = th.throughput_window
-                    self._performance = PerformanceMonitor(
-                        window=w,
-                        threshold=th.throughput_drop or 1.0,
-                        min_history=2 * w,
-                        log_alerts=False,
-                    )
-                found = self._performance.log_performance(throughput, 0.0)
-                degraded = found is not None and th.throughput_drop > 0
-                if found is not None:
-                    recent, baseline = found["recent_throughput"], found["baseline_throughput"]
-            if degraded:
-                floor = th.throughput_drop * baseline
-                alert(
-                    "throughput_degradation",
-                    "warning",
-                    f"performance degradation: throughput {recent:.4g} images/s < "
-                    f"{th.throughput_drop:g} x baseline {baseline:.4g}",
-                    recent,
-                    floor,
+        if throughput is None or not (math.isfinite(throughput) and throughput > 0):
+            return None
+        if self.throughput_baseline is not None:  # the lesson's rule: a given baseline
+            recent, baseline = throughput, self.throughput_baseline
+            degraded = throughput < th.throughput_drop * baseline
+        else:  # the profiler's PerformanceMonitor: first window vs last window
+            if self._performance is None:
+                w = th.throughput_window
+                self._performance = PerformanceMonitor(
+                    window=w,
+                    threshold=th.throughput_drop or 1.0,
+                    min_history=2 * w,
+                    log_alerts=False,
                 )
+            found = self._performance.log_performance(throughput, 0.0)
+            degraded = found is not None and th.throughput_drop > 0
+            if found is not None:
+                recent, baseline = found["recent_throughput"], found["baseline_throughput"]
+        if not degraded:
+            return None
+        return HealthAlert(
+            "throughput_degradation",
+            "warning",
+            f"performance degradation: throughput {recent:.4g} images/s < "
+            f"{th.throughput_drop:g} x baseline {baseline:.4g}",
+            recent,
+            th.throughput_drop * baseline,
+        )
 
-        # Logged when an alert appears, not at every interval while it lasts
-        # (the metrics file and TensorBoard record every interval).
+    def _log_new(self, alerts: list[HealthAlert]) -> None:
+        """Logs an alert when it appears, not at every interval while it lasts
+        (the metrics file and TensorBoard record every interval)."""
         previous = {a.name for a in self.last_alerts}
         for a in alerts:
             if a.name not in previous:
                 log.log(logging.ERROR if a.severity == "error" else logging.WARNING, "%s", a)
         self.last_alerts = alerts
-
-        streak = get("nonfinite_streak_max", "nonfinite_streak")
-        if streak is not None and streak > th.max_nonfinite_steps:
-            last = get("nonfinite_streak_step")
-            last = int(last) if last is not None and last >= 0 else None
-            first = last - int(streak) + 1 if last is not None else None
-            err = NonFiniteError(int(streak), first, last, th.max_nonfinite_steps)
-            log.error("%s", err)
-            raise err
-        return alerts

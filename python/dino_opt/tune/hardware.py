@@ -102,6 +102,42 @@ def _vit_shape(backbone: str, patch_size: int) -> tuple[int, int]:
     return dim, len(model.blocks)
 
 
+def _precision(row: HardwarePreset, has_bf16: bool | None) -> str:
+    """The precision of preset ``row`` on a device with (``has_bf16``) or
+    without bfloat16 (None: not known, no GPU here)."""
+    if row.name == "cpu":
+        # resolved here, so that the run folder's config names what ran
+        return "bf16" if computes_bf16(torch.device("cpu")) else "fp32"
+    if has_bf16 is None:
+        return "auto"
+    return "bf16" if has_bf16 else "fp16"
+
+
+def _batch_estimate(
+    used: dict[str, Any],
+    memory: float | None,
+    crops: tuple[int | Sequence[int], int | Sequence[int]],
+    patch_size: int,
+) -> int | None:
+    """The memory estimate of the largest batch for the values training
+    will run with (``used``) on ``memory`` GiB, at the largest (global,
+    local) crop sides of ``crops``; None for a CNN or without a GPU."""
+    if not used["model.backbone"].startswith("vit") or memory is None:
+        return None
+    global_crop_size, local_crop_size = (max(s) if isinstance(s, Sequence) else s for s in crops)
+    dim, depth = _vit_shape(used["model.backbone"], patch_size)
+    return dynamic_batch_size(
+        memory,
+        global_crop_size,
+        dim,
+        patch_size=patch_size,
+        depth=depth,
+        n_local=used["augmentation.num_local_views"],
+        local_resolution=local_crop_size,
+        bytes_per_value=4 if used["hardware.precision"] == "fp32" else 2,
+    )
+
+
 def resolve_preset(
     name: str,
     *,
@@ -142,38 +178,17 @@ def resolve_preset(
         where, memory, has_bf16 = detect_device_memory(device)
 
     row = preset_for_memory(memory) if name == "auto" else PRESETS[name]
-    if row.name == "cpu":
-        # resolved here, so that the run folder's config names what ran
-        precision = "bf16" if computes_bf16(torch.device("cpu")) else "fp32"
-    elif has_bf16 is None:
-        precision = "auto"
-    else:
-        precision = "bf16" if has_bf16 else "fp16"
-
     values = {
         "data.batch_size": row.batch_size,
         "augmentation.num_local_views": row.num_local_views,
         "model.backbone": row.backbone,
-        "hardware.precision": precision,
+        "hardware.precision": _precision(row, has_bf16),
         "hardware.activation_checkpointing": "none",
     }
     used = {**values, **(fixed or {})}  # what training will run with
-    global_crop_size, local_crop_size = (
-        max(s) if isinstance(s, Sequence) else s for s in (global_crop_size, local_crop_size)
-    )
-    estimate = None
-    if used["model.backbone"].startswith("vit") and memory is not None:
-        dim, depth = _vit_shape(used["model.backbone"], patch_size)
-        estimate = dynamic_batch_size(
-            memory,
-            global_crop_size,
-            dim,
-            patch_size=patch_size,
-            depth=depth,
-            n_local=used["augmentation.num_local_views"],
-            local_resolution=local_crop_size,
-            bytes_per_value=4 if used["hardware.precision"] == "fp32" else 2,
-        )
+    crops = (global_crop_size, local_crop_size)
+    estimate = _batch_estimate(used, memory, crops, patch_size)
+    if estimate is not None:
         short = row.name != "cpu" and estimate < used["data.batch_size"]
         values["hardware.activation_checkpointing"] = "full" if short else "none"
     checkpointing = values["hardware.activation_checkpointing"] != "none"

@@ -459,6 +459,55 @@ def _time_calls(
     }
 
 
+def _apply_channels_last(model: nn.Module, wanted: bool, report: dict[str, Any]) -> None:
+    """channels_last (when ``wanted``) where convolutions other than patch
+    embeddings do the work; their count and what was done into ``report``."""
+    notes = report["notes"]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    feature_convs = [m for m in convs if not _is_patch_embedding(m)]
+    report["conv2d_layers"] = len(feature_convs)
+    if not wanted:
+        return
+    if feature_convs:
+        model.to(memory_format=torch.channels_last)
+        report["channels_last"] = True
+        notes.append(
+            f"channels_last: applied ({len(feature_convs)} Conv2d layers); pass inputs "
+            "as x.to(memory_format=torch.channels_last) too"
+        )
+    elif convs:
+        notes.append(
+            "channels_last: skipped: the only Conv2d layers are patch embeddings "
+            "(kernel == stride); a ViT gains nothing from channels_last"
+        )
+    else:
+        notes.append("channels_last: skipped: the model has no Conv2d layers")
+
+
+def _compile_in_place(
+    model: nn.Module, mode: str, example_input: Any, report: dict[str, Any]
+) -> None:
+    """``model.compile(mode=mode)``, and with ``example_input`` the timing
+    of its first calls, into ``report``."""
+    notes = report["notes"]
+    model.compile(mode=mode)
+    report["compiled"] = True
+    report["compile_mode"] = mode
+    notes.append(
+        f"compile: torch.compile in place, mode {mode!r}; the first "
+        "call (and the first backward) compiles. Build the EMA teacher before "
+        "compiling: a deepcopy of a compiled module calls the original's code"
+    )
+    if example_input is not None:
+        timing = _time_calls(model, example_input)
+        report["compile_timing"] = timing
+        notes.append(
+            f"compile: first call {timing['first_call_s']:.3f} s, steady call "
+            f"{timing['steady_call_s'] * 1e3:.3f} ms, warm-up cost "
+            f"{timing['warmup_cost_s']:.3f} s"
+        )
+
+
 def optimize_model_report(
     model: nn.Module, config: Mapping[str, Any] | None, example_input: Any = None
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -502,44 +551,12 @@ def optimize_model_report(
         notes.append(f"attention: {n} hand-written attention module(s) now use SDPA")
 
     # 2. channels_last only where convolutions do the work.
-    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
-    feature_convs = [m for m in convs if not _is_patch_embedding(m)]
-    report["conv2d_layers"] = len(feature_convs)
-    if cfg["channels_last"]:
-        if feature_convs:
-            model.to(memory_format=torch.channels_last)
-            report["channels_last"] = True
-            notes.append(
-                f"channels_last: applied ({len(feature_convs)} Conv2d layers); pass inputs "
-                "as x.to(memory_format=torch.channels_last) too"
-            )
-        elif convs:
-            notes.append(
-                "channels_last: skipped: the only Conv2d layers are patch embeddings "
-                "(kernel == stride); a ViT gains nothing from channels_last"
-            )
-        else:
-            notes.append("channels_last: skipped: the model has no Conv2d layers")
+    _apply_channels_last(model, cfg["channels_last"], report)
 
     # 3. Compile last, in place: the module and its state_dict keys stay the same
     #    (torch.compile(model) would return a wrapper whose keys start with _orig_mod.).
     if cfg["compile"]:
-        model.compile(mode=cfg["compile_mode"])
-        report["compiled"] = True
-        report["compile_mode"] = cfg["compile_mode"]
-        notes.append(
-            f"compile: torch.compile in place, mode {cfg['compile_mode']!r}; the first "
-            "call (and the first backward) compiles. Build the EMA teacher before "
-            "compiling: a deepcopy of a compiled module calls the original's code"
-        )
-        if example_input is not None:
-            timing = _time_calls(model, example_input)
-            report["compile_timing"] = timing
-            notes.append(
-                f"compile: first call {timing['first_call_s']:.3f} s, steady call "
-                f"{timing['steady_call_s'] * 1e3:.3f} ms, warm-up cost "
-                f"{timing['warmup_cost_s']:.3f} s"
-            )
+        _compile_in_place(model, cfg["compile_mode"], example_input, report)
     for note in notes:
         logger.info("optimize_model: %s", note)
     model._dino_opt_optimizations = report

@@ -162,6 +162,34 @@ def _trainer_config(config) -> dict:
 # ---------------------------------------------------------------- the batch-size search
 
 
+def _check_int(name: str, value, minimum: int) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) of
+    at least ``minimum`` (1: a positive int, or 0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _check_search(
+    max_batch_size: int, min_batch_size: int, steps: int, warmup: int, fraction: float
+) -> None:
+    """The arguments of :meth:`ThroughputOptimizer.find_optimal_batch_size`:
+    ValueError naming the first that is wrong."""
+    for name, value in (
+        ("max_batch_size", max_batch_size),
+        ("min_batch_size", min_batch_size),
+        ("steps", steps),
+    ):
+        _check_int(name, value, 1)
+    _check_int("warmup", warmup, 0)
+    if min_batch_size > max_batch_size:
+        raise ValueError(
+            f"min_batch_size ({min_batch_size}) must be <= max_batch_size ({max_batch_size})"
+        )
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"target_memory_fraction must be in (0, 1], got {fraction!r}")
+
+
 class ThroughputOptimizer:
     """Finds the batch size with the most images per second (the lesson's
     ``ThroughputOptimizer``), timing real DINO training steps.
@@ -275,23 +303,7 @@ class ThroughputOptimizer:
         ``target_memory_fraction``. Raises ``RuntimeError`` when not even
         ``min_batch_size`` fits.
         """
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("min_batch_size", min_batch_size),
-            ("steps", steps),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-        if min_batch_size > max_batch_size:
-            raise ValueError(
-                f"min_batch_size ({min_batch_size}) must be <= max_batch_size ({max_batch_size})"
-            )
-        if not 0.0 < target_memory_fraction <= 1.0:
-            raise ValueError(
-                f"target_memory_fraction must be in (0, 1], got {target_memory_fraction!r}"
-            )
+        _check_search(max_batch_size, min_batch_size, steps, warmup, target_memory_fraction)
         self._sample = _first_batch(dataloader)
         self._check_loss(len(self._sample))
         self._tracker = MemoryTracker(self.device)
@@ -562,10 +574,8 @@ def dynamic_batch_size(
         ("local_resolution", local_resolution),
         ("bytes_per_value", bytes_per_value),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(n_local, bool) or not isinstance(n_local, int) or n_local < 0:
-        raise ValueError(f"n_local must be an int >= 0, got {n_local!r}")
+        _check_int(name, value, 1)
+    _check_int("n_local", n_local, 0)
     if not gpu_memory_gb > 0:
         raise ValueError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb!r}")
     for name, side in (("resolution", resolution), ("local_resolution", local_resolution)):

@@ -747,6 +747,25 @@ def _crop_groups(s: _Step, local: bool = True) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------- distillation
 
 
+def _frozen_teacher(
+    cfg: Config, frozen_teacher: nn.Module, strategy: str, world_size: int, a: int
+) -> tuple[int, int, int]:
+    """A distillation's frozen teacher on rank 0: its parameter count, the
+    bytes its parameters (and whitening state) take, and its forward's
+    working set (``a``: bytes per activation value)."""
+    frozen = parameter_numel(frozen_teacher)
+    sharded = strategy == "fsdp"
+    backbone = getattr(frozen_teacher, "backbone", frozen_teacher)  # sharded; its heads whole
+    local = frozen - parameter_numel(backbone)
+    local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
+    tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else FP32
+    teacher_bytes = tb * (local if sharded else frozen) + whitening_state_bytes(cfg, frozen_teacher)
+    working = frozen_forward_bytes(cfg, frozen_teacher, a)
+    if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
+        working += a * frozen_gathered(frozen_teacher)
+    return frozen, teacher_bytes, working
+
+
 def estimate_distillation(
     cfg: Config,
     frozen_teacher: nn.Module | None,
@@ -783,16 +802,7 @@ def estimate_distillation(
         )
     heads = cfg.recipe.distill.mode == "heads"
     policy, every, a = _setting(cfg, checkpointing, every)
-    frozen = parameter_numel(frozen_teacher)
-    sharded = strategy == "fsdp"
-    backbone = getattr(frozen_teacher, "backbone", frozen_teacher)  # sharded; its heads whole
-    local = frozen - parameter_numel(backbone)
-    local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
-    tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else FP32
-    teacher_bytes = tb * (local if sharded else frozen) + whitening_state_bytes(cfg, frozen_teacher)
-    working = frozen_forward_bytes(cfg, frozen_teacher, a)
-    if sharded:  # its root and a block (and the next, prefetched) gathered in its forward
-        working += a * frozen_gathered(frozen_teacher)
+    frozen, teacher_bytes, working = _frozen_teacher(cfg, frozen_teacher, strategy, world_size, a)
     if heads:
         e = _estimate(cfg, strategy, world_size, policy, every, True, arch, count_model(cfg))
         return dataclasses.replace(

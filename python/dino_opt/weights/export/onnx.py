@@ -153,6 +153,24 @@ def _opened(source, which: str, image_size: int | None) -> OpenedBackbone:
     return OpenedBackbone(source.eval(), image_size or 224, "module", type(source).__name__, None)
 
 
+def _metadata(opened: OpenedBackbone, source, which: str) -> dict[str, str]:
+    """The graph's metadata: how the backbone was trained (its image size,
+    normalisation and image mode, under :data:`TRAINING_KEY`) and where it came from."""
+    training = {
+        "image_size": opened.image_size,
+        "mean": list(opened.mean),
+        "std": list(opened.std),
+    }
+    if opened.image_mode != "rgb":
+        training["image_mode"] = opened.image_mode
+    return {
+        TRAINING_KEY: json.dumps(training),
+        "dino_opt_source": str(source),
+        "dino_opt_backbone": opened.name,
+        "dino_opt_which": which,
+    }
+
+
 def _place(staged: Path, output: Path) -> None:
     """The files of the export traced and checked in the folder ``staged``
     (the graph, named as ``output``, and its external data file if any)
@@ -218,20 +236,7 @@ def export_onnx(
             raise ValueError(
                 f"{source}: {opened.name} could not be exported to ONNX: {first}"
             ) from e
-        training = {
-            "image_size": opened.image_size,
-            "mean": list(opened.mean),
-            "std": list(opened.std),
-        }
-        if opened.image_mode != "rgb":
-            training["image_mode"] = opened.image_mode
-        meta = {
-            TRAINING_KEY: json.dumps(training),
-            "dino_opt_source": str(source),
-            "dino_opt_backbone": opened.name,
-            "dino_opt_which": which,
-        }
-        _record(onnx, staged, meta)
+        _record(onnx, staged, _metadata(opened, source, which))
         session = onnxruntime.InferenceSession(str(staged), providers=["CPUExecutionProvider"])
         images = _check_data(opened, data, Path(staging))
         sizes = [size, size + 2 * _patch(opened.net)] if dynamic_size else [size]
