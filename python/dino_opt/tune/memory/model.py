@@ -4,18 +4,15 @@ FSDP at any world size, and the activations of the configured crops with
 and without activation checkpointing (docs/memory.md derives every term;
 with crop-size pairs, the largest global and local sides).
 
-Parameter counts come from the real modules: :func:`count_model` builds the
-config's student and teacher on the meta device (no memory) and reads their
-parameters, grouped as FSDP shards them (each transformer block, each head,
-the rest of the model at the root). Activations are counted per token and
+Parameter counts come from the real modules (:mod:`.counts`). Activations are counted per token and
 per block from what autograd keeps for the backward pass of the ViT's
 operators: attention through SDPA keeps no L x L matrix, only q, k, v, its
 output and one log-sum-exp per head and token.
 
 A distillation also counts its frozen teacher and each of its students
 (:func:`estimate_distillation`). The estimate of rank 0 (the largest
-shards) is :func:`estimate_memory`; :func:`memory_table` gives the rows
-``dino-opt presets --memory-model`` prints for :data:`MEMORY_ARCHS`.
+shards) is :func:`estimate_memory`; the table ``dino-opt presets
+--memory-model`` prints is in :mod:`.table`.
 """
 
 from __future__ import annotations
@@ -24,12 +21,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from ...config import Config, apply_overrides, load_config
+from ...config import Config, apply_overrides
 from ...models import CHECKPOINT_POLICIES
-from ...train import build_models, recipe_of
+from ...train import recipe_of
+from .counts import ModelCounts, count_model, shard_numel
 from .distill import (
     FP32,
     frozen_forward_bytes,
@@ -41,265 +38,20 @@ from .distill import (
 from .recipes import terms_of
 
 __all__ = [
-    "MEMORY_ARCHS",
     "STRATEGIES",
-    "ArchRow",
     "MemoryEstimate",
-    "ModelCounts",
-    "arch_config",
     "activation_bytes",
     "block_bytes_per_token",
     "selective_outputs",
     "sequence_lengths",
-    "count_model",
     "estimate_distillation",
     "estimate_memory",
-    "largest_batch",
-    "memory_table",
 ]
 
 #: How the student is replicated over processes.
 STRATEGIES = ("ddp", "fsdp")
 
 _STATS = 8  # a LayerNorm's mean and reciprocal deviation of one token, float32
-
-
-@dataclass(frozen=True)
-class ArchRow:
-    """One architecture of the memory table: ``recipe`` (a config or recipe
-    name, None for DINO's defaults) with ``overrides``, and where its batch
-    size and crops come from."""
-
-    name: str
-    label: str
-    recipe: str | None
-    overrides: tuple[str, ...]
-    source: str
-
-
-MEMORY_ARCHS: dict[str, ArchRow] = {
-    r.name: r
-    for r in (
-        ArchRow(
-            "dino_vits16",
-            "DINO ViT-S/16",
-            None,
-            ("data.batch_size=64", "augmentation.num_local_views=10"),
-            "DINO's released ViT-S/16 run: 64 per GPU on 16 GPUs, 2 x 224 + 10 x 96",
-        ),
-        ArchRow(
-            "dino_vitb16",
-            "DINO ViT-B/16",
-            None,
-            ("model.backbone=vit_base", "data.batch_size=32", "augmentation.num_local_views=10"),
-            "DINO's released ViT-B/16 run: 32 per GPU on 32 GPUs, 2 x 224 + 10 x 96",
-        ),
-        ArchRow(
-            "dinov2_vits14",
-            "DINOv2 ViT-S/14",
-            "dinov2_vits14",
-            (),
-            "DINOv2's default recipe: 64 per GPU, 2 x 224 + 8 x 98, shared 65536 head",
-        ),
-        ArchRow(
-            "dinov2_vitb14",
-            "DINOv2 ViT-B/14",
-            "dinov2_vits14",
-            ("model.backbone=vit_base",),
-            "DINOv2's default recipe on ViT-B/14: 64 per GPU, 2 x 224 + 8 x 98",
-        ),
-        ArchRow(
-            "dinov2_vitl14",
-            "DINOv2 ViT-L/14",
-            "dinov2_vitl14",
-            (),
-            "DINOv2's ViT-L/14 config: 32 per GPU, SwiGLU, heads of 131072",
-        ),
-        ArchRow(
-            "dinov2_vitg14",
-            "DINOv2 ViT-g/14",
-            "dinov2_vitg14",
-            (),
-            "DINOv2's ViT-g/14 config: 12 per GPU, SwiGLU, heads of 131072",
-        ),
-        ArchRow(
-            "dinov3_vitl16",
-            "DINOv3 ViT-L/16, Gram",
-            "dinov3_vitl16_gram_anchor",
-            ("recipe.gram.ckpt=gram.pt",),
-            "DINOv3's Gram anchoring stage on ViT-L/16: 16 per GPU, 2 x 256 + 8 x 112, "
-            "Gram teacher at 512, heads of 65536",
-        ),
-        ArchRow(
-            "dinov3_vit7b16",
-            "DINOv3 ViT-7B/16, Gram",
-            "dinov3_vitl16_gram_anchor",
-            (
-                "recipe.gram.ckpt=gram.pt",
-                "model.backbone=vit_7b_dinov3",
-                "model.out_dim=262144",
-                "model.hidden_dim=8192",
-                "model.bottleneck_dim=512",
-                "recipe.ibot.out_dim=98304",
-            ),
-            "DINOv3's ViT-7B Gram anchoring config: 16 per GPU, 2 x 256 + 8 x 112, "
-            "Gram teacher at 512, heads of 262144 and 98304",
-        ),
-    )
-}
-
-
-def arch_config(name: str, batch_size: int | None = None) -> Config:
-    """The config of :data:`MEMORY_ARCHS` row ``name``, with ``batch_size``
-    per GPU when given."""
-    if name not in MEMORY_ARCHS:
-        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(MEMORY_ARCHS)}")
-    row = MEMORY_ARCHS[name]
-    extra = [f"data.batch_size={batch_size}"] if batch_size is not None else []
-    return load_config(row.recipe, [*row.overrides, *extra])
-
-
-# ---------------------------------------------------------------- the modules
-
-
-@dataclass(frozen=True)
-class ModelCounts:
-    """The parameters of a config's student and teacher (counted on the meta
-    device) and the ViT's shape.
-
-    ``units`` maps each FSDP unit of the student (``root``, ``blocks.i``,
-    ``head``, ``ibot_head``) to its parameters' shapes, and whether they
-    train; the teacher has the same units. ``ffn_hidden`` is the MLP's width,
-    or SwiGLU's hidden width (``w3``'s input). ``teacher`` counts the
-    recipe's ``frozen_copies`` of the teacher's backbone too (the dinov3
-    recipe's Gram teacher), which FSDP shards as the teacher's backbone (its
-    units but the heads)."""
-
-    student: int
-    trainable: int
-    teacher: int
-    units: dict[str, tuple[tuple[tuple[int, ...], bool], ...]]
-    embed_dim: int
-    depth: int
-    num_heads: int
-    ffn: str
-    ffn_hidden: int
-    layerscale: bool
-    extra_tokens: int
-    patch_size: int
-    head_weight: int
-    frozen_copies: int = 0
-
-    def local(
-        self, world_size: int, *, trainable_only: bool = False, unit: str | None = None
-    ) -> int:
-        """Elements of rank 0's FSDP shards (each parameter split along its
-        first dimension into ``world_size`` padded chunks), of every unit or
-        of ``unit``; ``trainable_only``: of the trained parameters."""
-        total = 0
-        for name, shapes in self.units.items():
-            if unit is not None and name != unit:
-                continue
-            for shape, trains in shapes:
-                if trains or not trainable_only:
-                    total += _shard(shape, world_size)
-        return total
-
-    def unit_size(self, name: str) -> int:
-        return sum(math.prod(shape) for shape, _ in self.units[name])
-
-    @property
-    def largest_unit(self) -> int:
-        return max(self.unit_size(n) for n in self.units if n != "root")
-
-    @property
-    def largest_pair(self) -> int:
-        """The most parameters of two units next to each other in the order
-        the backward pass visits them (a unit and the one prefetched)."""
-        sizes = [self.unit_size(n) for n in self.units if n != "root"]
-        return (
-            max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
-            if len(sizes) > 1
-            else sizes[0]
-        )
-
-    @property
-    def head_units(self) -> list[str]:
-        return [n for n in self.units if n in ("head", "ibot_head")]
-
-    def local_frozen(self, world_size: int) -> int:
-        """Elements of rank 0's shards of the frozen copies of the backbone."""
-        units = [n for n in self.units if n not in self.head_units]
-        return self.frozen_copies * sum(self.local(world_size, unit=n) for n in units)
-
-
-def _shard(shape: tuple[int, ...], world: int) -> int:
-    if not shape:
-        return 1
-    return math.ceil(shape[0] / world) * math.prod(shape[1:])
-
-
-def count_model(cfg: Config) -> ModelCounts:
-    """The parameters and shape of ``cfg``'s ViT student and teacher, built
-    on the meta device (:func:`~dino_opt.train.build_models`)."""
-    if not cfg.model.backbone.startswith("vit"):
-        raise ValueError(
-            f"the memory model covers ViT backbones; model.backbone is {cfg.model.backbone!r}"
-        )
-    with torch.device("meta"):
-        student, teacher = build_models(cfg)
-    vit, block = student.backbone, student.backbone.blocks[0]
-    mlp = block.mlp
-    hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
-    return ModelCounts(
-        student=parameter_numel(student),
-        trainable=parameter_numel(student, trainable=True),
-        teacher=parameter_numel(teacher) + _frozen_copies(cfg, teacher),
-        units=_units(student),
-        embed_dim=vit.embed_dim,
-        depth=len(vit.blocks),
-        num_heads=vit.num_heads,
-        ffn="mlp" if hasattr(mlp, "fc1") else "swiglu",
-        ffn_hidden=hidden,
-        layerscale=not isinstance(block.ls1, nn.Identity),
-        extra_tokens=1 + vit.num_register_tokens,
-        patch_size=vit.patch_size,
-        head_weight=sum(
-            h.last_layer.weight_v.numel()
-            for h in _heads(student).values()
-            if hasattr(h, "last_layer")
-        ),  # a DINO head's (not a projector's)
-        frozen_copies=recipe_of(cfg).frozen_backbone_copies(cfg),
-    )
-
-
-def _frozen_copies(cfg: Config, teacher: nn.Module) -> int:
-    """Parameters of the frozen copies of the teacher's backbone the recipe keeps."""
-    return recipe_of(cfg).frozen_backbone_copies(cfg) * parameter_numel(teacher.backbone)
-
-
-def _heads(student: nn.Module) -> dict[str, nn.Module]:
-    heads = {"head": student.head}
-    if getattr(student, "ibot_head", None) is not None:
-        heads["ibot_head"] = student.ibot_head
-    return heads
-
-
-def _units(student: nn.Module) -> dict[str, tuple]:
-    """Parameter shapes per FSDP unit: each block, each head, the root."""
-    groups: dict[str, list[nn.Module]] = {
-        f"blocks.{i}": [b] for i, b in enumerate(student.backbone.blocks)
-    }
-    groups.update({name: [h] for name, h in _heads(student).items()})
-    seen = {id(p) for mods in groups.values() for m in mods for p in m.parameters()}
-    units = {
-        "root": tuple(
-            (tuple(p.shape), p.requires_grad) for p in student.parameters() if id(p) not in seen
-        )
-    }
-    for name, mods in groups.items():
-        units[name] = tuple((tuple(p.shape), p.requires_grad) for m in mods for p in m.parameters())
-    return units
 
 
 # ---------------------------------------------------------------- activations
@@ -757,7 +509,7 @@ def _frozen_teacher(
     sharded = strategy == "fsdp"
     backbone = getattr(frozen_teacher, "backbone", frozen_teacher)  # sharded; its heads whole
     local = frozen - parameter_numel(backbone)
-    local += sum(_shard(tuple(p.shape), world_size) for p in backbone.parameters())
+    local += sum(shard_numel(tuple(p.shape), world_size) for p in backbone.parameters())
     tb = 2 if cfg.hardware.precision not in ("fp32", "fp16") else FP32
     teacher_bytes = tb * (local if sharded else frozen) + whitening_state_bytes(cfg, frozen_teacher)
     working = frozen_forward_bytes(cfg, frozen_teacher, a)
@@ -938,75 +690,3 @@ def _feature_student(
         "working": start,
         "end": largest * (first + recompute + working),
     }
-
-
-def largest_batch(
-    cfg: Config, memory_bytes: float, counts: ModelCounts | None = None, **setting
-) -> int:
-    """The largest batch per GPU whose :func:`estimate_memory` peak (with
-    ``setting``: strategy, world_size, checkpointing, ...) is at most
-    ``memory_bytes``; 0 when not even one image fits."""
-    if counts is None and not recipe_of(cfg).external_teacher:  # a distillation counts its own
-        counts = count_model(cfg)
-
-    def fits(batch: int) -> bool:
-        sized = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch))
-        return estimate_memory(sized, counts=counts, **setting).peak <= memory_bytes
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:  # fits(low), not fits(high)
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
-def memory_table(
-    archs: list[str] | None = None,
-    worlds: tuple[int, ...] = (1, 8, 64, 1024),
-    strategies: tuple[str, ...] = STRATEGIES,
-    policies: tuple[str, ...] = CHECKPOINT_POLICIES,
-    batch_size: int | None = None,
-    reshard_after_forward: bool = True,
-    config: Config | None = None,
-    overrides: tuple[str, ...] = (),
-    frozen_teacher: nn.Module | None = None,
-) -> list[MemoryEstimate]:
-    """Estimates for every combination of architecture (``archs`` of
-    :data:`MEMORY_ARCHS`, default all; or ``config`` alone), strategy, world
-    size and checkpointing policy (of every block), at each architecture's
-    batch per GPU or ``batch_size``, with ``overrides`` (``key=value``)
-    applied to each config. A distillation ``config`` needs its
-    ``frozen_teacher``; with a student that is not a ViT it has DDP rows
-    only (:func:`estimate_distillation`)."""
-    extra = [*overrides, *([f"data.batch_size={batch_size}"] if batch_size is not None else [])]
-    if config is not None:
-        configs = {"config": apply_overrides(config, extra)}
-    else:
-        configs = {a: apply_overrides(arch_config(a), extra) for a in (archs or MEMORY_ARCHS)}
-    rows = []
-    for name, cfg in configs.items():
-        distill = recipe_of(cfg).external_teacher
-        counts = None if distill else count_model(cfg)
-        # a distillation with a student that is not a ViT: DDP only
-        ddp_only = distill and not all(n.startswith("vit") for n in cfg.student_names)
-        for strategy in ("ddp",) if ddp_only else strategies:
-            for world in worlds:
-                for policy in policies:
-                    rows.append(
-                        estimate_memory(
-                            cfg,
-                            strategy=strategy,
-                            world_size=world,
-                            checkpointing=policy,
-                            every=1,
-                            reshard_after_forward=reshard_after_forward,
-                            arch=name,
-                            counts=counts,
-                            frozen_teacher=frozen_teacher,
-                        )
-                    )
-    return rows
