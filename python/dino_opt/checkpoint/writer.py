@@ -28,6 +28,50 @@ __all__ = ["AsyncCheckpointWriter", "ShardedCheckpointWriter"]
 # ------------------------------------------------------------ asynchronous
 
 
+class _BackgroundWrite:
+    """One write at a time in a thread of its own (not a daemon: an
+    interpreter that exits on an exception still finishes it): its result,
+    or its error raised once by the next :meth:`wait`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.thread: threading.Thread | None = None
+        self.result: Path | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def run_here(self, work, *args) -> None:
+        """``work(*args)`` in the caller's thread, kept as a write's outcome."""
+        self.result = None
+        try:
+            self.result = work(*args)
+        except BaseException as e:  # surfaced by the next wait()
+            self.error = e
+
+    def start(self, work, *args) -> None:
+        """``work(*args)`` in a new thread; the caller has waited for the one before."""
+        self.result = None
+        self.thread = threading.Thread(
+            target=self.run_here, args=(work, *args), name=self.name, daemon=False
+        )
+        self.thread.start()
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        thread = self.thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"checkpoint write still in flight after {timeout} s")
+            self.thread = None
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return self.result
+
+
 class _SnapshotPool:
     """Host buffers for the tensors of a state, reused from one snapshot to
     the next (in the order the state is walked) when shape and dtype match,
@@ -93,30 +137,19 @@ class AsyncCheckpointWriter:
         self.manager = manager
         self.nice = nice  # the writer thread's scheduling priority on Linux (0: as the caller)
         self._pool = _SnapshotPool()
-        self._thread: threading.Thread | None = None
-        self._result: Path | None = None
-        self._error: BaseException | None = None
+        self._job = _BackgroundWrite("dino_opt-checkpoint")
         self.last_copy_seconds = 0.0  # what the caller of the last save waited for the copy
 
     @property
     def in_flight(self) -> bool:
         """Whether a write is still going on."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._job.in_flight
 
     def wait(self, timeout: float | None = None) -> Path | None:
         """Waits for the write in flight (at most ``timeout`` seconds; then
         TimeoutError) and returns its path (None when there was none); raises
         its error (:class:`CheckpointWriteError`) once."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                raise TimeoutError(f"checkpoint write still in flight after {timeout} s")
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return self._result
+        return self._job.wait(timeout)
 
     def save(self, state: dict, **kwargs) -> Path:
         """Starts writing ``state`` (see :meth:`CheckpointManager.save` for
@@ -130,22 +163,15 @@ class AsyncCheckpointWriter:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies to pinned memory are complete
         self.last_copy_seconds = time.perf_counter() - start
-        self._result = None
-        self._thread = threading.Thread(
-            target=self._write, args=(snapshot, kwargs), name="dino_opt-checkpoint", daemon=False
-        )
-        self._thread.start()
+        self._job.start(self._write, snapshot, kwargs)
         return self.manager.path_for(kwargs["epoch"], kwargs["step"])
 
-    def _write(self, snapshot: dict, kwargs: dict) -> None:
+    def _write(self, snapshot: dict, kwargs: dict) -> Path:
         if sys.platform.startswith("linux"):  # a nice value per thread on Linux only
             # yield the CPU to the training threads where they need it all
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        try:
-            self._result = self.manager.save(snapshot, **kwargs)
-        except BaseException as e:  # surfaced by the next save() or wait()
-            self._error = e
+        return self.manager.save(snapshot, **kwargs)
 
 
 class ShardedCheckpointWriter:
@@ -180,28 +206,17 @@ class ShardedCheckpointWriter:
         self.lead = lead
         self.asynchronous = asynchronous
         self.group = process_group if process_group is not None else dist.new_group(backend="gloo")
-        self._thread: threading.Thread | None = None
-        self._result: Path | None = None
-        self._error: BaseException | None = None
+        self._job = _BackgroundWrite("dino_opt-dcp")
         self.last_copy_seconds = 0.0  # what the caller of the last save waited for
 
     @property
     def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._job.in_flight
 
     def wait(self, timeout: float | None = None) -> Path | None:
         """Waits for the save in flight; returns its path on rank 0 (None
         elsewhere, or when there was none) or raises its error once."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                raise TimeoutError(f"checkpoint write still in flight after {timeout} s")
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return self._result
+        return self._job.wait(timeout)
 
     def save(self, shards: dict, extra: dict | None, **kwargs) -> Path:
         """Collective. ``shards``: this rank's sharded state dicts; ``extra``:
@@ -222,18 +237,14 @@ class ShardedCheckpointWriter:
                 error = CheckpointWriteError(path, e)
         self._agree(error)  # also the barrier: the folder is ready for every rank
         start = time.perf_counter()
-        self._result = None
         if not self.asynchronous:
             dcp.save(shards, checkpoint_id=os.fspath(partial), process_group=self.group)
-            self._publish(partial, kwargs)
+            self._job.run_here(self._publish, partial, kwargs)
             self.wait()
             return path
         future = dcp.async_save(shards, checkpoint_id=os.fspath(partial), process_group=self.group)
         self.last_copy_seconds = time.perf_counter() - start
-        self._thread = threading.Thread(
-            target=self._finish, args=(future, partial, kwargs), name="dino_opt-dcp", daemon=False
-        )
-        self._thread.start()
+        self._job.start(self._finish, future, partial, kwargs)
         return path
 
     def _error_of_previous(self) -> BaseException | None:
@@ -253,18 +264,9 @@ class ShardedCheckpointWriter:
         if failed.item() > 0:
             raise RuntimeError("a checkpoint write failed on another rank (see its log)")
 
-    def _finish(self, future, partial: Path, kwargs: dict) -> None:
-        try:
-            future.result()
-        except BaseException as e:  # surfaced by the next save() or wait()
-            self._error = e
-            return
-        self._publish(partial, kwargs)
+    def _finish(self, future, partial: Path, kwargs: dict) -> Path | None:
+        future.result()  # every rank's shards are written
+        return self._publish(partial, kwargs)
 
-    def _publish(self, partial: Path, kwargs: dict) -> None:
-        if not self.lead:
-            return
-        try:
-            self._result = self.manager.publish_sharded(partial, **kwargs)
-        except BaseException as e:
-            self._error = e
+    def _publish(self, partial: Path, kwargs: dict) -> Path | None:
+        return self.manager.publish_sharded(partial, **kwargs) if self.lead else None
