@@ -306,13 +306,7 @@ def _estimate(
         end += FP32 * max(counts.unit_size(u) for u in counts.units if u.startswith("blocks."))
     return MemoryEstimate(
         arch=arch or f"{cfg.model.backbone}/{counts.patch_size}",
-        strategy=strategy,
-        world_size=world_size,
-        batch_size=cfg.data.batch_size,
-        precision="fp32" if a == FP32 else "16-bit",
-        checkpointing=checkpointing,
-        every=every,
-        reshard_after_forward=reshard_after_forward,
+        **_run(cfg, a, strategy, world_size, checkpointing, every, reshard_after_forward),
         parameter_count=counts.student,
         trainable_count=counts.trainable,
         teacher_count=counts.teacher,
@@ -322,6 +316,21 @@ def _estimate(
         transient=transient,
         backward_end=end + states["gradients"],
     )
+
+
+def _run(
+    cfg: Config, a: int, strategy: str, world: int, policy: str, every: int, reshard: bool
+) -> dict:
+    """The fields of an estimate that say what run it is of."""
+    return {
+        "strategy": strategy,
+        "world_size": world,
+        "batch_size": cfg.data.batch_size,
+        "precision": "fp32" if a == FP32 else "16-bit",
+        "checkpointing": policy,
+        "every": every,
+        "reshard_after_forward": reshard,
+    }
 
 
 def activation_bytes(cfg: Config) -> int:
@@ -606,13 +615,7 @@ def _students_estimate(
     crops = _crop_bytes(cfg, a)  # the batch of crops, one for every student
     return MemoryEstimate(
         arch=arch or "+".join(cfg.student_names),
-        strategy=strategy,
-        world_size=world_size,
-        batch_size=cfg.data.batch_size,
-        precision="fp32" if a == FP32 else "16-bit",
-        checkpointing=policy,
-        every=every,
-        reshard_after_forward=True,
+        **_run(cfg, a, strategy, world_size, policy, every, True),
         parameter_count=total["parameter_count"],
         trainable_count=total["trainable_count"],
         teacher_count=total["teacher_count"] + frozen,
