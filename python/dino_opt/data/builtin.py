@@ -27,13 +27,9 @@ brightness) tells images apart, and two crops of one image agree on little
 but the class: what DINO's self-distillation between crops can pick up is
 shape and texture, which k-NN on its features then measures.
 
-Why it is made so (measured with ViT-T/16 at 64 px, 3 epochs): in version 1
-each image had one to three instances on a background of two random colours;
-crops of an image agreed mostly on those colours, DINO learned to cluster
-colours and its k-NN top-1 fell below that of the random network (12 vs
-13 %). Any statistic that all crops of an image share and that varies between
-images more than the augmentations do is what a crop-matching objective
-learns first.
+Why it is made so: a statistic that every crop of an image shares is what a
+crop-matching objective learns first (the first version's story is in
+docs/training.md, the entry of ``builtin_dataset()``).
 
 Per-pixel labels: the generator knows every instance, so each image has a
 mask (PNG, mode ``L``, the image's size) in the parallel tree ``masks/``,
