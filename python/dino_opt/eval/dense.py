@@ -326,6 +326,36 @@ def _largest_label(masks: torch.Tensor) -> int:
     return int(kept.max()) if kept.numel() else 0
 
 
+def _splits(train, val, test) -> dict[str, SegmentationSource]:
+    """The probe's sources by split (no ``test`` when None), each checked."""
+    splits = {"train": train, "val": val, **({"test": test} if test is not None else {})}
+    for name, source in splits.items():
+        if not isinstance(source, SegmentationSource):
+            raise ValueError(f"{name} must be a SegmentationSource, got {type(source).__name__}")
+    return splits
+
+
+def _head_options(
+    batch_size, iterations, epochs, n_train, lr, weight_decay, warmup_fraction, dropout, seed
+) -> dict:
+    """The head's training settings, checked: ``iterations`` when given, else
+    ``epochs`` passes over the ``n_train`` images."""
+    batch_size = _positive_int("batch_size", batch_size)
+    if iterations is not None:
+        iterations = _positive_int("iterations", iterations)
+    else:
+        iterations = _positive_int("epochs", epochs) * math.ceil(n_train / batch_size)
+    return {
+        "batch_size": batch_size,
+        "iterations": iterations,
+        "lr": float(lr),
+        "weight_decay": float(weight_decay),
+        "warmup_fraction": float(warmup_fraction),
+        "dropout": float(dropout),
+        "seed": _positive_int("seed", seed, 0),
+    }
+
+
 def dense_probe(
     backbone: nn.Module,
     train: SegmentationSource,
@@ -363,10 +393,7 @@ def dense_probe(
     the settings, ``final_loss`` (mean of the last 20 iterations) and
     ``seconds`` (features, train, eval); with ``keep_head``, ``head``: the
     trained :class:`DenseLinearHead`'s state dict (CPU tensors, not JSON)."""
-    splits = {"train": train, "val": val, **({"test": test} if test is not None else {})}
-    for name, source in splits.items():
-        if not isinstance(source, SegmentationSource):
-            raise ValueError(f"{name} must be a SegmentationSource, got {type(source).__name__}")
+    splits = _splits(train, val, test)
     _positive_int("image_size", image_size, 1)
     names = _class_names(class_names, splits)
     num = _num_classes(num_classes, names)
@@ -382,30 +409,22 @@ def dense_probe(
         num = max(_largest_label(masks) for _, masks in cached.values()) + 1
     names = names if names is not None else [str(i) for i in range(num)]
     n_train = len(train)
-    opts = {
-        "batch_size": _positive_int("batch_size", batch_size),
-        "iterations": _positive_int("iterations", iterations)
-        if iterations is not None
-        else _positive_int("epochs", epochs) * math.ceil(n_train / batch_size),
-        "lr": float(lr),
-        "weight_decay": float(weight_decay),
-        "warmup_fraction": float(warmup_fraction),
-        "dropout": float(dropout),
-        "seed": _positive_int("seed", seed, 0),
-    }
+    opts = _head_options(
+        batch_size, iterations, epochs, n_train, lr, weight_decay, warmup_fraction, dropout, seed
+    )
     t1 = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         head, losses = _train_head(*cached["train"], num, opts)
     t2 = time.perf_counter()
-    results = {}
-    for split in ("val", "test"):
-        if split in cached:
-            confusion = _evaluate(head, *cached[split], num, feature_batch_size)
-            results[split] = {
-                **segmentation_metrics(confusion, names),
-                "n_images": len(splits[split]),
-            }
+    results = {
+        split: {
+            **segmentation_metrics(_evaluate(head, *cached[split], num, feature_batch_size), names),
+            "n_images": len(splits[split]),
+        }
+        for split in ("val", "test")
+        if split in cached
+    }
     t3 = time.perf_counter()
     features = cached["train"][0]
     return {
