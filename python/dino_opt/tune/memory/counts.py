@@ -108,10 +108,11 @@ def count_model(cfg: Config) -> ModelCounts:
     vit, block = student.backbone, student.backbone.blocks[0]
     mlp = block.mlp
     hidden = mlp.fc1.out_features if hasattr(mlp, "fc1") else mlp.w3.in_features
+    copies = recipe_of(cfg).frozen_backbone_copies(cfg)  # frozen copies of the teacher's backbone
     return ModelCounts(
         student=parameter_numel(student),
         trainable=parameter_numel(student, trainable=True),
-        teacher=parameter_numel(teacher) + _frozen_copies(cfg, teacher),
+        teacher=parameter_numel(teacher) + copies * parameter_numel(teacher.backbone),
         units=_units(student),
         embed_dim=vit.embed_dim,
         depth=len(vit.blocks),
@@ -126,13 +127,8 @@ def count_model(cfg: Config) -> ModelCounts:
             for h in _heads(student).values()
             if hasattr(h, "last_layer")
         ),  # a DINO head's (not a projector's)
-        frozen_copies=recipe_of(cfg).frozen_backbone_copies(cfg),
+        frozen_copies=copies,
     )
-
-
-def _frozen_copies(cfg: Config, teacher: nn.Module) -> int:
-    """Parameters of the frozen copies of the teacher's backbone the recipe keeps."""
-    return recipe_of(cfg).frozen_backbone_copies(cfg) * parameter_numel(teacher.backbone)
 
 
 def _heads(student: nn.Module) -> dict[str, nn.Module]:

@@ -4,10 +4,10 @@ FSDP at any world size, and the activations of the configured crops with
 and without activation checkpointing (docs/memory.md derives every term;
 with crop-size pairs, the largest global and local sides).
 
-Parameter counts come from the real modules (:mod:`.counts`). Activations are counted per token and
-per block from what autograd keeps for the backward pass of the ViT's
-operators: attention through SDPA keeps no L x L matrix, only q, k, v, its
-output and one log-sum-exp per head and token.
+Parameter counts come from the real modules (:mod:`.counts`). Activations
+are counted per token and per block from what autograd keeps for the
+backward pass of the ViT's operators: attention through SDPA keeps no L x L
+matrix, only q, k, v, its output and one log-sum-exp per head and token.
 
 A distillation also counts its frozen teacher and each of its students
 (:func:`estimate_distillation`). The estimate of rank 0 (the largest
