@@ -64,8 +64,14 @@ def _rows(out: Path) -> list[dict]:
 
 def test_fsdp_trains_as_ddp(train_root, tmp_path):
     # 20 micro-batches of 2 images per rank, 2 per optimizer step (the first
-    # of each neither reduces nor reshards)
-    steps = ("schedule.epochs=2", "optim.accumulation_steps=2", "data.batch_size=2")
+    # of each neither reduces nor reshards); the last layer frozen in the
+    # first epoch (FSDP computes no gradient for it, DDP discards it)
+    steps = (
+        "schedule.epochs=2",
+        "optim.accumulation_steps=2",
+        "data.batch_size=2",
+        "optim.freeze_last_layer=1",
+    )
     ddp = _train(tmp_path / "ddp", train_root, *steps)
     fsdp = _train(tmp_path / "fsdp", train_root, *steps, FSDP)
     assert fsdp["report"]["steps"] == ddp["report"]["steps"] == 20  # 2 x 40 images / (2 x 2)

@@ -431,6 +431,32 @@ def test_weight_norm_linear_both_forms_equal_torch_weight_norm_in_float64(rows):
     )
 
 
+@pytest.mark.parametrize("rows", [8, 200])
+@pytest.mark.parametrize("norm_last_layer", [True, False])
+def test_a_frozen_last_layer_computes_no_weight_gradient(rows, norm_last_layer):
+    # frozen: the same outputs and input gradient, in float64, on both forward
+    # forms (outputs scaled, weight formed), and no gradient for its weights
+    g = torch.Generator().manual_seed(rows)
+    head = DINOHead(16, 96, nlayers=2, hidden_dim=24, bottleneck_dim=64).double()
+    head.norm_last_layer = norm_last_layer
+    head.last_layer.weight_g.requires_grad_(not norm_last_layer)
+    with torch.no_grad():
+        head.last_layer.weight_g.copy_(torch.rand(96, 1, generator=g, dtype=torch.float64) + 0.5)
+    x = torch.randn(rows, 16, generator=g, dtype=torch.float64)
+    up = torch.randn(rows, 96, generator=g, dtype=torch.float64)
+    results = {}
+    for frozen in (False, True):
+        head.zero_grad(set_to_none=True)
+        head.last_layer.frozen = frozen
+        xi = x.clone().requires_grad_()
+        out = head(xi)
+        (out * up).sum().backward()
+        results[frozen] = out.detach(), xi.grad, head.mlp[0].weight.grad
+    for a, b in zip(results[False], results[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert head.last_layer.weight_v.grad is None and head.last_layer.weight_g.grad is None
+
+
 def test_dino_head_batchnorm_and_init():
     head = DINOHead(32, 10, use_bn=True, nlayers=3, hidden_dim=64, bottleneck_dim=16)
     assert sum(isinstance(m, nn.BatchNorm1d) for m in head.mlp.modules()) == 2

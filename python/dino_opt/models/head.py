@@ -25,6 +25,10 @@ class WeightNormLinear(nn.Module):
     backward (at DINO's 65,536 outputs and a few hundred rows per step on a
     CPU, the normalised weight was a tenth of the step). ``scale_outputs =
     False`` always forms the weight, as ``torch.nn.utils.weight_norm`` does.
+
+    ``frozen`` (set by the trainer in the epochs DINO keeps the last layer
+    frozen): the forward reads the weights detached, so the backward computes
+    no gradient for them; the outputs and the inputs' gradient are unchanged.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -35,17 +39,20 @@ class WeightNormLinear(nn.Module):
         self.weight_v = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.trunc_normal_(self.weight_v, std=0.02)
         self.scale_outputs = True
+        self.frozen = False
 
     @property
     def weight(self) -> torch.Tensor:
         """The effective weight ``g * v / ||v||`` (out, in)."""
-        return self.weight_g * (self.weight_v / self.weight_v.norm(dim=1, keepdim=True))
+        return _normalised(self.weight_g, self.weight_v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, v = self.weight_g, self.weight_v
+        if self.frozen:
+            g, v = g.detach(), v.detach()
         if self.scale_outputs and x.numel() < self.in_features**2:  # fewer rows than inputs
-            scale = self.weight_g.squeeze(1) / self.weight_v.norm(dim=1)
-            return F.linear(x, self.weight_v) * scale
-        return F.linear(x, self.weight)
+            return F.linear(x, v) * (g.squeeze(1) / v.norm(dim=1))
+        return F.linear(x, _normalised(g, v))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
@@ -59,7 +66,7 @@ class DINOHead(nn.Module):
     bottleneck, then ``last_layer``: a weight-normalised linear map to ``out_dim``
     without bias. With ``norm_last_layer`` the norms ``weight_g`` stay fixed at 1
     (not trained), so every prototype has unit norm, which DINO uses for stability
-    with ViTs. The trainer freezes ``last_layer`` during the first epoch.
+    with ViTs. The trainer freezes ``last_layer`` during the first epoch (``frozen``).
     """
 
     def __init__(
@@ -95,6 +102,10 @@ class DINOHead(nn.Module):
         x = self.mlp(x)
         x = F.normalize(x, dim=-1, p=2)
         return self.last_layer(x)
+
+
+def _normalised(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return g * (v / v.norm(dim=1, keepdim=True))
 
 
 def _init_weights(m: nn.Module) -> None:

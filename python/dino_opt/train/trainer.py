@@ -18,7 +18,8 @@ engine owns the rest:
   operator computes each group's share of it (``DINOLoss(..., views=...)``);
 - gradient clipping is one global norm (``foreach`` kernels, no host
   synchronisation), the last layer is frozen in the first
-  ``freeze_last_layer`` epochs, a non-finite step is skipped on the device
+  ``freeze_last_layer`` epochs (its weight gradient not computed, except
+  under DDP), a non-finite step is skipped on the device
   by a fused optimizer, and nothing calls ``.item()`` on the hot path: the
   returned loss is a device tensor."""
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..models import WeightNormLinear
 from ..ops import EMATeacher, Schedules
 from ..runtime import no_sync, replicated, resolve_precision
 from .param_groups import param_groups
@@ -83,6 +85,20 @@ def _for_loss(x: torch.Tensor) -> torch.Tensor:
 
 def _last_layer_params(student: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in student.named_parameters() if "last_layer" in n]
+
+
+def _frozen_last_layers(student: nn.Module) -> list[WeightNormLinear]:
+    """The weight-normalised last layers whose weight gradient a frozen epoch
+    need not compute. None under DistributedDataParallel: its reducer waits
+    for a gradient of every parameter it was built with, so there the
+    gradient is computed and discarded, as DINO does."""
+    if isinstance(student, nn.parallel.DistributedDataParallel):
+        return []
+    return [
+        m
+        for n, m in student.named_modules()
+        if isinstance(m, WeightNormLinear) and n.rsplit(".", 1)[-1] == "last_layer"
+    ]
 
 
 def _backbone_params(student: nn.Module) -> list[nn.Parameter]:
@@ -312,6 +328,9 @@ class MemoryOptimizedDINOTrainer:
                 # the last step's graph outputs are dead (its gradients stepped and
                 # freed): their memory may be replayed into; on a CPU nothing replays
                 torch.compiler.cudagraph_mark_step_begin()
+            frozen = self.epoch < self.freeze_last_layer
+            for layer in _frozen_last_layers(self.model.student):
+                layer.frozen = frozen
             for t in self._all_terms:
                 t.before_step(self)
         inputs = self.terms.inputs(self, crops, masks)
