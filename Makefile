@@ -251,6 +251,7 @@ bench: setup
 	$(PY) bench/bench_profiler.py
 	$(PY) bench/bench_photometric.py
 	$(PY) bench/bench_loader.py
+	$(PY) bench/bench_head.py
 
 # Each piece's bench in its quick mode, ours beside its baseline in one process,
 # in the default environment; fails naming the piece whose ratio is under its

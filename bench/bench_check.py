@@ -65,6 +65,11 @@ def _checkpoint_ratios(d: dict) -> dict[str, float]:
     return {"checkpoint.async_vs_sync": d["quick"][0]["sync_vs_async"]}
 
 
+def _head_ratios(d: dict) -> dict[str, float]:
+    r = d["results"][0]
+    return {"head.frozen_vs_published": r["published_ms"] / r["dino_opt_ms"]}
+
+
 # The quick mode of each bench: its own options, sized to a few seconds here.
 PIECES = {
     "loss": Piece("bench_loss.py", ("--quick",), _loss_ratios),
@@ -97,6 +102,7 @@ PIECES = {
         ("--quick", "--models", "demo", "--repeats", "5"),
         _checkpoint_ratios,
     ),
+    "head": Piece("bench_head.py", ("--rows", "40", "--repeats", "5"), _head_ratios),
 }
 MARGIN = 1.5  # --print-floors: a floor is the measured ratio over this
 

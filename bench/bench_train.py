@@ -117,7 +117,7 @@ from dino_opt.data import MultiCropLoader
 from dino_opt.models import WeightNormLinear
 from dino_opt.models.vit import Attention
 from dino_opt.ops import Schedules
-from dino_opt.runtime import compile_totals, resolve_precision
+from dino_opt.runtime import compile_totals
 from dino_opt.train import (
     DINOModel,
     MemoryOptimizedDINOTrainer,
@@ -135,8 +135,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    PEAK_TFLOPS,
     RESULTS_DIR,
     closer_for_dataloader,
+    device_peak_flops,
     device_slug,
     machine,
     print_table,
@@ -686,37 +688,6 @@ def largest_batch(
 
 
 BUSY_STEPS = 3  # profiled steps after the timed ones: the GPU's busy share, operators per step
-
-#: Dense bfloat16/float16 matrix rate by datasheet, TFLOP/s, by the device
-#: name's model (SXM parts): the denominator of MFU (``--peak-tflops`` overrides).
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
-
-
-def cpu_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """The matrix rate ``torch.mm`` reaches on this CPU at ``dtype`` (FLOP/s,
-    best of ``repeats`` products of two n x n matrices, the default threads):
-    the CPU's MFU denominator, measured in the same run as the steps."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
-    """The device's dense 16-bit matrix rate in FLOP/s (None: not known); on
-    the CPU, :func:`cpu_matmul_rate` at the default step's dtype."""
-    if override:
-        return override * 1e12
-    if device.type == "cpu":
-        return cpu_matmul_rate(resolve_precision("auto", device) or torch.float32)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((t * 1e12 for model, t in PEAK_TFLOPS.items() if model in name), None)
 
 
 def flops_per_image(s: dict) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import platform
 import statistics
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from dino_opt.runtime import resolve_precision
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -78,6 +80,38 @@ def time_ms(
             fn(warmup + i)
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def cpu_matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """The matrix rate ``torch.mm`` reaches on this CPU at ``dtype`` (FLOP/s,
+    best of ``repeats`` products of two n x n matrices, the default threads):
+    the CPU's MFU denominator, measured in the same run as the steps."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+#: Dense bfloat16/float16 matrix rate by datasheet, TFLOP/s, by the device
+#: name's model (SXM parts): the denominator of MFU (``--peak-tflops`` overrides).
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+
+
+def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
+    """The device's dense 16-bit matrix rate in FLOP/s (None: not known); on
+    the CPU, :func:`cpu_matmul_rate` at the default step's dtype."""
+    if override:
+        return override * 1e12
+    if device.type == "cpu":
+        return cpu_matmul_rate(resolve_precision("auto", device) or torch.float32)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((t * 1e12 for model, t in PEAK_TFLOPS.items() if model in name), None)
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:

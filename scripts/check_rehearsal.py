@@ -45,6 +45,7 @@ STAGE_STEPS = {
         "presets",
         "fsdp_job",
         "bench_checkpoint",
+        "bench_head",
     ],
     "step": ["closure", "import", "bench_step"],
 }

@@ -9,7 +9,7 @@
 #          the C++ tests; the `cuda` tests (slow ones last); the end-to-end
 #          headline (DINO's ViT-S/16 recipe, baseline vs dino_opt); the loss
 #          and EMA benches. Its steps' caps add up to at most 480 s.
-#   rest   the other benches (profiler, photometric, loader, presets), an
+#   rest   the other benches (profiler, photometric, loader, presets, head), an
 #          FSDP job on NCCL, the checkpoint bench: for when time is left.
 #   carry  (where the build is prepared, not on the GPU machine) a wheel and
 #          the C++ test program built against this Python and torch, into
@@ -347,6 +347,8 @@ stage_rest() {
   presets
   bench_step bench_photometric 45 bench/bench_photometric.py -- --images 4 --repeats 1
   bench_step bench_profiler 45 bench/bench_profiler.py -- --steps 5 --batch 4 --out-dim 256
+  # The head in a frozen-last-layer epoch: its weight gradient skipped against computed and dropped.
+  bench_step bench_head 30 bench/bench_head.py -- --rows 40 --repeats 2 --rounds 1
   # Checkpoints every 1/10/100 steps, sync vs async, ViT-S/16.
   bench_step bench_checkpoint 90 bench/bench_checkpoint.py --models vit_small --batch-size 64 \
     --repeats 1 -- --models demo --batch-size 8 --every 1,10 --saves 1 --min-steps 2

@@ -80,6 +80,7 @@ def test_every_ratio_has_a_floor_and_every_floor_a_ratio():
         "loader": {"loader.vs_pil"},
         "photometric": {"photometric.vs_torchvision"},
         "checkpoint": {"checkpoint.async_vs_sync"},
+        "head": {"head.frozen_vs_published"},
     }
     assert set(names) == set(bench_check.PIECES)
     assert set(floors) == set().union(*names.values())
