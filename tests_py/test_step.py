@@ -505,8 +505,9 @@ def test_the_frozen_last_layer_gets_no_weight_gradient(monkeypatch, crop_batch_s
     """In the frozen epochs the last layer's weight gradient is not computed
     (it is None after the backward, before the optimizer step), and the
     step's result is the published one that computes and discards it: every
-    parameter equal after two steps, then the layer trains in epoch 1.
-    DINOv2's last layers are frozen by their learning rate (their moments
+    parameter equal after two steps, then the layer trains in epoch 1. The
+    step sets the layer's flag each time: one left frozen (by an earlier
+    trainer of the same model) does not outlive it. DINOv2's last layers are frozen by their learning rate (their moments
     accumulate, as in dinov2), so they keep their gradient."""
     overrides = [*TINY, "hardware.precision=fp32", "optim.freeze_last_layer=1"]
     if crop_batch_size:
@@ -519,9 +520,10 @@ def test_the_frozen_last_layer_gets_no_weight_gradient(monkeypatch, crop_batch_s
     params = {}
     for skipped in (True, False):
         if not skipped:  # the published form: computed, then discarded
-            monkeypatch.setattr(trainer_module, "_frozen_last_layers", lambda student: [])
+            monkeypatch.setattr(trainer_module, "_skips_frozen_weight_gradient", lambda s: False)
         trainer = _trainer(overrides)
         last = trainer.model.student.head.last_layer
+        last.frozen = not skipped  # the step sets it either way
         for step, epoch in enumerate((0, 0, 1)):
             trainer.set_schedules(schedules, step)
             trainer.train_step_optimized(_crops(cfg, seed=step), epoch)

@@ -87,18 +87,21 @@ def _last_layer_params(student: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in student.named_parameters() if "last_layer" in n]
 
 
-def _frozen_last_layers(student: nn.Module) -> list[WeightNormLinear]:
-    """The weight-normalised last layers whose weight gradient a frozen epoch
-    need not compute. None under DistributedDataParallel: its reducer waits
-    for a gradient of every parameter it was built with, so there the
-    gradient is computed and discarded, as DINO does."""
-    if isinstance(student, nn.parallel.DistributedDataParallel):
-        return []
+def _weight_norm_last_layers(student: nn.Module) -> list[WeightNormLinear]:
+    """The student's weight-normalised last layers (through any wrapper)."""
     return [
         m
         for n, m in student.named_modules()
         if isinstance(m, WeightNormLinear) and n.rsplit(".", 1)[-1] == "last_layer"
     ]
+
+
+def _skips_frozen_weight_gradient(student: nn.Module) -> bool:
+    """Whether a frozen epoch may skip the last layers' weight gradient: not
+    under DistributedDataParallel, whose reducer waits for a gradient of
+    every parameter it was built with, so there the gradient is computed and
+    discarded, as DINO does."""
+    return not isinstance(student, nn.parallel.DistributedDataParallel)
 
 
 def _backbone_params(student: nn.Module) -> list[nn.Parameter]:
@@ -328,8 +331,10 @@ class MemoryOptimizedDINOTrainer:
                 # the last step's graph outputs are dead (its gradients stepped and
                 # freed): their memory may be replayed into; on a CPU nothing replays
                 torch.compiler.cudagraph_mark_step_begin()
-            frozen = self.epoch < self.freeze_last_layer
-            for layer in _frozen_last_layers(self.model.student):
+            student = self.model.student
+            # set every step, so that a flag left by an earlier run never outlives it
+            frozen = self.epoch < self.freeze_last_layer and _skips_frozen_weight_gradient(student)
+            for layer in _weight_norm_last_layers(student):
                 layer.frozen = frozen
             for t in self._all_terms:
                 t.before_step(self)
