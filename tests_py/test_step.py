@@ -507,8 +507,9 @@ def test_the_frozen_last_layer_gets_no_weight_gradient(monkeypatch, crop_batch_s
     step's result is the published one that computes and discards it: every
     parameter equal after two steps, then the layer trains in epoch 1. The
     step sets the layer's flag each time: one left frozen (by an earlier
-    trainer of the same model) does not outlive it. DINOv2's last layers are frozen by their learning rate (their moments
-    accumulate, as in dinov2), so they keep their gradient."""
+    trainer of the same model) does not outlive it. DINOv2's last layers
+    are frozen by their learning rate (their moments accumulate, as in
+    dinov2), so they keep their gradient."""
     overrides = [*TINY, "hardware.precision=fp32", "optim.freeze_last_layer=1"]
     if crop_batch_size:
         overrides.append(f"hardware.crop_batch_size={crop_batch_size}")
