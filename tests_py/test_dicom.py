@@ -8,28 +8,30 @@ PNG; the result reads natively."""
 import json
 
 import numpy as np
-import pydicom
-import pydicom.pixels
 import pytest
 import torch
 from dino_opt import _C
 from dino_opt.cli import main
 from dino_opt.data import MultiCropLoader, open_source
 from dino_opt.data.dicom import parse_window, prepare_dicom
-from pydicom.dataset import FileDataset, FileMetaDataset
-from pydicom.encaps import encapsulate
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, JPEG2000Lossless, generate_uid
+
+# An optional dependency (`pip install dino_opt[dicom]`): the GPU machine has none.
+pydicom = pytest.importorskip("pydicom")
+dicom_dataset = pytest.importorskip("pydicom.dataset")
+dicom_encaps = pytest.importorskip("pydicom.encaps")
+dicom_pixels = pytest.importorskip("pydicom.pixels")
+dicom_uid = pytest.importorskip("pydicom.uid")
 
 
 def write_dicom(
     path, pixels, photometric="MONOCHROME2", bits=16, slope=None, intercept=None, window=None
 ):
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = CTImageStorage
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
-    ds.SOPClassUID = CTImageStorage
+    meta = dicom_dataset.FileMetaDataset()
+    meta.MediaStorageSOPClassUID = dicom_uid.CTImageStorage
+    meta.MediaStorageSOPInstanceUID = dicom_uid.generate_uid()
+    meta.TransferSyntaxUID = dicom_uid.ExplicitVRLittleEndian
+    ds = dicom_dataset.FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID = dicom_uid.CTImageStorage
     ds.SOPInstanceUID = meta.MediaStorageSOPInstanceUID
     ds.set_pixel_data(pixels, photometric, bits)
     if pixels.ndim == 3:
@@ -60,8 +62,8 @@ def dicom_folder(tmp_path):
     # Compressed pixel data no decoder reads (JPEG 2000 of garbage).
     j2k = write_dicom(root / "b" / "j2k.dcm", ct)
     ds = pydicom.dcmread(j2k)
-    ds.file_meta.TransferSyntaxUID = JPEG2000Lossless
-    ds.PixelData = encapsulate([b"\xff\x4f\xff\x51garbage"])
+    ds.file_meta.TransferSyntaxUID = dicom_uid.JPEG2000Lossless
+    ds.PixelData = dicom_encaps.encapsulate([b"\xff\x4f\xff\x51garbage"])
     ds["PixelData"].VR = "OB"
     ds.save_as(j2k)
     return root, ct, mono1, frames
@@ -77,7 +79,7 @@ def test_prepared_values_are_pydicoms_after_rescale(dicom_folder, tmp_path):
         (line,) = [f for f in r["failed"] if name in f]
         assert "\n" not in line
     ds = pydicom.dcmread(root / "a" / "ct.dcm")
-    want = pydicom.pixels.apply_rescale(ds.pixel_array, ds).astype(np.float32)
+    want = dicom_pixels.apply_rescale(ds.pixel_array, ds).astype(np.float32)
     assert np.array_equal(np.load(out / "a" / "ct.npy"), want)
     np.testing.assert_array_equal(want, ct.astype(np.float32) * 2 - 1024)
     # MONOCHROME1: inverted within its 12 stored bits, so that higher is brighter.
