@@ -112,8 +112,13 @@ carry_paths=(third_party/debs)
 [ -f "$CARRY/digest" ] && carry_paths+=("$CARRY")
 carried=$(du -scb "${carry_paths[@]}" | tail -n 1 | cut -f1)
 echo "carried: ${carry_paths[*]}, $carried bytes"
+# The CMake cache to judge: the carry stage's build where the carried build was
+# installed (this run's carry stage, or an earlier one's), else the stage's own.
 build_dir=$BUILD
-[[ ,$STAGES, == *,carry,* ]] && build_dir=$BUILD-carry
+if [[ ,$STAGES, == *,carry,* ]] || "$PY" -c "import json, sys; steps = json.load(open(sys.argv[1]))['steps']; \
+sys.exit(not any(s['name'] == 'install' and s['status'] == 'pass' for s in steps))" "$REPORT_DIR/gpu_check.json"; then
+  build_dir=$BUILD-carry
+fi
 "$PY" scripts/check_rehearsal.py "$REPORT_DIR" --stages "$STAGES" --build-dir "$build_dir" \
   --venv "$venv" --prefix "$ROOT/prefix" --carried-bytes "$carried"
 echo "gpu-rehearsal: $((SECONDS - start)) s"
