@@ -15,6 +15,7 @@ rate (CPU) or the datasheet's (GPU, when known).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -83,10 +84,7 @@ def main() -> None:
             for frozen in (False, True):
                 fn = step_fn(head, x, frozen, dtype)
                 times[frozen].append(time_ms(fn, device, warmup=2, repeats=args.repeats))
-        published, ours = (
-            sorted(times[False])[args.rounds // 2],
-            sorted(times[True])[args.rounds // 2],
-        )
+        published, ours = statistics.median(times[False]), statistics.median(times[True])
         floor = matmul_flops(n, frozen=True) / rate * 1e3 if rate else None
         results.append(
             {

@@ -269,6 +269,9 @@ class MemoryOptimizedDINOTrainer:
         self.gradient_clip = float(self.config.get("gradient_clip", 3.0))
         self.freeze_last_layer = int(self.config.get("freeze_last_layer", 1))
         self.freeze_backbone = int(self.config.get("freeze_backbone", 0))
+        # found once, not per step (a walk over every module); a wrapper put
+        # around the student later holds the same layers
+        self._weight_norm_last_layers = _weight_norm_last_layers(model.student)
         self.n_global = int(self.config.get("n_global", 2))
         self.cuda_graphs = bool(self.config.get("cuda_graphs", False))
         if self.gradient_checkpointing:
@@ -331,10 +334,11 @@ class MemoryOptimizedDINOTrainer:
                 # the last step's graph outputs are dead (its gradients stepped and
                 # freed): their memory may be replayed into; on a CPU nothing replays
                 torch.compiler.cudagraph_mark_step_begin()
-            student = self.model.student
             # set every step, so that a flag left by an earlier run never outlives it
-            frozen = self.epoch < self.freeze_last_layer and _skips_frozen_weight_gradient(student)
-            for layer in _weight_norm_last_layers(student):
+            frozen = self.epoch < self.freeze_last_layer and _skips_frozen_weight_gradient(
+                self.model.student
+            )
+            for layer in self._weight_norm_last_layers:
                 layer.frozen = frozen
             for t in self._all_terms:
                 t.before_step(self)
